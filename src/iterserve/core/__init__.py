@@ -1,0 +1,1 @@
+"""The torch-free core: request state, the paged KV block manager and the scheduler."""

@@ -1,0 +1,228 @@
+"""Request state: everything the scheduler knows about one request, and nothing about tensors.
+
+A request is a sequence of tokens (prompt + outputs so far) of which `num_computed_tokens`
+have their K/V in the cache. Prefill, chunked prefill, prefix-cache hits, decode and
+recompute after preemption are all the same loop: each step the scheduler picks how many of
+the not-yet-computed tokens to compute; when a step computes up to the last known token, the
+executor samples the next one. There is no phase flag to keep in sync (as in vLLM's v1 core).
+
+Every lifecycle event is appended to `events` with its wall/virtual time and step number, so
+one request can be traced from arrival to finish (the server's /v1/requests/{id}/trace and
+the lab's Chrome trace both read this list).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # queued, never admitted
+    RUNNING = "running"        # holds KV blocks, scheduled each step
+    PREEMPTED = "preempted"    # evicted by recompute: blocks freed, back in the waiting queue
+    SWAPPED = "swapped"        # evicted by swap: blocks live in the host pool
+    FINISHED = "finished"
+
+    @property
+    def is_finished(self) -> bool:
+        return self is RequestStatus.FINISHED
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"          # eos / stop token / stop string
+    LENGTH = "length"      # max_tokens or max_model_len reached
+    ABORT = "abort"        # the client went away or cancelled
+    TIMEOUT = "timeout"    # deadline or queue-wait limit passed
+    ERROR = "error"        # the executor failed on this request
+
+
+class SamplingParamsError(ValueError):
+    """Raised by SamplingParams.validate() with a message fit for an HTTP 400 body."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Field names and meanings follow vLLM/OpenAI."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None    # number of top logprobs per token (0 = sampled token only)
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        def bad(msg: str, param: str) -> None:
+            raise SamplingParamsError(msg, param)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature < 0:
+            bad(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            bad(f"top_k must be -1 (disabled) or at least 0, got {self.top_k}", "top_k")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be at least 1, got {self.n}", "n")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a list of non-empty strings", "stop")
+        return self
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """One point in a request's life. `step` is the scheduler step it happened in (or None)."""
+
+    name: str              # arrived, queued, scheduled, prefill_chunk, first_token, preempted,
+                           # swapped_out, swapped_in, resumed, finished, rejected
+    time: float
+    step: int | None = None
+    detail: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"event": self.name, "time": self.time, "step": self.step}
+        if self.detail:
+            d.update(self.detail)
+        return d
+
+
+class Request:
+    """One request's state. Mutated only by the scheduler (and the engine appending text).
+
+    `priority`: lower value = more urgent (as in vLLM). `arrival_time` is on the scheduler's
+    clock (wall time in the engine, virtual time in the lab). `deadline` is an absolute time
+    after which the request ends with FinishReason.TIMEOUT, whatever its state;
+    `queue_deadline` applies only while it has never been admitted.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
+        "sampling_params", "priority", "arrival_time", "status", "finish_reason",
+        "num_computed_tokens", "num_cached_tokens", "num_preemptions", "events",
+        "deadline", "queue_deadline", "eos_token_id", "first_token_time", "first_scheduled_time",
+        "finished_time", "token_times", "user_data",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        eos_token_id: int | None = None,
+        deadline: float | None = None,
+        queue_deadline: float | None = None,
+        user_data: Any = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must have at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # prompt + outputs, kept as one list so "tokens to compute" is a slice of it.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0          # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.events: list[RequestEvent] = []
+        self.deadline = deadline
+        self.queue_deadline = queue_deadline
+        self.eos_token_id = eos_token_id
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.token_times: list[float] = []   # time each output token was produced
+        self.user_data = user_data           # free slot for the engine/lab (e.g. a stream)
+
+    # --- sizes -------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose K/V are not yet cached (the whole prompt at first, then 1 per step)."""
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def record(self, name: str, time: float, step: int | None = None, **detail: Any) -> None:
+        self.events.append(RequestEvent(name, time, step, detail or None))
+
+    def __lt__(self, other: "Request") -> bool:
+        """Queue order: more urgent first, then earlier arrival (ties by id for determinism)."""
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority, other.arrival_time, other.request_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+                f"out={self.num_output_tokens}/{self.sampling_params.max_tokens})")
+
+    def trace(self) -> dict[str, Any]:
+        """The request's life as a JSON-ready dict (server trace endpoint, lab per-request)."""
+        return {
+            "request_id": self.request_id,
+            "status": self.status.value,
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "priority": self.priority,
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+            "cached_tokens": self.num_cached_tokens,
+            "num_preemptions": self.num_preemptions,
+            "events": [e.to_dict() for e in self.events],
+        }
