@@ -1,0 +1,133 @@
+"""OpenAI-style error bodies, and the handlers that make every failure one.
+
+OpenAI clients parse `{"error": {"message", "type", "param", "code"}}`; the official
+`openai` package turns the status code into an exception class (400 BadRequestError, 401
+AuthenticationError, 404 NotFoundError, 503 InternalServerError, ...) and shows the message.
+FastAPI's defaults (422 with a `detail` list, 500 as plain text) fit neither, so every route
+of the app, the lab's included, answers errors through `error_response`.
+
+Bad input is the client's fault and must never become a 500 or a hung connection: invalid
+JSON, a body that is not an object and wrong field types all arrive here as pydantic /
+FastAPI validation errors and leave as 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# The error "type" OpenAI uses for each status family.
+_TYPE_FOR_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """The JSON body of an error (also sent as the payload of an SSE error event)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status_code: int, message: str, *, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | int | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style `{"error": {...}}` JSON response with the given status code."""
+    return JSONResponse(error_body(message, type=type, param=param, code=code),
+                        status_code=status_code, headers=dict(headers) if headers else None)
+
+
+class APIError(Exception):
+    """Raise inside a route to answer with an error body (the app's handler renders it)."""
+
+    def __init__(self, status_code: int, message: str, *, type: str | None = None,
+                 param: str | None = None, code: str | int | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type or _TYPE_FOR_STATUS.get(status_code, "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status_code, self.message, type=self.type, param=self.param,
+                              code=self.code, headers=self.headers)
+
+
+def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """("body", "messages", 0, "role") -> "messages.0.role"; None for the body itself."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter from a FastAPI/pydantic error list."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    etype = first.get("type", "")
+    param = _loc_to_param(first.get("loc", ()))
+    if etype == "json_invalid":
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error")
+        return (f"the request body is not valid JSON{': ' + str(detail) if detail else ''}",
+                None)
+    if param is None and etype in ("model_attributes_type", "dict_type", "model_type"):
+        return "the request body must be a JSON object", None
+    if param is None and etype == "missing":
+        return "the request body is missing (expected a JSON object)", None
+    msgs = []
+    for err in errors[:3]:
+        p = _loc_to_param(err.get("loc", ()))
+        msgs.append(f"{p}: {err.get('msg')}" if p else str(err.get("msg")))
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(msgs) + more, param
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_message(exc)
+    return error_response(400, message, param=param)
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    return error_response(exc.status_code, detail,
+                          type=_TYPE_FOR_STATUS.get(exc.status_code, "invalid_request_error"),
+                          headers=getattr(exc, "headers", None))
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
+                          type="internal_error")
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Make every error the app can produce an OpenAI-style body (400 for bad input)."""
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(Exception, _on_unexpected)
