@@ -1,0 +1,118 @@
+"""Chat templates rendered the way HF transformers renders them.
+
+A chat template is a Jinja2 program shipped with the model (tokenizer_config.json,
+chat_template.jinja, or a GGUF's `tokenizer.chat_template`). Models are trained on exactly
+the text their template produces, so the environment must match HF's
+(`transformers.utils.chat_template_utils`): a sandboxed environment with `trim_blocks` and
+`lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that keeps non-ASCII text,
+the `raise_exception` and `strftime_now` globals, and `bos_token` / `eos_token` /
+`add_generation_prompt` variables. Any difference (a stray newline, a missing system prompt)
+changes the prompt the model sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered: malformed input, no template, or the template refused."""
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to reject conversations they cannot express (e.g. roles out of order).
+    raise ChatTemplateError(f"the chat template rejected the messages: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # Jinja's builtin tojson escapes HTML characters and forces ASCII; HF's does neither.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(source: str):
+    """Compile once per distinct template source (the server renders one per request)."""
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the OpenAI-style message list and return it with every `content` a string.
+
+    Content given as a list of parts (`[{"type": "text", "text": ...}]`, as the OpenAI API
+    allows) is joined into one string; other part types are rejected because a text-only
+    model cannot see them.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ChatTemplateError(
+            f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+    if not messages:
+        raise ChatTemplateError("messages must contain at least one message")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ChatTemplateError(f"messages[{i}] must be an object with 'role' and 'content', "
+                                    f"got {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+        if "content" not in msg:
+            raise ChatTemplateError(f"messages[{i}] has no 'content'")
+        content = msg["content"]
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise ChatTemplateError(
+                        f"messages[{i}].content[{j}] must be a text part "
+                        "{'type': 'text', 'text': str}; this model reads text only")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise ChatTemplateError(
+                f"messages[{i}].content must be a string, got {type(content).__name__}")
+        out.append({**msg, "content": content})
+    return out
+
+
+def render_chat_template(source: str | None, messages: Any, *, add_generation_prompt: bool = True,
+                         special_tokens: dict[str, str | None] | None = None,
+                         **extra: Any) -> str:
+    """Render `messages` with the template `source`; `special_tokens` gives bos_token etc."""
+    if not source:
+        raise ChatTemplateError(
+            "this model has no chat template; send a plain completion prompt instead")
+    from jinja2 import TemplateError
+
+    template = compile_template(source)
+    msgs = normalize_messages(messages)
+    variables = {k: v for k, v in (special_tokens or {}).items()}
+    variables.update(extra)
+    try:
+        return template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                               **variables)
+    except ChatTemplateError:
+        raise
+    except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
