@@ -1,0 +1,106 @@
+"""ModelConfig: the architecture facts the runner needs, read from an HF `config.json` dict.
+
+Both loaders (HF directory, GGUF) produce an HF-style config dict, so there is one parser.
+transformers 5 writes RoPE settings as `rope_parameters` (with `rope_theta` inside);
+older files use `rope_theta` + `rope_scaling`: both spellings are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model path, config or weight file cannot be used; the message says which and why."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The config names an architecture iterserve does not implement."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ModelLoadError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None   # rope_type != "default" parameters
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False                 # bias on q/k/v (qwen2 always has it)
+    qk_norm: bool = False                        # per-head RMSNorm on q and k (qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32
+    architectures: list[str] = field(default_factory=list)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], dtype: torch.dtype = torch.float32) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r} (architectures "
+                f"{hf.get('architectures')}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            layers = int(hf["num_hidden_layers"])
+            vocab = int(hf["vocab_size"])
+            inter = int(hf["intermediate_size"])
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required key {e.args[0]!r}") from None
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        return cls(
+            model_type=model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+            num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(window) if window else None,
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype,
+            architectures=list(hf.get("architectures") or []),
+        )

@@ -1,0 +1,169 @@
+"""Building blocks shared by the architectures: RMSNorm, rotary embeddings, packed linear.
+
+RoPE follows HF's "rotate_half" convention (weights are stored HF-style; the GGUF loader
+un-permutes q/k), and the inverse frequencies are computed exactly as transformers does for
+each `rope_type` a config can name, so logits match the reference to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.model.config import ModelConfig, UnsupportedModelError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in float32 like HF, so bf16 weights don't lose the reference's precision.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+# --- rotary embeddings ---------------------------------------------------------------------
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2], attention_scaling) for the config's rope type."""
+    dim, base = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling: dict[str, Any] = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = float(scaling.get("factor", 1.0))
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(config, scaling, factor)
+    raise UnsupportedModelError(
+        f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn are)")
+
+
+def _yarn_inv_freq(config: ModelConfig, s: dict[str, Any], factor: float) -> tuple[torch.Tensor, float]:
+    dim, base = config.head_dim, config.rope_theta
+    orig = s.get("original_max_position_embeddings") or config.max_position_embeddings
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = get_mscale(factor, s["mscale"]) / get_mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extra_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extra_factor) + (1.0 / pos_freqs) * extra_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin looked up by position from a table grown on demand (float32, like HF)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_table", torch.empty(0, config.head_dim), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0, config.head_dim), persistent=False)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self.cos_table.shape[0], 256)
+        pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = emb.cos() * self.attention_scaling
+        self.sin_table = emb.sin() * self.attention_scaling
+
+    def forward(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim] for broadcasting over heads."""
+        if max_position >= self.cos_table.shape[0]:
+            self._grow(max_position + 1)
+        cos = self.cos_table.index_select(0, positions).to(dtype)
+        sin = self.sin_table.index_select(0, positions).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; the HF rotate_half form."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- linear with MKL packed weights ---------------------------------------------------------
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). On CPU fp32 it may use MKL's packed-weight GEMM for chosen row counts.
+
+    MKL's plain sgemm is slow for 8-64 rows; its packed-B path (what inductor uses when
+    freezing) is faster but only applies when the row count equals the count the weight was
+    packed for. `pack(row_counts)` stores one packed copy per count; other counts use
+    F.linear. On other devices/dtypes packing is a no-op.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self._packed: dict[int, torch.Tensor] = {}
+
+    def pack(self, row_counts: list[int]) -> None:
+        self._packed = {}
+        if not mkl_packing_available() or self.weight.device.type != "cpu" \
+                or self.weight.dtype != torch.float32:
+            return
+        for m in row_counts:
+            self._packed[m] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed:
+            packed = self._packed.get(x.shape[0])
+            if packed is not None and x.dim() == 2:
+                return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
+        return F.linear(x, self.weight, self.bias)
+
+
+def mkl_packing_available() -> bool:
+    try:
+        return (torch.backends.mkl.is_available()
+                and hasattr(torch.ops.mkl, "_mkl_linear")
+                and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    except (AttributeError, RuntimeError):
+        return False

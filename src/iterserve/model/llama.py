@@ -1,0 +1,152 @@
+"""The Llama family (llama, mistral, qwen2, qwen3) over a paged KV cache.
+
+One module covers the family because the members differ only in small switches read from
+ModelConfig: q/k/v bias (qwen2), per-head q/k RMSNorm (qwen3), sliding window (mistral), tied
+embeddings, RoPE scaling. q/k/v and gate/up are fused into one GEMM each at load time.
+
+forward() takes a flattened step (token ids + positions of all chunks, no padding) and returns
+final hidden states; the runner applies `lm_head` only to the rows that sample.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.model.attention import AttentionMetadata, paged_attention
+from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.model.kv_cache import PagedKVCache
+from iterserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = Linear(self.q_size, c.hidden_size)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.scale = c.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_slots: torch.Tensor, v_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, k_slots, v_slots, meta, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.inter = c.intermediate_size
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
+                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of a flattened step."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, max_position, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin,
+                                    kv_cache.k_slots[i], kv_cache.v_slots[i], meta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # --- weights ---------------------------------------------------------------------------
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up. Missing or surplus tensors raise."""
+        c = self.config
+        sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ModelLoadError(f"weights lack tensor {name!r}")
+            used.add(name)
+            return sd[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(value.shape)}, "
+                                     f"the config implies {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(value.to(param.dtype))
+
+        put(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
+        put(self.norm.weight, take("norm.weight"), "norm.weight")
+        if not c.tie_word_embeddings:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        else:
+            used.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            a = layer.self_attn
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm")
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            put(a.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
+            if c.attention_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                put(a.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
+            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if c.qk_norm:
+                put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
+                put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+        surplus = [k for k in sd if k not in used and not re.search(r"rotary_emb|inv_freq", k)]
+        if surplus:
+            raise ModelLoadError(f"weights have tensors the {c.model_type} model does not use: "
+                                 f"{surplus[:5]}{' ...' if len(surplus) > 5 else ''}")
+
+    def pack_linears(self, row_counts: list[int]) -> None:
+        """Pre-pack every Linear for MKL's packed GEMM at these row counts (see layers.Linear)."""
+        for m in self.modules():
+            if isinstance(m, Linear) and m is not self.lm_head:
+                m.pack(row_counts)

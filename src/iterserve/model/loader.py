@@ -1,0 +1,73 @@
+"""load_model(): one entry point for the default model, an HF directory or a GGUF file.
+
+Every source is turned into (HF config dict, HF-named state dict, Tokenizer) first, so one
+architecture class and one weight-mapping function serve all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from iterserve.model.config import ModelConfig, ModelLoadError, parse_dtype
+from iterserve.model.hf_loader import read_hf_config, read_hf_weights
+from iterserve.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: "Tokenizer"  # noqa: F821 - iterserve.model.tokenizer.Tokenizer
+    name: str
+
+
+def load_model(path: str | None = None, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a model for serving.
+
+    path None -> the bundled default GGUF; a directory -> HF layout; a *.gguf file -> GGUF.
+    Raises ModelLoadError (a ValueError) for a missing path, unsupported architecture or dtype.
+    """
+    torch_dtype = parse_dtype(dtype)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"bad device {device!r}: {e}") from None
+    if path is None:
+        from iterserve.model.default_model import default_model_path
+        path = default_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    if p.is_dir():
+        from iterserve.model.tokenizer import Tokenizer
+        hf_config = read_hf_config(p)
+        config = ModelConfig.from_hf(hf_config, torch_dtype)   # fail on the arch before reading weights
+        state = read_hf_weights(p)
+        tokenizer = Tokenizer.from_hf_dir(p)
+        name = p.name
+    elif p.suffix.lower() == ".gguf":
+        from iterserve.model.gguf_loader import load_gguf
+        hf_config, state, tokenizer = load_gguf(p, dtype=torch.float32)
+        config = ModelConfig.from_hf(hf_config, torch_dtype)
+        name = p.stem
+    else:
+        raise ModelLoadError(f"{str(p)!r} is neither an HF model directory nor a .gguf file")
+    if not config.eos_token_ids and getattr(tokenizer, "eos_token_ids", None):
+        config.eos_token_ids = sorted(tokenizer.eos_token_ids)
+    model = build_model(config, state, dev)
+    return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name)
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor],
+                device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(config.dtype)
+    model.rotary = type(model.rotary)(config).to(device)   # buffers are computed, not loaded
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_hf_state_dict(state)
+    return model.eval()

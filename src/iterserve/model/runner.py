@@ -1,0 +1,97 @@
+"""ModelRunner: one SchedulerOutput -> one forward pass -> sampled tokens.
+
+The step's chunks are flattened into one token batch with no padding: decodes first (so
+attention can batch them), then each prefill chunk. The K/V of every computed token is
+written to the paged pool at the slots its chunk's block table names; logits are computed
+only for the rows that sample (the last token of a chunk that reaches the request's end),
+then one batched Sampler call picks the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from iterserve.core.request import Request
+from iterserve.core.scheduler_output import SampleResult, ScheduledChunk, SchedulerOutput
+from iterserve.model.attention import build_metadata
+from iterserve.model.config import ModelConfig
+from iterserve.model.kv_cache import PagedKVCache
+from iterserve.model.layers import mkl_packing_available
+
+SamplerFn = Callable[[torch.Tensor, Sequence[Request]], list[SampleResult]]
+
+# Row counts that get MKL packed weights (decode batch sizes the benchmark and the
+# default max_num_seqs hit). Each count costs one packed copy of the weights.
+DEFAULT_PACKED_ROWS: tuple[int, ...] = ()
+
+
+class ModelRunner:
+    def __init__(self, loaded, *, num_blocks: int, block_size: int,
+                 num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
+                 packed_rows: Sequence[int] = DEFAULT_PACKED_ROWS) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config: ModelConfig = loaded.config
+        self.device = next(self.model.parameters()).device
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(self.config, num_blocks=num_blocks, block_size=block_size,
+                                     num_swap_blocks=num_swap_blocks, dtype=self.config.dtype,
+                                     device=self.device)
+        if sampler is None:
+            from iterserve.model.sampler import Sampler
+            sampler = Sampler()
+        self.sampler = sampler
+        if packed_rows and self.device.type == "cpu" and mkl_packing_available():
+            self.model.pack_linears(list(packed_rows))
+
+    @staticmethod
+    def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
+        return PagedKVCache.bytes_per_block(config, block_size, dtype or config.dtype)
+
+    # --- one step ------------------------------------------------------------------------
+    def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+        logits, sampling = self._run(output)
+        if not sampling:
+            return {}
+        requests = [c.request for c in sampling]
+        results = self.sampler(logits, requests)
+        return {r.request_id: res for r, res in zip(requests, results)}
+
+    def compute_logits(self, output: SchedulerOutput) -> torch.Tensor:
+        """float32 logits [N, vocab] of the sampling chunks, in output.chunks order."""
+        logits, _ = self._run(output)
+        return logits
+
+    def _run(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        self.kv_cache.swap_out(output.blocks_to_swap_out)
+        self.kv_cache.swap_in(output.blocks_to_swap_in)
+        if not output.chunks:
+            return torch.empty(0, self.config.vocab_size), []
+        for c in output.chunks:
+            if c.num_tokens < 1 or c.start < 0 or c.start + c.num_tokens > c.request.num_tokens:
+                raise ValueError(
+                    f"chunk of request {c.request.request_id!r} asks for tokens "
+                    f"[{c.start}, {c.start + c.num_tokens}) of a {c.request.num_tokens}-token request")
+        # Decodes first (batched attention), then prefill chunks; stable within each group.
+        order = sorted(range(len(output.chunks)), key=lambda i: output.chunks[i].num_tokens != 1)
+        chunks = [output.chunks[i] for i in order]
+        ids: list[int] = []
+        positions: list[int] = []
+        last_row: dict[int, int] = {}
+        for i, c in zip(order, chunks):
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            last_row[i] = len(ids) - 1
+        meta = build_metadata([(c.start, c.num_tokens, c.block_ids) for c in chunks],
+                              self.block_size, self.config.sliding_window, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
+        sampling = [c for c in output.chunks if c.sample]
+        rows = [last_row[i] for i, c in enumerate(output.chunks) if c.sample]
+        if not rows:
+            return torch.empty(0, self.config.vocab_size), []
+        sel = hidden.index_select(0, torch.tensor(rows, device=self.device))
+        return self.model.logits(sel), sampling
