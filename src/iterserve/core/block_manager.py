@@ -1,0 +1,347 @@
+"""Paged KV-cache bookkeeping: a fixed pool of blocks, ref counts, a prefix cache, a swap pool.
+
+No tensors live here. A block is an index into the executor's KV tensors; this module only
+decides which request owns which block. Each request has a block table (list of block ids,
+position i holds tokens [i*block_size, (i+1)*block_size)); the scheduler hands that very list
+to the executor in every ScheduledChunk, so tables are never copied per step (executors must
+treat them as read-only).
+
+Prefix caching (vLLM's "automatic prefix caching"): once a block is full of computed tokens
+it is registered under a key `(parent block hash, its tokens)`; the hash of that key is the
+parent of the next block, so a key names the whole prefix up to it. A new request looks up
+the keys of its prompt's full blocks and shares every leading block found (ref count + 1).
+A freed block that is registered stays in an LRU list of evictable blocks: it counts as
+free, is handed out again when a request hits it, and is evicted (its key forgotten) only
+when a fresh block is needed and no never-cached free block is left. Because the key holds
+the tokens themselves, a hit is checked for equality, not just for a matching hash.
+
+Swap space is a second pool of `num_swap_blocks` host blocks. Swapping out copies a
+request's computed blocks to host blocks and frees the device blocks; swapping in does the
+reverse. The copies themselves are the executor's job: these methods return the
+(source, destination) pairs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from iterserve.core.request import Request
+
+BlockKey = tuple  # (parent hash or None, tuple of block_size token ids)
+
+
+class NoFreeBlocksError(RuntimeError):
+    """An allocation was attempted without checking that enough blocks are free (a bug)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Owns the device and host block pools; the scheduler's only view of the KV cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
+                 enable_prefix_caching: bool = False) -> None:
+        if num_blocks < 1 or block_size < 1 or num_swap_blocks < 0:
+            raise ValueError(
+                f"invalid pool: num_blocks={num_blocks}, block_size={block_size}, "
+                f"num_swap_blocks={num_swap_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_swap_blocks = num_swap_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+
+        self.ref_cnt = [0] * num_blocks
+        # Free blocks that hold no cached prefix (handed out first, LIFO for locality).
+        self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free blocks that hold a cached prefix, least recently freed first (evicted first).
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        # Prefix cache: key -> block id, and the reverse for registered blocks.
+        self._cached: dict[BlockKey, int] = {}
+        self._block_key: dict[int, BlockKey] = {}
+
+        self.tables: dict[str, list[int]] = {}          # request id -> device block table
+        self._req_keys: dict[str, list[BlockKey]] = {}  # request id -> keys of its full blocks
+        self._num_registered: dict[str, int] = {}       # leading table blocks already cached
+
+        self._free_host: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        self.host_tables: dict[str, list[int]] = {}     # request id -> host block table
+        self._host_release: list[int] = []              # freed at end_step() (see swap_in)
+
+        self.num_cache_hits = 0       # blocks served from the prefix cache (lifetime)
+        self.num_cache_queries = 0    # blocks looked up (lifetime)
+
+    # --- queries --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (evictable cached blocks count as free)."""
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the device pool held by requests (0..1)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the prefix cache (in use or evictable)."""
+        return len(self._cached)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     cached_blocks: list[int] | tuple = ()) -> bool:
+        """Whether `num_new_tokens` more tokens (after `cached_blocks` hits) fit now."""
+        return self._blocks_needed(request, num_new_tokens, cached_blocks) >= 0
+
+    def _blocks_needed(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] | tuple) -> int:
+        """Free blocks left after such an allocation (negative: it does not fit)."""
+        table = self.tables.get(request.request_id)
+        have = len(table) if table else 0
+        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        need = cdiv(total, self.block_size) - have - len(cached_blocks)
+        ref = self.ref_cnt
+        # Hitting an evictable cached block takes it out of the free pool too.
+        touched = sum(1 for b in cached_blocks if ref[b] == 0)
+        return self.num_free_blocks - max(need, 0) - touched
+
+    # --- prefix cache ---------------------------------------------------------------------
+    def _keys_for(self, request: Request, num_full_blocks: int) -> list[BlockKey]:
+        """Keys of the request's first `num_full_blocks` blocks, computed once and memoised."""
+        rid = request.request_id
+        keys = self._req_keys.get(rid)
+        if keys is None:
+            keys = self._req_keys[rid] = []
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while len(keys) < num_full_blocks:
+            i = len(keys)
+            parent = hash(keys[-1]) if keys else None
+            keys.append((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        return keys
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """The leading blocks of `request` found in the prefix cache (not yet claimed).
+
+        At most num_tokens - 1 tokens are served from the cache: the last token is always
+        computed so the executor has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks <= 0:
+            return []
+        keys = self._keys_for(request, max_blocks)
+        cached = self._cached
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block = cached.get(keys[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if table is None:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        done = self._num_registered.get(rid, 0)
+        if full <= done:
+            return
+        keys = self._keys_for(request, full)
+        cached, block_key = self._cached, self._block_key
+        for i in range(done, full):
+            key = keys[i]
+            block = table[i]
+            if key not in cached and block not in block_key:
+                cached[key] = block
+                block_key[block] = key
+            # else: the same prefix is already cached in another block; this one stays
+            # private and goes back to the plain free list when released.
+        self._num_registered[rid] = full
+
+    # --- allocation -----------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        if self._free_plain:
+            block = self._free_plain.pop()
+        elif self._free_cached:
+            block, _ = self._free_cached.popitem(last=False)   # evict the LRU cached block
+            key = self._block_key.pop(block)
+            del self._cached[key]
+        else:
+            raise NoFreeBlocksError("no free KV block (allocation without a fit check)")
+        self.ref_cnt[block] = 1
+        return block
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] | tuple = ()) -> bool:
+        """Give `request` blocks for `num_new_tokens` more tokens; False (and no change) if
+        they do not fit. `cached_blocks` are prefix-cache hits claimed first (admission only:
+        the caller then advances num_computed_tokens by len(cached_blocks) * block_size)."""
+        rid = request.request_id
+        table = self.tables.get(rid)
+        bs = self.block_size
+        if table is not None and not cached_blocks:
+            # Hot path (decode): usually the last block still has room.
+            need = cdiv(request.num_computed_tokens + num_new_tokens, bs) - len(table)
+            if need <= 0:
+                return True
+            if need > len(self._free_plain) + len(self._free_cached):
+                return False
+        else:
+            if self._blocks_needed(request, num_new_tokens, cached_blocks) < 0:
+                return False
+            if table is None:
+                table = self.tables[rid] = []
+            ref = self.ref_cnt
+            free_cached = self._free_cached
+            for block in cached_blocks:
+                if ref[block] == 0:
+                    del free_cached[block]
+                ref[block] += 1
+                table.append(block)
+            if cached_blocks:
+                self._num_registered[rid] = len(table)
+                self.num_cache_hits += len(cached_blocks)
+            need = cdiv(request.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens,
+                        bs) - len(table)
+        for _ in range(need):
+            table.append(self._take_free_block())
+        return True
+
+    def note_cache_query(self, request: Request) -> None:
+        """Count the blocks a first admission looked up (for the prefix-cache hit rate)."""
+        if self.enable_prefix_caching:
+            self.num_cache_queries += (request.num_tokens - 1) // self.block_size
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block, tail first, so that when they become evictable
+        the end of a sequence is evicted before its (more shareable) beginning."""
+        ref = self.ref_cnt
+        block_key = self._block_key
+        for block in reversed(blocks):
+            ref[block] -= 1
+            if ref[block] == 0:
+                if block in block_key:
+                    self._free_cached[block] = None
+                else:
+                    self._free_plain.append(block)
+
+    def free(self, request: Request) -> None:
+        """Release everything `request` holds (device and host blocks). Idempotent."""
+        rid = request.request_id
+        table = self.tables.pop(rid, None)
+        if table:
+            self._release(table)
+        host = self.host_tables.pop(rid, None)
+        if host:
+            self._free_host.extend(reversed(host))
+        self._req_keys.pop(rid, None)
+        self._num_registered.pop(rid, None)
+
+    def free_device(self, request: Request) -> None:
+        """Release the device blocks only (preemption by recompute); keeps memoised keys so a
+        re-admission can find its own blocks in the prefix cache."""
+        rid = request.request_id
+        table = self.tables.pop(rid, None)
+        if table:
+            self._release(table)
+        self._num_registered.pop(rid, None)
+
+    # --- swap -----------------------------------------------------------------------------
+    def num_swap_out_blocks(self, request: Request) -> int:
+        return cdiv(request.num_computed_tokens, self.block_size)
+
+    def can_swap_out(self, request: Request) -> bool:
+        return self.num_swap_out_blocks(request) <= len(self._free_host)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's computed blocks to host blocks; returns (device, host) copies.
+
+        Blocks beyond the computed tokens (allocated for work not done) are just freed.
+        """
+        rid = request.request_id
+        table = self.tables.pop(rid, [])
+        n = self.num_swap_out_blocks(request)
+        if n > len(self._free_host):
+            self.tables[rid] = table
+            raise NoFreeBlocksError(f"swap space full: {rid} needs {n} host blocks")
+        host = [self._free_host.pop() for _ in range(n)]
+        self.host_tables[rid] = host
+        mapping = list(zip(table[:n], host))
+        self._release(table)
+        self._num_registered.pop(rid, None)
+        return mapping
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        host = self.host_tables.get(request.request_id, ())
+        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(need, len(host)) <= self.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring the request's blocks back to fresh device blocks; returns (host, device)
+        copies. The host blocks are released only at end_step(), so that a swap-out later in
+        the same step cannot reuse (and overwrite) one before this copy has been made."""
+        rid = request.request_id
+        host = self.host_tables.pop(rid)
+        if len(host) > self.num_free_blocks:
+            self.host_tables[rid] = host
+            raise NoFreeBlocksError(f"no room to swap in {rid}")
+        table = self.tables[rid] = [self._take_free_block() for _ in host]
+        self._host_release.extend(host)
+        # The fresh blocks are registered again (where their prefix is not cached elsewhere).
+        self._num_registered[rid] = 0
+        self.cache_full_blocks(request)
+        return list(zip(host, table))
+
+    def end_step(self) -> None:
+        if self._host_release:
+            self._free_host.extend(reversed(self._host_release))
+            self._host_release.clear()
+
+    # --- checks ---------------------------------------------------------------------------
+    def check_consistency(self) -> None:
+        """Raise AssertionError if the books do not balance (used by tests after every step).
+
+        Each block's ref count equals the number of tables holding it; no table holds a block
+        twice; a block shared by several tables is a registered prefix block; a block is in
+        exactly one of {in use, free plain, free cached}; host blocks are owned at most once.
+        """
+        owners = [0] * self.num_blocks
+        for rid, table in self.tables.items():
+            assert len(set(table)) == len(table), f"{rid} holds a block twice: {table}"
+            for b in table:
+                owners[b] += 1
+        plain = set(self._free_plain)
+        assert len(plain) == len(self._free_plain), "a block is twice in the free list"
+        for b in range(self.num_blocks):
+            assert self.ref_cnt[b] == owners[b], (
+                f"block {b}: ref count {self.ref_cnt[b]} but {owners[b]} owners")
+            if owners[b] > 1:
+                assert b in self._block_key, f"block {b} is shared but not a cached prefix block"
+            in_plain, in_cached = b in plain, b in self._free_cached
+            if owners[b]:
+                assert not in_plain and not in_cached, f"block {b} is in use and free"
+            else:
+                assert in_plain != in_cached, f"free block {b} is in {in_plain + in_cached} lists"
+            if in_cached:
+                assert b in self._block_key, f"evictable block {b} has no cache key"
+        for key, b in self._cached.items():
+            assert self._block_key.get(b) == key, f"cache maps {key} to {b} but not back"
+        host_owned = [b for t in self.host_tables.values() for b in t]
+        everything = host_owned + self._free_host + self._host_release
+        assert sorted(everything) == list(range(self.num_swap_blocks)), (
+            "host blocks are lost or owned twice")

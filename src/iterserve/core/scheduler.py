@@ -1,0 +1,525 @@
+"""The iteration-level scheduler: one `schedule()` per step decides what every request runs.
+
+A request is a token list of which `num_computed_tokens` are in the KV cache (see
+request.py). Each step the scheduler gives each request a number of tokens to compute: the
+whole (or a chunk of the) uncomputed part for a prompt, a recomputed request or a prefix-cache
+hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and nano-vllm:
+
+1. Timeouts: requests whose deadline (any state) or queue deadline (never admitted) passed
+   end with FinishReason.TIMEOUT.
+2. Running requests, in admission order, each get their next chunk within the token budget.
+   When one needs a KV block and none is free, the least urgent running request is
+   preempted (recompute: blocks freed, requeued at the front of its class; swap: blocks moved
+   to host memory); if it was already scheduled this step, its tokens go back to the budget.
+3. If nothing was preempted, swapped requests are swapped back in while blocks allow.
+4. If nothing was preempted, waiting requests are admitted in queue order while the budget,
+   `max_num_seqs`, the partial-prefill cap and the KV pool allow (prefix-cache hits are
+   claimed first). Under the `priority` policy a waiting request may preempt a strictly less
+   urgent running one, both when `max_num_seqs` is full and when the KV pool is.
+
+`static` batching (for comparison with continuous batching on the same engine) forms a group
+of up to `max_num_seqs` waiting requests when nothing runs, is preempted or swapped, and
+admits nothing else until every member has finished.
+
+Per-step cost is O(running requests) with small constants: block tables are passed by
+reference, nothing is recorded per decode step, queues are a deque or a heap with lazy
+removal, and timeouts sit in a heap keyed by time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from iterserve.core.block_manager import BlockManager, cdiv
+from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.request import FinishReason, Request, RequestStatus
+from iterserve.core.request_queue import FCFSQueue, PriorityQueue, make_queue
+from iterserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queued_requests` requests; retry later (HTTP 503/429)."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    step: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float                 # fraction of the device pool in use (0..1)
+    num_free_blocks: int            # evictable prefix-cache blocks count as free
+    num_blocks: int
+    num_batched_tokens: int         # tokens scheduled in the last step
+    num_preemptions: int            # preemptions (recompute or swap) in the last step
+    num_preemptions_total: int
+    prefix_cache_hit_rate: float = 0.0   # cached / looked-up prompt blocks, lifetime
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests the executor computes."""
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config.validate()
+        self.cache_config = cache_config.validate()
+        self.clock = clock
+        self.block_manager = BlockManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.num_swap_blocks,
+            cache_config.enable_prefix_caching)
+        self.step = 0
+        self.requests: dict[str, Request] = {}          # every unfinished request
+        self.running: list[Request] = []                # admission order
+        self.waiting = make_queue(config.policy)
+        self.swapped = PriorityQueue(use_priority=config.policy == "priority")
+        self._priority = config.policy == "priority"
+        self._static = config.batching == "static"
+        self._swap = config.preemption_mode == "swap"
+        # Static batching: members of the current group not yet admitted (or requeued after
+        # preemption), and the ids of all unfinished members.
+        self._group = FCFSQueue()
+        self._group_ids: set[str] = set()
+        # (time, seq, is_queue_deadline, request): checked at the start of schedule().
+        self._timeouts: list[tuple[float, int, bool, Request]] = []
+        self._timeout_seq = 0
+        self._ended: list[Request] = []     # ended by abort/timeout, for the next output
+        self._last_batched = 0
+        self._last_preemptions = 0
+        self._preemptions_total = 0
+
+    # --- requests in ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request, or raise ValueError / QueueFullError saying why not."""
+        cfg = self.config
+        rid = request.request_id
+        now = self.clock()
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} has already been scheduled "
+                             f"(status {request.status.value})")
+        request.sampling_params.validate()
+        n = request.num_prompt_tokens
+        if n >= cfg.max_model_len:
+            self._reject(request, now, "prompt_too_long")
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens but max_model_len is "
+                f"{cfg.max_model_len}; it must be shorter to leave room for an output token")
+        # The last sampled token is never computed, so a request holds at most len - 1 tokens.
+        final_len = min(n + request.sampling_params.max_tokens, cfg.max_model_len)
+        bm = self.block_manager
+        blocks = bm.num_blocks_for(final_len - 1)
+        if blocks > bm.num_blocks:
+            self._reject(request, now, "kv_too_small")
+            raise ValueError(
+                f"request {rid!r}: {final_len} tokens (prompt {n} + max_tokens "
+                f"{request.sampling_params.max_tokens}, capped at max_model_len) need {blocks} "
+                f"KV blocks of {bm.block_size} tokens but the pool has only {bm.num_blocks}")
+        if cfg.max_queued_requests and self.num_waiting >= cfg.max_queued_requests:
+            self._reject(request, now, "queue_full")
+            raise QueueFullError(
+                f"the waiting queue is full ({self.num_waiting} requests, "
+                f"max_queued_requests={cfg.max_queued_requests}); retry later")
+
+        if request.deadline is None and cfg.request_timeout is not None:
+            request.deadline = request.arrival_time + cfg.request_timeout
+        if request.queue_deadline is None and cfg.queue_timeout is not None:
+            request.queue_deadline = request.arrival_time + cfg.queue_timeout
+        for when, is_queue in ((request.deadline, False), (request.queue_deadline, True)):
+            if when is not None:
+                self._timeout_seq += 1
+                heapq.heappush(self._timeouts, (when, self._timeout_seq, is_queue, request))
+
+        self.requests[rid] = request
+        self.waiting.push(request)
+        request.record("arrived", request.arrival_time, self.step)
+        request.record("queued", now, self.step)
+
+    def _reject(self, request: Request, now: float, reason: str) -> None:
+        request.record("rejected", now, self.step, reason=reason)
+
+    # --- requests out ---------------------------------------------------------------------
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request in any state (abort, stop string, error) and free all it holds.
+
+        Idempotent: None for unknown or already finished ids. The request is listed in the
+        next SchedulerOutput.finished so executors can drop per-request state.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        status = request.status
+        if status is _RUNNING:
+            self.running.remove(request)
+        elif status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        elif not self.waiting.remove(request):
+            self._group.remove(request)
+        self.block_manager.free(request)
+        self._finish(request, reason, self.clock())
+        self._ended.append(request)
+        return request
+
+    def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = now
+        request.record("finished", now, self.step, reason=reason.value)
+        if self._static:
+            self._group_ids.discard(request.request_id)
+
+    def _expire_timeouts(self, now: float) -> None:
+        heap = self._timeouts
+        while heap and heap[0][0] <= now:
+            _, _, is_queue, request = heapq.heappop(heap)
+            if request.is_finished or request.request_id not in self.requests:
+                continue
+            if is_queue and request.first_scheduled_time is not None:
+                continue                           # admitted before its queue deadline
+            self.finish_request(request.request_id, FinishReason.TIMEOUT)
+
+    # --- the step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks. Call once per step, then update_from_output()."""
+        cfg = self.config
+        bm = self.block_manager
+        now = self.clock()
+        step = self.step
+        out = SchedulerOutput(step=step)
+        if self._timeouts and self._timeouts[0][0] <= now:
+            self._expire_timeouts(now)
+        if self._ended:
+            out.finished = self._ended
+            self._ended = []
+
+        budget = cfg.max_num_batched_tokens
+        chunked = cfg.enable_chunked_prefill
+        threshold = cfg.long_prefill_token_threshold
+        chunks: dict[str, ScheduledChunk] = {}
+        tables = bm.tables
+        running = self.running
+        num_preempted = 0
+        num_partial = 0       # requests that will still be mid-prefill after this step
+
+        # 1. Running requests first.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            start = req.num_computed_tokens
+            n = req.num_tokens - start
+            if chunked:
+                if n > 1:
+                    if threshold and n > threshold:
+                        n = threshold
+                    if n > budget:
+                        n = budget
+            elif n > budget:
+                i += 1                      # a whole recompute that does not fit this step
+                continue
+            scheduled = True
+            while not bm.allocate_slots(req, n):
+                victim = self._pick_victim(running)
+                idx = running.index(victim)
+                if idx < i:
+                    i -= 1
+                budget += self._preempt(victim, idx, out, chunks)
+                num_preempted += 1
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                continue                    # running[i] is now the next request
+            chunk = ScheduledChunk(req, start, n, tables[req.request_id])
+            chunks[req.request_id] = chunk
+            budget -= n
+            if start + n < req.num_tokens:
+                num_partial += 1
+            if n > 1 or start < req.num_prompt_tokens:
+                req.record("prefill_chunk", now, step, start=start, num_tokens=n)
+            i += 1
+
+        max_seqs = cfg.max_num_seqs
+        swapped_in_now: set[str] = set()
+        # 2. Swapped requests come back before new work is admitted.
+        if not num_preempted and self.swapped:
+            while budget > 0 and len(running) < max_seqs:
+                req = self.swapped.peek()
+                if req is None:
+                    break
+                start = req.num_computed_tokens
+                n = req.num_tokens - start
+                if chunked:
+                    if n > 1:
+                        if threshold and n > threshold:
+                            n = threshold
+                        if n > budget:
+                            n = budget
+                elif n > budget:
+                    break
+                if not bm.can_swap_in(req, n):
+                    break
+                self.swapped.pop()
+                out.blocks_to_swap_in.extend(bm.swap_in(req))
+                ok = bm.allocate_slots(req, n)
+                assert ok, "swap-in fit check and allocation disagree"
+                req.status = _RUNNING
+                running.append(req)
+                out.swapped_in.append(req)
+                swapped_in_now.add(req.request_id)
+                req.record("swapped_in", now, step)
+                req.record("resumed", now, step)
+                chunks[req.request_id] = ScheduledChunk(req, start, n, tables[req.request_id])
+                budget -= n
+                if start + n < req.num_tokens:
+                    num_partial += 1
+
+        # 3. Admit waiting requests.
+        if not num_preempted:
+            if self._static:
+                source = self._group
+                if not self._group_ids and not running and not self.swapped:
+                    self._form_group()
+            else:
+                source = self.waiting
+            preempt_for_urgent = self._priority and not self._static
+            bs = bm.block_size
+            while budget > 0:
+                req = source.peek()
+                if req is None:
+                    break
+                if self.swapped:
+                    head = self.swapped.peek()
+                    if not (self._priority and req.priority < head.priority):
+                        break               # swapped requests resume before new work
+                if len(running) >= max_seqs:
+                    if preempt_for_urgent and self._preempt_less_urgent(
+                            req, running, out, chunks, swapped_in_now):
+                        budget, num_partial = self._recount(chunks, cfg)
+                        num_preempted += 1
+                        continue
+                    break
+                hits = bm.find_cached_blocks(req)
+                num_hit = len(hits) * bs
+                n = req.num_tokens - num_hit
+                if chunked:
+                    if threshold and n > threshold:
+                        n = threshold
+                    if n > budget:
+                        n = budget
+                    partial = num_hit + n < req.num_tokens
+                    if partial and num_partial >= cfg.max_num_partial_prefills:
+                        break
+                elif n > budget:
+                    break
+                else:
+                    partial = False
+                if not bm.allocate_slots(req, n, hits):
+                    if preempt_for_urgent and self._preempt_less_urgent(
+                            req, running, out, chunks, swapped_in_now):
+                        budget, num_partial = self._recount(chunks, cfg)
+                        num_preempted += 1
+                        continue
+                    break
+                source.pop()
+                req.num_computed_tokens = num_hit
+                req.status = _RUNNING
+                running.append(req)
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    req.num_cached_tokens = num_hit
+                    bm.note_cache_query(req)
+                    req.record("scheduled", now, step, num_cached_tokens=num_hit)
+                else:
+                    req.record("resumed", now, step, num_cached_tokens=num_hit)
+                chunks[req.request_id] = ScheduledChunk(req, num_hit, n, tables[req.request_id])
+                req.record("prefill_chunk", now, step, start=num_hit, num_tokens=n)
+                budget -= n
+                if partial:
+                    num_partial += 1
+
+        bm.end_step()
+        out.chunks = list(chunks.values())
+        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        self._last_batched = out.num_batched_tokens
+        self._last_preemptions = num_preempted
+        self._preemptions_total += num_preempted
+        return out
+
+    @staticmethod
+    def _recount(chunks: dict[str, ScheduledChunk], cfg: SchedulerConfig) -> tuple[int, int]:
+        """Budget left and partial prefills after a victim's chunk was withdrawn (rare)."""
+        used = partial = 0
+        for c in chunks.values():
+            used += c.num_tokens
+            if c.start + c.num_tokens < c.request.num_tokens:
+                partial += 1
+        return cfg.max_num_batched_tokens - used, partial
+
+    def _form_group(self) -> None:
+        """Static batching: take the next group of up to max_num_seqs waiting requests."""
+        while len(self._group_ids) < self.config.max_num_seqs and self.waiting:
+            req = self.waiting.pop()
+            self._group.push(req)
+            self._group_ids.add(req.request_id)
+
+    def _victim_key(self, r: Request) -> tuple:
+        if self._priority:
+            return (r.priority, r.arrival_time, r.request_id)
+        return (r.arrival_time, r.request_id)
+
+    def _pick_victim(self, running: list[Request]) -> Request:
+        """The least urgent running request: lowest priority (under `priority`), then the
+        latest arrival."""
+        return max(running, key=self._victim_key)
+
+    def _preempt_less_urgent(self, req: Request, running: list[Request], out: SchedulerOutput,
+                             chunks: dict[str, ScheduledChunk], exclude: set[str]) -> bool:
+        """Priority policy: preempt the least urgent running request if it is strictly less
+        urgent than `req`. Requests swapped in this very step are not candidates (their
+        swap-in copy and a swap-out copy would race in the executor)."""
+        candidates = [r for r in running if r.request_id not in exclude] if exclude else running
+        if not candidates:
+            return False
+        victim = max(candidates, key=self._victim_key)
+        if victim.priority <= req.priority:
+            return False
+        self._preempt(victim, running.index(victim), out, chunks)
+        return True
+
+    def _preempt(self, victim: Request, idx: int, out: SchedulerOutput,
+                 chunks: dict[str, ScheduledChunk]) -> int:
+        """Evict running[idx] (== victim); returns the tokens it had been given this step."""
+        del self.running[idx]
+        chunk = chunks.pop(victim.request_id, None)
+        victim.num_preemptions += 1
+        bm = self.block_manager
+        now = self.clock()
+        if self._swap and bm.can_swap_out(victim):
+            mapping = bm.swap_out(victim)
+            out.blocks_to_swap_out.extend(mapping)
+            out.swapped_out.append(victim)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.push(victim)
+            victim.record("preempted", now, self.step, mode="swap")
+            victim.record("swapped_out", now, self.step, num_blocks=len(mapping))
+        else:
+            # Recompute (also the fallback when swap space is full or absent).
+            bm.free_device(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            (self._group if self._static else self.waiting).push_front(victim)
+            out.preempted.append(victim)
+            victim.record("preempted", now, self.step, mode="recompute")
+        return chunk.num_tokens if chunk is not None else 0
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: Mapping[str, int]) -> list[Request]:
+        """Apply a step's results: advance computed tokens, append sampled tokens, finish
+        requests on length / eos / stop token. Returns the requests finished here."""
+        now = self.clock()
+        bm = self.block_manager
+        caching = bm.enable_prefix_caching
+        max_len = self.config.max_model_len
+        finished: list[Request] = []
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.status is not _RUNNING:
+                continue                    # ended by finish_request after schedule()
+            computed = chunk.start + chunk.num_tokens
+            req.num_computed_tokens = computed
+            if caching:
+                bm.cache_full_blocks(req)
+            if computed < req.num_tokens:
+                continue                    # a prefill chunk that did not reach the end
+            rid = req.request_id
+            token = sampled.get(rid)
+            if token is None:
+                raise ValueError(
+                    f"the executor returned no token for request {rid!r}, whose chunk "
+                    f"[{chunk.start}, {computed}) reached its last token")
+            first = not req.output_token_ids
+            req.append_output_token(token, now)
+            if first:
+                req.record("first_token", now, self.step)
+            sp = req.sampling_params
+            if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_len:
+                reason = FinishReason.LENGTH
+            elif token == req.eos_token_id and not sp.ignore_eos:
+                reason = FinishReason.STOP
+            elif sp.stop_token_ids and token in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            else:
+                continue
+            del self.requests[rid]
+            bm.free(req)
+            self._finish(req, reason, now)
+            finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        self.step += 1
+        return finished
+
+    # --- queries --------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished ones are forgotten)."""
+        return self.requests.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._group)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            step=self.step,
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            num_swapped=len(self.swapped),
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            num_batched_tokens=self._last_batched,
+            num_preemptions=self._last_preemptions,
+            num_preemptions_total=self._preemptions_total,
+            prefix_cache_hit_rate=(bm.num_cache_hits / bm.num_cache_queries
+                                   if bm.num_cache_queries else 0.0),
+        )
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError if the scheduler's and the block manager's books disagree."""
+        bm = self.block_manager
+        bm.check_consistency()
+        running_ids = [r.request_id for r in self.running]
+        assert len(set(running_ids)) == len(running_ids), "a request runs twice"
+        assert len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs"
+        waiting = list(self.waiting) + list(self._group)
+        swapped = list(self.swapped)
+        ids = running_ids + [r.request_id for r in waiting] + [r.request_id for r in swapped]
+        assert sorted(ids) == sorted(self.requests), "requests lost or queued twice"
+        for r in self.running:
+            assert r.status is _RUNNING and r.request_id in bm.tables, r
+            assert len(bm.tables[r.request_id]) >= cdiv(r.num_computed_tokens, bm.block_size)
+        for r in waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.request_id not in bm.tables and r.num_computed_tokens == 0, r
+        for r in swapped:
+            assert r.status is RequestStatus.SWAPPED and r.request_id not in bm.tables, r
+            assert len(bm.host_tables[r.request_id]) == cdiv(r.num_computed_tokens,
+                                                            bm.block_size), r
+        assert set(bm.tables) == set(running_ids), "blocks held by a request not running"
