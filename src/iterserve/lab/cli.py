@@ -1,0 +1,195 @@
+"""`iterserve lab`: static vs continuous batching on the engine's own scheduler, from a shell.
+
+`iterserve lab` with no options runs the reference case (48 requests at t=0, 8 slots, 80%
+short / 20% long answers, prefill ignored) and prints both modes side by side. Every option
+maps to a `run_lab` option (see iterserve.lab.api); `--json` prints the same dict the HTTP
+endpoint returns. `--serve` serves the /lab page without a model.
+
+Bad input (an unknown choice, a malformed range or lengths file, zero slots, ...) prints
+one clear line on stderr and exits with status 2, like argparse's own errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+# Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
+# `iterserve lab calibrate` (benchmarks issue). Empty until one exists.
+LAB_SUBCOMMANDS: list[tuple[str, str]] = []
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "lab", help="static vs continuous batching on the real scheduler, simulated time",
+        description="Run the engine's scheduler with a simulated executor and compare "
+                    "static and continuous batching (steps, utilisation, latency).")
+    w = p.add_argument_group("workload")
+    w.add_argument("--batching", choices=("static", "continuous", "both"), default="both")
+    w.add_argument("--slots", type=int, help="max_num_seqs (default 8)")
+    w.add_argument("--requests", type=int, help="number of requests (default 48)")
+    w.add_argument("--seed", type=int, help="random seed of the draw (default: the reference seed)")
+    w.add_argument("--short-frac", type=float, help="share of short answers (default 0.8)")
+    w.add_argument("--short", metavar="MIN-MAX", help="short answer lengths (default 10-100)")
+    w.add_argument("--long", metavar="MIN-MAX", help="long answer lengths (default 250-500)")
+    w.add_argument("--lengths", metavar="FILE",
+                   help="one output length per line instead of drawing them")
+    w.add_argument("--arrival-rate", type=float, metavar="R",
+                   help="Poisson arrivals, requests per step (default: all at step 0)")
+    s = p.add_argument_group("scheduler (prefill on)")
+    s.add_argument("--prompt-len", metavar="MIN-MAX",
+                   help="prompt lengths; turns prefill on (default: prefill ignored)")
+    s.add_argument("--max-num-batched-tokens", type=int)
+    s.add_argument("--chunked-prefill", choices=("on", "off"))
+    s.add_argument("--num-kv-blocks", type=int)
+    s.add_argument("--block-size", type=int)
+    s.add_argument("--preemption-mode", choices=("recompute", "swap"))
+    s.add_argument("--policy", choices=("fcfs", "priority"))
+    s.add_argument("--priority-frac", type=float,
+                   help="share of urgent requests under --policy priority (default 0.2)")
+    o = p.add_argument_group("output")
+    o.add_argument("--cost-model", metavar="FILE", help="step-time model (JSON), for seconds")
+    o.add_argument("--json", action="store_true", help="print the result as JSON")
+    o.add_argument("--per-request", action="store_true",
+                   help="include per-request records and the timeline (implies --json)")
+    o.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace")
+    o.add_argument("--plot", metavar="FILE.png", help="write a slot-occupancy (Gantt) plot")
+    v = p.add_argument_group("serve")
+    v.add_argument("--serve", action="store_true", help="serve the /lab page (no model)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    if LAB_SUBCOMMANDS:
+        import importlib
+
+        sub = p.add_subparsers(dest="lab_command", metavar="LAB_COMMAND")
+        for _name, module in LAB_SUBCOMMANDS:
+            importlib.import_module(module).register(sub)
+    p.set_defaults(func=run)
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """CLI flags -> run_lab options (files are read here; values are checked by run_lab)."""
+    from iterserve.lab.cost_model import load_cost_model
+    from iterserve.lab.workload import parse_range, read_lengths_file
+
+    opts: dict[str, Any] = {"batching": args.batching}
+    for name in ("slots", "requests", "seed", "short_frac", "arrival_rate",
+                 "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
+                 "policy", "priority_frac"):
+        value = getattr(args, name)
+        if value is not None:
+            opts[name] = value
+    for name in ("short", "long", "prompt_len"):
+        value = getattr(args, name)
+        if value is not None:
+            opts[name] = list(parse_range(value, "--" + name.replace("_", "-")))
+    if args.lengths is not None:
+        opts["lengths"] = list(read_lengths_file(args.lengths))
+    if args.chunked_prefill is not None:
+        opts["chunked_prefill"] = args.chunked_prefill == "on"
+    if args.cost_model is not None:
+        opts["cost_model"] = load_cost_model(args.cost_model)
+    if args.per_request:
+        opts["per_request"] = True
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        return serve(args.host, args.port)
+    from iterserve.lab.api import LabOptionsError, plan_lab, simulate_plan
+    from iterserve.lab.metrics import summarize
+
+    try:
+        plan = plan_lab(options_from_args(args))
+    except (LabOptionsError, ValueError) as e:     # WorkloadError, CostModelError too
+        print(f"iterserve lab: error: {e}", file=sys.stderr)
+        return 2
+    results = simulate_plan(plan, record=bool(args.trace or args.plot))
+    summaries = {m: summarize(r, per_request=plan.per_request) for m, r in results.items()}
+    try:
+        if args.trace:
+            from iterserve.lab.trace import write_trace
+
+            write_trace(results, args.trace)
+        if args.plot:
+            from iterserve.lab.plot import write_plot
+
+            write_plot(results, summaries, args.plot)
+    except OSError as e:
+        print(f"iterserve lab: error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    if args.json or args.per_request:
+        json.dump(summaries, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_report(plan, summaries))
+    return 0
+
+
+def serve(host: str, port: int) -> int:
+    import uvicorn
+
+    from iterserve.server.app import create_app
+
+    uvicorn.run(create_app(engine=None), host=host, port=port)
+    return 0
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if kind == "int":
+        return f"{value:,}"
+    if kind == "pct":
+        return f"{value:.1%}"
+    if kind == "s":
+        return f"{value:,.2f}"
+    return f"{value:,.1f}"
+
+
+ROWS = [  # (label, key, format)
+    ("steps", "steps", "int"),
+    ("slot utilisation", "utilization", "pct"),
+    ("mean latency (steps)", "mean_latency", "f"),
+    ("p50 latency (steps)", "p50_latency", "f"),
+    ("p99 latency (steps)", "p99_latency", "f"),
+    ("mean TTFT (steps)", "mean_ttft", "f"),
+    ("p99 TTFT (steps)", "p99_ttft", "f"),
+    ("mean ITL (steps)", "mean_itl", "f"),
+    ("p99 ITL (steps)", "p99_itl", "f"),
+    ("preemptions", "preemptions", "int"),
+    ("simulated time (s)", "time_s", "s"),
+    ("throughput (tokens/s)", "throughput_tokens_per_s", "f"),
+]
+
+
+def format_report(plan, summaries: dict[str, dict[str, Any]]) -> str:
+    """The side-by-side table the reference case prints."""
+    wl = plan.workload
+    first = next(iter(summaries.values()))
+    if wl.lengths is not None:
+        mix = f"{first['requests']} requests with given lengths"
+    else:
+        mix = (f"{first['requests']} requests ({wl.short_frac:.0%} short "
+               f"{wl.short[0]}-{wl.short[1]}, {1 - wl.short_frac:.0%} long "
+               f"{wl.long[0]}-{wl.long[1]} tokens), seed {wl.seed}")
+    arrivals = ("all at step 0" if wl.arrival_rate is None
+                else f"Poisson arrivals, {wl.arrival_rate:g} per step")
+    prefill = ("prefill ignored" if wl.prompt_len is None
+               else f"prompts {wl.prompt_len[0]}-{wl.prompt_len[1]} tokens")
+    lines = [f"{mix}; {first['slots']} slots; {arrivals}; {prefill}", ""]
+    modes = list(summaries)
+    lines.append(f"{'':24}" + "".join(f"{m:>14}" for m in modes))
+    for label, key, kind in ROWS:
+        if all(key in summaries[m] for m in modes):
+            lines.append(f"{label:24}" + "".join(
+                f"{_fmt(summaries[m][key], kind):>14}" for m in modes))
+    if len(modes) == 2:
+        st, co = summaries["static"], summaries["continuous"]
+        if co["steps"] and co["mean_latency"]:
+            lines += ["", f"speed-up of continuous batching: {st['steps'] / co['steps']:.2f}x "
+                          f"fewer steps, {st['mean_latency'] / co['mean_latency']:.2f}x lower "
+                          "mean latency"]
+    return "\n".join(lines)

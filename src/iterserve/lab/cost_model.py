@@ -1,0 +1,124 @@
+"""How long one simulated step takes, so the lab can report seconds as well as steps.
+
+The lab counts in scheduler steps; a cost model turns each step's batch into seconds. The
+model is linear in what a forward pass costs on a GPU or CPU:
+
+    step_s = c0                         fixed per step (weights read once, kernel launches)
+           + c_tok * tokens_in_step      every token computed (prefill chunks and decodes)
+           + c_seq * seqs_in_step        per scheduled sequence (sampling, bookkeeping)
+           + c_kv * kv_tokens_read       K/V positions attention reads, summed over sequences
+           + c_prefill_tok * prefill_tokens   extra cost of prompt tokens, if any
+
+A step with nothing scheduled (waiting for the next arrival) takes `idle_step_s`.
+
+File format (JSON object, all times in seconds; unknown keys are an error so a typo cannot
+silently fall back to a default):
+
+    {"format": "iterserve-lab-cost-model", "version": 1,
+     "description": "free text: what the numbers were fitted on",
+     "c0": 0.010, "c_tok": 7e-05, "c_seq": 2e-05, "c_kv": 3.5e-07,
+     "c_prefill_tok": 0.0, "idle_step_s": 0.010}
+
+`format`, `version`, `description` and `source` are optional; missing coefficients are 0
+(`idle_step_s` defaults to `c0`). The shipped default (lab/data/default_cost_model.json) is
+an order-of-magnitude guess for a 7B fp16 model on one A100-class GPU; fitting it to the real
+model runner is `iterserve lab calibrate`'s job (benchmarks issue), which writes this format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+FORMAT = "iterserve-lab-cost-model"
+VERSION = 1
+COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok")
+_META_KEYS = ("format", "version", "description", "source")
+
+
+class CostModelError(ValueError):
+    """A cost-model file or dict that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    c0: float = 0.0
+    c_tok: float = 0.0
+    c_seq: float = 0.0
+    c_kv: float = 0.0
+    c_prefill_tok: float = 0.0
+    idle_step_s: float = 0.0
+    description: str = ""
+
+    def step_time(self, tokens: int, seqs: int, kv_tokens_read: int,
+                  prefill_tokens: int = 0) -> float:
+        """Seconds one step takes; an empty step (seqs == 0) takes `idle_step_s`."""
+        if seqs == 0:
+            return self.idle_step_s
+        return (self.c0 + self.c_tok * tokens + self.c_seq * seqs
+                + self.c_kv * kv_tokens_read + self.c_prefill_tok * prefill_tokens)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "CostModel":
+        if not isinstance(data, dict):
+            raise CostModelError(f"cost model must be a JSON object, got {type(data).__name__}")
+        allowed = set(COEFFICIENTS) | {"idle_step_s"} | set(_META_KEYS)
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise CostModelError(
+                f"cost model: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"expected some of {', '.join(COEFFICIENTS + ('idle_step_s',))}")
+        if "format" in data and data["format"] != FORMAT:
+            raise CostModelError(f"cost model: format must be {FORMAT!r}, got {data['format']!r}")
+        if "version" in data and data["version"] != VERSION:
+            raise CostModelError(f"cost model: version must be {VERSION}, got {data['version']!r}")
+        values: dict[str, float] = {}
+        for key in COEFFICIENTS + ("idle_step_s",):
+            if key not in data:
+                continue
+            v = data[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise CostModelError(f"cost model: {key} must be a finite number, got {v!r}")
+            if v < 0:
+                raise CostModelError(f"cost model: {key} must be non-negative, got {v}")
+            values[key] = float(v)
+        values.setdefault("idle_step_s", values.get("c0", 0.0))
+        description = data.get("description", "")
+        if not isinstance(description, str):
+            raise CostModelError("cost model: description must be a string")
+        return cls(description=description, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": FORMAT, "version": VERSION}
+        if self.description:
+            d["description"] = self.description
+        for key in COEFFICIENTS + ("idle_step_s",):
+            d[key] = getattr(self, key)
+        return d
+
+
+def load_cost_model(path: str | Path) -> CostModel:
+    """Read a cost-model JSON file; errors name the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise CostModelError(f"cannot read cost model {str(path)!r}: {e.strerror or e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CostModelError(f"cost model {str(path)!r} is not valid JSON: {e}") from e
+    try:
+        return CostModel.from_dict(data)
+    except CostModelError as e:
+        raise CostModelError(f"{path}: {e}") from e
+
+
+def default_cost_model() -> CostModel:
+    """The shipped default (see the module docstring for what it stands for)."""
+    text = resources.files("iterserve.lab").joinpath("data/default_cost_model.json").read_text(
+        encoding="utf-8")
+    return CostModel.from_dict(json.loads(text))
