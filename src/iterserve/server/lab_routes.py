@@ -1,0 +1,142 @@
+"""The /lab page and its JSON endpoint: try to break the scheduler from a browser.
+
+Everything here runs without a model: `POST /v1/lab/run` drives the lab (the engine's own
+scheduler on a simulated executor), and the page is plain HTML/JS/CSS shipped in the package
+(`server/static/`), so `iterserve lab --serve` works on a laptop with no weights and no
+internet. When the app does have an engine, the page also polls `GET /v1/engine/stats`
+(served by the app, not by this router) for its live view.
+
+Why a JSON body parsed by hand rather than a pydantic model: the lab owns the option names
+and their validation (`LabOptionsError` names the option and what is wrong), and the CLI, this
+endpoint and the page must agree on them; a second schema here would drift. So the router only
+checks that the body is a JSON object and maps the lab's errors to OpenAI-style 400 bodies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from iterserve.lab.api import OPTION_DEFAULTS, LabOptionsError, run_lab
+from iterserve.server.errors import error_response
+
+router = APIRouter(tags=["lab"])
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+# The files the page needs, by URL name. A fixed table (not a StaticFiles mount over the
+# folder) so that nothing but these is ever served and no path can escape the folder.
+_STATIC_FILES: dict[str, str] = {
+    "lab.js": "text/javascript; charset=utf-8",
+    "lab.css": "text/css; charset=utf-8",
+}
+
+# The lab itself accepts CLI-sized runs (up to a million requests); over HTTP the same
+# process may be serving a model, and a run holds a worker thread and the GIL while it
+# simulates, so the endpoint bounds the work up front: requests x their longest possible
+# output. The reference case is 48 x 500 = 24,000 tokens; the bound (~5 s of simulation,
+# ~10 MB of per-request JSON) leaves room for a thousand-request what-if. Use the CLI for more.
+MAX_HTTP_OUTPUT_TOKENS = 2_000_000
+
+# Lab options are a few dozen numbers (a `lengths` list at most a few thousand); a bigger
+# body is a mistake or abuse, refused before it is parsed.
+MAX_BODY_BYTES = 256 * 1024
+
+
+def _error(status_code: int, message: str, *, param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return error_response(status_code, message, param=param, code=code)
+
+
+@router.get("/lab", include_in_schema=False)
+async def lab_page() -> FileResponse:
+    """The page itself; it loads /lab/static/lab.js and lab.css."""
+    return FileResponse(STATIC_DIR / "lab.html", media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/lab/static/{name}", include_in_schema=False)
+async def lab_static(name: str) -> Response:
+    media_type = _STATIC_FILES.get(name)
+    if media_type is None:
+        return _error(404, f"no lab static file named {name!r}", code="not_found")
+    return FileResponse(STATIC_DIR / name, media_type=media_type,
+                        headers={"Cache-Control": "no-cache"})
+
+
+_JSON_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number",
+                   bool: "a boolean", type(None): "null"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _work_bound_error(options: dict[str, Any]) -> JSONResponse | None:
+    """400 when the run could simulate more than MAX_HTTP_OUTPUT_TOKENS output tokens.
+
+    Only well-typed values are checked here; anything else is left to the lab, whose
+    messages say what is wrong with it.
+    """
+    def opt(name: str) -> Any:
+        v = options.get(name)
+        return OPTION_DEFAULTS.get(name) if v is None else v
+
+    lengths = opt("lengths")
+    if isinstance(lengths, list) and all(_is_int(n) for n in lengths):
+        total, param = sum(max(n, 0) for n in lengths), "lengths"
+    else:
+        requests = opt("requests")
+        if not _is_int(requests):
+            return None
+        longest = 0
+        for name in ("short", "long"):
+            rng = opt(name)
+            if isinstance(rng, (list, tuple)) and len(rng) == 2 and _is_int(rng[1]):
+                longest = max(longest, rng[1])
+        total, param = requests * longest, "requests"
+    if total > MAX_HTTP_OUTPUT_TOKENS:
+        return _error(400, f"{param}: this run could simulate up to {total:,} output tokens; "
+                           f"the HTTP endpoint runs at most {MAX_HTTP_OUTPUT_TOKENS:,} "
+                           "(fewer requests or shorter outputs; `iterserve lab` has no such "
+                           "limit)", param=param, code="lab_run_too_large")
+    return None
+
+
+@router.post("/v1/lab/run")
+async def lab_run(request: Request) -> Response:
+    """Run the lab with the JSON body as options; return its result JSON.
+
+    400 for a body that is not a JSON object or options the lab rejects. The simulation is
+    CPU work, so it runs in the thread pool and the event loop keeps serving (a real engine
+    in the same process keeps streaming tokens meanwhile).
+    """
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        return _error(400, f"request body is {len(raw)} bytes; the lab accepts at most "
+                           f"{MAX_BODY_BYTES}")
+    if raw.strip():
+        try:
+            options: Any = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"request body is not valid JSON: {exc}")
+    else:
+        options = {}
+    if not isinstance(options, dict):
+        return _error(400, "request body must be a JSON object of lab options, got "
+                           + _JSON_TYPE_NAMES.get(type(options), type(options).__name__))
+    too_big = _work_bound_error(options)
+    if too_big is not None:
+        return too_big
+    try:
+        result = await run_in_threadpool(run_lab, options)
+    except LabOptionsError as exc:
+        # `option` lets the page mark the field; the message names it in any case.
+        return _error(400, str(exc), param=getattr(exc, "option", None),
+                      code="invalid_lab_option")
+    return JSONResponse(result)
