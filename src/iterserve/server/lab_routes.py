@@ -50,7 +50,8 @@ MAX_BODY_BYTES = 256 * 1024
 
 def _error(status_code: int, message: str, *, param: str | None = None,
            code: str | None = None) -> JSONResponse:
-    return error_response(status_code, message, param=param, code=code)
+    type_ = "not_found_error" if status_code == 404 else "invalid_request_error"
+    return error_response(status_code, message, type=type_, param=param, code=code)
 
 
 @router.get("/lab", include_in_schema=False)
