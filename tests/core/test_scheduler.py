@@ -1,0 +1,467 @@
+"""The scheduler, one test per rule of issue 2 (and the semantics the lab relies on)."""
+
+import pytest
+
+from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from iterserve.core.scheduler import QueueFullError, Scheduler
+
+TOKEN = 7
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(clock=None, **kw):
+    cache = {k: kw.pop(k) for k in ("block_size", "num_blocks", "num_swap_blocks",
+                                    "enable_prefix_caching") if k in kw}
+    cache.setdefault("block_size", 4)
+    cache.setdefault("num_blocks", 256)
+    return Scheduler(SchedulerConfig(**kw), CacheConfig(**cache), clock=clock or Clock())
+
+
+def req(rid, prompt_len=1, max_tokens=4, prompt=None, ignore_eos=True, **kw):
+    prompt = prompt if prompt is not None else [100 + (hash(rid) + i) % 50 for i in range(prompt_len)]
+    sp_kw = {k: kw.pop(k) for k in ("stop_token_ids",) if k in kw}
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                               **sp_kw), **kw)
+
+
+def step(s, token=TOKEN):
+    out = s.schedule()
+    s.check_consistency()
+    finished = s.update_from_output(
+        out, {c.request.request_id: token for c in out.chunks if c.sample})
+    s.check_consistency()
+    return out, finished
+
+
+def ids(reqs):
+    return [r.request_id for r in reqs]
+
+
+def scheduled(out):
+    return {c.request.request_id: c.num_tokens for c in out.chunks}
+
+
+# --- the lab's timing semantics --------------------------------------------------------------
+def test_one_token_prompt_runs_max_tokens_steps_and_frees_its_slot_the_next_step():
+    s = make(max_num_seqs=1)
+    s.add_request(req("a", max_tokens=3))
+    s.add_request(req("b", max_tokens=1))
+    runs = []
+    for _ in range(4):
+        out, finished = step(s)
+        runs.append((out.step, ids(c.request for c in out.chunks), ids(finished)))
+    assert runs == [(0, ["a"], []), (1, ["a"], []), (2, ["a"], ["a"]), (3, ["b"], ["b"])]
+
+
+def test_continuous_batching_fills_every_free_slot_every_step():
+    s = make(max_num_seqs=2)
+    s.add_request(req("short", max_tokens=1))
+    s.add_request(req("long", max_tokens=3))
+    s.add_request(req("next", max_tokens=1))
+    assert sorted(scheduled(step(s)[0])) == ["long", "short"]
+    assert sorted(scheduled(step(s)[0])) == ["long", "next"]
+
+
+def test_static_batching_admits_a_group_only_when_idle_and_no_refill_until_it_finishes():
+    s = make(max_num_seqs=2, batching="static")
+    s.add_request(req("a", max_tokens=1))
+    s.add_request(req("b", max_tokens=3))
+    s.add_request(req("c", max_tokens=1))
+    assert sorted(scheduled(step(s)[0])) == ["a", "b"]
+    assert list(scheduled(step(s)[0])) == ["b"]       # a's slot stays empty
+    assert list(scheduled(step(s)[0])) == ["b"]
+    assert list(scheduled(step(s)[0])) == ["c"]       # next group once b finished
+
+
+# --- limits ----------------------------------------------------------------------------------
+def test_token_budget_caps_tokens_scheduled_per_step():
+    s = make(max_num_batched_tokens=10, max_num_seqs=8)
+    for k in range(4):
+        s.add_request(req(f"r{k}", prompt_len=4))
+    out, _ = step(s)
+    assert out.num_batched_tokens == 10 == sum(c.num_tokens for c in out.chunks)
+    assert scheduled(out) == {"r0": 4, "r1": 4, "r2": 2}
+
+
+def test_max_num_seqs_caps_running_requests():
+    s = make(max_num_seqs=3)
+    for k in range(5):
+        s.add_request(req(f"r{k}"))
+    out, _ = step(s)
+    assert len(out.chunks) == 3 and s.num_running == 3 and s.num_waiting == 2
+
+
+def test_running_requests_are_served_before_waiting_ones():
+    s = make(max_num_batched_tokens=8, max_num_seqs=8)
+    s.add_request(req("dec", prompt_len=2, max_tokens=5))
+    step(s)
+    s.add_request(req("big", prompt_len=20))
+    out, _ = step(s)
+    assert scheduled(out) == {"dec": 1, "big": 7}
+
+
+def test_prompt_as_long_as_max_model_len_is_rejected_precisely():
+    s = make(max_model_len=16, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="16 tokens but max_model_len is 16"):
+        s.add_request(req("a", prompt_len=16))
+    assert not s.has_unfinished_requests()
+
+
+def test_request_that_can_never_fit_in_the_kv_pool_is_rejected():
+    s = make(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="need 3 KV blocks.*only 2"):
+        s.add_request(req("a", prompt_len=5, max_tokens=5))
+    s.add_request(req("fits", prompt_len=5, max_tokens=4))   # 8 tokens computed at most
+
+
+def test_duplicate_request_id_is_rejected():
+    s = make()
+    s.add_request(req("a"))
+    with pytest.raises(ValueError, match="already"):
+        s.add_request(req("a"))
+
+
+def test_bounded_waiting_queue_rejects_new_work_with_queue_full_error():
+    s = make(max_queued_requests=2)
+    s.add_request(req("a"))
+    s.add_request(req("b"))
+    with pytest.raises(QueueFullError, match="max_queued_requests=2"):
+        s.add_request(req("c"))
+    step(s)                                   # both admitted: room again
+    s.add_request(req("c"))
+
+
+# --- chunked prefill -------------------------------------------------------------------------
+def test_chunked_prefill_splits_a_long_prompt_and_shares_steps_with_decodes():
+    s = make(max_num_batched_tokens=8, max_num_seqs=4)
+    s.add_request(req("dec", prompt_len=2, max_tokens=8))
+    step(s)
+    s.add_request(req("long", prompt_len=20, max_tokens=2))
+    chunks = []
+    for _ in range(3):
+        out, _ = step(s)
+        assert out.num_batched_tokens <= 8
+        chunks.append(scheduled(out))
+    assert chunks == [{"dec": 1, "long": 7}, {"dec": 1, "long": 7}, {"dec": 1, "long": 6}]
+    long_req = s.get_request("long")
+    assert long_req.num_output_tokens == 1       # sampled only when the prompt was done
+
+
+def test_long_prefill_token_threshold_caps_one_requests_chunk():
+    s = make(max_num_batched_tokens=64, long_prefill_token_threshold=5, max_num_partial_prefills=2)
+    s.add_request(req("long", prompt_len=12))
+    s.add_request(req("short", prompt_len=3))
+    out, _ = step(s)
+    assert scheduled(out) == {"long": 5, "short": 3}
+
+
+def test_max_num_partial_prefills_caps_prompts_mid_prefill_but_not_short_prompts():
+    s = make(max_num_batched_tokens=16, long_prefill_token_threshold=4,
+             max_num_partial_prefills=1)
+    s.add_request(req("long1", prompt_len=40))
+    s.add_request(req("short", prompt_len=3))
+    s.add_request(req("long2", prompt_len=40))
+    s.add_request(req("short2", prompt_len=3))
+    out, _ = step(s)
+    # long1 is mid-prefill; short completes in this step; long2 would be a second partial.
+    assert scheduled(out) == {"long1": 4, "short": 3}
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
+    s = make(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=16)
+    s.add_request(req("a", prompt_len=10))
+    s.add_request(req("b", prompt_len=10))
+    out, _ = step(s)
+    assert scheduled(out) == {"a": 10}
+    out, _ = step(s)
+    assert scheduled(out) == {"a": 1, "b": 10}
+
+
+# --- KV pressure and preemption --------------------------------------------------------------
+def test_admission_only_when_the_requests_blocks_fit():
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("a", prompt_len=12, max_tokens=4))
+    s.add_request(req("b", prompt_len=5))
+    out, _ = step(s)
+    assert scheduled(out) == {"a": 12}          # b needs 2 blocks, only 1 is free
+    assert s.num_waiting == 1
+
+
+def test_kv_pressure_preempts_the_latest_arrived_request_by_recompute():
+    clock = Clock()
+    s = make(clock, num_blocks=2, block_size=2, max_num_seqs=2)
+    s.add_request(req("old", prompt_len=2, max_tokens=3, arrival_time=0.0))
+    s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
+    step(s)                                      # both prefilled, one block each, pool full
+    out, _ = step(s)                             # both need a second block
+    assert ids(out.preempted) == ["new"] and scheduled(out) == {"old": 1}
+    new = s.get_request("new")
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert new.num_preemptions == 1 and s.stats().num_preemptions == 1
+    assert [e.detail for e in new.events if e.name == "preempted"] == [{"mode": "recompute"}]
+    while s.has_unfinished_requests():
+        step(s)
+    assert new.num_output_tokens == 3 and new.finish_reason is FinishReason.LENGTH
+    # Recompute re-runs prompt + the output it already had as one prefill chunk.
+    assert any(e.name == "resumed" for e in new.events)
+
+
+def test_recompute_victim_is_requeued_at_the_front_of_the_waiting_queue():
+    s = make(num_blocks=2, block_size=2, max_num_seqs=2)
+    s.add_request(req("old", prompt_len=2, max_tokens=3))
+    s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
+    step(s)
+    s.add_request(req("later", prompt_len=1, arrival_time=2.0))
+    step(s)
+    assert s.waiting.peek().request_id == "new"
+
+
+def test_victim_already_scheduled_this_step_returns_its_budget():
+    s = make(num_blocks=4, block_size=2, max_num_seqs=2, policy="priority",
+             max_num_batched_tokens=8)
+    s.add_request(req("lazy", prompt_len=3, max_tokens=4, priority=5, arrival_time=0.0))
+    step(s)                                  # lazy: 3 tokens computed, 2 blocks
+    s.add_request(req("urgent", prompt_len=2, max_tokens=4, priority=0, arrival_time=1.0))
+    out, _ = step(s)                         # lazy decodes, urgent prefills: 3 blocks used
+    assert scheduled(out) == {"lazy": 1, "urgent": 2}
+    # lazy (first in the running list) takes the last block for its 5th token; then urgent
+    # needs one for its 3rd: lazy, the less urgent, is preempted after it was scheduled.
+    out, _ = step(s)
+    assert ids(out.preempted) == ["lazy"]
+    assert scheduled(out) == {"urgent": 1}
+    assert out.num_batched_tokens == 1
+
+
+def test_swap_preemption_moves_blocks_to_host_and_swaps_back_in_without_recompute():
+    s = make(num_blocks=2, block_size=2, num_swap_blocks=4, preemption_mode="swap",
+             max_num_seqs=2)
+    s.add_request(req("old", prompt_len=2, max_tokens=3))
+    s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
+    step(s)
+    out, _ = step(s)
+    assert ids(out.swapped_out) == ["new"] and len(out.blocks_to_swap_out) == 1
+    host_blocks = [h for _, h in out.blocks_to_swap_out]
+    new = s.get_request("new")
+    assert new.status is RequestStatus.SWAPPED and new.num_computed_tokens == 2
+    assert s.num_swapped == 1
+    swapped_in = None
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        if out.swapped_in:
+            swapped_in = out
+    assert ids(swapped_in.swapped_in) == ["new"]
+    assert [h for h, _ in swapped_in.blocks_to_swap_in] == host_blocks
+    assert scheduled(swapped_in)["new"] == 1          # resumed with a decode, not a prefill
+    names = [e.name for e in new.events]
+    assert names.index("swapped_out") < names.index("swapped_in") < names.index("finished")
+    assert new.num_output_tokens == 3
+
+
+def test_swap_falls_back_to_recompute_when_swap_space_is_full():
+    s = make(num_blocks=2, block_size=2, num_swap_blocks=0, preemption_mode="swap",
+             max_num_seqs=2)
+    s.add_request(req("old", prompt_len=2, max_tokens=3))
+    s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
+    step(s)
+    out, _ = step(s)
+    assert ids(out.preempted) == ["new"] and out.swapped_out == []
+
+
+# --- priority policy -------------------------------------------------------------------------
+def test_priority_policy_admits_the_most_urgent_waiting_request_first():
+    s = make(policy="priority", max_num_seqs=1)
+    s.add_request(req("lazy", priority=3, arrival_time=0.0))
+    s.add_request(req("urgent", priority=0, arrival_time=1.0))
+    assert list(scheduled(step(s)[0])) == ["urgent"]
+
+
+def test_fcfs_policy_ignores_priority():
+    s = make(policy="fcfs", max_num_seqs=1)
+    s.add_request(req("lazy", priority=3, arrival_time=0.0))
+    s.add_request(req("urgent", priority=0, arrival_time=1.0))
+    assert list(scheduled(step(s)[0])) == ["lazy"]
+
+
+def test_priority_urgent_request_preempts_a_less_urgent_one_when_max_num_seqs_is_full():
+    s = make(policy="priority", max_num_seqs=1)
+    s.add_request(req("lazy", priority=3, max_tokens=5))
+    step(s)
+    s.add_request(req("urgent", priority=0, arrival_time=1.0))
+    out, _ = step(s)
+    assert scheduled(out) == {"urgent": 1} and ids(out.preempted) == ["lazy"]
+
+
+def test_priority_equal_priority_never_preempts():
+    s = make(policy="priority", max_num_seqs=1)
+    s.add_request(req("first", priority=1, max_tokens=5))
+    step(s)
+    s.add_request(req("second", priority=1, arrival_time=1.0))
+    out, _ = step(s)
+    assert scheduled(out) == {"first": 1} and out.preempted == []
+
+
+def test_priority_preempted_request_keeps_its_place_ahead_of_later_arrivals():
+    s = make(policy="priority", max_num_seqs=1)
+    s.add_request(req("lazy", priority=3, max_tokens=3))
+    step(s)
+    s.add_request(req("urgent", priority=0, max_tokens=1, arrival_time=1.0))
+    s.add_request(req("lazy-later", priority=3, arrival_time=2.0))
+    step(s)                                      # urgent runs, lazy preempted
+    out, _ = step(s)
+    assert list(scheduled(out)) == ["lazy"]
+
+
+# --- ending requests -------------------------------------------------------------------------
+def test_finish_reasons_length_eos_stop_token_and_max_model_len():
+    s = make(max_model_len=8, max_num_batched_tokens=64)
+    s.add_request(req("len", max_tokens=2))
+    s.add_request(req("eos", max_tokens=5, ignore_eos=False, eos_token_id=TOKEN))
+    s.add_request(req("ign", max_tokens=2, ignore_eos=True, eos_token_id=TOKEN))
+    s.add_request(req("stop", max_tokens=5, stop_token_ids=[TOKEN]))
+    s.add_request(req("cap", prompt_len=6, max_tokens=100))
+    done = {}
+    while s.has_unfinished_requests():
+        for r in step(s)[1]:
+            done[r.request_id] = (r.finish_reason, r.num_output_tokens)
+    assert done == {"len": (FinishReason.LENGTH, 2), "eos": (FinishReason.STOP, 1),
+                    "ign": (FinishReason.LENGTH, 2), "stop": (FinishReason.STOP, 1),
+                    "cap": (FinishReason.LENGTH, 2)}
+
+
+@pytest.mark.parametrize("state", ["waiting", "running", "preempted", "swapped"])
+def test_abort_ends_a_request_in_any_state_and_frees_everything(state):
+    mode = "swap" if state == "swapped" else "recompute"
+    s = make(num_blocks=2, block_size=2, num_swap_blocks=4, preemption_mode=mode,
+             max_num_seqs=2)
+    s.add_request(req("old", prompt_len=2, max_tokens=3))
+    s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
+    if state != "waiting":
+        step(s)
+    if state in ("preempted", "swapped"):
+        step(s)
+    target = "old" if state == "running" else "new"
+    expected = {"waiting": RequestStatus.WAITING, "running": RequestStatus.RUNNING,
+                "preempted": RequestStatus.PREEMPTED, "swapped": RequestStatus.SWAPPED}[state]
+    assert s.get_request(target).status is expected
+    r = s.finish_request(target, FinishReason.ABORT)
+    assert r.finish_reason is FinishReason.ABORT and r.is_finished
+    assert s.finish_request(target, FinishReason.ABORT) is None      # idempotent
+    assert s.get_request(target) is None
+    s.check_consistency()
+    out, _ = step(s)
+    assert ids(out.finished) == [target]
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.block_manager.num_free_blocks == 2
+    assert s.block_manager.num_free_host_blocks == 4
+
+
+def test_finish_request_between_schedule_and_update_is_ignored_by_update():
+    s = make()
+    s.add_request(req("a", max_tokens=5))
+    out = s.schedule()
+    s.finish_request("a", FinishReason.STOP)
+    assert s.update_from_output(out, {"a": TOKEN}) == []
+    assert s.get_request("a") is None and s.block_manager.num_free_blocks == 256
+
+
+def test_finish_request_unknown_id_returns_none():
+    assert make().finish_request("nope", FinishReason.ABORT) is None
+
+
+def test_request_deadline_times_out_in_any_state():
+    clock = Clock()
+    s = make(clock, max_num_seqs=1)
+    s.add_request(req("running", max_tokens=50, deadline=2.0))
+    s.add_request(req("waiting", max_tokens=50, deadline=2.0))
+    step(s)
+    clock.t = 2.0
+    out, _ = step(s)
+    assert sorted(ids(out.finished)) == ["running", "waiting"]
+    assert all(r.finish_reason is FinishReason.TIMEOUT for r in out.finished)
+    assert out.chunks == [] and not s.has_unfinished_requests()
+
+
+def test_queue_timeout_applies_only_while_never_admitted():
+    clock = Clock()
+    s = make(clock, max_num_seqs=1, queue_timeout=1.0)
+    s.add_request(req("admitted", max_tokens=50))
+    s.add_request(req("stuck", max_tokens=5))
+    step(s)
+    clock.t = 1.5
+    out, _ = step(s)
+    assert ids(out.finished) == ["stuck"]
+    assert s.get_request("admitted").status is RequestStatus.RUNNING
+
+
+def test_config_timeouts_become_deadlines_counted_from_arrival():
+    s = make(request_timeout=10.0, queue_timeout=3.0)
+    r = req("a", arrival_time=5.0)
+    s.add_request(r)
+    assert (r.deadline, r.queue_deadline) == (15.0, 8.0)
+    own = req("b", arrival_time=5.0, deadline=6.0)
+    s.add_request(own)
+    assert own.deadline == 6.0
+
+
+def test_missing_sampled_token_is_a_precise_error():
+    s = make()
+    s.add_request(req("a"))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="no token for request 'a'"):
+        s.update_from_output(out, {})
+
+
+# --- prefix caching --------------------------------------------------------------------------
+def test_prefix_cache_hit_skips_the_cached_prompt_blocks():
+    s = make(enable_prefix_caching=True, block_size=4)
+    prompt = list(range(10, 20))
+    s.add_request(req("first", prompt=prompt, max_tokens=1))
+    step(s)
+    s.add_request(req("second", prompt=prompt + [1, 2], max_tokens=1))
+    out, _ = step(s)
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.num_tokens) == (8, 4)
+    assert chunk.request.num_cached_tokens == 8
+    assert s.stats().prefix_cache_hit_rate == pytest.approx(2 / (2 + 2))
+
+
+def test_blocks_of_finished_requests_stay_cached_but_count_as_free():
+    s = make(enable_prefix_caching=True, block_size=2, num_blocks=8)
+    s.add_request(req("a", prompt_len=6, max_tokens=1))
+    step(s)
+    st = s.stats()
+    assert st.num_free_blocks == 8 and st.kv_usage == 0.0
+    assert s.block_manager.num_cached_blocks == 3
+
+
+# --- stats and events ------------------------------------------------------------------------
+def test_stats_report_queues_kv_usage_tokens_and_preemptions():
+    s = make(max_num_seqs=1, num_blocks=10, block_size=4)
+    s.add_request(req("a", prompt_len=5, max_tokens=3))
+    s.add_request(req("b"))
+    step(s)
+    st = s.stats()
+    assert (st.step, st.num_running, st.num_waiting, st.num_swapped) == (1, 1, 1, 0)
+    assert st.num_batched_tokens == 5 and st.num_free_blocks == 8
+    assert st.kv_usage == pytest.approx(0.2) and st.num_blocks == 10
+    assert (st.num_preemptions, st.num_preemptions_total) == (0, 0)
+
+
+def test_events_record_lifecycle_transitions_but_nothing_per_decode_step():
+    s = make()
+    r = req("a", prompt_len=3, max_tokens=20)
+    s.add_request(r)
+    while s.has_unfinished_requests():
+        step(s)
+    assert [e.name for e in r.events] == ["arrived", "queued", "scheduled", "prefill_chunk",
+                                          "first_token", "finished"]
+    assert r.events[-1].detail == {"reason": "length"} and len(r.token_times) == 20
