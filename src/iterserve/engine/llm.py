@@ -1,0 +1,130 @@
+"""The offline API, in vLLM's style: `LLM(model=...).generate(prompts, sampling_params)`.
+
+All prompts are queued at once and the engine steps until every one has finished, so they
+are batched continuously exactly as they would be by the server; results come back in the
+order of the prompts, each with text, token ids, finish reason and its latency metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from iterserve.core.request import SamplingParams
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.outputs import RequestOutput
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    `LLM()` loads the bundled default model; `LLM(model=path, max_num_seqs=8, ...)` takes
+    any EngineArgs field as a keyword. `LLM.from_engine(engine)` wraps a ready LLMEngine
+    (tests inject a fake executor that way).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.engine = LLMEngine.from_engine_args(self.engine_args)
+        self._next_id = 0
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        self = cls.__new__(cls)
+        self.engine_args = None
+        self.engine = engine
+        self._next_id = 0
+        return self
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids); one RequestOutput per
+        prompt, in order. Bad prompts raise before anything runs."""
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} sampling params for "
+                                 f"{len(prompt_list)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(prios) != len(prompt_list):
+            raise ValueError(f"got {len(prios)} priorities for {len(prompt_list)} prompts")
+        # Validate everything first so a bad prompt does not leave others half-queued.
+        for p, sp in zip(prompt_list, params_list):
+            sp.validate()
+            ids = self.engine.tokenize_prompt(p)
+            self.engine.check_lengths(len(ids), sp.max_tokens)
+        ids = []
+        for p, sp, prio in zip(prompt_list, params_list, prios):
+            rid = f"offline-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, p, sp, priority=prio)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or to
+        several, then generate as `generate` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt),
+            add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [prompts]              # one prompt given as token ids
+        return prompts
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        out_tokens = 0
+        try:
+            while len(final) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    out_tokens += sum(len(o.delta_token_ids) for o in out.outputs)
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        bar.update(1)
+                        elapsed = bar.format_dict.get("elapsed") or 0
+                        if elapsed:
+                            bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s")
+        except BaseException:
+            for rid in ids:                 # Ctrl-C or a crash: free what is still queued
+                if rid not in final:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [final[rid] for rid in ids]

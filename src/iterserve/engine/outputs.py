@@ -1,0 +1,67 @@
+"""What the engine hands back per step and per request (vLLM's RequestOutput shape).
+
+A `RequestOutput` is emitted for a request in every step in which one of its sequences
+advanced or finished. It carries the cumulative state (text and token ids so far, as the
+offline API wants) *and* the delta of this step (as a streaming server wants), so neither
+consumer has to diff. `outputs` always lists all n sequences, by index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from iterserve.engine.metrics import RequestMetrics
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's logprob and, when asked for, the top alternatives."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None          # None unless the request asked
+    finish_reason: str | None = None                    # "stop" | "length" | "abort" | ...
+    stop_reason: str | int | None = None                # the stop string / token that ended it
+    # This step's change (empty when this sequence did not advance in this step).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
+    finished_in_this_step: bool = False
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if not self.logprobs:
+            return None
+        return sum(lp.logprob for lp in self.logprobs if lp.logprob is not None)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: RequestMetrics | None = None
+    error: str | None = None        # set when a sequence ended with finish_reason "error"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

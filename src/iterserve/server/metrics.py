@@ -1,0 +1,100 @@
+"""Prometheus metrics with vLLM's names under the `iterserve:` prefix.
+
+Each app gets its own CollectorRegistry (tests start several apps in one process, and the
+global registry would refuse duplicate names). Counters and histograms are fed by the
+engine after every step (`PrometheusStatLogger.log`, on the engine thread; prometheus-client
+is thread-safe); the gauges are set from a fresh scheduler snapshot at scrape time, so
+`/metrics` read right after an abort already shows the freed blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+from iterserve.engine.metrics import StepStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class PrometheusStatLogger:
+    """Owns the metric objects of one app; `log(StepStats)` is the engine's hook."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"iterserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"iterserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"iterserve:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running",
+                                          "Requests holding KV blocks (scheduled each step).")
+        self.num_requests_waiting = gauge("num_requests_waiting",
+                                          "Requests queued (never admitted or preempted).")
+        self.num_requests_swapped = gauge("num_requests_swapped",
+                                          "Requests whose KV blocks are swapped to the host.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
+                                         "Fraction of device KV blocks in use (0..1).")
+        self.num_free_blocks = gauge("num_free_kv_blocks", "Free device KV blocks.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute or swap).")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Arrival to first admission.", _LATENCY_BUCKETS)
+        self._success = Counter("iterserve:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+
+    def log(self, stats: StepStats) -> None:
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for v in stats.time_to_first_tokens:
+            self.ttft.observe(v)
+        for v in stats.inter_token_latencies:
+            self.itl.observe(v)
+        for m in stats.finished:
+            if m.e2e_latency is not None:
+                self.e2e.observe(m.e2e_latency)
+            if m.queue_time is not None:
+                self.queue_time.observe(m.queue_time)
+        for reason in stats.finish_reasons:
+            self._success.labels(self._model_name, reason).inc()
+        self.set_gauges(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                        num_swapped=stats.num_swapped, kv_cache_usage=stats.kv_cache_usage)
+
+    def set_gauges(self, *, num_running: int, num_waiting: int, num_swapped: int,
+                   kv_cache_usage: float, num_free_blocks: int | None = None) -> None:
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.num_requests_swapped.set(num_swapped)
+        self.kv_cache_usage_perc.set(kv_cache_usage)
+        if num_free_blocks is not None:
+            self.num_free_blocks.set(num_free_blocks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
