@@ -162,3 +162,24 @@ def test_logprobs_are_raw_log_softmax_and_top_logprobs_sorted():
 def test_bad_logits_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="num_requests=2"):
         Sampler()(torch.zeros((3, V)), [req("a"), req("b")])
+
+
+def test_top_p_nucleus_wider_than_the_prefilter_head_is_exact():
+    from iterserve.model import sampler as sampler_mod
+    vocab = 2 * sampler_mod.PREFILTER
+    logits = (-torch.arange(vocab, dtype=torch.float32) * 1e-4).expand(4000, vocab).contiguous()
+    probs = logits[0].softmax(-1)
+    nucleus = int((probs.cumsum(-1) - probs < 0.75).sum())
+    assert nucleus > sampler_mod.PREFILTER
+    out = Sampler(seed=0)(logits, [req(str(i), top_p=0.75) for i in range(4000)])
+    ids = [r.token_id for r in out]
+    assert max(ids) < nucleus
+    assert max(ids) >= sampler_mod.PREFILTER, "draws must reach past the prefiltered head"
+
+
+def test_top_k_and_top_p_combine_top_k_first():
+    # after top-k=3 renormalises [0.5, 0.3, 0.2] the nucleus for p=0.7 is the best two tokens
+    probs = torch.tensor([[0.4, 0.24, 0.16, 0.1, 0.1]])
+    logits = probs.log().expand(2000, 5).contiguous()
+    out = Sampler(seed=0)(logits, [req(str(i), top_k=3, top_p=0.7) for i in range(2000)])
+    assert {r.token_id for r in out} == {0, 1}

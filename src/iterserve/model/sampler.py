@@ -11,15 +11,20 @@ vocabulary), in vLLM's order:
    frequency (minus `f * count` in the output) and presence (minus `p` if in the output)
    as OpenAI defines them.
 3. greedy rows (temperature <= 1e-5) take the argmax of the penalised logits.
-4. the other rows: temperature, then top-k, top-p (smallest set of tokens whose mass reaches
-   p, always keeping the best one), then min-p (drop tokens below `min_p * max prob`).
-5. a draw by "exponential race": argmax(probs / E) with E ~ Exp(1) per token, which samples
-   exactly from probs and lets each row use its own noise source.
+4. the other rows: temperature, then top-k, top-p (smallest set of best tokens whose mass
+   reaches p, always keeping the best one; top-k renormalises first), then min-p (drop
+   tokens below `min_p * max prob`). Truncating rows work on their best tokens only, sorted:
+   a full vocabulary sort is the slowest thing a sampler can do on a CPU.
+5. an inverse-CDF draw: one uniform per row, the token where the row's cumulative
+   probability passes it. One random number per row (instead of one per vocabulary entry,
+   as an exponential race needs) keeps seeded rows cheap, and the draw is exact.
 
-Seeds: a request with `seed` gets noise from a torch.Generator seeded by a hash of
+Seeds: a request with `seed` gets its uniform from a torch.Generator seeded by a hash of
 (seed, number of output tokens so far). Its tokens therefore repeat whatever else is in the
-batch, whatever row it sits in, and even after preemption and recompute; the sampler keeps no
-per-request state. Unseeded rows share one generator (`Sampler(seed=...)` fixes it for tests).
+batch, whatever row it sits in, and even after preemption and recompute (bit-for-bit up to
+float rounding that could only matter when a uniform lands within ~1e-7 of a CDF step); the
+sampler keeps no per-request state. Unseeded rows share one generator (`Sampler(seed=...)`
+fixes it for tests).
 """
 
 from __future__ import annotations
@@ -77,42 +82,72 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if penalised:
             logits = apply_penalties(logits, requests)
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, g in enumerate(greedy) if g]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        if greedy_rows:
-            idx = torch.tensor(greedy_rows, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
-        if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
-            rows = [requests[i] for i in random_rows]
-            probs = processed_probs(logits[idx], [r.sampling_params for r in rows])
-            tokens[idx] = self._race(probs, rows)
+        if not any(greedy):
+            tokens = self._sample_random(logits, requests)
+        else:
+            tokens = logits.argmax(dim=-1)
+            random_rows = [i for i, g in enumerate(greedy) if not g]
+            if random_rows:
+                idx = torch.tensor(random_rows, device=logits.device)
+                tokens[idx] = self._sample_random(logits[idx],
+                                                  [requests[i] for i in random_rows])
 
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return [SampleResult(t) for t in token_list]
         return self._with_logprobs(raw_logprobs, tokens, token_list, params)
 
-    def _race(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """argmax(probs / E), E ~ Exp(1): a seeded row draws E from its own generator."""
-        noise = torch.empty_like(probs)
+    def _uniforms(self, requests: Sequence[Request], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) per row; a seeded row's comes from its own (seed, step) generator."""
+        u = torch.empty(len(requests), device=device)
         unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
         if unseeded:
-            shared = self._shared_generator(probs.device)
+            draws = torch.rand(len(unseeded), device=device,
+                               generator=self._shared_generator(device))
             if len(unseeded) == len(requests):
-                noise.exponential_(generator=shared)
+                u = draws
             else:
-                idx = torch.tensor(unseeded, device=probs.device)
-                noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device
-                                         ).exponential_(generator=shared)
+                u[torch.tensor(unseeded, device=device)] = draws
         for i, r in enumerate(requests):
             seed = r.sampling_params.seed
             if seed is not None:
-                g = torch.Generator(device=probs.device)
+                g = torch.Generator(device=device)
                 g.manual_seed(_row_seed(seed, r.num_output_tokens))
-                noise[i].exponential_(generator=g)
-        return probs.div_(noise).argmax(dim=-1)
+                u[i] = torch.rand(1, device=device, generator=g)[0]
+        return u
+
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Temperature, truncation, then an inverse-CDF draw with one uniform per row.
+
+        Rows that keep the whole vocabulary (no top-k, top-p 1) work on it unsorted; rows that
+        truncate work on their best tokens only, sorted (see `truncated_candidates`).
+        """
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        logits = logits / temps
+        uniforms = self._uniforms(requests, device)
+        vocab = logits.shape[1]
+        full = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
+        cut = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        tokens = torch.empty(len(requests), dtype=torch.long, device=device)
+        for rows, truncate in ((full, False), (cut, True)):
+            if not rows:
+                continue
+            whole = len(rows) == len(requests)
+            idx = None if whole else torch.tensor(rows, device=device)
+            sub = logits if whole else logits[idx]
+            sub_params = params if whole else [params[i] for i in rows]
+            if truncate:
+                probs, ids = truncated_candidates(sub, sub_params)
+            else:
+                probs, ids = sub.softmax(dim=-1), None
+            drawn = draw(probs, ids, [p.min_p for p in sub_params],
+                         uniforms if whole else uniforms[idx])
+            if whole:
+                return drawn
+            tokens[idx] = drawn
+        return tokens
 
     @staticmethod
     def _with_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
@@ -135,79 +170,108 @@ class Sampler:
         return out
 
 
+def _padded_ids(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged id lists as one [N, W] tensor plus a validity mask.
+
+    Each row is padded with its own first id (0 for an empty row), so a scatter of a value
+    computed from the gathered logit writes that id's one correct value more than once and
+    no other id is touched.
+    """
+    width = max(len(x) for x in lists)
+    rows = [x + [x[0] if x else 0] * (width - len(x)) for x in lists]
+    valid = [[True] * len(x) + [False] * (width - len(x)) for x in lists]
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(valid, dtype=torch.bool, device=device))
+
+
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Repetition (prompt + output), frequency and presence (output) penalties, batched.
 
-    Token ids are padded with an extra column V that is dropped after the scatter, so ragged
-    per-request lists become one scatter_add over [N, V + 1].
+    Touches only the seen ids (gather, compute, scatter): the cost grows with the tokens a
+    request has seen, not with the vocabulary. Returns a new tensor.
     """
-    n, vocab = logits.shape
     device = logits.device
-
-    def counts_of(lists: list[list[int]]) -> torch.Tensor:
-        width = max((len(x) for x in lists), default=0)
-        if width == 0:
-            return torch.zeros((n, vocab), device=device)
-        ids = torch.full((n, width), vocab, dtype=torch.long)
-        for i, x in enumerate(lists):
-            if x:
-                ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
-        ids = ids.to(device)
-        counts = torch.zeros((n, vocab + 1), device=device)
-        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-        return counts[:, :vocab]
-
     params = [r.sampling_params for r in requests]
-    out_counts = counts_of([r.output_token_ids for r in requests])
     logits = logits.clone()
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    if (rep != 1.0).any():
-        prompt_counts = counts_of([r.prompt_token_ids if p.repetition_penalty != 1.0 else []
-                                   for r, p in zip(requests, params)])
-        seen = (prompt_counts + out_counts) > 0
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-    logits -= freq * out_counts + pres * (out_counts > 0).to(logits.dtype)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [(r.prompt_token_ids + r.output_token_ids) if p.repetition_penalty != 1.0 else []
+                for r, p in zip(requests, params)]
+        ids, valid = _padded_ids(seen, device)
+        vals = logits.gather(1, ids)
+        rep = column([p.repetition_penalty for p in params])
+        penalised = torch.where(vals > 0, vals / rep, vals * rep)
+        logits.scatter_(1, ids, torch.where(valid, penalised, vals))
+    freq = [p.frequency_penalty for p in params]
+    pres = [p.presence_penalty for p in params]
+    outputs = [r.output_token_ids for r in requests]
+    if (any(freq) or any(pres)) and any(outputs):
+        ids, valid = _padded_ids(outputs, device)
+        if any(freq):   # one subtraction per occurrence: -f * count
+            step = (-column(freq)).expand_as(ids) * valid
+            logits.scatter_add_(1, ids, step)
+        if any(pres):   # once per distinct id: duplicates write the same value
+            vals = logits.gather(1, ids)
+            logits.scatter_(1, ids, torch.where(valid, vals - column(pres), vals))
     return logits
 
 
-def processed_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p; returns probabilities (zeros outside the support)."""
-    device = logits.device
+PREFILTER = 1024   # head of the sorted vocabulary tried before a full sort for top-p
+
+
+def truncated_candidates(logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [N, C], token ids [N, C]) of each row's best C tokens, best first, after top-k
+    and top-p; dropped candidates have probability 0.
+
+    Top-p needs tokens in order, and a full sort of the vocabulary is the slowest operation
+    here, so the best PREFILTER tokens are tried first: when they hold at least top_p of a
+    row's mass, the nucleus lies inside them (exact, not an approximation). Rows where they
+    do not fall back to a full sort. Top-k renormalises before top-p, as HF and vLLM do.
+    """
     n, vocab = logits.shape
-    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    logits = logits / temps
-    neg_inf = torch.tensor(float("-inf"), device=device)
+    device = logits.device
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    has_k = torch.tensor([k > 0 for k in ks], device=device).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    width = max(ks) if all(ks) else min(vocab, max(PREFILTER, max(ks)))
+    while True:
+        cand, ids = logits.topk(width, dim=-1) if width < vocab else logits.sort(
+            dim=-1, descending=True)
+        pos = torch.arange(width, device=device).unsqueeze(0)
+        k_row = torch.tensor([k or width for k in ks], device=device).unsqueeze(1)
+        cand = cand.masked_fill(pos >= k_row, float("-inf"))
+        best = cand[:, :1]
+        # Normaliser: over the top-k set when the row has top-k, else over the whole row.
+        norm = (cand - best).exp().sum(-1, keepdim=True)
+        if not bool(has_k.all()) and width < vocab:
+            norm = torch.where(has_k, norm, (logits - best).exp().sum(-1, keepdim=True))
+        probs = (cand - best).exp() / norm
+        if width == vocab or bool(((probs.sum(-1, keepdim=True) >= top_p) | has_k).all()):
+            break
+        width = vocab   # some row's nucleus reaches past the head: sort everything
+    if bool((top_p < 1.0).any()):
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= top_p, 0.0)   # the best token is always kept
+    return probs, ids
 
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in ks):
-        k_max = max(k for k in ks if k < vocab)
-        top = logits.topk(k_max, dim=-1).values
-        k_idx = torch.tensor([min(k, k_max) - 1 for k in ks], device=device).unsqueeze(1)
-        kth = top.gather(1, k_idx)
-        kth = torch.where(torch.tensor([k < vocab for k in ks], device=device).unsqueeze(1),
-                          kth, neg_inf)
-        logits = torch.where(logits < kth, neg_inf, logits)
 
-    top_ps = [p.top_p for p in params]
-    if any(tp < 1.0 for tp in top_ps):
-        rows = [i for i, tp in enumerate(top_ps) if tp < 1.0]
-        idx = torch.tensor(rows, device=device)
-        sub = logits[idx]
-        sorted_logits, order = sub.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor([top_ps[i] for i in rows], device=device).unsqueeze(1)
-        drop_sorted = mass_before >= p          # the best token has mass_before 0: always kept
-        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        logits[idx] = sub.masked_fill(drop, float("-inf"))
+def draw(probs: torch.Tensor, ids: torch.Tensor | None, min_ps: list[float],
+         uniforms: torch.Tensor) -> torch.Tensor:
+    """Min-p, then the token where each row's CDF passes its uniform (inverse-CDF sampling).
 
-    probs = logits.softmax(dim=-1)
-    min_ps = [p.min_p for p in params]
+    Probabilities need not sum to 1: the uniform is scaled by the row total, and kept strictly
+    below it so the search always lands on a token with non-zero probability.
+    """
     if any(mp > 0.0 for mp in min_ps):
-        mp = torch.tensor(min_ps, device=device).unsqueeze(1)
+        mp = torch.tensor(min_ps, device=probs.device).unsqueeze(1)
         threshold = mp * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
-    return probs
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)
+    return (pos if ids is None else ids.gather(1, pos)).squeeze(1)
