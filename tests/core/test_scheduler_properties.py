@@ -1,0 +1,184 @@
+"""Property tests: random workloads against every combination of knobs, invariants each step.
+
+Hypothesis draws a configuration (policy, batching, preemption mode, prefix caching,
+chunked prefill, tiny block pools, tiny budgets) and a script of per-step actions (arrivals
+with random prompts from a 3-token vocabulary so prefixes repeat, aborts, clock jumps past
+deadlines). The driver runs the scheduler with a fake executor and asserts after every step:
+the token budget and max_num_seqs hold, every chunk starts at the request's computed
+tokens, no block is owned twice and ref counts match owners (check_consistency), static
+batching never admits into a live group; and at the end that every request ended with
+exactly its max_tokens (ignore_eos) or with the abort/timeout it was given, and that every
+block is free again (cached blocks count as free).
+"""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from iterserve.core.scheduler import QueueFullError, Scheduler
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@st.composite
+def configs(draw):
+    chunked = draw(st.booleans())
+    max_model_len = draw(st.integers(6, 20))
+    budget = draw(st.integers(1, 24)) if chunked else draw(st.integers(max_model_len, 32))
+    sched = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 4)),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 2, 5])),
+        max_num_partial_prefills=draw(st.integers(1, 3)),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        max_queued_requests=draw(st.sampled_from([0, 0, 3])),
+        queue_timeout=draw(st.sampled_from([None, None, 6.0])),
+    )
+    cache = CacheConfig(
+        block_size=draw(st.integers(1, 4)),
+        num_blocks=draw(st.integers(2, 10)),
+        num_swap_blocks=draw(st.sampled_from([0, 3, 12])),
+        enable_prefix_caching=draw(st.booleans()),
+    )
+    return sched, cache
+
+
+arrival = st.tuples(
+    st.just("arrive"),
+    st.lists(st.integers(0, 2), min_size=1, max_size=12),     # prompt
+    st.integers(1, 8),                                        # max_tokens
+    st.integers(0, 2),                                        # priority
+    st.sampled_from([None, None, None, 3.0, 20.0]),          # deadline (seconds from now)
+)
+abort = st.tuples(st.just("abort"), st.integers(0, 50))
+jump = st.tuples(st.just("jump"), st.sampled_from([1.0, 5.0]))
+scripts = st.lists(st.lists(st.one_of(arrival, arrival, abort, jump), max_size=3), max_size=25)
+
+
+def run(sched_cfg, cache_cfg, script):
+    clock = Clock()
+    s = Scheduler(sched_cfg, cache_cfg, clock=clock)
+    accepted: list[Request] = []
+    aborted: set[str] = set()
+    group: set[str] = set()               # static: members admitted since the group formed
+    group_live: set[str] = set()          # ... and not finished yet
+    max_steps = 4000
+    k = 0
+    while k < max_steps:
+        for action in (script[k] if k < len(script) else ()):
+            if action[0] == "arrive":
+                _, prompt, max_tokens, priority, deadline = action
+                r = Request(f"r{len(accepted)}-{k}", prompt,
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                            priority=priority, arrival_time=clock.t, eos_token_id=0,
+                            deadline=None if deadline is None else clock.t + deadline)
+                try:
+                    s.add_request(r)
+                except QueueFullError:
+                    continue
+                except ValueError:
+                    too_long = len(prompt) >= sched_cfg.max_model_len
+                    final = min(len(prompt) + max_tokens, sched_cfg.max_model_len)
+                    too_big = -(-(final - 1) // cache_cfg.block_size) > cache_cfg.num_blocks
+                    assert too_long or too_big, "a request that fits was rejected"
+                    continue
+                accepted.append(r)
+            elif action[0] == "abort" and accepted:
+                r = accepted[action[1] % len(accepted)]
+                if s.finish_request(r.request_id, FinishReason.ABORT) is not None:
+                    aborted.add(r.request_id)
+                    group_live.discard(r.request_id)
+            elif action[0] == "jump":
+                clock.t += action[1]
+        if k >= len(script) and not s.has_unfinished_requests():
+            break
+
+        before = {r.request_id: r.num_computed_tokens for r in s.running}
+        out = s.schedule()
+        s.check_consistency()
+        assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
+        assert out.num_batched_tokens <= sched_cfg.max_num_batched_tokens
+        assert len(out.chunks) <= sched_cfg.max_num_seqs
+        assert s.num_running <= sched_cfg.max_num_seqs
+        assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
+        for c in out.chunks:
+            r = c.request
+            assert c.num_tokens >= 1 and c.start == r.num_computed_tokens
+            assert c.start + c.num_tokens <= r.num_tokens
+            if r.request_id in before:
+                assert c.start == before[r.request_id]
+            assert len(c.block_ids) * cache_cfg.block_size >= c.start + c.num_tokens
+        if sched_cfg.batching == "static":
+            # A group forms only when every earlier member has finished, and never grows past
+            # max_num_seqs (no refill of freed slots while the group runs).
+            group_live.difference_update(r.request_id for r in out.finished)
+            if not group_live:
+                group.clear()
+            newly = {c.request.request_id for c in out.chunks
+                     if len(c.request.events) >= 2 and c.request.events[-2].name == "scheduled"
+                     and c.request.events[-2].step == out.step}
+            group |= newly
+            group_live |= newly
+            assert len(group) <= sched_cfg.max_num_seqs, "static refilled a live group"
+        sampled = {c.request.request_id: 1 + (k + c.start) % 3 for c in out.chunks if c.sample}
+        finished = s.update_from_output(out, sampled)
+        s.check_consistency()
+        for r in finished + out.finished:
+            group_live.discard(r.request_id)
+        clock.t += 0.25
+        k += 1
+    assert not s.has_unfinished_requests(), f"did not drain in {max_steps} steps"
+
+    bm = s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    assert bm.num_free_host_blocks == bm.num_swap_blocks, "swap blocks leaked"
+    assert not bm.tables and not bm.host_tables
+    for r in accepted:
+        assert r.status is RequestStatus.FINISHED
+        if r.finish_reason is FinishReason.ABORT:
+            assert r.request_id in aborted
+        elif r.finish_reason is FinishReason.TIMEOUT:
+            ends = [d for d in (r.deadline, r.queue_deadline) if d is not None]
+            assert ends and r.finished_time >= min(ends)
+            if r.deadline is None or r.finished_time < r.deadline:
+                assert r.first_scheduled_time is None, "queue timeout after admission"
+        else:
+            assert r.finish_reason is FinishReason.LENGTH
+            expected = min(r.sampling_params.max_tokens,
+                           sched_cfg.max_model_len - r.num_prompt_tokens)
+            assert r.num_output_tokens == expected
+            assert r.request_id not in aborted
+    return s
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(), scripts)
+def test_random_workloads_keep_every_invariant_and_drain(cfg, script):
+    run(*cfg, script)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["fcfs", "priority"]), st.sampled_from(["recompute", "swap"]),
+       st.booleans(), st.lists(st.tuples(st.integers(1, 10), st.integers(1, 6)),
+                               min_size=1, max_size=12))
+def test_every_request_gets_exactly_max_tokens_under_heavy_kv_pressure(
+        policy, mode, caching, reqs):
+    """A pool barely larger than one request forces constant preemption; nothing is lost."""
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32,
+                            policy=policy, preemption_mode=mode)
+    cache = CacheConfig(block_size=2, num_blocks=8, num_swap_blocks=6,
+                        enable_prefix_caching=caching)
+    script = [[("arrive", [1] * p, m, i % 3, None)] for i, (p, m) in enumerate(reqs)]
+    s = run(sched, cache, script)
+    assert s.stats().num_running == 0
