@@ -10,18 +10,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from iterserve.lab.api import run_lab
 from iterserve.server import lab_routes
+from iterserve.server.app import create_app
 
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    app = FastAPI()
-    app.include_router(lab_routes.router)
-    with TestClient(app) as c:
+    # The app without a model (`iterserve lab --serve`): the lab needs none.
+    with TestClient(create_app(None)) as c:
         yield c
 
 
@@ -145,6 +144,7 @@ def test_only_the_pages_own_static_files_are_served(client, name):
     resp = client.get(f"/lab/static/{name}")
     assert resp.status_code == 404
     assert "APIRouter" not in resp.text
+    assert "error" in resp.json()
 
 
 def test_an_unknown_static_file_gets_an_error_body(client):

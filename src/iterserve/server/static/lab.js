@@ -22,6 +22,7 @@
     maxStep: 0,
     trace: null,         // {mode, id} of the request whose trace is shown
     inflight: null,      // AbortController of the running request
+    lastKey: null,       // the options of the latest run, as JSON
     playTimer: null,
   };
 
@@ -137,6 +138,11 @@
       if (err instanceof FormError) { showError(err.message, err.param); return; }
       throw err;
     }
+    // One run per distinct set of options: Enter in a field fires both "change" and
+    // "submit", and the lab is deterministic, so a repeat would only redraw the same thing.
+    const key = JSON.stringify(options);
+    if (key === state.lastKey) return;
+    state.lastKey = key;
     if (state.inflight) state.inflight.abort();
     const ctrl = new AbortController();
     state.inflight = ctrl;
@@ -155,6 +161,7 @@
         const e = body && body.error;
         showError(e ? e.message : `the server answered ${resp.status}`, e && e.param);
         setStatus("");
+        state.lastKey = null;
         return;
       }
       state.result = body;
@@ -166,6 +173,7 @@
       if (err.name === "AbortError") return;
       showError(`could not reach the server: ${err.message}`);
       setStatus("");
+      state.lastKey = null;
     } finally {
       if (state.inflight === ctrl) {
         state.inflight = null;
@@ -342,7 +350,8 @@
   function occupancyChart(mode, r, xmax, width) {
     const reqs = r.per_request || [];
     const slots = r.slots;
-    const rowH = Math.max(4, Math.min(22, Math.floor(200 / slots)));
+    // Both charts of the reference case (8 slots) fit above the fold at 1280x800.
+    const rowH = Math.max(4, Math.min(16, Math.floor(160 / slots)));
     const m = { left: 52, right: 12, top: 6, bottom: 22 };
     const plotW = width - m.left - m.right;
     const height = m.top + slots * rowH + m.bottom;
@@ -666,13 +675,14 @@
     const figs = [
       ["step", "Step", fmt(s.step)], ["num_running", "Running", fmt(s.num_running)],
       ["num_waiting", "Waiting", fmt(s.num_waiting)], ["num_swapped", "Swapped", fmt(s.num_swapped)],
-      ["kv_cache_usage", "KV cache", `${pct(usage)} (${fmt(s.num_blocks - s.num_free_blocks)} / ${fmt(s.num_blocks)} blocks)`],
+      ["kv_cache_usage", "KV cache", pct(usage), `${fmt(s.num_blocks - s.num_free_blocks)} / ${fmt(s.num_blocks)} blocks`],
       ["num_preemptions_total", "Preemptions", fmt(s.num_preemptions_total)],
     ];
     const dl = el("dl", { class: "figure-list live-list" });
-    for (const [key, label, text] of figs) {
+    for (const [key, label, text, sub] of figs) {
       const fig = el("div", { class: "figure" }, el("dt", { text: label }),
-        el("dd", { dataset: { live: key, value: String(s[key]) }, text }));
+        el("dd", { dataset: { live: key, value: String(s[key]) } }, text,
+          sub ? el("span", { class: "unit sub", text: sub }) : null));
       if (key === "kv_cache_usage" && usage != null) {
         fig.append(el("div", { class: "meter", "aria-hidden": "true" },
           el("span", { style: `width:${Math.min(100, 100 * usage)}%` })));
@@ -748,7 +758,7 @@
     const form = $("#controls");
     form.addEventListener("submit", (e) => { e.preventDefault(); clearTimeout(debounce); run(); });
     form.addEventListener("change", runSoon);
-    $("#reset").addEventListener("click", resetForm);
+    $("#reference-case").addEventListener("click", resetForm);
     $("#new-seed").addEventListener("click", () => {
       $("#opt-seed").value = String(Math.floor(Math.random() * 1e6));
       runSoon();
