@@ -180,7 +180,7 @@ def plan_lab(options: dict | None) -> LabPlan:
         try:
             cost = CostModel.from_dict(cost_opt)
         except CostModelError as e:
-            raise LabOptionsError(str(e), "cost_model") from e
+            raise _bad("cost_model", str(e)) from e
 
     workload = WorkloadSpec(
         requests=requests, seed=seed, short_frac=short_frac, short=short, long=long_,

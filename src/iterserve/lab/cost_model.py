@@ -70,26 +70,26 @@ class CostModel:
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise CostModelError(
-                f"cost model: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"unknown key(s) {', '.join(map(repr, unknown))}; "
                 f"expected some of {', '.join(COEFFICIENTS + ('idle_step_s',))}")
         if "format" in data and data["format"] != FORMAT:
-            raise CostModelError(f"cost model: format must be {FORMAT!r}, got {data['format']!r}")
+            raise CostModelError(f"format must be {FORMAT!r}, got {data['format']!r}")
         if "version" in data and data["version"] != VERSION:
-            raise CostModelError(f"cost model: version must be {VERSION}, got {data['version']!r}")
+            raise CostModelError(f"version must be {VERSION}, got {data['version']!r}")
         values: dict[str, float] = {}
         for key in COEFFICIENTS + ("idle_step_s",):
             if key not in data:
                 continue
             v = data[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise CostModelError(f"cost model: {key} must be a finite number, got {v!r}")
+                raise CostModelError(f"{key} must be a finite number, got {v!r}")
             if v < 0:
-                raise CostModelError(f"cost model: {key} must be non-negative, got {v}")
+                raise CostModelError(f"{key} must be non-negative, got {v}")
             values[key] = float(v)
         values.setdefault("idle_step_s", values.get("c0", 0.0))
         description = data.get("description", "")
         if not isinstance(description, str):
-            raise CostModelError("cost model: description must be a string")
+            raise CostModelError("description must be a string")
         return cls(description=description, **values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,7 +114,7 @@ def load_cost_model(path: str | Path) -> CostModel:
     try:
         return CostModel.from_dict(data)
     except CostModelError as e:
-        raise CostModelError(f"{path}: {e}") from e
+        raise CostModelError(f"cost model {str(path)!r}: {e}") from e
 
 
 def default_cost_model() -> CostModel:

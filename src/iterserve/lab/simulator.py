@@ -147,6 +147,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     step_start = [0.0]
     step_time = cost.step_time
     prefill_ignored = settings.prefill_ignored
+    # Prefill tokens only matter to the fast path's cost when they have their own price.
+    count_prefill = cost.c_prefill_tok > 0
     idx = 0
     step = 0
     busy = 0
@@ -197,37 +199,56 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         chunks = out.chunks
         sampled: dict[str, int] = {}
         tokens = kv_read = prefill = 0
-        for ch in chunks:
-            req = ch.request
-            nt = ch.num_tokens
-            end = ch.start + nt
-            tokens += nt
-            kv_read += end
-            if end >= len(req.all_token_ids):
-                sampled[req.request_id] = sampled_token
-            is_prefill = nt > 1 or (not prefill_ignored and ch.start < len(req.prompt_token_ids))
-            if is_prefill:
-                prefill += nt
-            tr = req.user_data
-            if tr.slot < 0:
-                if not free_slots:
-                    raise SimulationError(
-                        f"step {step}: the scheduler ran more than max_num_seqs="
-                        f"{settings.slots} requests at once")
-                tr.slot = heapq.heappop(free_slots)
-                tr.seg_start = step
-                tr.seg_kind = "prefill" if is_prefill else "decode"
-                if tr.first_scheduled < 0:
-                    tr.first_scheduled = step
-                    admitted += 1
-                if tr.evicted:
-                    tr.evicted = False
-                    evicted_now -= 1
-            elif record and is_prefill != (tr.seg_kind == "prefill"):
-                tr.segments.append({"slot": tr.slot, "start": tr.seg_start, "end": step,
-                                    "kind": tr.seg_kind})
-                tr.seg_start = step
-                tr.seg_kind = "prefill" if is_prefill else "decode"
+        if not record:
+            # The hot loop of big runs: only what the executor and the cost model need.
+            if len(chunks) > settings.slots:
+                raise SimulationError(
+                    f"step {step}: the scheduler ran {len(chunks)} requests, more than "
+                    f"max_num_seqs={settings.slots}")
+            for ch in chunks:
+                req = ch.request
+                nt = ch.num_tokens
+                end = ch.start + nt
+                tokens += nt
+                kv_read += end
+                if end >= len(req.all_token_ids):
+                    sampled[req.request_id] = sampled_token
+            if count_prefill:
+                prefill = sum(ch.num_tokens for ch in chunks if ch.num_tokens > 1 or (
+                    not prefill_ignored and ch.start < len(ch.request.prompt_token_ids)))
+        else:
+            for ch in chunks:
+                req = ch.request
+                nt = ch.num_tokens
+                end = ch.start + nt
+                tokens += nt
+                kv_read += end
+                if end >= len(req.all_token_ids):
+                    sampled[req.request_id] = sampled_token
+                is_prefill = nt > 1 or (not prefill_ignored
+                                        and ch.start < len(req.prompt_token_ids))
+                if is_prefill:
+                    prefill += nt
+                tr = req.user_data
+                if tr.slot < 0:
+                    if not free_slots:
+                        raise SimulationError(
+                            f"step {step}: the scheduler ran more than max_num_seqs="
+                            f"{settings.slots} requests at once")
+                    tr.slot = heapq.heappop(free_slots)
+                    tr.seg_start = step
+                    tr.seg_kind = "prefill" if is_prefill else "decode"
+                    if tr.first_scheduled < 0:
+                        tr.first_scheduled = step
+                        admitted += 1
+                    if tr.evicted:
+                        tr.evicted = False
+                        evicted_now -= 1
+                elif is_prefill != (tr.seg_kind == "prefill"):
+                    tr.segments.append({"slot": tr.slot, "start": tr.seg_start, "end": step,
+                                        "kind": tr.seg_kind})
+                    tr.seg_start = step
+                    tr.seg_kind = "prefill" if is_prefill else "decode"
 
         nseq = len(chunks)
         busy += nseq

@@ -1,0 +1,144 @@
+"""Every lab option changes what it says it changes."""
+
+import pytest
+
+from iterserve.lab.api import run_lab
+
+
+def lab(**opts):
+    return run_lab(opts)
+
+
+def per_request(**opts):
+    return run_lab({**opts, "per_request": True})
+
+
+def test_batching_selects_the_modes_run():
+    assert set(lab(batching="static", requests=5)) == {"static"}
+    assert set(lab(batching="continuous", requests=5)) == {"continuous"}
+
+
+def test_slots_bound_the_running_requests():
+    r = per_request(batching="continuous", slots=3, requests=20)["continuous"]
+    assert r["slots"] == 3 and max(r["timeline"]["running"]) == 3
+    assert {s["slot"] for p in r["per_request"] for s in p["segments"]} == {0, 1, 2}
+
+
+def test_requests_and_seed_set_the_draw():
+    a = per_request(batching="continuous", requests=30, seed=1)["continuous"]
+    b = per_request(batching="continuous", requests=30, seed=2)["continuous"]
+    assert a["requests"] == 30
+    assert [p["output_len"] for p in a["per_request"]] != [p["output_len"] for p in b["per_request"]]
+
+
+def test_short_long_and_short_frac_shape_the_lengths():
+    r = per_request(batching="static", requests=200, short=[5, 6], long=[40, 41],
+                    short_frac=0.5)["static"]
+    lens = [p["output_len"] for p in r["per_request"]]
+    assert set(lens) <= {5, 6, 40, 41}
+    assert all(p["long"] == (p["output_len"] >= 40) for p in r["per_request"])
+    assert 60 < sum(p["long"] for p in r["per_request"]) < 140
+    only_short = per_request(batching="static", requests=50, short_frac=1.0)["static"]
+    assert not any(p["long"] for p in only_short["per_request"])
+
+
+def test_lengths_replace_the_draw():
+    r = per_request(batching="static", lengths=[7, 3])["static"]
+    assert [p["output_len"] for p in r["per_request"]] == [7, 3]
+    assert r["requests"] == 2 and r["tokens"] == 10
+
+
+def test_arrival_rate_spreads_arrivals_and_latency_counts_from_arrival():
+    r = per_request(batching="continuous", requests=40, arrival_rate=0.05)["continuous"]
+    arrivals = [p["arrival"] for p in r["per_request"]]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 100
+    for p in r["per_request"]:
+        assert p["latency"] == p["finish"] - p["arrival"]
+        assert p["first_scheduled"] >= p["arrival"]
+    # At 1 request per 20 steps the 8 slots are rarely all busy.
+    assert r["utilization"] < 0.9
+
+
+def test_prompt_len_turns_prefill_on_with_ttft_itl_and_preemptions_in_the_report():
+    r = per_request(batching="continuous", requests=30, prompt_len=[20, 40],
+                    max_num_batched_tokens=64)["continuous"]
+    for key in ("mean_ttft", "p50_ttft", "p99_ttft", "mean_itl", "p99_itl", "preemptions"):
+        assert key in r
+    assert all(20 <= p["prompt_len"] <= 40 for p in r["per_request"])
+    kinds = {s["kind"] for p in r["per_request"] for s in p["segments"]}
+    assert kinds == {"prefill", "decode"}
+    assert r["mean_ttft"] >= 1 and r["mean_itl"] >= 1
+
+
+def test_a_small_token_budget_with_chunked_prefill_splits_prompts_into_chunks():
+    r = per_request(batching="continuous", lengths=[2], prompt_len=[100, 100],
+                    max_num_batched_tokens=30)["continuous"]
+    p = r["per_request"][0]
+    # 100 prompt tokens in chunks of 30: 4 steps of prefill, then the second token.
+    assert p["segments"] == [{"slot": 0, "start": 0, "end": 4, "kind": "prefill"},
+                             {"slot": 0, "start": 4, "end": 5, "kind": "decode"}]
+    assert p["ttft"] == 4 and r["steps"] == 5
+
+
+def test_without_chunked_prefill_a_prompt_is_computed_in_one_step():
+    r = per_request(batching="continuous", lengths=[2], prompt_len=[100, 100],
+                    chunked_prefill=False)["continuous"]
+    assert r["per_request"][0]["ttft"] == 1 and r["steps"] == 2
+
+
+def test_a_small_kv_pool_forces_preemptions():
+    opts = dict(batching="continuous", requests=40, slots=8, prompt_len=[50, 100])
+    assert lab(**opts)["continuous"]["preemptions"] == 0
+    tight = per_request(**opts, num_kv_blocks=60, block_size=16)["continuous"]
+    assert tight["preemptions"] > 0
+    assert max(tight["timeline"]["kv_blocks_used"]) <= 60
+    assert max(tight["timeline"]["preempted"]) > 0
+    preempted = [p for p in tight["per_request"] if p["preemptions"]]
+    assert any(e["event"] == "preempted" for e in preempted[0]["events"])
+    assert len(preempted[0]["segments"]) >= 2
+
+
+def test_swap_preemption_recomputes_nothing():
+    opts = dict(batching="continuous", requests=40, slots=8, prompt_len=[50, 100],
+                num_kv_blocks=60)
+    recompute = lab(**opts, preemption_mode="recompute")["continuous"]
+    swap = lab(**opts, preemption_mode="swap")["continuous"]
+    assert swap["preemptions"] > 0
+    assert swap["computed_tokens"] == swap["prompt_tokens"] + swap["tokens"] - swap["requests"]
+    assert recompute["computed_tokens"] > swap["computed_tokens"]
+
+
+def test_block_size_sets_the_kv_granularity():
+    r = per_request(batching="continuous", lengths=[10], prompt_len=[20, 20],
+                    block_size=4)["continuous"]
+    assert r["timeline"]["kv_blocks_used"][-1] == 8      # 29 tokens held in blocks of 4
+
+
+def test_priority_policy_serves_the_urgent_class_first():
+    opts = dict(batching="continuous", requests=200, slots=4, prompt_len=[10, 20],
+                arrival_rate=0.2, policy="priority", priority_frac=0.3)
+    r = per_request(**opts)["continuous"]
+    urgent = [p["latency"] for p in r["per_request"] if p["priority"] == 0]
+    normal = [p["latency"] for p in r["per_request"] if p["priority"] == 1]
+    assert 30 < len(urgent) < 90
+    assert sum(urgent) / len(urgent) < 0.5 * sum(normal) / len(normal)
+
+
+def test_cost_model_gives_seconds_from_the_linear_formula():
+    cost = {"c0": 0.5, "c_tok": 0.1, "c_seq": 0.01, "c_kv": 0.001}
+    r = lab(batching="continuous", lengths=[3, 1, 2], slots=2, cost_model=cost)["continuous"]
+    # Steps 0-2 each compute 2 sequences x 1 token; K/V read: 1+1, 2+1, 3+2 positions.
+    assert r["time_s"] == pytest.approx(3 * 0.5 + 6 * 0.1 + 6 * 0.01 + 10 * 0.001)
+    assert r["throughput_tokens_per_s"] == pytest.approx(6 / r["time_s"])
+
+
+def test_per_request_records_carry_events_and_segments():
+    r = per_request(batching="static", lengths=[2, 1], slots=1)["static"]
+    first, second = r["per_request"]
+    assert set(first) >= {"id", "arrival", "first_scheduled", "first_token", "finish",
+                          "prompt_len", "output_len", "long", "priority", "latency", "ttft",
+                          "preemptions", "segments", "events"}
+    assert second["first_scheduled"] == 2 and second["finish"] == 3
+    names = [e["event"] for e in second["events"]]
+    assert names[0] == "arrived" and names[-1] == "finished" and "first_token" in names
+    assert all({"event", "step", "time", "time_s"} <= set(e) for e in second["events"])
