@@ -203,6 +203,7 @@ class Scheduler:
         chunks: dict[str, ScheduledChunk] = {}
         tables = bm.tables
         running = self.running
+        block_size = bm.block_size
         num_preempted = 0
         num_partial = 0       # requests that will still be mid-prefill after this step
 
@@ -211,7 +212,8 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             start = req.num_computed_tokens
-            n = req.num_tokens - start
+            num_tokens = len(req.all_token_ids)      # (properties cost ~2x on this path)
+            n = num_tokens - start
             if chunked:
                 if n > 1:
                     if threshold and n > threshold:
@@ -221,8 +223,12 @@ class Scheduler:
             elif n > budget:
                 i += 1                      # a whole recompute that does not fit this step
                 continue
+            rid = req.request_id
+            table = tables.get(rid)
             scheduled = True
-            while not bm.allocate_slots(req, n):
+            # Inline fast path: most decode steps need no new block.
+            while (table is None or start + n > len(table) * block_size) and \
+                    not bm.allocate_slots(req, n):
                 victim = self._pick_victim(running)
                 idx = running.index(victim)
                 if idx < i:
@@ -234,12 +240,12 @@ class Scheduler:
                     break
             if not scheduled:
                 continue                    # running[i] is now the next request
-            chunk = ScheduledChunk(req, start, n, tables[req.request_id])
-            chunks[req.request_id] = chunk
+            chunks[rid] = ScheduledChunk(req, start, n, tables[rid])
             budget -= n
-            if start + n < req.num_tokens:
+            if start + n < num_tokens:          # still mid-prefill after this step
                 num_partial += 1
-            if n > 1 or start < req.num_prompt_tokens:
+                req.record("prefill_chunk", now, step, start=start, num_tokens=n)
+            elif n > 1 or start < len(req.prompt_token_ids):
                 req.record("prefill_chunk", now, step, start=start, num_tokens=n)
             i += 1
 
@@ -290,8 +296,9 @@ class Scheduler:
             bs = bm.block_size
             while budget > 0:
                 req = source.peek()
-                if req is None:
-                    break
+                if req is None or req.status is RequestStatus.PREEMPTED and any(
+                        r is req for r in out.preempted):
+                    break                   # never re-admit a victim of this very step
                 if self.swapped:
                     head = self.swapped.peek()
                     if not (self._priority and req.priority < head.priority):
@@ -434,7 +441,8 @@ class Scheduler:
             req.num_computed_tokens = computed
             if caching:
                 bm.cache_full_blocks(req)
-            if computed < req.num_tokens:
+            all_tokens = req.all_token_ids
+            if computed < len(all_tokens):
                 continue                    # a prefill chunk that did not reach the end
             rid = req.request_id
             token = sampled.get(rid)
@@ -442,12 +450,16 @@ class Scheduler:
                 raise ValueError(
                     f"the executor returned no token for request {rid!r}, whose chunk "
                     f"[{chunk.start}, {computed}) reached its last token")
-            first = not req.output_token_ids
-            req.append_output_token(token, now)
-            if first:
+            # Request.append_output_token, inlined: this loop runs for every decode.
+            outputs = req.output_token_ids
+            outputs.append(token)
+            all_tokens.append(token)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
                 req.record("first_token", now, self.step)
             sp = req.sampling_params
-            if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_len:
+            if len(outputs) >= sp.max_tokens or len(all_tokens) >= max_len:
                 reason = FinishReason.LENGTH
             elif token == req.eos_token_id and not sp.ignore_eos:
                 reason = FinishReason.STOP
