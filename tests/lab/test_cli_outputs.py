@@ -79,3 +79,16 @@ def _lengths(tmp_path):
     f = tmp_path / "l.txt"
     f.write_text("3\n1\n2\n")
     return f
+
+
+def test_serve_runs_the_app_without_a_model(monkeypatch):
+    import uvicorn
+
+    import iterserve.server.app as app_module
+
+    calls = {}
+    monkeypatch.setattr(app_module, "create_app", lambda engine=None, **kw: ("app", engine))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: calls.update(
+        app=app, host=host, port=port))
+    assert main(["lab", "--serve", "--port", "8123"]) == 0
+    assert calls == {"app": ("app", None), "host": "127.0.0.1", "port": 8123}
