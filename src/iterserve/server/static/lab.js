@@ -351,7 +351,7 @@
     const reqs = r.per_request || [];
     const slots = r.slots;
     // Both charts of the reference case (8 slots) fit above the fold at 1280x800.
-    const rowH = Math.max(4, Math.min(16, Math.floor(160 / slots)));
+    const rowH = Math.max(5, Math.min(16, Math.floor(160 / slots)));
     const m = { left: 52, right: 12, top: 6, bottom: 22 };
     const plotW = width - m.left - m.right;
     const height = m.top + slots * rowH + m.bottom;
@@ -388,10 +388,11 @@
         const x = sx(seg.start);
         const full = sx(seg.end) - x;
         const w = Math.max(1, full > 4 ? full - 1 : full);
-        const y = m.top + seg.slot * rowH + 1;
+        const pad = rowH >= 8 ? 1 : 0.5;
+        const y = m.top + seg.slot * rowH + pad;
         bars.append(svg("rect", {
           class: `seg ${kind} ${seg.kind}` + (urgent.has(req.id) ? " urgent" : ""),
-          x: x.toFixed(2), y, width: w.toFixed(2), height: Math.max(1, rowH - 2), rx: rowH > 8 ? 2 : 0,
+          x: x.toFixed(2), y, width: w.toFixed(2), height: rowH - 2 * pad, rx: rowH > 8 ? 2 : 0,
           dataset: { requestId: String(req.id), mode },
         }, svg("title", { text: `request ${shortId(req.id)} (${kind}, ${req.output_len} output tokens` +
           (req.prompt_len ? `, ${req.prompt_len} prompt tokens` : "") +
