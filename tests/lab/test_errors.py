@@ -28,6 +28,7 @@ def cli(capsys, *args):
     ({"long": [0, 10]}, "long", "at least 1"),
     ({"short_frac": 1.5}, "short_frac", "at most 1"),
     ({"arrival_rate": 0}, "arrival_rate", "greater than 0"),
+    ({"arrival_rate": 1e-9}, "arrival_rate", "at most"),
     ({"prompt_len": [10]}, "prompt_len", "two integers"),
     ({"chunked_prefill": "yes"}, "chunked_prefill", "true or false"),
     ({"preemption_mode": "drop"}, "preemption_mode", "recompute, swap"),

@@ -142,3 +142,18 @@ def test_per_request_records_carry_events_and_segments():
     names = [e["event"] for e in second["events"]]
     assert names[0] == "arrived" and names[-1] == "finished" and "first_token" in names
     assert all({"event", "step", "time", "time_s"} <= set(e) for e in second["events"])
+
+
+def test_idle_steps_between_sparse_arrivals_are_counted_but_cost_nothing_to_simulate():
+    import time
+
+    t = time.perf_counter()
+    r = per_request(batching="continuous", lengths=[2, 3], arrival_rate=1e-5, seed=4,
+                    cost_model={"c0": 1.0, "idle_step_s": 0.5})["continuous"]
+    assert time.perf_counter() - t < 5
+    first, second = r["per_request"]
+    assert second["arrival"] > 10_000 and second["latency"] == 3
+    assert r["steps"] == second["finish"]
+    assert r["time_s"] == 5 * 1.0 + (r["steps"] - 5) * 0.5   # 5 busy steps, the rest idle
+    assert len(r["timeline"]["running"]) == r["steps"]
+    assert r["timeline"]["finished"][second["arrival"] - 1] == 1

@@ -36,6 +36,7 @@ from iterserve.lab.workload import (
 DEFAULT_SEED = 9288
 MAX_SLOTS = 4096
 MAX_REQUESTS = 1_000_000
+MAX_ARRIVAL_SPAN = 10_000_000   # steps the arrivals may spread over (one float of memory each)
 DEFAULT_PRIORITY_FRAC = 0.2
 
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -161,6 +162,11 @@ def plan_lab(options: dict | None) -> LabPlan:
     else:
         requests = _int(opts, "requests", 1, MAX_REQUESTS)
     arrival_rate = _float(opts, "arrival_rate", 0.0, lo_open=True)
+    if arrival_rate is not None and requests / arrival_rate > MAX_ARRIVAL_SPAN:
+        raise _bad("arrival_rate",
+                   f"{requests} requests at {arrival_rate:g} per step would arrive over "
+                   f"~{requests / arrival_rate:,.0f} steps; the lab simulates at most "
+                   f"{MAX_ARRIVAL_SPAN:,} (raise the rate or lower the requests)")
     prompt_len = _range(opts, "prompt_len")
     chunked = _bool(opts, "chunked_prefill")
     block_size = _int(opts, "block_size", 1, 4096)

@@ -21,6 +21,7 @@ becomes running and gives it back when it finishes or is preempted.
 from __future__ import annotations
 
 import heapq
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +145,7 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         if record else None)
 
     free_slots = list(range(settings.slots))       # a heap: lowest index first
-    step_start = [0.0]
+    step_start = array("d", [0.0])              # 8 bytes a step
     step_time = cost.step_time
     prefill_ignored = settings.prefill_ignored
     # Prefill tokens only matter to the fast path's cost when they have their own price.
@@ -161,6 +162,19 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     sampled_token = SAMPLED_TOKEN
 
     while idx < n or sched.has_unfinished_requests():
+        if idx < n and specs[idx].arrival > step and not sched.has_unfinished_requests():
+            # Nothing can run before the next arrival: skip the empty steps in one go. The
+            # scheduler holds no request, so an empty schedule() would change nothing but
+            # its step number, which we advance to match.
+            gap = specs[idx].arrival - step
+            base, idle = step_start[-1], cost.idle_step_s
+            step_start.extend(base + idle * k for k in range(1, gap + 1))
+            if record:
+                for key, value in (("running", 0), ("waiting", 0), ("preempted", 0),
+                                   ("finished", done), ("kv_blocks_used", 0)):
+                    timeline[key].extend([value] * gap)
+            step += gap
+            sched.step = step
         now = float(step)
         while idx < n and specs[idx].arrival <= step:
             spec = specs[idx]
@@ -310,7 +324,7 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         timeline["num_kv_blocks"] = settings.num_kv_blocks
     result = SimResult(
         mode=settings.batching, settings=settings, steps=step, busy_slot_steps=busy,
-        computed_tokens=computed, step_start_s=np.asarray(step_start), specs=specs,
+        computed_tokens=computed, step_start_s=np.frombuffer(step_start, dtype=np.float64), specs=specs,
         finish=finish, first_token=first_token, first_scheduled=first_scheduled,
         preemptions=preemptions, segments=segments, events=events, timeline=timeline)
     if token_gaps:
