@@ -122,6 +122,9 @@ def test_reference_case_shows_both_modes_as_the_json_endpoint_computes_them(page
     verdict = page.locator("#verdict").inner_text()
     assert f"{expected['continuous']['steps']:,} steps instead of {expected['static']['steps']:,}" \
         in verdict
+    # The legend lists only what the charts show: no prefill, preemption or priority here.
+    assert page.locator('#legend [data-legend="prefill"]').is_hidden()
+    assert page.locator('#legend [data-legend="preempt"]').is_hidden()
     # One occupancy chart per mode, a bar per (request, segment).
     for mode in ("static", "continuous"):
         segments = sum(len(r["segments"]) for r in expected[mode]["per_request"])
@@ -208,6 +211,8 @@ def test_prefill_knobs_show_ttft_kv_blocks_and_preemptions(page, base_url):
     for mode in ("static", "continuous"):
         assert shown(page, mode, "mean_ttft") == pytest.approx(expected[mode]["mean_ttft"])
         assert shown(page, mode, "preemptions") == expected[mode]["preemptions"]
+    assert page.locator('#legend [data-legend="prefill"]').is_visible()
+    assert page.locator('#legend [data-legend="preempt"]').is_visible()
     marks = page.locator('#charts svg[data-mode="continuous"] .preempt-mark').count()
     assert marks == sum(r["preemptions"] for r in expected["continuous"]["per_request"])
     page.locator("#step-slider").fill("100")
@@ -278,3 +283,4 @@ def test_screenshots_at_1280x800_and_on_a_narrow_window_fit_the_width(page, tmp_
     assert page.evaluate("document.documentElement.scrollWidth") <= 400
     chart_width = page.locator('#charts svg[data-mode="static"]').bounding_box()["width"]
     assert chart_width <= 400
+

@@ -67,6 +67,8 @@
     return "#" + (m ? m[1] : String(id));
   };
 
+  const plural = (unit, v) => (unit === "steps" && v === 1 ? "step" : unit);
+
   const pct = (x) => (x == null ? "–" : fmt(100 * x, 1) + " %");
 
   /* ------------------------------------------------------------------ options */
@@ -262,7 +264,7 @@
           el("dd", {},
             el("span", { class: "num", dataset: { mode, metric, value: String(r[metric]) },
               text: figureText(metric, r[metric], decimals) }),
-            unit ? el("span", { class: "unit", text: " " + unit }) : null,
+            unit ? el("span", { class: "unit", text: " " + plural(unit, r[metric]) }) : null,
             better === "better" ? el("span", { class: "mark", title: `better than ${other}`, text: " ✓" }) : null));
         if (metric === "utilization") {
           fig.append(el("div", { class: "meter", "aria-hidden": "true" },
@@ -334,6 +336,16 @@
     const box = $("#charts");
     box.replaceChildren();
     const xmax = Math.max(1, ...modes.map((m) => result[m].steps));
+    // The legend lists only what these charts show.
+    const reqs = modes.flatMap((m) => result[m].per_request || []);
+    const shows = {
+      prefill: reqs.some((r) => r.segments.some((g) => g.kind === "prefill")),
+      preempt: reqs.some((r) => preemptedEnds(r).length > 0),
+      urgent: urgentSet(reqs).size > 0,
+    };
+    for (const item of document.querySelectorAll("#legend [data-legend]")) {
+      item.hidden = shows[item.dataset.legend] === false;
+    }
     const width = Math.max(320, box.clientWidth || 800);
     for (const mode of modes) {
       const r = result[mode];
@@ -593,7 +605,8 @@
     }
     for (const f of dl.querySelectorAll('[data-trace-fact="latency"], [data-trace-fact="ttft"]')) {
       const v = Number(f.dataset.value);
-      f.textContent = f.dataset.value === "null" ? "–" : `${fmt(v, Number.isInteger(v) ? 0 : 1)} steps`;
+      f.textContent = f.dataset.value === "null" ? "–"
+        : `${fmt(v, Number.isInteger(v) ? 0 : 1)} ${plural("steps", v)}`;
     }
     const events = eventList(req.events || [], (ev) => ev.time_s != null ? `${fmt(ev.time_s, 3)} s` : "");
     box.replaceChildren(
