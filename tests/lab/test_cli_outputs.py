@@ -92,3 +92,17 @@ def test_serve_runs_the_app_without_a_model(monkeypatch):
         app=app, host=host, port=port))
     assert main(["lab", "--serve", "--port", "8123"]) == 0
     assert calls == {"app": ("app", None), "host": "127.0.0.1", "port": 8123}
+
+
+def test_trace_shows_prefill_phases_and_preempted_waits(tmp_path):
+    from iterserve.lab.api import plan_lab, simulate_plan
+    from iterserve.lab.trace import chrome_trace
+
+    plan = plan_lab({"batching": "continuous", "requests": 40, "slots": 8,
+                     "prompt_len": [50, 100], "num_kv_blocks": 60})
+    results = simulate_plan(plan, record=True)
+    events = chrome_trace(results)["traceEvents"]
+    assert {e["cat"] for e in events if e["ph"] == "X"} == {"prefill", "decode"}
+    waits = [e for e in events if e["ph"] == "b" and e["name"] == "preempted"]
+    assert waits and all(e["args"]["end_step"] > e["args"]["start_step"] for e in waits)
+    json.dumps(events)
