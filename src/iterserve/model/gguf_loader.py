@@ -1,0 +1,270 @@
+"""Load a GGUF file as (HF-style config dict, HF-named state dict, Tokenizer).
+
+GGUF is llama.cpp's single-file format: metadata keys under llama.cpp's names, tensors under
+llama.cpp's names, many of them block-quantised. The rest of iterserve speaks HF
+`transformers` (config.json keys, `model.layers.{i}.self_attn.q_proj.weight`), so this module
+translates at the border and the model code has one format to know:
+
+- metadata -> config.json keys (what `transformers` builds from the same file);
+- tensors dequantised to float at load with `gguf.quants.dequantize` (numpy): the engine runs
+  float GEMMs on CPU, so keeping blocks quantised would buy memory, not speed;
+- llama's Q/K rows un-permuted: llama.cpp's converter reorders them for its interleaved
+  ("normal") RoPE, transformers' loader reverses that, and we match transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+
+import numpy as np
+import torch
+
+from iterserve.model.tokenizer import Tokenizer
+
+__all__ = ["load_gguf", "open_gguf", "read_gguf_config", "GGUFLoadError"]
+
+log = logging.getLogger(__name__)
+
+
+class GGUFLoadError(ValueError):
+    """The file is not a GGUF we can load (bad magic, architecture, quant type, tensors)."""
+
+
+# llama.cpp architecture name -> (HF model_type, HF architectures entry)
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# llama.cpp stores llama (and mistral) Q/K permuted for its rope; Qwen's use NEOX rope as is.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors llama.cpp may write that carry nothing the HF model has (precomputed rope factors).
+_IGNORED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+@functools.cache
+def _reader_class():
+    import gguf
+
+    class _PlainArrayReader(gguf.GGUFReader):
+        """GGUFReader over a plain ndarray view of its memmap.
+
+        The reader slices its buffer a million times while parsing a 49k-token vocabulary;
+        on an `np.memmap` each slice runs memmap's Python-level `__getitem__` and
+        `__array_finalize__`, which made opening SmolLM2's GGUF take 3x longer. A plain
+        view of the same mapping parses identically (the view keeps the mapping alive).
+        """
+
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return _PlainArrayReader
+
+
+def open_gguf(path) -> "gguf.GGUFReader":  # noqa: F821
+    """A GGUFReader for `path`, with a clear GGUFLoadError when it is not a GGUF file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GGUFLoadError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return _reader_class()(path)
+    except Exception as exc:   # truncated or corrupt files raise assorted errors in the reader
+        raise GGUFLoadError(f"{path}: cannot be parsed as GGUF: {exc}") from exc
+
+
+def _value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_gguf_config(reader) -> dict:
+    """The config.json-style dict for a GGUF's metadata (what transformers derives)."""
+    arch = _value(reader, "general.architecture")
+    name = (_value(reader, "general.name") or "").lower()
+    if arch == "llama" and "mistral" in name:
+        arch = "mistral"   # llama.cpp writes Mistral as llama; transformers tells them apart so
+    if arch not in _ARCHITECTURES:
+        raise GGUFLoadError(f"GGUF architecture {arch!r} is not supported "
+                            f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
+    prefix = _value(reader, "general.architecture")   # metadata keys keep the file's name
+
+    def key(k, default=None):
+        return _value(reader, f"{prefix}.{k}", default)
+
+    required = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+                "feed_forward_length": "intermediate_size",
+                "attention.head_count": "num_attention_heads"}
+    missing = [k for k in required if key(k) is None]
+    if missing:
+        raise GGUFLoadError(f"GGUF metadata lacks {', '.join(f'{prefix}.{k}' for k in missing)}")
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = _value(reader, "tokenizer.ggml.tokens")
+    vocab = key("vocab_size")
+    if vocab is None:
+        vocab = len(tokens) if tokens is not None else None
+    if vocab is None:
+        emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        vocab = int(emb.shape[-1]) if emb is not None else None
+    model_type, hf_arch = _ARCHITECTURES[arch]
+    config = {
+        "model_type": model_type,
+        "architectures": [hf_arch],
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length") or key("rope.dimension_count")
+                        or hidden // heads),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "vocab_size": int(vocab) if vocab is not None else None,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _value(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if model_type == "qwen2":
+        config["attention_bias"] = True
+    scaling_type = key("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        rope_scaling = {"rope_type": scaling_type, "type": scaling_type,
+                        "factor": float(key("rope.scaling.factor", 1.0))}
+        orig = key("rope.scaling.original_context_length")
+        if orig is not None:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+        config["rope_scaling"] = rope_scaling
+    elif "rope_freqs.weight" in tensor_names:
+        log.warning("GGUF has rope_freqs (Llama 3.1-style rope scaling) whose parameters the "
+                    "metadata does not state; loading without rope scaling")
+    return config
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute` (convert_hf_to_gguf.py), as transformers does it."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _LAYER_NAME.match(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+    return None
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf import quants
+
+    qtype = tensor.tensor_type.name
+    if qtype not in _SUPPORTED_QUANTS:
+        raise GGUFLoadError(f"tensor {tensor.name!r} has quantisation type {qtype}, which is "
+                            f"not supported (supported: {', '.join(sorted(_SUPPORTED_QUANTS))})")
+    if qtype == "F32":
+        data = np.array(tensor.data, dtype=np.float32)   # a copy: the mapping is read-only
+    elif qtype == "F16":
+        data = np.asarray(tensor.data).astype(np.float32)
+    else:
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    # The reader gives GGUF's dims reversed (numpy order): [out, in] like HF's Linear weights.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return data.reshape(shape)
+
+
+def load_gguf(path, dtype: torch.dtype = torch.float32
+              ) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+    """(config dict, HF-named state dict, tokenizer) of a GGUF file; weights dequantised."""
+    reader = open_gguf(path)
+    config = read_gguf_config(reader)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    permuted = _value(reader, "general.architecture") in _PERMUTED_QK
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            if tensor.name in _IGNORED_TENSORS:
+                continue
+            raise GGUFLoadError(f"{os.fspath(path)}: tensor {tensor.name!r} has no counterpart "
+                                f"in a {config['model_type']} model")
+        w = _dequantize(tensor)
+        if permuted and name.endswith("q_proj.weight"):
+            w = _unpermute_qk(w, config["num_attention_heads"])
+        elif permuted and name.endswith("k_proj.weight"):
+            w = _unpermute_qk(w, config["num_key_value_heads"])
+        state[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+    _check_shapes(config, state)
+    tokenizer = Tokenizer.from_gguf_metadata(reader)
+    if config["vocab_size"] is None:
+        config["vocab_size"] = tokenizer.vocab_size
+    return config, state, tokenizer
+
+
+def _check_shapes(config: dict, state: dict[str, torch.Tensor]) -> None:
+    """Fail at load, naming the tensor, rather than deep inside the first forward pass."""
+    h, d = config["hidden_size"], config["head_dim"]
+    q, kv, ffn = config["num_attention_heads"] * d, config["num_key_value_heads"] * d, \
+        config["intermediate_size"]
+    expected = {"model.embed_tokens.weight": (config["vocab_size"], h),
+                "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        expected["lm_head.weight"] = (config["vocab_size"], h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        expected.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn)})
+    for name, shape in expected.items():
+        if name not in state:
+            raise GGUFLoadError(f"GGUF lacks the tensor for {name}")
+        if shape[0] is not None and tuple(state[name].shape) != shape:
+            raise GGUFLoadError(f"{name} has shape {tuple(state[name].shape)}, "
+                                f"the config implies {shape}")
