@@ -166,6 +166,12 @@ def test_step_slider_replays_who_is_running_waiting_and_finished(page, base_url)
             chips = page.locator(f'#step-view [data-mode="{mode}"] .chip')
             assert {chips.nth(i).get_attribute("data-request-id")
                     for i in range(chips.count())} == running_ids
+    # The queue-over-the-run charts follow the slider with their cursor.
+    page.locator("#step-slider").fill("0")
+    cursor = page.locator('#timelines svg[data-mode="continuous"] .cursor')
+    at_start = float(cursor.get_attribute("x1"))
+    page.locator("#step-slider").fill("800")
+    assert float(cursor.get_attribute("x1")) > at_start
 
 
 def test_clicking_a_bar_opens_that_requests_trace(page, base_url):
@@ -283,4 +289,5 @@ def test_screenshots_at_1280x800_and_on_a_narrow_window_fit_the_width(page, tmp_
     assert page.evaluate("document.documentElement.scrollWidth") <= 400
     chart_width = page.locator('#charts svg[data-mode="static"]').bounding_box()["width"]
     assert chart_width <= 400
+
 

@@ -224,6 +224,7 @@
     slider.value = String(state.step);
     renderFigures(result, modes);
     renderCharts(result, modes);
+    renderTimelines(result, modes);
     renderStep();
     renderTracePicker(result, modes);
     if (state.trace && result[state.trace.mode]) showTrace(state.trace.mode, state.trace.id, false);
@@ -433,8 +434,67 @@
     return root;
   }
 
+  /* Per mode, the queue over the whole run: running and waiting requests, and the share
+   * of KV blocks in use shaded behind them; the replay cursor moves across it. */
+  function renderTimelines(result, modes) {
+    const box = $("#timelines");
+    box.replaceChildren();
+    const xmax = Math.max(1, ...modes.map((m) => result[m].steps));
+    const width = Math.max(300, Math.floor((box.clientWidth || 800) / Math.max(1, modes.length)) - 12);
+    for (const mode of modes) {
+      const tl = result[mode].timeline;
+      if (!tl) continue;
+      box.append(timelineChart(mode, tl, xmax, width));
+    }
+  }
+
+  function timelineChart(mode, tl, xmax, width) {
+    const height = 110, m = { left: 34, right: 10, top: 8, bottom: 20 };
+    const plotW = width - m.left - m.right, plotH = height - m.top - m.bottom;
+    const n = tl.running.length;
+    const ymax = Math.max(1, ...tl.running, ...tl.waiting);
+    const sx = (s) => m.left + (s / xmax) * plotW;
+    const sy = (v) => m.top + (1 - v / ymax) * plotH;
+    // One point per pixel column at most: a 90,000-step run stays a light SVG.
+    const stride = Math.max(1, Math.floor(n / plotW));
+    const idx = [];
+    for (let i = 0; i < n; i += stride) idx.push(i);
+    if (n && idx[idx.length - 1] !== n - 1) idx.push(n - 1);
+    const root = svg("svg", { class: "timeline", width, height, viewBox: `0 0 ${width} ${height}`,
+      role: "img", dataset: { mode },
+      "aria-label": `${mode}: running and waiting requests per step` +
+        (tl.num_kv_blocks ? ", with KV blocks in use shaded" : "") });
+    if (tl.num_kv_blocks && tl.kv_blocks_used) {
+      const top = (i) => m.top + (1 - tl.kv_blocks_used[i] / tl.num_kv_blocks) * plotH;
+      const pts = idx.map((i) => `${sx(i).toFixed(1)},${top(i).toFixed(1)}`);
+      root.append(svg("path", { class: "kv-area",
+        d: `M${sx(idx[0])},${m.top + plotH} L${pts.join(" L")} L${sx(idx[idx.length - 1])},${m.top + plotH} Z` },
+        svg("title", { text: "KV blocks in use (share of the pool)" })));
+    }
+    for (const t of niceTicks(ymax, 3)) {
+      root.append(svg("line", { class: "grid", x1: m.left, x2: m.left + plotW, y1: sy(t), y2: sy(t) }));
+      root.append(svg("text", { class: "tick-label", x: m.left - 4, y: sy(t) + 4, "text-anchor": "end", text: fmt(t) }));
+    }
+    for (const key of ["waiting", "running"]) {
+      root.append(svg("polyline", { class: `line ${key}`,
+        points: idx.map((i) => `${sx(i).toFixed(1)},${sy(tl[key][i]).toFixed(1)}`).join(" ") }));
+    }
+    root.append(svg("text", { class: "tick-label", x: m.left, y: height - 4, text: "step 0" }));
+    root.append(svg("text", { class: "tick-label", x: m.left + plotW, y: height - 4, "text-anchor": "end",
+      text: `step ${fmt(xmax)}` }));
+    root.append(svg("line", { class: "cursor", x1: sx(0), x2: sx(0), y1: m.top, y2: m.top + plotH,
+      dataset: { x0: String(m.left), plotw: String(plotW), xmax: String(xmax) } }));
+    return el("figure", { class: `timeline-fig mode-${mode}`, dataset: { mode } },
+      el("figcaption", {}, el("span", { class: "mode-dot" }), `${mode}: queue over the run`),
+      root,
+      el("div", { class: "legend" },
+        el("span", {}, el("i", { class: "swatch line-running" }), "running"),
+        el("span", {}, el("i", { class: "swatch line-waiting" }), "waiting"),
+        tl.num_kv_blocks ? el("span", {}, el("i", { class: "swatch kv" }), "KV blocks in use") : null));
+  }
+
   function moveCursors() {
-    for (const line of document.querySelectorAll("#charts .cursor")) {
+    for (const line of document.querySelectorAll("#charts .cursor, #timelines .cursor")) {
       const { x0, plotw, xmax } = line.dataset;
       const x = Number(x0) + ((state.step + 0.5) / Number(xmax)) * Number(plotw);
       line.setAttribute("x1", x.toFixed(2));
@@ -792,7 +852,14 @@
     let resizeTimer = null;
     window.addEventListener("resize", () => {
       clearTimeout(resizeTimer);
-      resizeTimer = setTimeout(() => { if (state.result) { renderCharts(state.result, modesIn(state.result)); moveCursors(); highlightSelected(); } }, 150);
+      resizeTimer = setTimeout(() => {
+        if (!state.result) return;
+        const modes = modesIn(state.result);
+        renderCharts(state.result, modes);
+        renderTimelines(state.result, modes);
+        moveCursors();
+        highlightSelected();
+      }, 150);
     });
     run();
     pollLive();
