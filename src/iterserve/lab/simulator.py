@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -114,7 +114,6 @@ class SimResult:
     segments: list[list[dict[str, Any]]] | None = None
     events: list[list[dict[str, Any]]] | None = None
     timeline: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *,
