@@ -1,8 +1,9 @@
 """The /lab page in headless Chromium: what a user sees matches what the lab computed.
 
-One uvicorn server (no model) and one browser page serve all tests of this module, which
-run in order on the same page as a user would: load the reference case, change a knob,
-replay steps, open a request's trace. The numbers the page shows are checked against
+One browser, one uvicorn server without a model (as `iterserve lab --serve` runs) and one
+page serve the tests of this module, which run in order on that page as a user would: load
+the reference case, change a knob, replay steps, open a request's trace. The last test puts
+a tiny random llama behind the real app and checks the live view against its engine. The numbers the page shows are checked against
 `POST /v1/lab/run` on the same server, so the page can only pass by displaying the lab's
 own results.
 """
@@ -67,23 +68,25 @@ def base_url():
     stop()
 
 
-def launch(p):
-    return p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
 
 
 @pytest.fixture(scope="module")
-def page(base_url):
-    with sync_api.sync_playwright() as p:
-        browser = launch(p)
-        pg = browser.new_page(viewport={"width": 1280, "height": 800})
-        pg.set_default_timeout(TIMEOUT_MS)
-        errors: list[str] = []
-        pg.on("pageerror", lambda exc: errors.append(str(exc)))
-        pg.goto(f"{base_url}/lab")
-        pg.wait_for_selector('body[data-runs="1"]')
-        yield pg
-        browser.close()
-        assert not errors, f"JavaScript errors on the page: {errors}"
+def page(browser, base_url):
+    pg = browser.new_page(viewport={"width": 1280, "height": 800})
+    pg.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    pg.goto(f"{base_url}/lab")
+    pg.wait_for_selector('body[data-runs="1"]')
+    yield pg
+    pg.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
 
 
 def lab_run(base_url: str, options: dict) -> dict:
@@ -172,6 +175,16 @@ def test_step_slider_replays_who_is_running_waiting_and_finished(page, base_url)
     at_start = float(cursor.get_attribute("x1"))
     page.locator("#step-slider").fill("800")
     assert float(cursor.get_attribute("x1")) > at_start
+    # Play replays from where the slider is, and Pause stops it.
+    page.locator("#step-slider").fill("0")
+    page.click("#play")
+    assert page.get_attribute("#play", "aria-pressed") == "true"
+    page.wait_for_function("() => Number(document.querySelector('#step-slider').value) > 50")
+    page.click("#play")
+    assert page.get_attribute("#play", "aria-pressed") == "false"
+    stopped_at = page.input_value("#step-slider")
+    page.wait_for_timeout(150)
+    assert page.input_value("#step-slider") == stopped_at
 
 
 def test_clicking_a_bar_opens_that_requests_trace(page, base_url):
@@ -291,3 +304,51 @@ def test_screenshots_at_1280x800_and_on_a_narrow_window_fit_the_width(page, tmp_
     assert chart_width <= 400
 
 
+
+# --- the live view against a real engine ----------------------------------------------
+
+def test_live_view_shows_the_real_engines_counters_and_request_traces(browser, tiny_model_dir):
+    """A tiny random llama behind the real app: the panel appears, and once requests have
+    flowed through the engine it shows the engine's own counters and each request's trace."""
+    from iterserve.engine.args import EngineArgs
+    from iterserve.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), num_kv_blocks=64))
+    url, stop = serve_in_thread(create_app(engine, served_model_name="tiny-llama"))
+    pg = browser.new_page(viewport={"width": 1280, "height": 800})
+    try:
+        answers: list[httpx.Response] = []
+
+        def send(i: int) -> None:
+            answers.append(httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": f"hello {i}", "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True}))
+
+        pg.set_default_timeout(TIMEOUT_MS)
+        pg.goto(f"{url}/lab")
+        pg.locator("#live").wait_for(state="visible")
+        assert "tiny-llama" in pg.locator("#live-model").inner_text()
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(timeout=60)
+        assert [a.status_code for a in answers] == [200] * 4
+        stats = httpx.get(f"{url}/v1/engine/stats", timeout=10).json()
+        assert stats["step"] > 0
+        # The page catches up within a poll or two and shows the same numbers.
+        pg.wait_for_function(
+            "s => document.querySelector('[data-live=\"step\"]')?.dataset.value === String(s)",
+            arg=stats["step"])
+        assert pg.locator('[data-live="num_running"]').get_attribute("data-value") == "0"
+        assert pg.locator("#live-charts svg rect.bar").count() == len(stats["history"])
+        ids = [r["request_id"] for r in stats["recent_requests"]]
+        assert len(ids) == 4
+        details = pg.locator(f'#live-requests details[data-request-id="{ids[0]}"]')
+        details.locator("summary").click()
+        events = [li.get_attribute("data-event") for li in details.locator("li").all()]
+        assert events == [e["event"] for e in stats["recent_requests"][0]["events"]]
+        assert events[-1] == "finished"
+    finally:
+        pg.close()
+        stop()
