@@ -141,3 +141,17 @@ def test_stop_string_with_multibyte_characters(tok):
 def test_empty_stop_string_is_rejected(tok):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tok, [1], stop=[""])
+
+
+def test_sentencepiece_output_keeps_the_space_that_continues_the_prompt(tmp_path):
+    # SentencePiece decoders drop a leading space, so decoding outputs alone would glue the
+    # first word to the prompt; decoding in the prompt's context (as vLLM does) keeps it.
+    from fixtures.tiny_gguf import write_tiny_sentencepiece_gguf
+    from iterserve.model.gguf_loader import open_gguf
+    write_tiny_sentencepiece_gguf(tmp_path / "spm.gguf")
+    tok = Tokenizer.from_gguf_metadata(open_gguf(tmp_path / "spm.gguf"))
+    full = tok.encode("The quick brown fox jumps over the lazy dog")
+    prompt, output = full[:4], full[4:]
+    pieces, _ = stream(tok, output, prompt=prompt)
+    assert "".join(pieces) == tok.decode(full)[len(tok.decode(prompt)):]
+    assert "".join(pieces).startswith(" ")

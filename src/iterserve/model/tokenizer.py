@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any, Iterable, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _RustTokenizer
 
 from iterserve.model.chat_template import ChatTemplateError, render_chat_template
@@ -291,9 +291,11 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: li
                        token_types: list[int], add_space_prefix: bool) -> _RustTokenizer:
     """Llama/Mistral-style SentencePiece BPE: "▁" for spaces, <0xNN> byte fallback.
 
-    GGUF "llama" vocabularies usually have scores but no merges; a BPE merge list is recovered
-    from the vocabulary, ranking each merge by the score of the token it produces (what
-    SentencePiece's BPE does at encode time).
+    GGUF "llama" vocabularies usually have scores but no merges. SentencePiece's BPE merges
+    the adjacent pair whose result scores highest, so a merge list ranked by the score of the
+    merged token reproduces it; the tie-breaking follows transformers' `generate_merges`
+    (score, then longer left piece, then longer right piece, then vocabulary order), so the
+    ids match what transformers builds from the same file.
     """
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if merges:
@@ -302,22 +304,18 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: li
         if scores is None:
             raise TokenizerLoadError("GGUF llama tokenizer has neither merges nor scores")
         ranked = []
-        for tok, i in vocab.items():
-            if token_types[i] != 1 or len(tok) < 2:
-                continue
-            for cut in range(1, len(tok)):
-                left, right = tok[:cut], tok[cut:]
-                if left in vocab and right in vocab:
-                    ranked.append((-scores[i], i, vocab[left], vocab[right], left, right))
-        ranked.sort()
-        pairs = [(left, right) for _, _, _, _, left, right in ranked]
+        for tok, score in zip(tokens, scores):
+            local = [(tok[:cut], tok[cut:]) for cut in range(1, len(tok))
+                     if tok[:cut] in vocab and tok[cut:] in vocab]
+            local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+            ranked.extend((left, right, score) for left, right in local)
+        ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+        pairs = [(left, right) for left, right, _ in ranked]
     unk = next((t for t, ty in zip(tokens, token_types) if ty == 2), None)  # 2 = UNKNOWN
     tok = _RustTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True,
                                     byte_fallback=True))
-    steps = [normalizers.Replace(" ", "▁")]
-    if add_space_prefix:
-        steps.insert(0, normalizers.Prepend("▁"))
-    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False)
     dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         dec.append(decoders.Strip(" ", 1, 0))
