@@ -151,7 +151,9 @@ def test_sentencepiece_output_keeps_the_space_that_continues_the_prompt(tmp_path
     write_tiny_sentencepiece_gguf(tmp_path / "spm.gguf")
     tok = Tokenizer.from_gguf_metadata(open_gguf(tmp_path / "spm.gguf"))
     full = tok.encode("The quick brown fox jumps over the lazy dog")
-    prompt, output = full[:4], full[4:]
+    pieces = tok.convert_ids_to_tokens(full)
+    cut = next(i for i in range(3, len(full)) if pieces[i].startswith("▁"))   # a word start
+    prompt, output = full[:cut], full[cut:]
     pieces, _ = stream(tok, output, prompt=prompt)
     assert "".join(pieces) == tok.decode(full)[len(tok.decode(prompt)):]
     assert "".join(pieces).startswith(" ")
