@@ -209,3 +209,28 @@ def test_default_model_state_dict_equals_transformers_tensor_for_tensor(default_
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
         assert config[key] == getattr(hf_config, key), key
     assert config["rms_norm_eps"] == pytest.approx(hf_config.rms_norm_eps)
+
+
+# --- Qwen architectures -------------------------------------------------------------------
+@pytest.mark.parametrize("arch, extra", [
+    ("qwen2", "self_attn.q_proj.bias"),
+    ("qwen3", "self_attn.q_norm.weight"),
+])
+def test_qwen_files_load_without_unpermuting_and_match_transformers(tmp_path, arch, extra):
+    path = tmp_path / f"{arch}.gguf"
+    info = write_tiny_llama_gguf(path, arch=arch)
+    config, state, _ = load_gguf(path)
+    assert config["model_type"] == arch and config["head_dim"] == 16
+    assert config["attention_bias"] is (arch == "qwen2")
+    assert set(state) == set(info["weights"])
+    q = "model.layers.1.self_attn.q_proj.weight"          # F32 and not permuted: exact
+    assert torch.equal(state[q], torch.from_numpy(info["weights"][q]))
+    assert torch.equal(state[f"model.layers.0.{extra}"],
+                       torch.from_numpy(info["weights"][f"model.layers.0.{extra}"]))
+    pytest.importorskip("transformers")
+    _, hf_state = _hf_gguf_state_dict(path)
+    # (transformers' qwen3 GGUF config ignores attention.key_length and assumes head_dim
+    # 128; the tensors it loads are still comparable)
+    assert set(hf_state) == set(state)
+    for name in state:
+        assert torch.equal(state[name], hf_state[name]), name
