@@ -183,3 +183,18 @@ def test_top_k_and_top_p_combine_top_k_first():
     logits = probs.log().expand(2000, 5).contiguous()
     out = Sampler(seed=0)(logits, [req(str(i), top_k=3, top_p=0.7) for i in range(2000)])
     assert {r.token_id for r in out} == {0, 1}
+
+
+def test_rows_that_fit_the_prefilter_and_rows_that_do_not_mix_in_one_batch():
+    from iterserve.model import sampler as sampler_mod
+    vocab = 2 * sampler_mod.PREFILTER
+    flat = -torch.arange(vocab, dtype=torch.float32) * 1e-4       # nucleus of 0.75: ~1,500 ids
+    peaked = flat.clone()
+    peaked[7] = 30.0                                               # nucleus: just id 7
+    logits = torch.stack([flat, peaked] * 1000)
+    reqs = [req(str(i), top_p=0.75, seed=i) for i in range(2000)]
+    out = [r.token_id for r in Sampler()(logits, reqs)]
+    assert set(out[1::2]) == {7}
+    assert max(out[0::2]) >= sampler_mod.PREFILTER
+    # and a seeded row gives the same token alone as in the mixed batch
+    assert Sampler()(flat.unsqueeze(0), [req("0", top_p=0.75, seed=0)])[0].token_id == out[0]

@@ -138,12 +138,19 @@ class Sampler:
             idx = None if whole else torch.tensor(rows, device=device)
             sub = logits if whole else logits[idx]
             sub_params = params if whole else [params[i] for i in rows]
-            if truncate:
-                probs, ids = truncated_candidates(sub, sub_params)
+            sub_uniforms = uniforms if whole else uniforms[idx]
+            min_ps = [p.min_p for p in sub_params]
+            if not truncate:
+                drawn = draw(sub.softmax(dim=-1), None, min_ps, sub_uniforms)
             else:
-                probs, ids = sub.softmax(dim=-1), None
-            drawn = draw(probs, ids, [p.min_p for p in sub_params],
-                         uniforms if whole else uniforms[idx])
+                probs, ids, exact = truncated_candidates(sub, sub_params)
+                drawn = draw(probs, ids, min_ps, sub_uniforms)
+                if not all(exact):   # nucleus wider than the prefiltered head: sort those rows
+                    redo = torch.tensor([j for j, ok in enumerate(exact) if not ok], device=device)
+                    probs, ids, _ = truncated_candidates(
+                        sub[redo], [sub_params[j] for j in redo.tolist()], width=vocab)
+                    drawn[redo] = draw(probs, ids, [min_ps[j] for j in redo.tolist()],
+                                       sub_uniforms[redo])
             if whole:
                 return drawn
             tokens[idx] = drawn
@@ -222,40 +229,44 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
 PREFILTER = 1024   # head of the sorted vocabulary tried before a full sort for top-p
 
 
-def truncated_candidates(logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [N, C], token ids [N, C]) of each row's best C tokens, best first, after top-k
-    and top-p; dropped candidates have probability 0.
+def truncated_candidates(logits: torch.Tensor, params, width: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    """(probs [N, C], token ids [N, C], exact per row) for each row's best C tokens, best
+    first, after top-k and top-p; dropped candidates have probability 0.
 
-    Top-p needs tokens in order, and a full sort of the vocabulary is the slowest operation
-    here, so the best PREFILTER tokens are tried first: when they hold at least top_p of a
-    row's mass, the nucleus lies inside them (exact, not an approximation). Rows where they
-    do not fall back to a full sort. Top-k renormalises before top-p, as HF and vLLM do.
+    Top-p needs tokens in order, and a full sort of the vocabulary is by far the slowest
+    operation here (about 7 ms a row on this CPU, against 0.6 ms for the best 1,024), so by
+    default only the best PREFILTER tokens are taken. Where they hold at least top_p of a
+    row's mass the nucleus lies inside them and the row is exact; rows where they do not are
+    reported (`exact` False) for the caller to redo with `width=vocab`. Top-k renormalises
+    before top-p, as HF and vLLM do.
     """
     n, vocab = logits.shape
     device = logits.device
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if width is None:
+        width = max(ks) if all(ks) else min(vocab, max(PREFILTER, max(ks)))
     has_k = torch.tensor([k > 0 for k in ks], device=device).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
-    width = max(ks) if all(ks) else min(vocab, max(PREFILTER, max(ks)))
-    while True:
-        cand, ids = logits.topk(width, dim=-1) if width < vocab else logits.sort(
-            dim=-1, descending=True)
-        pos = torch.arange(width, device=device).unsqueeze(0)
-        k_row = torch.tensor([k or width for k in ks], device=device).unsqueeze(1)
-        cand = cand.masked_fill(pos >= k_row, float("-inf"))
-        best = cand[:, :1]
-        # Normaliser: over the top-k set when the row has top-k, else over the whole row.
-        norm = (cand - best).exp().sum(-1, keepdim=True)
-        if not bool(has_k.all()) and width < vocab:
-            norm = torch.where(has_k, norm, (logits - best).exp().sum(-1, keepdim=True))
-        probs = (cand - best).exp() / norm
-        if width == vocab or bool(((probs.sum(-1, keepdim=True) >= top_p) | has_k).all()):
-            break
-        width = vocab   # some row's nucleus reaches past the head: sort everything
+    cand, ids = logits.topk(width, dim=-1) if width < vocab else logits.sort(
+        dim=-1, descending=True)
+    pos = torch.arange(width, device=device).unsqueeze(0)
+    k_row = torch.tensor([k or width for k in ks], device=device).unsqueeze(1)
+    cand = cand.masked_fill(pos >= k_row, float("-inf"))
+    best = cand[:, :1]
+    # Normaliser: over the top-k set when the row has top-k, else over the whole row.
+    norm = (cand - best).exp().sum(-1, keepdim=True)
+    if width < vocab and not bool(has_k.all()):
+        norm = torch.where(has_k, norm, (logits - best).exp().sum(-1, keepdim=True))
+    probs = (cand - best).exp() / norm
+    if width < vocab:
+        exact = ((probs.sum(-1, keepdim=True) >= top_p) | has_k).squeeze(1).tolist()
+    else:
+        exact = [True] * n
     if bool((top_p < 1.0).any()):
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p, 0.0)   # the best token is always kept
-    return probs, ids
+    return probs, ids, exact
 
 
 def draw(probs: torch.Tensor, ids: torch.Tensor | None, min_ps: list[float],
