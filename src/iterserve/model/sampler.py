@@ -83,14 +83,14 @@ class Sampler:
         if penalised:
             logits = apply_penalties(logits, requests)
         if not any(greedy):
-            tokens = self._sample_random(logits, requests)
+            tokens = self._sample_random(logits, requests, owned=penalised)
         else:
             tokens = logits.argmax(dim=-1)
             random_rows = [i for i, g in enumerate(greedy) if not g]
             if random_rows:
                 idx = torch.tensor(random_rows, device=logits.device)
                 tokens[idx] = self._sample_random(logits[idx],
-                                                  [requests[i] for i in random_rows])
+                                                  [requests[i] for i in random_rows], owned=True)
 
         token_list = tokens.tolist()
         if raw_logprobs is None:
@@ -116,7 +116,8 @@ class Sampler:
                 u[i] = torch.rand(1, device=device, generator=g)[0]
         return u
 
-    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request], *,
+                       owned: bool = False) -> torch.Tensor:
         """Temperature, truncation, then an inverse-CDF draw with one uniform per row.
 
         Rows that keep the whole vocabulary (no top-k, top-p 1) work on it unsorted; rows that
@@ -124,8 +125,11 @@ class Sampler:
         """
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        logits = logits / temps
+        if any(p.temperature != 1.0 for p in params):
+            temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+            # `owned`: logits is this call's own copy (penalised or row-selected), so the
+            # division can reuse its memory instead of writing another [N, V] tensor.
+            logits = logits.div_(temps) if owned else logits / temps
         uniforms = self._uniforms(requests, device)
         vocab = logits.shape[1]
         full = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
