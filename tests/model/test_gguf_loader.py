@@ -193,7 +193,7 @@ def test_default_model_loads_every_tensor_with_config_shapes(default_model):
     assert config["tie_word_embeddings"] is True and "lm_head.weight" not in state
     assert len(state) == 2 + 9 * config["num_hidden_layers"]   # embed, norm + 9 per layer
     assert state["model.embed_tokens.weight"].shape == (config["vocab_size"], config["hidden_size"])
-    assert all(torch.isfinite(t).all() for t in state.values())
+    assert all(torch.isfinite(t.sum()) for t in state.values())   # a NaN/inf anywhere shows
     assert tok.vocab_size == config["vocab_size"]
 
 
