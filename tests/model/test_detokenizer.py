@@ -157,3 +157,34 @@ def test_sentencepiece_output_keeps_the_space_that_continues_the_prompt(tmp_path
     pieces, _ = stream(tok, output, prompt=prompt)
     assert "".join(pieces) == tok.decode(full)[len(tok.decode(prompt)):]
     assert "".join(pieces).startswith(" ")
+
+
+def _reference_stop(tok, ids, stops):
+    """The same rule computed the slow way: decode everything after each token; the first
+    token after which some stop string appears ends the text at that string's start."""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n])
+        found = [text.find(s) for s in stops if s in text]
+        if found:
+            return text[:min(found)], True
+    return tok.decode(ids), False
+
+
+def test_stop_strings_agree_with_a_full_decode_reference_on_random_texts(tok):
+    rng = random.Random(2)
+    alphabet = "ab é日🎉"
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 20)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4)))
+                 for _ in range(rng.randrange(1, 3))]
+        ids = tok.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, [5], stop=stops)
+        out = ""
+        for i in ids:
+            delta = detok.add(i)
+            out += delta.text
+            if delta.stopped:
+                break
+        else:
+            out += detok.flush()
+        assert (out, detok.stopped) == _reference_stop(tok, ids, stops), (text, stops)
