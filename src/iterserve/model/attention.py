@@ -25,7 +25,7 @@ class PrefillSeq:
     q_start: int                    # first row of this chunk in the flattened batch
     q_end: int
     context_slots: torch.Tensor     # [L] slots of positions 0..start+num_tokens-1
-    mask: torch.Tensor | None       # [C, L] bool (True = attend); None = plain causal (C == L)
+    mask: torch.Tensor | None       # [C, L] additive (0 / -inf); None = plain causal (C == L)
 
 
 @dataclass(slots=True)
@@ -34,12 +34,19 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_slots: torch.Tensor | None = None     # [D * Lmax] context slots, row-major
     decode_len: int = 0                          # Lmax
-    decode_mask: torch.Tensor | None = None      # [D, 1, 1, Lmax] bool, None if no padding
+    decode_mask: torch.Tensor | None = None      # [D, 1, 1, Lmax] additive, None if no padding
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Bool "may attend" -> 0 / -inf in the model dtype. Made once per step: SDPA would
+    otherwise convert a bool mask in every layer (measured: 2 `where` calls per layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
+
+
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
-                   sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+                   sliding_window: int | None, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """seqs: (start, num_tokens, block_ids) in flattened order, decodes (num_tokens == 1) first."""
     def slots_of(block_ids: list[int], n: int) -> torch.Tensor:
         blocks = torch.tensor(block_ids[:(n + block_size - 1) // block_size], dtype=torch.long)
@@ -66,7 +73,7 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                 mask = k_pos <= q_pos
                 if sliding_window is not None:
                     mask &= (q_pos - k_pos) < sliding_window
-                mask = mask.to(device)
+                mask = _additive(mask, dtype, device)
             prefills.append(PrefillSeq(row, row + n, ctx.to(device), mask))
         row += n
 
@@ -85,7 +92,7 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         if sliding_window is not None:
             valid &= (lens_t[:, None] - 1 - k_pos) < sliding_window
         if not bool(valid.all()):
-            meta.decode_mask = valid[:, None, None, :].to(device)
+            meta.decode_mask = _additive(valid[:, None, None, :], dtype, device)
     return meta
 
 
@@ -94,27 +101,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, d], k/v [T, kv, d] of the new tokens -> attention output [T, H, d].
 
-    Writes the new K/V into the pools first, so every sequence reads its context (cached
-    prefix + this step's tokens) from one place.
+    Writes the new K/V into the pools (2-D slot views) first, so every sequence reads its
+    context (cached prefix + this step's tokens) from one place.
     """
-    k_slots.index_copy_(0, meta.slot_mapping, k)
-    v_slots.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
-    kvh, d = k.shape[1], k.shape[2]
+    T, kvh, d = k.shape
+    k_slots.index_copy_(0, meta.slot_mapping, k.reshape(T, kvh * d))
+    v_slots.index_copy_(0, meta.slot_mapping, v.reshape(T, kvh * d))
     D = meta.num_decodes
+    if D == T:                                  # decode-only step: nothing to assemble
+        return _decode_attention(q, k_slots, v_slots, meta, scale, kvh, d)
+    out = torch.empty_like(q)
     if D:
-        L = meta.decode_len
-        kc = k_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
-        vc = v_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
-        qd = q[:D].unsqueeze(2)                                   # [D, H, 1, d]
-        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=True)
-        out[:D] = o.squeeze(2)
+        out[:D] = _decode_attention(q[:D], k_slots, v_slots, meta, scale, kvh, d)
     for p in meta.prefills:
-        kc = k_slots.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0)
-        vc = v_slots.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0)
+        L = p.context_slots.shape[0]
+        kc = k_slots.index_select(0, p.context_slots).view(L, kvh, d).transpose(0, 1).unsqueeze(0)
+        vc = v_slots.index_select(0, p.context_slots).view(L, kvh, d).transpose(0, 1).unsqueeze(0)
         qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)     # [1, H, C, d]
         o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=p.mask,
                                            is_causal=p.mask is None, scale=scale, enable_gqa=True)
         out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, kvh: int, d: int) -> torch.Tensor:
+    """One query per sequence over its gathered context; q [D, H, d] -> [D, H, d]."""
+    D, L = q.shape[0], meta.decode_len
+    kc = k_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
+    vc = v_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.decode_mask,
+                                          scale=scale, enable_gqa=True).squeeze(2)

@@ -35,14 +35,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_slots: torch.Tensor, v_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        T, H = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k heads side by side: one RoPE over both halves the op count.
+            qk = qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, self.head_dim)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(T, H, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
+                            .view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, k_slots, v_slots, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 

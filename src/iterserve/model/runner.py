@@ -85,7 +85,8 @@ class ModelRunner:
             positions.extend(range(c.start, c.start + c.num_tokens))
             last_row[i] = len(ids) - 1
         meta = build_metadata([(c.start, c.num_tokens, c.block_ids) for c in chunks],
-                              self.block_size, self.config.sliding_window, self.device)
+                              self.block_size, self.config.sliding_window, self.device,
+                              self.config.dtype)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
