@@ -124,3 +124,19 @@ def test_loaded_model_reports_name_eos_and_bfloat16(tmp_path):
     runner = ModelRunner(lm, num_blocks=8, block_size=4, sampler=greedy)
     logits = runner.compute_logits(step(chunk(Blocks(8, 4), request("r", [5, 6, 7]))))
     assert logits.dtype == torch.float32 and logits.shape == (1, 512) and torch.isfinite(logits).all()
+
+
+def test_mkl_packed_weights_give_the_same_logits(loaded):
+    from iterserve.model.layers import mkl_packing_available
+    if not mkl_packing_available():
+        pytest.skip("MKL packed GEMM is not available in this torch build")
+    plain = ModelRunner(loaded, num_blocks=16, block_size=4, sampler=greedy)
+    blocks = Blocks(16, 4)
+    reqs = [request(f"r{i}", [5 + i, 6, 7]) for i in range(3)]
+    expect = plain.compute_logits(step(*[chunk(blocks, r) for r in reqs]))
+    packed = ModelRunner(loaded, num_blocks=16, block_size=4, sampler=greedy, packed_rows=[9])
+    assert packed.model.layers[0].mlp.down_proj._packed     # 3 prompts x 3 tokens = 9 rows
+    got = packed.compute_logits(step(*[chunk(blocks, r) for r in reqs]))
+    torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
+    ModelRunner(loaded, num_blocks=16, block_size=4, sampler=greedy)   # clears the packing
+    assert not loaded.model.layers[0].mlp.down_proj._packed

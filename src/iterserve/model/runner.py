@@ -22,8 +22,9 @@ from iterserve.model.layers import mkl_packing_available
 
 SamplerFn = Callable[[torch.Tensor, Sequence[Request]], list[SampleResult]]
 
-# Row counts that get MKL packed weights (decode batch sizes the benchmark and the
-# default max_num_seqs hit). Each count costs one packed copy of the weights.
+# Row counts (tokens in a step) that get MKL packed weights; each costs one packed copy of
+# the weights (~430 MB for SmolLM2-135M) and only helps steps with exactly that many tokens,
+# so none by default; an engine with a steady batch size can name it.
 DEFAULT_PACKED_ROWS: tuple[int, ...] = ()
 
 
@@ -43,8 +44,8 @@ class ModelRunner:
             from iterserve.model.sampler import Sampler
             sampler = Sampler()
         self.sampler = sampler
-        if packed_rows and self.device.type == "cpu" and mkl_packing_available():
-            self.model.pack_linears(list(packed_rows))
+        # Packing is a property of the model's Linear modules: set (or clear) it every time.
+        self.model.pack_linears(list(packed_rows) if mkl_packing_available() else [])
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
