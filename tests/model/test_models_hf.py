@@ -116,3 +116,20 @@ def test_sharded_safetensors_load_like_a_single_file(tmp_path):
     sharded = load_model(str(sharded_dir))
     for (n, a), (_, b) in zip(one.model.state_dict().items(), sharded.model.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_mistral_sliding_window_matches_hf_past_the_window(tmp_path):
+    d = make_tiny_model_dir(tmp_path, "mistral", sliding_window=6)
+    ref = load_hf_reference(d)
+    runner, blocks = runner_for(d), Blocks(128, 4)
+    r = request("r", list(range(3, 20)))                  # 17 tokens > window of 6
+    out = step(chunk(blocks, r, 9))
+    advance(out, runner.execute(out))
+    logits = runner.compute_logits(step(chunk(blocks, r)))  # a chunk with a cached prefix
+    torch.testing.assert_close(logits[0], ref_last_logits(ref, r.all_token_ids), atol=ATOL, rtol=1e-4)
+    for _ in range(3):                                     # decodes past the window
+        out = step(chunk(blocks, r))
+        advance(out, runner.execute(out))
+        logits = runner.compute_logits(step(chunk(blocks, r)))
+        torch.testing.assert_close(logits[0], ref_last_logits(ref, r.all_token_ids),
+                                   atol=ATOL, rtol=1e-4)

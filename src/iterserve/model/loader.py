@@ -35,6 +35,8 @@ def load_model(path: str | None = None, *, dtype: str = "float32", device: str =
         dev = torch.device(device)
     except RuntimeError as e:
         raise ModelLoadError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but this torch has no usable CUDA")
     if path is None:
         from iterserve.model.default_model import default_model_path
         path = default_model_path()
