@@ -78,6 +78,7 @@ def run_mode(w: Workload, batching: str, max_num_seqs: int, model: str | None,
     if gen != w.total_output_tokens:
         raise RuntimeError(f"engine generated {gen} tokens, the workload asks for "
                            f"{w.total_output_tokens} (ignore_eos not honoured?)")
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)   # this model's tokenizer
     e2e = [o.metrics.e2e_latency for o in outs
            if o.metrics is not None and o.metrics.e2e_latency is not None]
     ttft = [o.metrics.time_to_first_token for o in outs
@@ -90,7 +91,8 @@ def run_mode(w: Workload, batching: str, max_num_seqs: int, model: str | None,
         if counter.steps else 0.0,
         "output_tokens": gen,
         "output_throughput": round(gen / wall, 3),
-        "total_token_throughput": round((gen + w.total_prompt_tokens) / wall, 3),
+        "prompt_tokens": prompt_tokens,
+        "total_token_throughput": round((gen + prompt_tokens) / wall, 3),
         "mean_latency_s": round(sum(e2e) / len(e2e), 3) if e2e else None,
         "mean_ttft_s": round(sum(ttft) / len(ttft), 3) if ttft else None,
     }
