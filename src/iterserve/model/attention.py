@@ -48,51 +48,53 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                    sliding_window: int | None, device: torch.device,
                    dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """seqs: (start, num_tokens, block_ids) in flattened order, decodes (num_tokens == 1) first."""
-    def slots_of(block_ids: list[int], n: int) -> torch.Tensor:
-        blocks = torch.tensor(block_ids[:(n + block_size - 1) // block_size], dtype=torch.long)
-        return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-
-    new_slots: list[torch.Tensor] = []
-    decode_ctx: list[torch.Tensor] = []
-    prefills: list[PrefillSeq] = []
-    row = 0
     for start, n, block_ids in seqs:
-        total = start + n
-        if len(block_ids) * block_size < total:
-            raise ValueError(f"block table of {len(block_ids)} blocks cannot hold {total} tokens "
-                             f"(block_size {block_size})")
-        ctx = slots_of(block_ids, total)
-        new_slots.append(ctx[start:])
-        if n == 1 and not prefills:
-            decode_ctx.append(ctx)
-        else:
-            q_pos = torch.arange(start, total)[:, None]
-            k_pos = torch.arange(total)[None, :]
-            mask = None
-            if start > 0 or (sliding_window is not None and total > sliding_window):
-                mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    mask &= (q_pos - k_pos) < sliding_window
-                mask = _additive(mask, dtype, device)
-            prefills.append(PrefillSeq(row, row + n, ctx.to(device), mask))
-        row += n
+        if len(block_ids) * block_size < start + n:
+            raise ValueError(f"block table of {len(block_ids)} blocks cannot hold {start + n} "
+                             f"tokens (block_size {block_size})")
+    num_decodes = 0
+    while num_decodes < len(seqs) and seqs[num_decodes][1] == 1:
+        num_decodes += 1
+    offsets = torch.arange(block_size)
+    new_slots: list[torch.Tensor] = []
+    meta = AttentionMetadata(slot_mapping=torch.empty(0))
 
-    meta = AttentionMetadata(slot_mapping=torch.cat(new_slots).to(device), prefills=prefills)
-    if decode_ctx:
-        lens = [len(c) for c in decode_ctx]
+    if num_decodes:
+        # All decode contexts in one [D, Lmax] slot table, built with a few batched ops.
+        lens = [start + 1 for start, _, _ in seqs[:num_decodes]]
         lmax = max(lens)
-        padded = torch.zeros(len(decode_ctx), lmax, dtype=torch.long)
-        for i, c in enumerate(decode_ctx):
-            padded[i, :len(c)] = c
-        meta.num_decodes, meta.decode_len = len(decode_ctx), lmax
-        meta.decode_slots = padded.flatten().to(device)
+        nb = (lmax + block_size - 1) // block_size
+        table = torch.tensor([bt[:nb] + [0] * (nb - len(bt[:nb])) for _, _, bt in seqs[:num_decodes]],
+                             dtype=torch.long)
+        slots = (table[:, :, None] * block_size + offsets).view(num_decodes, nb * block_size)[:, :lmax]
         lens_t = torch.tensor(lens)
+        new_slots.append(slots[torch.arange(num_decodes), lens_t - 1])
+        meta.num_decodes, meta.decode_len = num_decodes, lmax
+        meta.decode_slots = slots.reshape(-1).to(device)
         k_pos = torch.arange(lmax)[None, :]
-        valid = k_pos < lens_t[:, None]
+        valid = k_pos < lens_t[:, None]          # padded positions of shorter contexts
         if sliding_window is not None:
             valid &= (lens_t[:, None] - 1 - k_pos) < sliding_window
         if not bool(valid.all()):
             meta.decode_mask = _additive(valid[:, None, None, :], dtype, device)
+
+    row = num_decodes
+    for start, n, block_ids in seqs[num_decodes:]:
+        total = start + n
+        blocks = torch.tensor(block_ids[:(total + block_size - 1) // block_size], dtype=torch.long)
+        ctx = (blocks[:, None] * block_size + offsets).flatten()[:total]
+        new_slots.append(ctx[start:])
+        mask = None
+        if start > 0 or (sliding_window is not None and total > sliding_window):
+            q_pos = torch.arange(start, total)[:, None]
+            k_pos = torch.arange(total)[None, :]
+            allowed = k_pos <= q_pos
+            if sliding_window is not None:
+                allowed &= (q_pos - k_pos) < sliding_window
+            mask = _additive(allowed, dtype, device)
+        meta.prefills.append(PrefillSeq(row, row + n, ctx.to(device), mask))
+        row += n
+    meta.slot_mapping = torch.cat(new_slots).to(device)
     return meta
 
 
