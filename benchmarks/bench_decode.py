@@ -92,13 +92,16 @@ def bench_gemm(config, batch: int, steps: int) -> float:
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)] * config.num_layers + [(h, config.vocab_size)]
     weights = [torch.randn(n, k) * 0.02 for k, n in shapes]
     xs = {k: torch.randn(batch, k) for k, _ in shapes}
-    best = float("inf")
-    for _ in range(max(3, steps // 4)):
-        t = time.perf_counter()
+
+    def one() -> None:
         for (k, _), w in zip(shapes, weights):
             torch.mm(xs[k], w.t())
-        best = min(best, time.perf_counter() - t)
-    return batch / best
+
+    one()                                   # warm-up; then timed like the decode loops:
+    t = time.perf_counter()                 # the mean over `steps`, not a best case
+    for _ in range(steps):
+        one()
+    return batch * steps / (time.perf_counter() - t)
 
 
 def load_hf_gguf(path: str):
