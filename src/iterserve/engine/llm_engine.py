@@ -352,7 +352,7 @@ class LLMEngine:
             seq.text += delta.text
             seq.delta_text += delta.text
         if delta.stopped:
-            seq.stop_reason = delta.stopped if isinstance(delta.stopped, str) else None
+            seq.stop_reason = getattr(delta, "stop_string", None)
             if not req.is_finished:
                 self.scheduler.finish_request(req.request_id, FinishReason.STOP)
             seq.finish_reason = FinishReason.STOP    # a stop string wins over "length"
@@ -365,6 +365,8 @@ class LLMEngine:
         if rest:
             seq.text += rest
             seq.delta_text += rest
+        if getattr(seq.detokenizer, "stopped", False) and seq.finish_reason is FinishReason.LENGTH:
+            seq.finish_reason = FinishReason.STOP    # the held-back tail completed a stop string
 
     def _end_from_scheduler(self, req: Request, touched: dict[str, _Group]) -> None:
         entry = self._seqs.get(req.request_id)
