@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,7 +47,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6                   # the LayerNorm eps for gpt2
+    hidden_act: str = "silu"
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None   # rope_type != "default" parameters
     tie_word_embeddings: bool = False
@@ -69,6 +71,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported model_type {model_type!r} (architectures "
                 f"{hf.get('architectures')}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if model_type == "gpt2":
+            hf = _gpt2_as_llama_names(hf)
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -103,4 +107,24 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, dtype=dtype,
             architectures=list(hf.get("architectures") or []),
+            hidden_act=str(hf.get("activation_function", hf.get("hidden_act", "silu"))),
         )
+
+
+def _gpt2_as_llama_names(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2 configs use their own key names (n_embd, n_head, ...); map them once here."""
+    try:
+        hidden = hf.get("n_embd", hf.get("hidden_size"))
+        out = dict(hf, hidden_size=hidden, num_attention_heads=hf.get("n_head", hf.get("num_attention_heads")),
+                   num_hidden_layers=hf.get("n_layer", hf.get("num_hidden_layers")),
+                   intermediate_size=hf.get("n_inner") or 4 * int(hidden),
+                   max_position_embeddings=hf.get("n_positions", hf.get("max_position_embeddings", 1024)),
+                   rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                   tie_word_embeddings=hf.get("tie_word_embeddings", True))
+    except TypeError:
+        raise ModelLoadError("gpt2 config.json lacks n_embd") from None
+    out.pop("num_key_value_heads", None)
+    for unsupported in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(unsupported):
+            raise UnsupportedModelError(f"gpt2 option {unsupported}=true is not supported")
+    return out

@@ -13,7 +13,11 @@ import torch
 
 from iterserve.model.config import ModelConfig, ModelLoadError, parse_dtype
 from iterserve.model.hf_loader import read_hf_config, read_hf_weights
+from iterserve.model.gpt2 import GPT2ForCausalLM
 from iterserve.model.llama import LlamaForCausalLM
+
+ARCHITECTURES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
+                 "qwen3": LlamaForCausalLM, "gpt2": GPT2ForCausalLM}
 
 
 @dataclass
@@ -64,12 +68,13 @@ def load_model(path: str | None = None, *, dtype: str = "float32", device: str =
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor],
-                device: torch.device | str = "cpu") -> LlamaForCausalLM:
+                device: torch.device | str = "cpu") -> torch.nn.Module:
+    cls = ARCHITECTURES[config.model_type]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = cls(config)
     model = model.to_empty(device=device).to(config.dtype)
-    model.rotary = type(model.rotary)(config).to(device)   # buffers are computed, not loaded
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    if hasattr(model, "rotary"):
+        model.rotary = type(model.rotary)(config).to(device)   # buffers are computed, not loaded
+    model.tie_weights()                                        # to_empty unties shared weights
     model.load_hf_state_dict(state)
     return model.eval()
