@@ -465,3 +465,15 @@ def test_events_record_lifecycle_transitions_but_nothing_per_decode_step():
     assert [e.name for e in r.events] == ["arrived", "queued", "scheduled", "prefill_chunk",
                                           "first_token", "finished"]
     assert r.events[-1].detail == {"reason": "length"} and len(r.token_times) == 20
+
+
+def test_skip_idle_steps_advances_the_step_only_when_nothing_is_unfinished():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+                      CacheConfig(block_size=4, num_blocks=8))
+    sched.skip_idle_steps(5)
+    assert sched.schedule().step == 5
+    sched.add_request(Request("a", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True)))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        sched.skip_idle_steps(1)
+    with pytest.raises(ValueError):
+        sched.skip_idle_steps(-1)

@@ -476,6 +476,20 @@ class Scheduler:
         self.step += 1
         return finished
 
+    def skip_idle_steps(self, n: int) -> None:
+        """Advance the step counter by `n` empty steps without calling schedule().
+
+        Only legal while the scheduler holds no request: then an empty schedule() would change
+        nothing but the step number. The lab uses it to jump over the gaps between sparse
+        arrivals instead of running millions of empty steps.
+        """
+        if n < 0:
+            raise ValueError(f"cannot skip a negative number of steps ({n})")
+        if self.requests:
+            raise RuntimeError(
+                f"cannot skip steps while {len(self.requests)} requests are unfinished")
+        self.step += n
+
     # --- queries --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

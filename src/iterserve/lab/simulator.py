@@ -173,7 +173,7 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                                    ("finished", done), ("kv_blocks_used", 0)):
                     timeline[key].extend([value] * gap)
             step += gap
-            sched.step = step
+            sched.skip_idle_steps(gap)
         now = float(step)
         while idx < n and specs[idx].arrival <= step:
             spec = specs[idx]
