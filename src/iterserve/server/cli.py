@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 
@@ -63,6 +64,42 @@ def run(args: argparse.Namespace) -> int:
           + (f", {cache.num_blocks} KV blocks of {cache.block_size} tokens" if cache else "")
           + ")", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    uvicorn.Server(config).run()
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = DrainingServer(config, engine, drain_timeout=args.shutdown_timeout)
+
+    # uvicorn re-raises the signal that stopped it once it is done; by then the shutdown
+    # is complete, so exit 0 instead of dying by that signal.
+    def _exit_cleanly(signum, frame):
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class DrainingServer:
+    """uvicorn.Server whose shutdown first stops accepting, then lets in-flight requests
+    finish for `drain_timeout` seconds and aborts the rest in the engine, so every open
+    stream ends with a final SSE event and `[DONE]` instead of a cut connection."""
+
+    def __new__(cls, config, engine, *, drain_timeout: float):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                for srv in self.servers:
+                    srv.close()                     # stop accepting
+                try:
+                    await engine.shutdown(drain_timeout=drain_timeout)
+                except Exception:                   # never block the rest of the shutdown
+                    logging.getLogger(__name__).exception("engine shutdown failed")
+                await super().shutdown(sockets)
+
+        return _Server(config)
