@@ -278,3 +278,16 @@ def test_finished_request_store_is_bounded(tiny_model_dir):
         e.add_request(f"b{i}", "Hi", SamplingParams(max_tokens=1, **GREEDY))
     run_all(e)
     assert e.get_trace("b0") is None and e.get_trace("b4") is not None
+
+
+def test_priority_orders_admission_under_the_priority_policy(tiny_model_dir):
+    e = make_engine(tiny_model_dir, scheduling_policy="priority", max_num_seqs=1)
+    e.add_request("later", "Hello", SamplingParams(max_tokens=2, **GREEDY), priority=5)
+    e.add_request("urgent", "Hello", SamplingParams(max_tokens=2, **GREEDY), priority=0)
+    order = [out.request_id for out in _steps(e) if out.finished]
+    assert order == ["urgent", "later"]
+
+
+def _steps(engine: LLMEngine):
+    while engine.has_unfinished_requests():
+        yield from engine.step()

@@ -195,9 +195,9 @@ def test_token_counters_grow_by_the_tokens_served(client, server):
 
 def test_trace_of_a_finished_request(client, server):
     r = client.completions.create(model=server.model, prompt="Trace me", max_tokens=3,
-                                  **GREEDY)
+                                  temperature=0, extra_body={"ignore_eos": True, "priority": 3})
     t = httpx.get(f"{server.v1}/requests/{r.id}/trace").json()
-    assert t["request_id"] == r.id and t["finish_reason"] == "length"
+    assert t["request_id"] == r.id and t["finish_reason"] == "length" and t["priority"] == 3
     names = [e["event"] for e in t["events"]]
     assert names[0] == "arrived" and names[-1] == "finished"
     assert {"queued", "scheduled", "prefill_chunk", "first_token"} <= set(names)
