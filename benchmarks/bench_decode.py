@@ -42,7 +42,7 @@ def bench_iterserve(loaded, batch: int, ctx: int, steps: int, block_size: int = 
     from iterserve.model.runner import ModelRunner
     per_req = (ctx + steps + 2 + block_size - 1) // block_size
     runner = ModelRunner(loaded, num_blocks=batch * per_req, block_size=block_size,
-                         sampler=greedy, packed_rows=[batch] if packed else [])
+                         sampler=greedy, pack_weights=packed)
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=steps + 2))
             for i, p in enumerate(prompts(batch, ctx, loaded.config.vocab_size))]
     tables = {r.request_id: list(range(i * per_req, (i + 1) * per_req)) for i, r in enumerate(reqs)}
@@ -136,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {"batch": b,
                "iterserve_tok_s": bench_iterserve(loaded, b, args.ctx, args.steps, packed=False),
                "gemm_tok_s": bench_gemm(loaded.config, b, args.steps)}
-        if not args.no_packed and b > 1:
-            # MKL packed weights for exactly this row count (ModelRunner(packed_rows=[b])).
+        if not args.no_packed:
+            # MKL packed weights (ModelRunner(pack_weights=True)).
             row["iterserve_packed_tok_s"] = bench_iterserve(loaded, b, args.ctx, args.steps, packed=True)
-            loaded.model.pack_linears([])       # free the packed copies
+            loaded.model.pack_linears(False)    # free the packed copies
         if hf_model is not None:
             row["hf_tok_s"] = bench_hf(hf_model, b, args.ctx, args.steps, loaded.config.vocab_size)
             row["vs_hf"] = row["iterserve_tok_s"] / row["hf_tok_s"]

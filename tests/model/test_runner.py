@@ -126,17 +126,31 @@ def test_loaded_model_reports_name_eos_and_bfloat16(tmp_path):
     assert logits.dtype == torch.float32 and logits.shape == (1, 512) and torch.isfinite(logits).all()
 
 
-def test_mkl_packed_weights_give_the_same_logits(loaded):
-    from iterserve.model.layers import mkl_packing_available
+def test_mkl_packed_linear_is_exact_for_any_row_count():
+    from iterserve.model.layers import Linear, mkl_packing_available
     if not mkl_packing_available():
         pytest.skip("MKL packed GEMM is not available in this torch build")
-    plain = ModelRunner(loaded, num_blocks=16, block_size=4, sampler=greedy)
-    blocks = Blocks(16, 4)
-    reqs = [request(f"r{i}", [5 + i, 6, 7]) for i in range(3)]
-    expect = plain.compute_logits(step(*[chunk(blocks, r) for r in reqs]))
-    packed = ModelRunner(loaded, num_blocks=16, block_size=4, sampler=greedy, packed_rows=[9])
-    assert packed.model.layers[0].mlp.down_proj._packed     # 3 prompts x 3 tokens = 9 rows
-    got = packed.compute_logits(step(*[chunk(blocks, r) for r in reqs]))
-    torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
-    ModelRunner(loaded, num_blocks=16, block_size=4, sampler=greedy)   # clears the packing
-    assert not loaded.model.layers[0].mlp.down_proj._packed
+    torch.manual_seed(0)
+    lin = Linear(96, 160, bias=True)
+    torch.nn.init.normal_(lin.weight, std=0.1)
+    torch.nn.init.normal_(lin.bias)
+    assert lin.pack(True)
+    for rows in (1, 3, 8, 13, 64, 300):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_packed_and_plain_weights_give_the_same_logits(loaded):
+    def logits(pack: bool) -> torch.Tensor:
+        runner = ModelRunner(loaded, num_blocks=32, block_size=4, sampler=greedy, pack_weights=pack)
+        blocks = Blocks(32, 4)
+        reqs = [request(f"r{i}", [5 + i, 6, 7, 8 + i][:2 + i]) for i in range(3)]
+        out = step(*[chunk(blocks, r) for r in reqs])
+        advance(out, runner.execute(out))
+        late = request("late", list(range(20, 31)))
+        return runner.compute_logits(step(*[chunk(blocks, r) for r in reqs], chunk(blocks, late)))
+
+    torch.testing.assert_close(logits(True), logits(False), atol=1e-5, rtol=1e-5)
+    ModelRunner(loaded, num_blocks=4, block_size=4, sampler=greedy, pack_weights=False)
+    assert loaded.model.layers[0].mlp.down_proj._packed is None

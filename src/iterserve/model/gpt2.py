@@ -109,7 +109,6 @@ class GPT2ForCausalLM(nn.Module):
         if surplus:
             raise ModelLoadError(f"weights have tensors the gpt2 model does not use: {surplus[:5]}")
 
-    def pack_linears(self, row_counts: list[int]) -> None:
-        for m in self.modules():
-            if isinstance(m, Linear) and m is not self.lm_head:
-                m.pack(row_counts)
+    def pack_linears(self, enabled: bool = True) -> bool:
+        """Switch every Linear (the lm_head included) to MKL packed weights or back."""
+        return all([m.pack(enabled) for m in self.modules() if isinstance(m, Linear)])

@@ -132,33 +132,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --- linear with MKL packed weights ---------------------------------------------------------
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). On CPU fp32 it may use MKL's packed-weight GEMM for chosen row counts.
+    """y = x W^T (+ b), optionally through MKL's packed-weight GEMM on CPU float32.
 
-    MKL's plain sgemm is slow for 8-64 rows; its packed-B path (what inductor uses when
-    freezing) is faster but only applies when the row count equals the count the weight was
-    packed for. `pack(row_counts)` stores one packed copy per count; other counts use
-    F.linear. On other devices/dtypes packing is a no-op.
+    MKL's plain sgemm is inefficient at 8-64 rows; its packed-B path (what inductor uses
+    when it freezes weights) reorders W once. torch's `_mkl_linear` only takes the packed
+    path when the row count equals its `prepack_batch_size` argument, but the packed buffer
+    itself does not depend on that count (same size and exact results for 1..5000 rows,
+    checked in tests), so one packed copy serves every step: we pass the actual row count.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self._packed: dict[int, torch.Tensor] = {}
+        self._packed: torch.Tensor | None = None
 
-    def pack(self, row_counts: list[int]) -> None:
-        self._packed = {}
-        if not mkl_packing_available() or self.weight.device.type != "cpu" \
-                or self.weight.dtype != torch.float32:
-            return
-        for m in row_counts:
-            self._packed[m] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), m)
+    def pack(self, enabled: bool = True) -> bool:
+        """Make (or drop) the packed copy; returns whether packing is now in use."""
+        self._packed = None
+        if enabled and mkl_packing_available() and self.weight.device.type == "cpu" \
+                and self.weight.dtype == torch.float32:
+            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), 8)
+        return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed:
-            packed = self._packed.get(x.shape[0])
-            if packed is not None and x.dim() == 2:
-                return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.shape[0])
+        if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return torch.ops.mkl._mkl_linear(x.contiguous(), self._packed, self.weight,
+                                             self.bias, x.shape[0])
         return F.linear(x, self.weight, self.bias)
 
 

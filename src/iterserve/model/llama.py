@@ -153,8 +153,6 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"weights have tensors the {c.model_type} model does not use: "
                                  f"{surplus[:5]}{' ...' if len(surplus) > 5 else ''}")
 
-    def pack_linears(self, row_counts: list[int]) -> None:
-        """Pre-pack every Linear for MKL's packed GEMM at these row counts (see layers.Linear)."""
-        for m in self.modules():
-            if isinstance(m, Linear) and m is not self.lm_head:
-                m.pack(row_counts)
+    def pack_linears(self, enabled: bool = True) -> bool:
+        """Switch every Linear (the lm_head included) to MKL packed weights or back."""
+        return all([m.pack(enabled) for m in self.modules() if isinstance(m, Linear)])

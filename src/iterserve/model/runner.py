@@ -22,16 +22,14 @@ from iterserve.model.layers import mkl_packing_available
 
 SamplerFn = Callable[[torch.Tensor, Sequence[Request]], list[SampleResult]]
 
-# Row counts (tokens in a step) that get MKL packed weights; each costs one packed copy of
-# the weights (~430 MB for SmolLM2-135M) and only helps steps with exactly that many tokens,
-# so none by default; an engine with a steady batch size can name it.
-DEFAULT_PACKED_ROWS: tuple[int, ...] = ()
+# MKL packed weights (layers.Linear) on CPU float32: one extra copy of the weights.
+PACK_WEIGHTS_DEFAULT = True
 
 
 class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
-                 packed_rows: Sequence[int] = DEFAULT_PACKED_ROWS) -> None:
+                 pack_weights: bool | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
@@ -45,7 +43,8 @@ class ModelRunner:
             sampler = Sampler()
         self.sampler = sampler
         # Packing is a property of the model's Linear modules: set (or clear) it every time.
-        self.model.pack_linears(list(packed_rows) if mkl_packing_available() else [])
+        want = PACK_WEIGHTS_DEFAULT if pack_weights is None else pack_weights
+        self.packed = self.model.pack_linears(want and mkl_packing_available())
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
