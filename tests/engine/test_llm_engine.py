@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from iterserve.core.request import FinishReason, SamplingParams, SamplingParamsError
+from iterserve.core.request import SamplingParams, SamplingParamsError
 from iterserve.engine.args import EngineArgs
 from iterserve.engine.errors import (
     DuplicateRequestIdError, EmptyPromptError, MaxTokensTooLargeError, PromptTooLongError,

@@ -115,3 +115,4 @@ def test_an_app_without_a_model_answers_503_with_an_error_body():
         assert c.get("/v1/requests/x/trace").status_code == 404
         assert c.get("/v1/models").json()["data"] == []
         assert c.get("/health").status_code == 200
+        assert c.get("/lab").status_code == 200          # the lab page is always mounted

@@ -286,3 +286,13 @@ def test_api_key_is_required_when_set(start_server):
     good = openai.OpenAI(base_url=s.v1, api_key="sekret", max_retries=0)
     assert good.completions.create(model=s.model, prompt="Hi", max_tokens=1).choices
     assert httpx.get(s.base_url + "/health").status_code == 200
+
+
+def test_non_streaming_client_that_gives_up_gets_its_request_aborted(start_server):
+    s = start_server(max_model_len=1024)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.v1 + "/completions", timeout=0.5, json={
+            "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True})
+    aborted = 'iterserve:request_success_total{finished_reason="abort"'
+    assert wait_until(lambda: aborted in httpx.get(s.base_url + "/metrics").text)
+    assert wait_until(lambda: metric(s, "iterserve:kv_cache_usage_perc") == 0.0)

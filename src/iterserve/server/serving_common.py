@@ -140,10 +140,7 @@ async def collect_final(streams: Sequence[AsyncIterator[RequestOutput]], request
                 task.result()
                 return [f for f in finals if f is not None] if all(finals) else None
             if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await close_streams(streams)
-                return None
+                return None                 # the finally below aborts the requests
     finally:
         if not task.done():
             task.cancel()
