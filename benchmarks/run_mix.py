@@ -139,7 +139,7 @@ def markdown(rows: list[dict], notes: list[str], machine: dict) -> str:
                      f"{fmt(r['itl_p50_ms'])} / {fmt(r['itl_p99_ms'])} |")
     lines.append("")
     lines.append(f"Machine: {machine['cpu']}, {machine['cpus_usable']} usable CPUs "
-                 f"({machine['platform']}).")
+                 f"({machine['platform']}), load average {machine.get('loadavg')}.")
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
 

@@ -68,8 +68,12 @@ def machine_info() -> dict:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]   # a loaded machine explains noise
+    except OSError:
+        load = None
     return {"cpu": cpu, "cpus_usable": usable, "platform": platform.platform(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "loadavg": load}
 
 
 def _normalise_base_url(base_url: str) -> str:
