@@ -101,10 +101,11 @@ def run_llama(quant: str, slots: int, workload, out_dir: Path) -> dict:
                         out_dir / f"llama_{quant}_{slots}.log")
 
 
-def run_hf(mode: str, slots: int, out_dir: Path) -> dict:
+def run_hf(mode: str, slots: int, out_dir: Path, num_requests: int | None) -> dict:
     out = out_dir / f"hf_{mode}_{slots}.json"
+    extra = ["--num-requests", str(num_requests)] if num_requests else []
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "hf_transformers.py"),
-                    "--mode", mode, "--max-num-seqs", str(slots), "--out", str(out)],
+                    "--mode", mode, "--max-num-seqs", str(slots), "--out", str(out), *extra],
                    check=True)
     doc = json.loads(out.read_text())
     doc["engine"] = f"HF {'static generate' if mode == 'static' else 'continuous batching'} {slots}"
@@ -154,13 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-slots", default="8")
     ap.add_argument("--hf-slots", default="8")
     ap.add_argument("--skip", default="", help="comma list: iterserve,llama,hf")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="a smaller mix (same 80/20 rule, same seed); default 48")
     ap.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = RESULTS / f"mix-{args.tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    w = build_workload("mix")
+    w = build_workload("mix", num_requests=args.num_requests)
     docs, notes = [], []
 
     def attempt(label, fn, *a):
@@ -184,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             attempt(f"iterserve {slots}", run_iterserve, slots, w, out_dir)
     if "hf" not in skip:
         for slots in _ints(args.hf_slots):
-            attempt(f"HF continuous {slots}", run_hf, "continuous", slots, out_dir)
-            attempt(f"HF static {slots}", run_hf, "static", slots, out_dir)
+            attempt(f"HF continuous {slots}", run_hf, "continuous", slots, out_dir,
+                    args.num_requests)
+            attempt(f"HF static {slots}", run_hf, "static", slots, out_dir,
+                    args.num_requests)
     from vllm_gpu import skip_reason
     if (reason := skip_reason()):
         notes.append(f"vLLM: skipped ({reason})")
