@@ -22,8 +22,11 @@ from iterserve.model.layers import mkl_packing_available
 
 SamplerFn = Callable[[torch.Tensor, Sequence[Request]], list[SampleResult]]
 
-# MKL packed weights (layers.Linear) on CPU float32: one extra copy of the weights.
-PACK_WEIGHTS_DEFAULT = True
+# MKL packed weights (layers.Linear) on CPU float32 cost one extra copy of the weights.
+# Off by default: on this (shared, loaded) 2-core machine bench_decode measured no gain
+# (B=8: 10.0 vs 10.3 tok/s, B=32: 14.5 vs 25.4); team notes from a quiet run saw 10-30%
+# at 8-64 rows. Re-measure with benchmarks/bench_decode.py before turning it on.
+PACK_WEIGHTS_DEFAULT = False
 
 
 class ModelRunner:
