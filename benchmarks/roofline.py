@@ -87,27 +87,32 @@ def bandwidth_gbs(mb: int = 256) -> float:
     return 2 * src.numel() * 4 / s / 1e9
 
 
-def engine_decode_tps(batch: int, new_tokens: int = 32) -> float:
-    """iterserve's decode tok/s at `batch`: (B * (n-1)) tokens over the time the n-token run
-    takes beyond a 1-token run (which is prefill + one sample)."""
-    from iterserve.core.request import SamplingParams
-    from iterserve.engine.llm import LLM
-    from iterserve.bench.workloads import make_prompt
+def engine_decode_tps(batch: int, steps: int = 16) -> float:
+    """iterserve's decode tok/s at `batch`: B sequences past their prefill, `steps` engine
+    steps timed on their own (each step decodes one token of every sequence)."""
     import random
 
-    llm = LLM(max_num_seqs=batch, max_num_batched_tokens=max(256, 16 * batch))
+    from iterserve.bench.workloads import make_prompt
+    from iterserve.core.request import SamplingParams
+    from iterserve.engine.args import EngineArgs
+    from iterserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(max_num_seqs=batch, max_num_batched_tokens=max(256, 16 * batch)))
     rng = random.Random(0)
-    prompts = [make_prompt(16, rng) for _ in range(batch)]
-
-    def run(n: int) -> float:
-        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        return time.perf_counter() - t
-
-    run(2)                                               # warm-up
-    t1, tn = min(run(1) for _ in range(2)), min(run(new_tokens) for _ in range(2))
-    return batch * (new_tokens - 1) / max(tn - t1, 1e-9)
+    sp = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", make_prompt(16, rng), sp)
+    started: set[str] = set()
+    while len(started) < batch:                          # prefill (and warm-up)
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+    engine.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return batch * steps / (time.perf_counter() - t)
 
 
 def main(argv: list[str] | None = None) -> int:
