@@ -294,14 +294,18 @@ def test_screenshots_at_1280x800_and_on_a_narrow_window_fit_the_width(page, tmp_
     wide = tmp_path / "lab-1280x800.png"
     page.screenshot(path=str(wide))
     page.set_viewport_size({"width": 400, "height": 800})
-    page.wait_for_timeout(300)   # the charts redraw for the new width
+    # The charts redraw for the new width after a debounce (replacing their SVGs), so wait
+    # for the redrawn chart rather than a fixed time. Readable on a narrow window: nothing,
+    # charts included, sticks out sideways (a TimeoutError here means it does).
+    page.wait_for_function(
+        """() => {
+            const svg = document.querySelector('#charts svg[data-mode="static"]');
+            return svg && svg.getBoundingClientRect().width <= 400
+                && document.documentElement.scrollWidth <= 400;
+        }""", timeout=10_000)
     narrow = tmp_path / "lab-narrow.png"
     page.screenshot(path=str(narrow), full_page=True)
     assert wide.stat().st_size > 10_000 and narrow.stat().st_size > 10_000
-    # Readable on a narrow window: nothing sticks out sideways.
-    assert page.evaluate("document.documentElement.scrollWidth") <= 400
-    chart_width = page.locator('#charts svg[data-mode="static"]').bounding_box()["width"]
-    assert chart_width <= 400
 
 
 
