@@ -108,12 +108,18 @@ def run_hf(mode: str, slots: int, out_dir: Path, num_requests: int | None) -> di
                     "--mode", mode, "--max-num-seqs", str(slots), "--out", str(out), *extra],
                    check=True)
     doc = json.loads(out.read_text())
+    out.unlink()                      # run_mix writes it again under the engine's label
     doc["engine"] = f"HF {'static generate' if mode == 'static' else 'continuous batching'} {slots}"
     return doc
 
 
 def row(doc: dict) -> dict:
     """The figures of one engine, from a serve result or an offline peer result."""
+    load = ((doc.get("machine") or {}).get("loadavg") or [None])[0]
+    return {**_figures(doc), "load_1m": load}
+
+
+def _figures(doc: dict) -> dict:
     if "summary" in doc:
         s = doc["summary"]
         return {"engine": doc["engine"], "output_tok_s": s["output_throughput"],
@@ -131,16 +137,20 @@ def markdown(rows: list[dict], notes: list[str], machine: dict) -> str:
     ref = next((r for r in rows if r["engine"] == REFERENCE), None)
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     lines = ["| engine | output tok/s | vs " + REFERENCE + " | total tok/s | wall s "
-             "| TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
+             "| TTFT p50 / p99 ms | ITL p50 / p99 ms | load 1m |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["output_tok_s"]):
         ratio = f"{r['output_tok_s'] / ref['output_tok_s']:.2f}x" if ref else "-"
         lines.append(f"| {r['engine']} | {r['output_tok_s']:.1f} | {ratio} | "
                      f"{r['total_tok_s']:.1f} | {r['duration_s']:.1f} | "
                      f"{fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p99_ms'])} | "
-                     f"{fmt(r['itl_p50_ms'])} / {fmt(r['itl_p99_ms'])} |")
+                     f"{fmt(r['itl_p50_ms'])} / {fmt(r['itl_p99_ms'])} | "
+                     f"{fmt(r.get('load_1m'))} |")
     lines.append("")
     lines.append(f"Machine: {machine['cpu']}, {machine['cpus_usable']} usable CPUs "
                  f"({machine['platform']}), load average {machine.get('loadavg')}.")
+    lines.append("- load 1m: the machine's 1-minute load average when that engine's run ended "
+                 "(its own 2 threads count ~2); a higher figure means other work competed.")
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
 
@@ -158,7 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None,
                     help="a smaller mix (same 80/20 rule, same seed); default 48")
     ap.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
+    ap.add_argument("--render", type=Path, nargs="+", default=None, metavar="DIR",
+                    help="only rebuild the table from the engine JSONs in these result dirs")
     args = ap.parse_args(argv)
+    if args.render:
+        docs = [json.loads(p.read_text()) for d in args.render for p in sorted(d.glob("*.json"))]
+        docs = [d for d in docs if "engine" in d]
+        notes = json.loads((args.render[0] / "summary.json").read_text())["notes"]
+        print(markdown([row(d) for d in docs], notes, docs[0]["machine"]))
+        return 0
     skip = set(filter(None, args.skip.split(",")))
     out_dir = RESULTS / f"mix-{args.tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
