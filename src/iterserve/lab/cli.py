@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 # Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
-# `iterserve lab calibrate` (benchmarks issue). Empty until one exists.
-LAB_SUBCOMMANDS: list[tuple[str, str]] = []
+# `iterserve lab calibrate` fits the cost model to the real model runner.
+LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate")]
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -101,12 +101,29 @@ class CostModel:
         return d
 
 
+def shipped_cost_models() -> list[str]:
+    """Names of the cost models shipped in lab/data (file names without `.json`)."""
+    return sorted(p.name[:-5] for p in resources.files("iterserve.lab").joinpath("data").iterdir()
+                  if p.name.endswith(".json"))
+
+
 def load_cost_model(path: str | Path) -> CostModel:
-    """Read a cost-model JSON file; errors name the file."""
+    """Read a cost-model JSON file, or a shipped one by name (e.g. "smollm2-cpu", see
+    `shipped_cost_models`) when no such file exists; errors name the file."""
+    p = Path(path)
+    name = str(path)
+    if not p.exists() and "/" not in name and name in shipped_cost_models():
+        text = resources.files("iterserve.lab").joinpath(f"data/{name}.json").read_text(
+            encoding="utf-8")
+        return CostModel.from_dict(json.loads(text))
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
-        raise CostModelError(f"cannot read cost model {str(path)!r}: {e.strerror or e}") from e
+        hint = ""
+        if "/" not in name and not name.endswith(".json"):
+            hint = f" (shipped cost models: {', '.join(shipped_cost_models())})"
+        raise CostModelError(
+            f"cannot read cost model {name!r}: {e.strerror or e}{hint}") from e
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
