@@ -1,0 +1,107 @@
+"""Where one decode step's time goes, at batch 8 on the default model.
+
+Two views of the same steps (a warm engine, 8 sequences past their prefill):
+- cProfile over `LLMEngine.step`: scheduler (`Scheduler.schedule` + `update_from_output`),
+  the model runner (inputs, forward, LM head) without the sampler, the sampler, and the engine's own Python (detokenise, outputs) as the rest;
+- torch.profiler over the forward: GEMMs (aten::linear/addmm/mm/matmul), attention (the
+  paged-attention functions' self time plus SDPA/softmax/bmm ops), other tensor ops.
+
+    python benchmarks/profile_decode.py [--batch 8] [--steps 16] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+GEMM_OPS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+ATTN_OPS = ("aten::scaled_dot_product_attention", "aten::_softmax", "aten::softmax",
+            "aten::bmm", "aten::baddbmm", "aten::index_select", "aten::index_put_",
+            "aten::gather", "aten::index")
+
+
+def warm_engine(batch: int, steps: int):
+    from iterserve.bench.workloads import make_prompt
+    from iterserve.core.request import SamplingParams
+    from iterserve.engine.args import EngineArgs
+    from iterserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(max_num_seqs=batch))
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=4 * steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", make_prompt(16, rng), sp)
+    started: set[str] = set()
+    while len(started) < batch:
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+    for _ in range(2):
+        engine.step()
+    return engine
+
+
+def _cum(stats: pstats.Stats, needle: str) -> float:
+    return sum(v[3] for k, v in stats.stats.items() if needle in f"{k[0]}:{k[2]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    engine = warm_engine(args.batch, args.steps)
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(args.steps):
+        engine.step()
+    prof.disable()
+    wall = time.perf_counter() - t
+    st = pstats.Stats(prof)
+    split = {"scheduler": _cum(st, "core/scheduler.py:schedule")
+             + _cum(st, "core/scheduler.py:update_from_output"),
+             "sampler": _cum(st, "model/sampler.py:__call__")}
+    # the runner's execute = tensors in + forward (+ LM head) + sampler
+    split["model_runner_without_sampler"] = _cum(st, "model/runner.py:execute") - split["sampler"]
+    step_total = _cum(st, "engine/llm_engine.py:step")
+    split["engine_python_rest"] = step_total - sum(split.values())
+
+    with profile(activities=[ProfilerActivity.CPU]) as tp:
+        for _ in range(args.steps):
+            engine.step()
+    ops = {e.key: e.self_cpu_time_total / 1e6 for e in tp.key_averages()}
+    total_ops = sum(ops.values())
+    gemm = sum(v for k, v in ops.items() if k in GEMM_OPS)
+    attn = sum(v for k, v in ops.items() if k in ATTN_OPS or "scaled_dot_product" in k)
+    top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
+
+    per_step = lambda s: round(s / args.steps * 1e3, 3)  # noqa: E731
+    doc = {"kind": "decode-profile", "batch": args.batch, "steps": args.steps,
+           "threads": torch.get_num_threads(), "step_ms": per_step(wall),
+           "cprofile_ms_per_step": {k: per_step(v) for k, v in split.items()},
+           "torch_ops_ms_per_step": {"gemm": per_step(gemm), "attention_ops": per_step(attn),
+                                     "other_ops": per_step(total_ops - gemm - attn)},
+           "top_ops_ms_per_step": {k: per_step(v) for k, v in top}}
+    print(json.dumps(doc, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
