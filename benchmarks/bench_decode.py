@@ -38,7 +38,7 @@ def greedy(logits, requests):
 
 
 def bench_iterserve(loaded, batch: int, ctx: int, steps: int, block_size: int = 16,
-                    packed: bool = True) -> float:
+                    packed: str | None = "default") -> float:
     from iterserve.model.runner import ModelRunner
     per_req = (ctx + steps + 2 + block_size - 1) // block_size
     runner = ModelRunner(loaded, num_blocks=batch * per_req, block_size=block_size,
@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
-    ap.add_argument("--no-packed", action="store_true",
-                    help="skip the extra run with MKL packed weights")
+    ap.add_argument("--variants", default="plain,mkl",
+                    help="extra iterserve runs with other weight packings (plain = F.linear, "
+                         "mkl, onednn; see layers.Linear); '' for none")
     ap.add_argument("--out", default=None, help="write the JSON results here too")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -133,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     hf_model = None if args.no_hf else load_hf_gguf(args.model)
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
+        # iterserve as it runs by default (runner.PACKING_DEFAULT), then the other packings.
         row = {"batch": b,
-               "iterserve_tok_s": bench_iterserve(loaded, b, args.ctx, args.steps, packed=False),
+               "iterserve_tok_s": bench_iterserve(loaded, b, args.ctx, args.steps),
                "gemm_tok_s": bench_gemm(loaded.config, b, args.steps)}
-        if not args.no_packed:
-            # MKL packed weights (ModelRunner(pack_weights=True)).
-            row["iterserve_packed_tok_s"] = bench_iterserve(loaded, b, args.ctx, args.steps, packed=True)
-            loaded.model.pack_linears(False)    # free the packed copies
+        for v in filter(None, args.variants.split(",")):
+            row[f"iterserve_{v}_tok_s"] = bench_iterserve(
+                loaded, b, args.ctx, args.steps, packed=None if v == "plain" else v)
+        loaded.model.pack_linears(None)         # free the packed copies
         if hf_model is not None:
             row["hf_tok_s"] = bench_hf(hf_model, b, args.ctx, args.steps, loaded.config.vocab_size)
             row["vs_hf"] = row["iterserve_tok_s"] / row["hf_tok_s"]
@@ -149,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "ctx": args.ctx, "steps": args.steps, "threads": args.threads,
               "torch": torch.__version__, "results": rows}
     nan = float("nan")
-    print(f"\n{'batch':>5} {'iterserve':>10} {'+packed':>8} {'HF':>8} {'GEMM':>8} {'vs HF':>6} "
-          f"{'vs GEMM':>7}   (output tok/s)")
+    variants = [v for v in args.variants.split(",") if v]
+    print(f"\n{'batch':>5} {'iterserve':>10} " + "".join(f"{v:>8} " for v in variants)
+          + f"{'HF':>8} {'GEMM':>8} {'vs HF':>6} {'vs GEMM':>7}   (output tok/s)")
     for r in rows:
-        print(f"{r['batch']:>5} {r['iterserve_tok_s']:>10.1f} {r.get('iterserve_packed_tok_s', nan):>8.1f} "
-              f"{r.get('hf_tok_s', nan):>8.1f} {r['gemm_tok_s']:>8.1f} {r.get('vs_hf', nan):>6.2f} "
+        print(f"{r['batch']:>5} {r['iterserve_tok_s']:>10.1f} "
+              + "".join(f"{r[f'iterserve_{v}_tok_s']:>8.1f} " for v in variants)
+              + f"{r.get('hf_tok_s', nan):>8.1f} {r['gemm_tok_s']:>8.1f} {r.get('vs_hf', nan):>6.2f} "
               f"{r['vs_gemm']:>7.2f}")
     print(json.dumps(result))
     if args.out:

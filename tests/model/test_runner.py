@@ -126,23 +126,26 @@ def test_loaded_model_reports_name_eos_and_bfloat16(tmp_path):
     assert logits.dtype == torch.float32 and logits.shape == (1, 512) and torch.isfinite(logits).all()
 
 
-def test_mkl_packed_linear_is_exact_for_any_row_count():
-    from iterserve.model.layers import Linear, mkl_packing_available
-    if not mkl_packing_available():
-        pytest.skip("MKL packed GEMM is not available in this torch build")
+@pytest.mark.parametrize("mode", ["mkl", "onednn"])
+def test_packed_linear_is_exact_for_any_row_count(mode):
+    from iterserve.model.layers import Linear, packing_modes_available
+    if mode not in packing_modes_available():
+        pytest.skip(f"{mode} packed GEMM is not available in this torch build")
     torch.manual_seed(0)
     lin = Linear(96, 160, bias=True)
     torch.nn.init.normal_(lin.weight, std=0.1)
     torch.nn.init.normal_(lin.bias)
-    assert lin.pack(True)
+    assert lin.pack(mode)
     for rows in (1, 3, 8, 13, 64, 300):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
                                    atol=1e-5, rtol=1e-5)
+    assert not lin.pack(None) and lin._packed is None
 
 
-def test_packed_and_plain_weights_give_the_same_logits(loaded):
-    def logits(pack: bool) -> torch.Tensor:
+@pytest.mark.parametrize("mode", ["mkl", "onednn"])
+def test_packed_and_plain_weights_give_the_same_logits(loaded, mode):
+    def logits(pack: str | None) -> torch.Tensor:
         runner = ModelRunner(loaded, num_blocks=32, block_size=4, sampler=greedy, pack_weights=pack)
         blocks = Blocks(32, 4)
         reqs = [request(f"r{i}", [5 + i, 6, 7, 8 + i][:2 + i]) for i in range(3)]
@@ -151,6 +154,6 @@ def test_packed_and_plain_weights_give_the_same_logits(loaded):
         late = request("late", list(range(20, 31)))
         return runner.compute_logits(step(*[chunk(blocks, r) for r in reqs], chunk(blocks, late)))
 
-    torch.testing.assert_close(logits(True), logits(False), atol=1e-5, rtol=1e-5)
-    ModelRunner(loaded, num_blocks=4, block_size=4, sampler=greedy, pack_weights=False)
+    torch.testing.assert_close(logits(mode), logits(None), atol=1e-5, rtol=1e-5)
+    ModelRunner(loaded, num_blocks=4, block_size=4, sampler=greedy, pack_weights=None)
     assert loaded.model.layers[0].mlp.down_proj._packed is None

@@ -2,7 +2,7 @@
 GELU MLP, biased projections), over the same paged KV cache and attention as the Llama family.
 
 HF stores GPT-2's projections as Conv1D ([in, out]); they are transposed once at load so
-every projection is a plain Linear (and can take MKL packed weights like the others).
+every projection is a plain Linear (and can take prepacked weights like the others).
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class GPT2ForCausalLM(nn.Module):
         if surplus:
             raise ModelLoadError(f"weights have tensors the gpt2 model does not use: {surplus[:5]}")
 
-    def pack_linears(self, enabled: bool = True) -> bool:
-        """Switch every Linear (the lm_head included) to MKL packed weights or back."""
-        return all([m.pack(enabled) for m in self.modules() if isinstance(m, Linear)])
+    def pack_linears(self, mode: str | bool | None = "onednn") -> bool:
+        """Switch every Linear (the lm_head included) to prepacked weights ("onednn" or
+        "mkl", see layers.Linear) or back to plain ones (None)."""
+        return all([m.pack(mode) for m in self.modules() if isinstance(m, Linear)])

@@ -129,16 +129,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# --- linear with MKL packed weights ---------------------------------------------------------
+# --- linear with prepacked weights ----------------------------------------------------------
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), optionally through MKL's packed-weight GEMM on CPU float32.
+    """y = x W^T (+ b), optionally through a prepacked-weight GEMM on CPU float32.
 
-    MKL's plain sgemm is inefficient at 8-64 rows; its packed-B path (what inductor uses
-    when it freezes weights) reorders W once. torch's `_mkl_linear` only takes the packed
-    path when the row count equals its `prepack_batch_size` argument, but the packed buffer
-    itself does not depend on that count (same size and exact results for 1..5000 rows,
-    checked in tests), so one packed copy serves every step: we pass the actual row count.
+    A decode step multiplies 1-64 rows by every weight. Plain sgemm is inefficient there: it
+    re-packs the whole weight on every call. Two CPU libraries take a weight packed once:
+    - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`, what inductor
+      uses for frozen weights). oneDNN picks its kernels by the CPU's ISA at run time, so it
+      is fast on AMD as well as Intel CPUs; one packed copy serves any row count.
+    - "mkl": MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`). torch only takes the packed
+      path when the row count equals its `prepack_batch_size` argument, but the buffer does not
+      depend on that count (checked in tests), so we pass the actual row count.
+    benchmarks/bench_decode.py measures all three side by side; see PACKING_DEFAULT in runner.py.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -146,20 +150,46 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
+        self._packing: str | None = None
 
-    def pack(self, enabled: bool = True) -> bool:
-        """Make (or drop) the packed copy; returns whether packing is now in use."""
-        self._packed = None
-        if enabled and mkl_packing_available() and self.weight.device.type == "cpu" \
-                and self.weight.dtype == torch.float32:
-            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), 8)
-        return self._packed is not None
+    def pack(self, mode: str | bool | None = "onednn") -> bool:
+        """Make (or drop, with None/False) the packed copy; returns whether it is in use."""
+        if mode is True:
+            mode = "mkl"
+        self._packed, self._packing = None, None
+        if not mode or self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
+            return False
+        if mode not in packing_modes_available():
+            return False
+        w = self.weight.detach()
+        if mode == "onednn":
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+        else:
+            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 8)
+        self._packing = mode
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32:
+            if self._packing == "onednn":
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias,
+                                                          "none", [], "")
             return torch.ops.mkl._mkl_linear(x.contiguous(), self._packed, self.weight,
                                              self.bias, x.shape[0])
         return F.linear(x, self.weight, self.bias)
+
+
+def packing_modes_available() -> set[str]:
+    modes = set()
+    if mkl_packing_available():
+        modes.add("mkl")
+    try:
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            modes.add("onednn")
+    except (AttributeError, RuntimeError):
+        pass
+    return modes
 
 
 def mkl_packing_available() -> bool:

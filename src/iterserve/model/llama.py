@@ -153,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"weights have tensors the {c.model_type} model does not use: "
                                  f"{surplus[:5]}{' ...' if len(surplus) > 5 else ''}")
 
-    def pack_linears(self, enabled: bool = True) -> bool:
-        """Switch every Linear (the lm_head included) to MKL packed weights or back."""
-        return all([m.pack(enabled) for m in self.modules() if isinstance(m, Linear)])
+    def pack_linears(self, mode: str | bool | None = "onednn") -> bool:
+        """Switch every Linear (the lm_head included) to prepacked weights ("onednn" or
+        "mkl", see layers.Linear) or back to plain ones (None)."""
+        return all([m.pack(mode) for m in self.modules() if isinstance(m, Linear)])

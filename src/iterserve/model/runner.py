@@ -18,21 +18,20 @@ from iterserve.core.scheduler_output import SampleResult, ScheduledChunk, Schedu
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
-from iterserve.model.layers import mkl_packing_available
 
 SamplerFn = Callable[[torch.Tensor, Sequence[Request]], list[SampleResult]]
 
-# MKL packed weights (layers.Linear) on CPU float32 cost one extra copy of the weights.
-# Off by default: on this (shared, loaded) 2-core machine bench_decode measured no gain
-# (B=8: 10.0 vs 10.3 tok/s, B=32: 14.5 vs 25.4); team notes from a quiet run saw 10-30%
-# at 8-64 rows. Re-measure with benchmarks/bench_decode.py before turning it on.
-PACK_WEIGHTS_DEFAULT = False
+# Prepacked weights (layers.Linear) on CPU float32 cost one extra copy of the weights.
+# "onednn" by default: measured side by side by benchmarks/bench_decode.py on this machine
+# (an AMD EPYC VM without AVX2, where MKL's sgemm is slow at decode row counts).
+# None means plain F.linear (always the case on CUDA and for non-float32 weights).
+PACKING_DEFAULT: str | None = "onednn"
 
 
 class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
-                 pack_weights: bool | None = None) -> None:
+                 pack_weights: str | bool | None = "default") -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
@@ -46,8 +45,8 @@ class ModelRunner:
             sampler = Sampler()
         self.sampler = sampler
         # Packing is a property of the model's Linear modules: set (or clear) it every time.
-        want = PACK_WEIGHTS_DEFAULT if pack_weights is None else pack_weights
-        self.packed = self.model.pack_linears(want and mkl_packing_available())
+        mode = PACKING_DEFAULT if pack_weights == "default" else pack_weights
+        self.packed = self.model.pack_linears(mode)
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
