@@ -1,0 +1,132 @@
+"""`iterserve lab calibrate`: the fit recovers known costs, the CLI writes a usable cost model,
+shipped fits are selectable by name, and bad options exit 2."""
+
+import json
+
+import numpy as np
+import pytest
+
+from iterserve.cli import main
+from iterserve.lab.api import run_lab
+from iterserve.lab.calibrate import (
+    CalibrationError, GridPoint, check_point, default_grid, fit_coefficients, fit_errors, nnls)
+from iterserve.lab.cost_model import (
+    COEFFICIENTS, CostModelError, load_cost_model, shipped_cost_models)
+
+TRUE = {"c0": 0.025, "c_tok": 1.2e-3, "c_seq": 4e-4, "c_kv": 2e-6, "c_prefill_tok": 3e-4}
+
+
+def _synthetic(grid, coef, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    feats = [p.features() for p in grid]
+    y = [coef["c0"] + coef["c_tok"] * t + coef["c_seq"] * s + coef["c_kv"] * kv
+         + coef["c_prefill_tok"] * pf for t, s, kv, pf in feats]
+    return feats, [v * (1 + noise * rng.standard_normal()) for v in y]
+
+
+def test_fit_recovers_known_coefficients_from_exact_linear_timings():
+    feats, y = _synthetic(default_grid(), TRUE)
+    got = fit_coefficients(feats, y)
+    for k in COEFFICIENTS:
+        assert got[k] == pytest.approx(TRUE[k], rel=1e-6), k
+    assert max(abs(e) for e in fit_errors(got, feats, y)) < 1e-9
+
+
+def test_fit_stays_close_under_two_percent_noise():
+    feats, y = _synthetic(default_grid(), TRUE, noise=0.02, seed=1)
+    got = fit_coefficients(feats, y)
+    errors = fit_errors(got, feats, y)
+    assert np.mean(np.abs(errors)) < 0.03
+    # What the grid identifies comes back close: the fixed cost, the cost of one decode
+    # (a token and a sequence) and of one prompt token. How a decode's cost splits between
+    # c_tok and c_seq rests only on the number of prefill chunks, so noise may move it.
+    assert got["c0"] == pytest.approx(TRUE["c0"], rel=0.1)
+    assert got["c_tok"] + got["c_seq"] == pytest.approx(TRUE["c_tok"] + TRUE["c_seq"], rel=0.1)
+    assert got["c_tok"] + got["c_prefill_tok"] == pytest.approx(
+        TRUE["c_tok"] + TRUE["c_prefill_tok"], rel=0.1)
+
+
+def test_fit_never_returns_a_negative_coefficient():
+    # Timings that fall with the KV length would need c_kv < 0: NNLS clamps it to 0.
+    grid = default_grid()
+    feats = [p.features() for p in grid]
+    y = [0.05 + 1e-3 * t - 1e-7 * kv for t, _, kv, _ in feats]
+    got = fit_coefficients(feats, y)
+    assert all(v >= 0 for v in got.values())
+    assert got["c_kv"] == 0.0
+
+
+def test_nnls_matches_the_unconstrained_solution_when_it_is_non_negative():
+    rng = np.random.default_rng(3)
+    a = rng.random((20, 4))
+    x = np.array([0.5, 2.0, 0.1, 1.0])
+    assert nnls(a, a @ x) == pytest.approx(x, rel=1e-9)
+
+
+def test_fit_rejects_too_few_points_and_non_positive_times():
+    with pytest.raises(CalibrationError, match="at least 5"):
+        fit_coefficients([(1, 1, 1, 0)] * 3, [0.1] * 3)
+    with pytest.raises(CalibrationError, match="positive"):
+        fit_coefficients([(1, 1, 1, 0)] * 6, [0.1] * 5 + [0.0])
+
+
+def test_grid_point_features_count_what_the_lab_counts():
+    # 3 decodes at kv 100 (each reads 101 positions) + 50 prompt tokens in 2 chunks of 25
+    p = GridPoint(3, 100, prefill_tokens=50, prefill_chunks=2)
+    assert p.features() == (53, 5, 3 * 101 + 50, 50)
+    with pytest.raises(CalibrationError):
+        check_point(GridPoint(prefill_tokens=10, prefill_chunks=0))
+    with pytest.raises(CalibrationError):
+        check_point(GridPoint())
+
+
+def test_quick_calibration_on_a_tiny_model_writes_a_cost_model_the_lab_loads(tmp_path, capsys):
+    from fixtures.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path)
+    out = tmp_path / "fit.json"
+    assert main(["lab", "calibrate", "--model", str(model), "--quick", "--repeats", "2",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "fit error" in err and "load average" in err
+    data = json.loads(out.read_text())
+    assert data["format"] == "iterserve-lab-cost-model"
+    src = data["source"]
+    assert src["model"] == model.name and src["grid"] == "quick" and src["repeats"] == 2
+    assert len(src["points"]) == len(default_grid(quick=True))
+    assert all(p["median_s"] > 0 for p in src["points"])
+    cost = load_cost_model(out)
+    assert cost.c0 + cost.c_tok > 0 and model.name in cost.description
+    # ... and the lab runs with it
+    res = run_lab({"requests": 4, "batching": "continuous", "cost_model": data})
+    assert res["continuous"]["time_s"] > 0
+
+
+def test_the_shipped_smollm2_fit_is_selectable_by_name(capsys):
+    assert "smollm2-cpu" in shipped_cost_models()
+    cost = load_cost_model("smollm2-cpu")
+    assert cost.c0 > 0 and "SmolLM2" in cost.description
+    assert main(["lab", "--cost-model", "smollm2-cpu", "--requests", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["static"]["time_s"] > 0
+
+
+def test_an_unknown_cost_model_name_lists_the_shipped_ones():
+    with pytest.raises(CostModelError, match="smollm2-cpu"):
+        load_cost_model("no-such-model")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats"),
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--out", "/no/such/dir/fit.json"], "does not exist"),
+])
+def test_bad_options_exit_2_with_one_line(argv, message, capsys):
+    assert main(["lab", "calibrate", "--quick", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_unknown_flag_exits_2():
+    with pytest.raises(SystemExit) as e:
+        main(["lab", "calibrate", "--bogus"])
+    assert e.value.code == 2
