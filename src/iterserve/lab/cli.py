@@ -50,7 +50,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--priority-frac", type=float,
                    help="share of urgent requests under --policy priority (default 0.2)")
     o = p.add_argument_group("output")
-    o.add_argument("--cost-model", metavar="FILE", help="step-time model (JSON), for seconds")
+    o.add_argument("--cost-model", metavar="FILE|NAME",
+                   help="step-time model: a JSON file, or a shipped name (smollm2-cpu: fitted to the "
+                        "bundled model on the reference CPU; default_cost_model)")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--per-request", action="store_true",
                    help="include per-request records and the timeline (implies --json)")
