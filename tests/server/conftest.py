@@ -15,22 +15,9 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from fixtures.tiny_models import make_tiny_model_dir
 from iterserve.engine.args import EngineArgs
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.server.app import create_app
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    # Shared with tests/engine through the session's base temp dir: building the model
-    # imports transformers, which is the slow part.
-    base = tmp_path_factory.getbasetemp() / "iterserve-shared-tiny-llama"
-    existing = [p for p in base.glob("*") if (p / "config.json").exists()] if base.exists() else []
-    if existing:
-        return existing[0]
-    base.mkdir(parents=True, exist_ok=True)
-    return make_tiny_model_dir(base)
 
 
 def free_port() -> int:
