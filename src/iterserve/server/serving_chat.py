@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.server.errors import APIError
 from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.serving_common import (
-    chat_logprobs, check_model, close_streams, collect_final, error_finish_message,
-    merge_streams, new_id, now_s, sse, sse_error, to_api_error, usage)
+    chat_logprobs, check_model, collect_final, error_finish_message, merge_streams, new_id,
+    now_s, sse, sse_error, sse_response, to_api_error, usage)
 from iterserve.server.serving_completions import start_streams
 
 
@@ -72,45 +72,37 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
 
     async def events() -> AsyncIterator[str]:
         completion_tokens = 0
-        try:
-            for i in range(params.n):           # the role comes first, as OpenAI sends it
-                chunk = base([{"index": i, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}])
+        for i in range(params.n):               # the role comes first, as OpenAI sends it
+            chunk = base([{"index": i, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None}])
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+        async for _, out in merge_streams(streams):
+            for co in out.outputs:
+                if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
+                    continue
+                completion_tokens += len(co.delta_token_ids)
+                choice: dict[str, Any] = {
+                    "index": co.index,
+                    "delta": {"content": co.delta_text} if (
+                        co.delta_text or co.delta_token_ids) else {},
+                    "logprobs": chat_logprobs(tok, co.delta_logprobs or [])
+                    if want_logprobs else None,
+                    "finish_reason": co.finish_reason if co.finished_in_this_step else None,
+                }
+                if co.finished_in_this_step:
+                    choice["stop_reason"] = co.stop_reason
+                chunk = base([choice])
                 if include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
-            async for _, out in merge_streams(streams):
-                for co in out.outputs:
-                    if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
-                        continue
-                    completion_tokens += len(co.delta_token_ids)
-                    choice: dict[str, Any] = {
-                        "index": co.index,
-                        "delta": {"content": co.delta_text} if (
-                            co.delta_text or co.delta_token_ids) else {},
-                        "logprobs": chat_logprobs(tok, co.delta_logprobs or [])
-                        if want_logprobs else None,
-                        "finish_reason": co.finish_reason if co.finished_in_this_step else None,
-                    }
-                    if co.finished_in_this_step:
-                        choice["stop_reason"] = co.stop_reason
-                    chunk = base([choice])
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
-                msg = error_finish_message(out) if out.finished else None
-                if msg:
-                    yield sse_error(msg)
-                if out.finished and include_usage:
-                    chunk = base([])
-                    chunk["usage"] = usage(out.num_prompt_tokens, completion_tokens)
-                    yield sse(chunk)
-            yield sse("[DONE]")
-        except Exception as e:                  # the engine died mid-stream
-            yield sse_error(f"{type(e).__name__}: {e}")
-            yield sse("[DONE]")
-        finally:
-            await close_streams(streams)
+            msg = error_finish_message(out) if out.finished else None
+            if msg:
+                yield sse_error(msg)
+            if out.finished and include_usage:
+                chunk = base([])
+                chunk["usage"] = usage(out.num_prompt_tokens, completion_tokens)
+                yield sse(chunk)
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+    return sse_response(events(), streams, request_id)

@@ -17,6 +17,7 @@ import uuid
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from iterserve.core.request import SamplingParamsError
 from iterserve.engine.async_engine import EngineDeadError
@@ -120,6 +121,30 @@ async def close_streams(streams: Sequence[AsyncIterator[RequestOutput]]) -> None
                 await aclose()
             except (RuntimeError, asyncio.CancelledError):
                 pass               # already running/closed in a cancelled task
+
+
+def sse_response(chunks: AsyncIterator[str], streams: Sequence[AsyncIterator[RequestOutput]],
+                 request_id: str) -> StreamingResponse:
+    """The SSE response both endpoints stream: `chunks` yields the endpoint's own events; an
+    error mid-stream becomes an SSE error event, the stream always ends with `[DONE]`, and the
+    request's streams are closed (aborting what is unfinished) however it ends, a client
+    disconnect included."""
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for event in chunks:
+                yield event
+            yield sse("[DONE]")
+        except APIError as e:
+            yield sse_error(e.message, e.type)
+            yield sse("[DONE]")
+        except Exception as e:                  # the engine died mid-stream
+            yield sse_error(f"{type(e).__name__}: {e}")
+            yield sse("[DONE]")
+        finally:
+            await close_streams(streams)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
 
 
 async def collect_final(streams: Sequence[AsyncIterator[RequestOutput]], request: Request

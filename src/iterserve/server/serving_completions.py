@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import RequestOutput
@@ -19,7 +19,7 @@ from iterserve.server.errors import APIError
 from iterserve.server.protocol import CompletionRequest
 from iterserve.server.serving_common import (
     check_model, close_streams, collect_final, completion_logprobs, error_finish_message,
-    merge_streams, new_id, now_s, sse, sse_error, to_api_error, usage)
+    merge_streams, new_id, now_s, sse, sse_error, sse_response, to_api_error, usage)
 
 
 async def start_streams(engine: AsyncEngine, request_id: str, prompts: list[Any], params: Any,
@@ -93,44 +93,32 @@ async def create_completion(body: CompletionRequest, raw: Request, engine: Async
         offsets: dict[int, int] = {}
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
-        try:
-            async for i, out in merge_streams(streams):
-                prompt_tokens[i] = out.num_prompt_tokens
-                for co in out.outputs:
-                    if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
-                        continue
-                    idx = i * n + co.index
-                    completion_tokens += len(co.delta_token_ids)
-                    lp = None
-                    if want_logprobs:
-                        lp = completion_logprobs(tok, co.delta_logprobs or [],
-                                                 offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + len(co.delta_text)
-                    choice = {"index": idx, "text": co.delta_text, "logprobs": lp,
-                              "finish_reason": co.finish_reason if co.finished_in_this_step
-                              else None}
-                    if co.finished_in_this_step:
-                        choice["stop_reason"] = co.stop_reason
-                    chunk = base([choice])
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
-                msg = error_finish_message(out) if out.finished else None
-                if msg:
-                    yield sse_error(msg)
-            if include_usage:
-                chunk = base([])
-                chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+        async for i, out in merge_streams(streams):
+            prompt_tokens[i] = out.num_prompt_tokens
+            for co in out.outputs:
+                if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
+                    continue
+                idx = i * n + co.index
+                completion_tokens += len(co.delta_token_ids)
+                lp = None
+                if want_logprobs:
+                    lp = completion_logprobs(tok, co.delta_logprobs or [], offsets.get(idx, 0))
+                offsets[idx] = offsets.get(idx, 0) + len(co.delta_text)
+                choice = {"index": idx, "text": co.delta_text, "logprobs": lp,
+                          "finish_reason": co.finish_reason if co.finished_in_this_step
+                          else None}
+                if co.finished_in_this_step:
+                    choice["stop_reason"] = co.stop_reason
+                chunk = base([choice])
+                if include_usage:
+                    chunk["usage"] = None
                 yield sse(chunk)
-            yield sse("[DONE]")
-        except APIError as e:
-            yield sse_error(e.message, e.type)
-            yield sse("[DONE]")
-        except Exception as e:                            # the engine died mid-stream
-            yield sse_error(f"{type(e).__name__}: {e}")
-            yield sse("[DONE]")
-        finally:
-            await close_streams(streams)
+            msg = error_finish_message(out) if out.finished else None
+            if msg:
+                yield sse_error(msg)
+        if include_usage:
+            chunk = base([])
+            chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+            yield sse(chunk)
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+    return sse_response(events(), streams, request_id)
