@@ -38,11 +38,11 @@ def greedy(logits, requests):
 
 
 def bench_iterserve(loaded, batch: int, ctx: int, steps: int, block_size: int = 16,
-                    packed: str | None = "default") -> float:
+                    packed: str | None = "default", quant: bool | str = "default") -> float:
     from iterserve.model.runner import ModelRunner
     per_req = (ctx + steps + 2 + block_size - 1) // block_size
     runner = ModelRunner(loaded, num_blocks=batch * per_req, block_size=block_size,
-                         sampler=greedy, pack_weights=packed)
+                         sampler=greedy, pack_weights=packed, quant_kernels=quant)
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=steps + 2))
             for i, p in enumerate(prompts(batch, ctx, loaded.config.vocab_size))]
     tables = {r.request_id: list(range(i * per_req, (i + 1) * per_req)) for i, r in enumerate(reqs)}
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
-    ap.add_argument("--variants", default="plain,mkl",
+    ap.add_argument("--variants", default="float,plain",
                     help="extra iterserve runs with other weight packings (plain = F.linear, "
                          "mkl, onednn; see layers.Linear); '' for none")
     ap.add_argument("--out", default=None, help="write the JSON results here too")
@@ -139,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                "iterserve_tok_s": bench_iterserve(loaded, b, args.ctx, args.steps),
                "gemm_tok_s": bench_gemm(loaded.config, b, args.steps)}
         for v in filter(None, args.variants.split(",")):
+            # "float": the default packing without the quantised kernel; "plain"/"mkl":
+            # that packing (None = F.linear), also on the float weights.
+            packed = "default" if v == "float" else None if v == "plain" else v
             row[f"iterserve_{v}_tok_s"] = bench_iterserve(
-                loaded, b, args.ctx, args.steps, packed=None if v == "plain" else v)
+                loaded, b, args.ctx, args.steps, packed=packed, quant=False)
         loaded.model.pack_linears(None)         # free the packed copies
         if hf_model is not None:
             row["hf_tok_s"] = bench_hf(hf_model, b, args.ctx, args.steps, loaded.config.vocab_size)

@@ -6,8 +6,9 @@ llama.cpp's names, many of them block-quantised. The rest of iterserve speaks HF
 translates at the border and the model code has one format to know:
 
 - metadata -> config.json keys (what `transformers` builds from the same file);
-- tensors dequantised to float at load with `gguf.quants.dequantize` (numpy): the engine runs
-  float GEMMs on CPU, so keeping blocks quantised would buy memory, not speed;
+- tensors dequantised to float at load with `gguf.quants.dequantize` (numpy), the reference
+  path every kernel is tested against; Q4_0/Q4_1/Q8_0 tensors are also kept as blocks on
+  request (model/quant.py), which the native decode kernel reads instead of the floats;
 - llama's Q/K rows un-permuted: llama.cpp's converter reorders them for its interleaved
   ("normal") RoPE, transformers' loader reverses that, and we match transformers.
 """
@@ -22,6 +23,7 @@ import re
 import numpy as np
 import torch
 
+from iterserve.model.quant import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, BlockQuantWeight
 from iterserve.model.tokenizer import Tokenizer
 
 __all__ = ["load_gguf", "open_gguf", "read_gguf_config", "GGUFLoadError"]
@@ -217,9 +219,14 @@ def _dequantize(tensor) -> np.ndarray:
     return data.reshape(shape)
 
 
-def load_gguf(path, dtype: torch.dtype = torch.float32
+def load_gguf(path, dtype: torch.dtype = torch.float32, quantized: dict | None = None
               ) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
-    """(config dict, HF-named state dict, tokenizer) of a GGUF file; weights dequantised."""
+    """(config dict, HF-named state dict, tokenizer) of a GGUF file; weights dequantised.
+
+    With a `quantized` dict, the 2-D Q4_0/Q4_1/Q8_0 tensors are also put there as
+    `quant.BlockQuantWeight` under the same HF names (rows un-permuted like the floats), for
+    the native decode kernel.
+    """
     reader = open_gguf(path)
     config = read_gguf_config(reader)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -238,6 +245,14 @@ def load_gguf(path, dtype: torch.dtype = torch.float32
         elif permuted and name.endswith("k_proj.weight"):
             w = _unpermute_qk(w, config["num_key_value_heads"])
         state[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+        if quantized is not None and tensor.tensor_type.name in QUANT_KINDS and w.ndim == 2 \
+                and w.shape[1] % QUANT_BLOCK == 0:
+            blocks = BlockQuantWeight.from_gguf(tensor.tensor_type.name, tensor.data, w.shape)
+            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config["num_attention_heads" if name.endswith("q_proj.weight")
+                               else "num_key_value_heads"]
+                blocks = blocks.rows(_unpermute_qk(np.arange(w.shape[0]), heads))
+            quantized[name] = blocks
     _check_shapes(config, state)
     tokenizer = Tokenizer.from_gguf_metadata(reader)
     if config["vocab_size"] is None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.config import ModelConfig, UnsupportedModelError
+from iterserve.model.quant import BlockQuantWeight
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +132,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # --- linear with prepacked weights ----------------------------------------------------------
 
+# Row count up to which the quantised kernel beats the float GEMM on the default model
+# (benchmarks/bench_decode.py --variants ...,float: measured crossover between 8 and 16 rows).
+QUANT_MAX_ROWS = 16
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), optionally through a prepacked-weight GEMM on CPU float32.
 
@@ -143,6 +149,12 @@ class Linear(nn.Module):
       path when the row count equals its `prepack_batch_size` argument, but the buffer does not
       depend on that count (checked in tests), so we pass the actual row count.
     benchmarks/bench_decode.py measures all three side by side; see PACKING_DEFAULT in runner.py.
+
+    A Linear loaded from a GGUF Q4_0/Q4_1/Q8_0 tensor also keeps those blocks (`quant`, see
+    model/quant.py). With `use_quant` on (the runner's default on CPU), calls with at most
+    QUANT_MAX_ROWS rows, i.e. decode steps, go through the native kernel, which streams
+    ~0.6-1 byte per weight instead of 4; bigger calls (prefill chunks) keep the float GEMM,
+    which is faster once the row count amortises the weight reads.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -151,6 +163,18 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
         self._packing: str | None = None
+        self.quant: BlockQuantWeight | None = None   # set by the model's GGUF weight loading
+        self._qgemm = None                            # the native kernel when in use
+
+    def use_quant(self, on: bool = True) -> bool:
+        """Route small-row calls through the native block-quantised kernel; returns whether
+        it is in use (it needs `quant`, float32 CPU weights and a built kernel)."""
+        self._qgemm = None
+        if on and self.quant is not None and self.weight.device.type == "cpu" \
+                and self.weight.dtype == torch.float32:
+            from iterserve.model import kernels
+            self._qgemm = kernels.qgemm()
+        return self._qgemm is not None
 
     def pack(self, mode: str | bool | None = "onednn") -> bool:
         """Make (or drop, with None/False) the packed copy; returns whether it is in use."""
@@ -170,6 +194,10 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._qgemm is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS \
+                and x.dtype == torch.float32:
+            y = self.quant.matmul(x, self._qgemm, torch.get_num_threads())
+            return y if self.bias is None else y.add_(self.bias)
         if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32:
             if self._packing == "onednn":
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias,

@@ -47,6 +47,7 @@ def load_model(path: str | None = None, *, dtype: str = "float32", device: str =
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    quantized = None
     if p.is_dir():
         from iterserve.model.tokenizer import Tokenizer
         hf_config = read_hf_config(p)
@@ -56,7 +57,8 @@ def load_model(path: str | None = None, *, dtype: str = "float32", device: str =
         name = p.name
     elif p.suffix.lower() == ".gguf":
         from iterserve.model.gguf_loader import load_gguf
-        hf_config, state, tokenizer = load_gguf(p, dtype=torch.float32)
+        quantized = {} if dev.type == "cpu" and torch_dtype == torch.float32 else None
+        hf_config, state, tokenizer = load_gguf(p, dtype=torch.float32, quantized=quantized)
         config = ModelConfig.from_hf(hf_config, torch_dtype)
         name = p.stem
     else:
@@ -64,6 +66,8 @@ def load_model(path: str | None = None, *, dtype: str = "float32", device: str =
     if not config.eos_token_ids and getattr(tokenizer, "eos_token_ids", None):
         config.eos_token_ids = sorted(tokenizer.eos_token_ids)
     model = build_model(config, state, dev)
+    if quantized and hasattr(model, "attach_quantized"):
+        model.attach_quantized(quantized)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name)
 
 

@@ -23,15 +23,19 @@ SamplerFn = Callable[[torch.Tensor, Sequence[Request]], list[SampleResult]]
 
 # Prepacked weights (layers.Linear) on CPU float32 cost one extra copy of the weights.
 # "onednn" by default: measured side by side by benchmarks/bench_decode.py on this machine
-# (an AMD EPYC VM without AVX2, where MKL's sgemm is slow at decode row counts).
+# (an AMD EPYC VM, where MKL's sgemm is slow at decode row counts).
 # None means plain F.linear (always the case on CUDA and for non-float32 weights).
 PACKING_DEFAULT: str | None = "onednn"
+# Decode steps through the native kernel over GGUF blocks where the model has them
+# (layers.Linear.use_quant, model/quant.py); False keeps every GEMM on the float weights.
+QUANT_DEFAULT = True
 
 
 class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
-                 pack_weights: str | bool | None = "default") -> None:
+                 pack_weights: str | bool | None = "default",
+                 quant_kernels: bool | str = "default") -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
@@ -47,6 +51,9 @@ class ModelRunner:
         # Packing is a property of the model's Linear modules: set (or clear) it every time.
         mode = PACKING_DEFAULT if pack_weights == "default" else pack_weights
         self.packed = self.model.pack_linears(mode)
+        use_quant = QUANT_DEFAULT if quant_kernels == "default" else bool(quant_kernels)
+        self.quantized = self.model.use_quant(use_quant) if hasattr(self.model, "use_quant") \
+            else False
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
