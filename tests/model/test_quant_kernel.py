@@ -44,7 +44,7 @@ def test_blocks_dequantise_bit_for_bit_like_the_gguf_package(kind):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_float_gemm_over_the_dequantised_weights(kind, rows, threads):
     fn = kernels.qgemm()
-    assert fn is not None, kernels.qgemm_unavailable
+    assert fn is not None, kernels.unavailable
     bq, w = _blocks(kind, 300, 160, seed=rows)      # 300 columns: uneven thread and chunk splits
     x = torch.randn(rows, 160)
     y = bq.matmul(x, fn, threads)
@@ -64,14 +64,14 @@ def test_rows_and_cat_reorder_and_fuse_like_the_floats():
 
 def test_building_into_an_empty_cache_dir_compiles_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path))
-    kernels.qgemm.cache_clear()
+    kernels.clear_cache()
     try:
-        assert kernels.qgemm() is not None, kernels.qgemm_unavailable
-        built = list((tmp_path / "kernels").glob("qgemm-*.so"))
+        assert kernels.qgemm() is not None, kernels.unavailable
+        built = list((tmp_path / "kernels").glob("iterserve-*.so"))
         assert len(built) == 1
         assert kernels._build(kernels._compiler()) == built[0]      # cached: no rebuild
     finally:
-        kernels.qgemm.cache_clear()
+        kernels.clear_cache()
 
 
 ALL_QUANT = {"attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_1",
@@ -126,12 +126,12 @@ def test_all_quantised_gguf_gives_the_same_logits_with_the_kernel_on_and_off(qua
 def test_disabling_native_kernels_falls_back_to_float_weights(quant_model, monkeypatch):
     from iterserve.model.runner import ModelRunner
     monkeypatch.setenv("ITERSERVE_NATIVE_KERNELS", "0")
-    kernels.qgemm.cache_clear()
+    kernels.clear_cache()
     try:
         runner = ModelRunner(quant_model, num_blocks=8, block_size=4, sampler=greedy)
-        assert not runner.quantized and "ITERSERVE_NATIVE_KERNELS" in kernels.qgemm_unavailable
+        assert not runner.quantized and "ITERSERVE_NATIVE_KERNELS" in kernels.unavailable
     finally:
-        kernels.qgemm.cache_clear()
+        kernels.clear_cache()
 
 
 def test_mixed_type_fused_layers_keep_float_weights(tmp_path):

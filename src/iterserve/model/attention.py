@@ -5,9 +5,11 @@ so the decode rows are one contiguous block. Per step (not per layer) it builds 
 AttentionMetadata: the slot each new token's K/V goes to, and the slots to gather each
 sequence's context from. Then in every layer:
 
-- decodes: one batched attention. Context slots are padded to the longest context with a
-  key mask; grouped-query heads stay grouped (SDPA enable_gqa) - expanding K/V per query
-  head was measured 4-20x slower from batch 32 up.
+- decodes: on CPU float32, the native kernel (kernels/decode_attention.c) reads each
+  sequence's K/V straight from the pool through its block table, once, unpadded. Otherwise
+  one batched SDPA: context slots are gathered and padded to the longest context with a key
+  mask; grouped-query heads stay grouped (SDPA enable_gqa) - expanding K/V per query head
+  was measured 4-20x slower from batch 32 up.
 - prefill chunks: one SDPA per chunk over [its cached prefix + the chunk] with a causal mask
   offset by the prefix length (measured faster than a block-diagonal mask over all chunks).
 """
@@ -35,6 +37,11 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None     # [D * Lmax] context slots, row-major
     decode_len: int = 0                          # Lmax
     decode_mask: torch.Tensor | None = None      # [D, 1, 1, Lmax] additive, None if no padding
+    decode_kernel: object = None                 # native decode attention (then the two below)
+    decode_tables: torch.Tensor | None = None    # [D, max blocks] int32 block tables
+    decode_lens: torch.Tensor | None = None      # [D] int32 context lengths (new token included)
+    sliding_window: int = 0                      # 0 = none
+    block_size: int = 0
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -46,8 +53,11 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                    sliding_window: int | None, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
-    """seqs: (start, num_tokens, block_ids) in flattened order, decodes (num_tokens == 1) first."""
+                   dtype: torch.dtype = torch.float32, decode_kernel=None) -> AttentionMetadata:
+    """seqs: (start, num_tokens, block_ids) in flattened order, decodes (num_tokens == 1) first.
+
+    With `decode_kernel` (kernels.decode_attention(), CPU float32 only) the decodes get block
+    tables and lengths for it instead of gather slots and a padding mask."""
     for start, n, block_ids in seqs:
         if len(block_ids) * block_size < start + n:
             raise ValueError(f"block table of {len(block_ids)} blocks cannot hold {start + n} "
@@ -70,12 +80,19 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         lens_t = torch.tensor(lens)
         new_slots.append(slots[torch.arange(num_decodes), lens_t - 1])
         meta.num_decodes, meta.decode_len = num_decodes, lmax
-        meta.decode_slots = slots.reshape(-1).to(device)
+        if decode_kernel is not None:
+            meta.decode_kernel = decode_kernel
+            meta.decode_tables = table.to(torch.int32)
+            meta.decode_lens = lens_t.to(torch.int32)
+            meta.sliding_window = sliding_window or 0
+            meta.block_size = block_size
+        else:
+            meta.decode_slots = slots.reshape(-1).to(device)
         k_pos = torch.arange(lmax)[None, :]
         valid = k_pos < lens_t[:, None]          # padded positions of shorter contexts
         if sliding_window is not None:
             valid &= (lens_t[:, None] - 1 - k_pos) < sliding_window
-        if not bool(valid.all()):
+        if decode_kernel is None and not bool(valid.all()):
             meta.decode_mask = _additive(valid[:, None, None, :], dtype, device)
 
     row = num_decodes
@@ -128,8 +145,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                       meta: AttentionMetadata, scale: float, kvh: int, d: int) -> torch.Tensor:
-    """One query per sequence over its gathered context; q [D, H, d] -> [D, H, d]."""
+    """One query per sequence over its context; q [D, H, d] -> [D, H, d]."""
     D, L = q.shape[0], meta.decode_len
+    if meta.decode_kernel is not None:
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        tables = meta.decode_tables
+        meta.decode_kernel(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), tables.data_ptr(),
+                           tables.shape[1], meta.decode_lens.data_ptr(), meta.sliding_window,
+                           D, q.shape[1], kvh, d, meta.block_size, scale, out.data_ptr(),
+                           torch.get_num_threads())
+        return out
     kc = k_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
     vc = v_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
     return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.decode_mask,

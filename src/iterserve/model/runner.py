@@ -29,13 +29,16 @@ PACKING_DEFAULT: str | None = "onednn"
 # Decode steps through the native kernel over GGUF blocks where the model has them
 # (layers.Linear.use_quant, model/quant.py); False keeps every GEMM on the float weights.
 QUANT_DEFAULT = True
+# Decode attention through the native kernel (kernels/decode_attention.c) on CPU float32.
+NATIVE_ATTENTION_DEFAULT = True
 
 
 class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
                  pack_weights: str | bool | None = "default",
-                 quant_kernels: bool | str = "default") -> None:
+                 quant_kernels: bool | str = "default",
+                 native_attention: bool | str = "default") -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
@@ -54,6 +57,12 @@ class ModelRunner:
         use_quant = QUANT_DEFAULT if quant_kernels == "default" else bool(quant_kernels)
         self.quantized = self.model.use_quant(use_quant) if hasattr(self.model, "use_quant") \
             else False
+        on = NATIVE_ATTENTION_DEFAULT if native_attention == "default" else bool(native_attention)
+        self.decode_kernel = None
+        if on and self.device.type == "cpu" and self.config.dtype == torch.float32 \
+                and self.config.head_dim % 8 == 0:
+            from iterserve.model import kernels
+            self.decode_kernel = kernels.decode_attention()
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
@@ -95,7 +104,7 @@ class ModelRunner:
             last_row[i] = len(ids) - 1
         meta = build_metadata([(c.start, c.num_tokens, c.block_ids) for c in chunks],
                               self.block_size, self.config.sliding_window, self.device,
-                              self.config.dtype)
+                              self.config.dtype, decode_kernel=self.decode_kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)

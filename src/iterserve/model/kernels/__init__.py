@@ -1,9 +1,13 @@
 """Native CPU kernels: C sources compiled on first use with the system C compiler, loaded by ctypes.
 
-Only one today, `qgemm.c` (GEMM over GGUF-blocked weights, see model/quant.py). Building it
-takes about a second with gcc; the shared object is cached under
-`$ITERSERVE_CACHE_DIR` (default `~/.cache/iterserve/kernels`) keyed by a hash of the source,
-the flags and the compiler, so a changed source never loads a stale build.
+Two kernels for the two places a decode step spends its time on CPU:
+- `qgemm.c`: GEMM over GGUF-blocked weights (model/quant.py, used by layers.Linear);
+- `decode_attention.c`: attention for one query per sequence read straight from the paged
+  KV pool (used by model/attention.py).
+Every `*.c` here goes into one shared object. Building takes about two seconds with gcc; the
+library is cached under `$ITERSERVE_CACHE_DIR` (default `~/.cache/iterserve/kernels`) keyed
+by a hash of the sources, the flags and the compiler, so a changed source never loads a
+stale build.
 
 It links OpenMP by soname (`libgomp.so.1`). torch's wheel ships a `libgomp.so.1` and loads it
 first, so the dynamic loader reuses torch's runtime: one thread pool, not two pools spinning
@@ -11,8 +15,8 @@ against each other on few cores. ctypes releases the GIL for the call, so the se
 loop keeps running while a step computes.
 
 Everything degrades, never fails: no x86-64 AVX2+FMA CPU, no compiler, a failed build, or
-`ITERSERVE_NATIVE_KERNELS=0` make `qgemm()` return None (the reason in `qgemm_unavailable`),
-and callers use their float path.
+`ITERSERVE_NATIVE_KERNELS=0` make `qgemm()` and `decode_attention()` return None (the reason
+in `unavailable`), and callers use their torch path.
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("qgemm.c")
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
           "-shared", "-fPIC", "-Wall")
 
-qgemm_unavailable: str | None = None   # why qgemm() returned None, for logs and benchmarks
+unavailable: str | None = None   # why the kernels are not in use, for logs and benchmarks
 
 
 def cache_dir() -> Path:
@@ -64,18 +68,18 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    """Compile qgemm.c (once per source/flags/compiler) and return the cached .so path."""
+    """Compile the sources (once per sources/flags/compiler); return the cached .so path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(_SOURCE.read_bytes() + repr(_FLAGS).encode() + version.encode()
-                         ).hexdigest()[:16]
-    out = cache_dir() / f"qgemm-{key}.so"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + repr(_FLAGS).encode()
+                         + version.encode()).hexdigest()[:16]
+    out = cache_dir() / f"iterserve-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp],
+        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -87,30 +91,48 @@ def _build(cc: str) -> Path:
 
 
 @functools.cache
-def qgemm():
-    """The loaded `iterserve_qgemm` function, or None (reason in `qgemm_unavailable`)."""
-    global qgemm_unavailable
-    import torch  # noqa: F401  - load torch's libgomp first, so the kernel shares its pool
+def _library() -> ctypes.CDLL | None:
+    global unavailable
+    import torch  # noqa: F401  - load torch's libgomp first, so the kernels share its pool
 
     if os.environ.get("ITERSERVE_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
-        qgemm_unavailable = "disabled by ITERSERVE_NATIVE_KERNELS"
+        unavailable = "disabled by ITERSERVE_NATIVE_KERNELS"
         return None
     if not _cpu_has_avx2_fma():
-        qgemm_unavailable = "the CPU is not x86-64 with AVX2, FMA and F16C"
+        unavailable = "the CPU is not x86-64 with AVX2, FMA and F16C"
         return None
     cc = _compiler()
     if cc is None:
-        qgemm_unavailable = "no C compiler (cc/gcc, or $CC) found"
+        unavailable = "no C compiler (cc/gcc, or $CC) found"
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError) as exc:
-        qgemm_unavailable = f"building the kernel failed: {exc}"
-        log.warning("native quantised GEMM unavailable, using float weights: %s", exc)
+        unavailable = f"building the kernels failed: {exc}"
+        log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
         return None
-    fn = lib.iterserve_qgemm
-    p, i64 = ctypes.c_void_p, ctypes.c_long
-    fn.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, p, i64, ctypes.c_int]
-    fn.restype = None
-    qgemm_unavailable = None
-    return fn
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.iterserve_qgemm.argtypes = [i32, p, i64, i64, p, p, p, p, i64, i32]
+    lib.iterserve_qgemm.restype = None
+    lib.iterserve_decode_attention.argtypes = [p, p, p, p, i32, p, i32, i32, i32, i32, i32, i32,
+                                               ctypes.c_float, p, i32]
+    lib.iterserve_decode_attention.restype = None
+    unavailable = None
+    return lib
+
+
+def clear_cache() -> None:
+    """Forget the loaded library (tests switch ITERSERVE_NATIVE_KERNELS / the cache dir)."""
+    _library.cache_clear()
+
+
+def qgemm():
+    """`iterserve_qgemm` (see qgemm.c), or None."""
+    lib = _library()
+    return None if lib is None else lib.iterserve_qgemm
+
+
+def decode_attention():
+    """`iterserve_decode_attention` (see decode_attention.c), or None."""
+    lib = _library()
+    return None if lib is None else lib.iterserve_decode_attention

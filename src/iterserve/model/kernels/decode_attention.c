@@ -1,0 +1,133 @@
+/* Decode attention straight from the paged KV pool: one query token per sequence.
+ *
+ * Why: the torch path gathers every sequence's K/V into a padded [D, Lmax] tensor in every
+ * layer, then SDPA reads it again. With one long request among short ones that is ~3x the
+ * KV bytes of the step, padded to the longest context: on the `mix` workload it was ~26 ms
+ * of an ~85 ms step. Here each (sequence, KV head) pair walks its own block table and reads
+ * each cached K and V row once, for all the query heads of its group (GQA stays grouped).
+ *
+ * Per pair: scores s = scale * q.k for positions [start, len) (start > 0 under a sliding
+ * window), softmax in float32 with the max subtracted, then out = sum p * v. exp is a
+ * vectorised Cephes-style polynomial (relative error ~1e-7, like expf).
+ *
+ * Layout: q [D][H][d]; pools [slots][kvh][d] with slot = block_table[p / bs] * bs + p % bs;
+ * tables [D][max_blocks] int32; lens [D] int32 (context including the new token); out like q.
+ * d must be a multiple of 8.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 h = _mm_movehdup_ps(s);
+    s = _mm_add_ps(s, h);
+    h = _mm_movehl_ps(h, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, h));
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): range reduction by ln 2, then a
+ * degree-6 polynomial on [-ln2/2, ln2/2] (Cephes expf coefficients). */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    x = _mm256_max_ps(x, lo);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+
+void iterserve_decode_attention(const float *q, const float *kpool, const float *vpool,
+                                const int32_t *tables, int max_blocks, const int32_t *lens,
+                                int window, int D, int H, int kvh, int d, int bs, float scale,
+                                float *out, int nthreads) {
+    const int G = H / kvh;                 /* query heads per KV head */
+    const long row = (long)kvh * d;        /* floats per slot */
+    int maxlen = 0;
+    for (int i = 0; i < D; i++) maxlen = lens[i] > maxlen ? lens[i] : maxlen;
+    if (nthreads < 1) nthreads = 1;
+    if (D * kvh < nthreads) nthreads = D * kvh;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* scores for the G heads of one pair, each padded to a multiple of 8 */
+        const long stride = ((long)maxlen + 7) / 8 * 8;
+        float *scores = aligned_alloc(32, sizeof(float) * (size_t)(G * stride + 8));
+        float *acc = aligned_alloc(32, sizeof(float) * (size_t)(G * d + 8));
+#pragma omp for schedule(dynamic, 1)
+        for (int pair = 0; pair < D * kvh; pair++) {
+            const int s = pair / kvh, h = pair % kvh;
+            const int len = lens[s];
+            const int start = (window > 0 && len > window) ? len - window : 0;
+            const int n = len - start;
+            const int32_t *table = tables + (long)s * max_blocks;
+            const float *qh = q + ((long)s * H + (long)h * G) * d;
+            /* pass 1: scores */
+            for (int p = start; p < len; p++) {
+                const long slot = (long)table[p / bs] * bs + p % bs;
+                const float *k = kpool + slot * row + (long)h * d;
+                for (int g = 0; g < G; g++) {
+                    const float *qg = qh + (long)g * d;
+                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
+                    for (int i = 8; i < d; i += 8)
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), a);
+                    scores[g * stride + (p - start)] = hsum8(a) * scale;
+                }
+            }
+            /* softmax per head */
+            for (int g = 0; g < G; g++) {
+                float *sg = scores + g * stride;
+                float mx = -INFINITY;
+                for (int i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;
+                const __m256 vmx = _mm256_set1_ps(mx);
+                __m256 vsum = _mm256_setzero_ps();
+                int i = 0;
+                for (; i + 8 <= n; i += 8) {
+                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vmx));
+                    _mm256_storeu_ps(sg + i, e);
+                    vsum = _mm256_add_ps(vsum, e);
+                }
+                float sum = hsum8(vsum);
+                if (i < n) {                        /* tail: pad with -inf -> exp 0 */
+                    float tmp[8];
+                    for (int j = 0; j < 8; j++) tmp[j] = i + j < n ? sg[i + j] - mx : -INFINITY;
+                    __m256 e = exp256(_mm256_loadu_ps(tmp));
+                    _mm256_storeu_ps(tmp, e);
+                    for (int j = 0; i + j < n; j++) { sg[i + j] = tmp[j]; sum += tmp[j]; }
+                }
+                const float inv = 1.0f / sum;
+                for (int j = 0; j < n; j++) sg[j] *= inv;
+            }
+            /* pass 2: weighted sum of V */
+            for (int i = 0; i < G * d; i++) acc[i] = 0.0f;
+            for (int p = start; p < len; p++) {
+                const long slot = (long)table[p / bs] * bs + p % bs;
+                const float *v = vpool + slot * row + (long)h * d;
+                for (int g = 0; g < G; g++) {
+                    const __m256 w = _mm256_set1_ps(scores[g * stride + (p - start)]);
+                    float *ag = acc + (long)g * d;
+                    for (int i = 0; i < d; i += 8)
+                        _mm256_storeu_ps(ag + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i),
+                                                                 _mm256_loadu_ps(ag + i)));
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                float *o = out + ((long)s * H + (long)h * G + g) * d;
+                for (int i = 0; i < d; i++) o[i] = acc[(long)g * d + i];
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+}
