@@ -13,6 +13,10 @@ Engines (each skipped with a note when it cannot run here):
 
     python benchmarks/run_mix.py                       # 8 slots each
     python benchmarks/run_mix.py --iterserve-slots 8,16,32 --llama-slots 8,16,32
+    python benchmarks/run_mix.py --workload poisson --rate 2 --skip hf --llama-quants f16
+
+Other workloads (`--workload poisson|longprompt|sharegpt`) run the servers only: the HF
+peers replay `mix` offline.
 """
 
 from __future__ import annotations
@@ -95,7 +99,11 @@ def run_llama(quant: str, slots: int, workload, out_dir: Path) -> dict:
     import llama_server as ls
 
     port = _free_port()
-    cmd = ls.server_command(quant, port, slots, threads=2)
+    # Every slot must hold the workload's longest request, or llama-server truncates the
+    # prompt (it did on `longprompt` with 1,024 tokens per slot) and does less work.
+    longest = max(r.prompt_len + r.max_tokens for r in workload.requests)
+    ctx = max(1024, -(-(longest + 64) // 256) * 256)
+    cmd = ls.server_command(quant, port, slots, threads=2, ctx_per_slot=ctx)
     return bench_server(f"llama-server {quant.upper()} -np {slots}", cmd,
                         f"http://127.0.0.1:{port}", "/health", workload,
                         out_dir / f"llama_{quant}_{slots}.log")
@@ -165,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-slots", default="8")
     ap.add_argument("--hf-slots", default="8")
     ap.add_argument("--skip", default="", help="comma list: iterserve,llama,hf")
+    ap.add_argument("--workload", default="mix", help="mix, poisson, longprompt or sharegpt")
+    ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    ap.add_argument("--llama-quants", default="f16,q4_1", help="llama-server weights to run")
     ap.add_argument("--num-requests", type=int, default=None,
                     help="a smaller mix (same 80/20 rule, same seed); default 48")
     ap.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
@@ -178,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown([row(d) for d in docs], notes, docs[0]["machine"]))
         return 0
     skip = set(filter(None, args.skip.split(",")))
-    out_dir = RESULTS / f"mix-{args.tag}"
+    out_dir = RESULTS / f"{args.workload}-{args.tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    w = build_workload("mix", num_requests=args.num_requests)
+    w = build_workload(args.workload, num_requests=args.num_requests, rate=args.rate)
+    if args.workload != "mix":
+        skip.add("hf")
     docs, notes = [], []
 
     def attempt(label, fn, *a):
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "llama" not in skip:
         for slots in _ints(args.llama_slots):
-            for quant in ("f16", "q4_1"):
+            for quant in filter(None, args.llama_quants.split(",")):
                 attempt(f"llama-server {quant} -np {slots}", run_llama, quant, slots, w, out_dir)
     if "iterserve" not in skip:
         for slots in _ints(args.iterserve_slots):
@@ -218,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                  "serve` (streaming); the HF peers run offline in-process (no HTTP), so their "
                  "figures carry no per-token latencies.")
     rows = [row(d) for d in docs]
-    summary = {"kind": "mix-comparison", "tag": args.tag, "machine": machine_info(),
+    summary = {"kind": f"{args.workload}-comparison", "tag": args.tag, "machine": machine_info(),
                "workload": w.summary(), "rows": rows, "notes": notes}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     md = markdown(rows, notes, summary["machine"])
