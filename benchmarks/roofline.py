@@ -11,6 +11,11 @@ whatever the batch), at the bandwidth a large copy reaches.
     bound_step(B) = max(sum of the step's GEMM times at M=B,  weight_bytes / bandwidth)
     bound tok/s   = B / bound_step(B)
 
+iterserve's decode reads the bundled GGUF's blocks instead (model/kernels/qgemm.c: Q4_1
+layers, a Q8_0 LM head, scales widened to float32), so a third bound is reported: streaming
+those bytes once per step, `blocks_bytes / bandwidth`. It is a memory bound only; the
+kernel's FLOPs are the fp32 GEMMs' FLOPs.
+
 SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, FFN 1536, vocab 49152, 30 layers,
 tied embeddings (the LM head is one more [576, 49152] GEMM per step).
 
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                        "bound": "gemm" if t["step_gemm_s"] >= mem_s else "memory",
                        "bound_tok_s": round(b / step, 1), "gemms": t["gemms"]}
         doc["dtypes"][name] = rows
+    layer_params = NUM_PARAMS - VOCAB * HIDDEN - (2 * LAYERS + 1) * HIDDEN
+    blocks = layer_params * 24 / 32 + VOCAB * HIDDEN * 36 / 32     # Q4_1 / Q8_0 as stored
+    doc["blocks"] = {"bytes": int(blocks), "memory_bound_tok_s": {
+        b: round(b / (blocks / (bw * 1e9)), 1) for b in BATCHES}}
     torch.set_num_threads(max(threads))
     if not args.no_engine:
         doc["iterserve"] = {"threads": torch.get_num_threads()}
@@ -150,15 +159,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             bound = doc["dtypes"]["fp32"][b]["bound_tok_s"]
             doc["iterserve"][b] = {"decode_tok_s": round(tps, 1),
-                                   "fraction_of_fp32_bound": round(tps / bound, 3)}
+                                   "fraction_of_fp32_bound": round(tps / bound, 3),
+                                   "fraction_of_blocks_memory_bound": round(
+                                       tps / doc["blocks"]["memory_bound_tok_s"][b], 3)}
     print(f"bandwidth {bw:.1f} GB/s (copy), params {NUM_PARAMS/1e6:.1f} M")
+    print(f"blocks {doc['blocks']['bytes'] / 1e6:.1f} MB")
     print(f"{'batch':>5} {'fp32 gemm ms':>12} {'fp32 bound tok/s':>16} {'bf16 bound tok/s':>16}"
-          f" {'iterserve tok/s':>15} {'fraction':>8}")
+          f" {'blocks mem tok/s':>16} {'iterserve tok/s':>15} {'fraction':>8}")
     for b in BATCHES:
         f32, b16 = doc["dtypes"]["fp32"][b], doc["dtypes"]["bf16"][b]
         it = (doc.get("iterserve") or {}).get(b, {})
         print(f"{b:>5} {f32['step_gemm_ms']:>12.2f} {f32['bound_tok_s']:>16.1f} "
-              f"{b16['bound_tok_s']:>16.1f} {it.get('decode_tok_s', '-'):>15} "
+              f"{b16['bound_tok_s']:>16.1f} {doc['blocks']['memory_bound_tok_s'][b]:>16.1f} "
+              f"{it.get('decode_tok_s', '-'):>15} "
               f"{it.get('fraction_of_fp32_bound', '-'):>8}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
