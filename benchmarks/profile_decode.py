@@ -3,6 +3,7 @@
 Two views of the same steps (a warm engine, 8 sequences past their prefill):
 - cProfile over `LLMEngine.step`: scheduler (`Scheduler.schedule` + `update_from_output`),
   the model runner (inputs, forward, LM head) without the sampler, the sampler, and the engine's own Python (detokenise, outputs) as the rest;
+- the native kernels (ctypes calls, which torch.profiler cannot see) from the same cProfile;
 - torch.profiler over the forward: GEMMs (aten::linear/addmm/mm/matmul), attention (the
   paged-attention functions' self time plus SDPA/softmax/bmm ops), other tensor ops.
 
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     split["model_runner_without_sampler"] = _cum(st, "model/runner.py:execute") - split["sampler"]
     step_total = _cum(st, "engine/llm_engine.py:step")
     split["engine_python_rest"] = step_total - sum(split.values())
+    # the native kernels are ctypes calls, invisible to torch.profiler: time them here
+    native = {"native_gemm (quant.matmul)": _cum(st, "model/quant.py:matmul"),
+              "native_decode_attention": _cum(st, "model/attention.py:_decode_attention")}
 
     with profile(activities=[ProfilerActivity.CPU]) as tp:
         for _ in range(args.steps):
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"kind": "decode-profile", "batch": args.batch, "steps": args.steps,
            "threads": torch.get_num_threads(), "step_ms": per_step(wall),
            "cprofile_ms_per_step": {k: per_step(v) for k, v in split.items()},
+           "native_kernels_ms_per_step (cProfile, inside the runner)":
+               {k: per_step(v) for k, v in native.items()},
            "torch_ops_ms_per_step": {"gemm": per_step(gemm), "attention_ops": per_step(attn),
                                      "other_ops": per_step(total_ops - gemm - attn)},
            "top_ops_ms_per_step": {k: per_step(v) for k, v in top}}
