@@ -35,6 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
           "-shared", "-fPIC", "-Wall")
 
@@ -70,7 +71,8 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     """Compile the sources (once per sources/flags/compiler); return the cached .so path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + repr(_FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
+                         + repr(_FLAGS).encode()
                          + version.encode()).hexdigest()[:16]
     out = cache_dir() / f"iterserve-{key}.so"
     if out.exists():

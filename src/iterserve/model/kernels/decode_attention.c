@@ -20,13 +20,7 @@
 #include <stdlib.h>
 #include <omp.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h = _mm_movehdup_ps(s);
-    s = _mm_add_ps(s, h);
-    h = _mm_movehl_ps(h, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, h));
-}
+#include "simd.h"
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): range reduction by ln 2, then a
  * degree-6 polynomial on [-ln2/2, ln2/2] (Cephes expf coefficients). */

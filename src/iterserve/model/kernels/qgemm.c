@@ -17,17 +17,11 @@
 #include <stdint.h>
 #include <omp.h>
 
+#include "simd.h"
+
 enum { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2 };
 #define QK 32
 #define COL_CHUNK 64
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h = _mm_movehdup_ps(s);
-    s = _mm_add_ps(s, h);
-    h = _mm_movehl_ps(h, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, h));
-}
 
 /* One block of 32 weights -> w[0..3] (elements 0-7, 8-15, 16-23, 24-31). */
 static inline __attribute__((always_inline)) void dequant(
@@ -75,7 +69,7 @@ static inline __attribute__((always_inline)) void rows_by_col(
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]);
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum8(acc[r]);
 }
 
 #define DISPATCH(KIND)                                                                    \
