@@ -59,8 +59,16 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size)
 
+    _native = None   # kernels' iterserve_silu_mul, set by the model's use_native_ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gu = self.gate_up_proj(x)
+        if self._native is not None and gu.dtype == torch.float32 and gu.is_contiguous() \
+                and gu.device.type == "cpu":
+            y = torch.empty(gu.shape[0], self.inter)
+            self._native(gu.data_ptr(), y.data_ptr(), gu.shape[0], self.inter)
+            return self.down_proj(y)
+        gate, up = gu.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -183,6 +191,20 @@ class LlamaForCausalLM(nn.Module):
         """Turn the native quantised kernel on (or off) for every Linear that has blocks;
         returns whether any uses it."""
         return any([m.use_quant(on) for m in self.modules() if isinstance(m, Linear)])
+
+    def use_native_ops(self, on: bool = True) -> bool:
+        """RMSNorm and SiLU x up through the native elementwise kernels (kernels/elementwise.c)
+        on CPU float32, or back to torch ops; returns whether they are in use."""
+        lib = None
+        if on and self.norm.weight.device.type == "cpu" and self.norm.weight.dtype == torch.float32:
+            from iterserve.model import kernels
+            lib = kernels.elementwise()
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m._native = None if lib is None else lib.iterserve_rmsnorm
+            elif isinstance(m, MLP):
+                m._native = None if lib is None else lib.iterserve_silu_mul
+        return lib is not None
 
     def pack_linears(self, mode: str | bool | None = "onednn") -> bool:
         """Switch every Linear (the lm_head included) to prepacked weights ("onednn" or

@@ -29,8 +29,9 @@ PACKING_DEFAULT: str | None = "onednn"
 # Decode steps through the native kernel over GGUF blocks where the model has them
 # (layers.Linear.use_quant, model/quant.py); False keeps every GEMM on the float weights.
 QUANT_DEFAULT = True
-# Decode attention through the native kernel (kernels/decode_attention.c) on CPU float32.
-NATIVE_ATTENTION_DEFAULT = True
+# Decode attention and the elementwise ops (RMSNorm, SiLU x up) through the native kernels
+# (kernels/decode_attention.c, elementwise.c) on CPU float32.
+NATIVE_KERNELS_DEFAULT = True
 
 
 class ModelRunner:
@@ -38,7 +39,7 @@ class ModelRunner:
                  num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
                  pack_weights: str | bool | None = "default",
                  quant_kernels: bool | str = "default",
-                 native_attention: bool | str = "default") -> None:
+                 native_kernels: bool | str = "default") -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
@@ -57,7 +58,9 @@ class ModelRunner:
         use_quant = QUANT_DEFAULT if quant_kernels == "default" else bool(quant_kernels)
         self.quantized = self.model.use_quant(use_quant) if hasattr(self.model, "use_quant") \
             else False
-        on = NATIVE_ATTENTION_DEFAULT if native_attention == "default" else bool(native_attention)
+        on = NATIVE_KERNELS_DEFAULT if native_kernels == "default" else bool(native_kernels)
+        self.native_ops = self.model.use_native_ops(on) if hasattr(self.model, "use_native_ops") \
+            else False
         self.decode_kernel = None
         if on and self.device.type == "cpu" and self.config.dtype == torch.float32 \
                 and self.config.head_dim % 8 == 0:

@@ -1,9 +1,11 @@
 """Native CPU kernels: C sources compiled on first use with the system C compiler, loaded by ctypes.
 
-Two kernels for the two places a decode step spends its time on CPU:
+Kernels for where a decode step spends its time on CPU:
 - `qgemm.c`: GEMM over GGUF-blocked weights (model/quant.py, used by layers.Linear);
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
-  KV pool (used by model/attention.py).
+  KV pool (used by model/attention.py);
+- `elementwise.c`: RMSNorm and SiLU x up in one call each (layers.RMSNorm, llama.MLP), where
+  small batches pay more for torch's per-op dispatch than for the arithmetic.
 Every `*.c` here goes into one shared object. Building takes about two seconds with gcc; the
 library is cached under `$ITERSERVE_CACHE_DIR` (default `~/.cache/iterserve/kernels`) keyed
 by a hash of the sources, the flags and the compiler, so a changed source never loads a
@@ -119,6 +121,10 @@ def _library() -> ctypes.CDLL | None:
     lib.iterserve_decode_attention.argtypes = [p, p, p, p, i32, p, i32, i32, i32, i32, i32, i32,
                                                ctypes.c_float, p, i32]
     lib.iterserve_decode_attention.restype = None
+    lib.iterserve_rmsnorm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
+    lib.iterserve_rmsnorm.restype = None
+    lib.iterserve_silu_mul.argtypes = [p, p, i64, i64]
+    lib.iterserve_silu_mul.restype = None
     unavailable = None
     return lib
 
@@ -132,6 +138,11 @@ def qgemm():
     """`iterserve_qgemm` (see qgemm.c), or None."""
     lib = _library()
     return None if lib is None else lib.iterserve_qgemm
+
+
+def elementwise():
+    """The library with `iterserve_rmsnorm` and `iterserve_silu_mul` (elementwise.c), or None."""
+    return _library()
 
 
 def decode_attention():
