@@ -41,3 +41,17 @@ def test_silu_mul_equals_torch_including_extreme_inputs(rows, inter):
     gate, up = gu.split([inter, inter], dim=-1)
     torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("d", [64, 16, 6])
+def test_rope_in_place_equals_apply_rope_on_a_strided_qkv_buffer(d):
+    from iterserve.model.layers import apply_rope
+    lib = kernels.elementwise()
+    T, heads, extra = 5, 4, 3 * d                  # rows also hold v (and more) after q/k
+    qkv = torch.randn(T, heads * d + extra)
+    cos, sin = torch.randn(T, 1, d), torch.randn(T, 1, d)
+    ref = apply_rope(qkv[:, :heads * d].view(T, heads, d), cos, sin)
+    untouched = qkv[:, heads * d:].clone()
+    lib.iterserve_rope(qkv.data_ptr(), T, qkv.shape[1], heads, d, cos.data_ptr(), sin.data_ptr())
+    torch.testing.assert_close(qkv[:, :heads * d].view(T, heads, d), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, heads * d:], untouched)

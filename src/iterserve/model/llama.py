@@ -33,12 +33,22 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim ** -0.5
 
+    _rope = None   # kernels' iterserve_rope, set by the model's use_native_ops
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_slots: torch.Tensor, v_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if self.q_norm is None and self._rope is not None and qkv.dtype == torch.float32 \
+                and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous():
+            # in place on the q and k heads of this step's own qkv buffer
+            self._rope(qkv.data_ptr(), T, qkv.shape[1], H + self.num_kv_heads, self.head_dim,
+                       cos.data_ptr(), sin.data_ptr())
+            q = qkv[:, :self.q_size].view(T, H, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads,
+                                                                    self.head_dim)
+        elif self.q_norm is None:
             # q and k heads side by side: one RoPE over both halves the op count.
             qk = qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, self.head_dim)
             qk = apply_rope(qk, cos, sin)
@@ -193,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         return any([m.use_quant(on) for m in self.modules() if isinstance(m, Linear)])
 
     def use_native_ops(self, on: bool = True) -> bool:
-        """RMSNorm and SiLU x up through the native elementwise kernels (kernels/elementwise.c)
+        """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c)
         on CPU float32, or back to torch ops; returns whether they are in use."""
         lib = None
         if on and self.norm.weight.device.type == "cpu" and self.norm.weight.dtype == torch.float32:
@@ -204,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
                 m._native = None if lib is None else lib.iterserve_rmsnorm
             elif isinstance(m, MLP):
                 m._native = None if lib is None else lib.iterserve_silu_mul
+            elif isinstance(m, Attention):
+                m._rope = None if lib is None else lib.iterserve_rope
         return lib is not None
 
     def pack_linears(self, mode: str | bool | None = "onednn") -> bool:

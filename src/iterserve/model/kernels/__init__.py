@@ -4,7 +4,8 @@ Kernels for where a decode step spends its time on CPU:
 - `qgemm.c`: GEMM over GGUF-blocked weights (model/quant.py, used by layers.Linear);
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (used by model/attention.py);
-- `elementwise.c`: RMSNorm and SiLU x up in one call each (layers.RMSNorm, llama.MLP), where
+- `elementwise.c`: RMSNorm, SiLU x up and RoPE in one call each (layers.RMSNorm, llama.MLP,
+  llama.Attention), where
   small batches pay more for torch's per-op dispatch than for the arithmetic.
 Every `*.c` here goes into one shared object. Building takes about two seconds with gcc; the
 library is cached under `$ITERSERVE_CACHE_DIR` (default `~/.cache/iterserve/kernels`) keyed
@@ -125,6 +126,8 @@ def _library() -> ctypes.CDLL | None:
     lib.iterserve_rmsnorm.restype = None
     lib.iterserve_silu_mul.argtypes = [p, p, i64, i64]
     lib.iterserve_silu_mul.restype = None
+    lib.iterserve_rope.argtypes = [p, i64, i64, i64, i64, p, p]
+    lib.iterserve_rope.restype = None
     unavailable = None
     return lib
 
@@ -141,7 +144,8 @@ def qgemm():
 
 
 def elementwise():
-    """The library with `iterserve_rmsnorm` and `iterserve_silu_mul` (elementwise.c), or None."""
+    """The library with `iterserve_rmsnorm`, `iterserve_silu_mul` and `iterserve_rope`
+    (elementwise.c), or None."""
     return _library()
 
 

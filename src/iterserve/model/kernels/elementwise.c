@@ -6,6 +6,7 @@
  *
  * rmsnorm:  y = (x * 1/sqrt(mean(x^2) + eps)) * w     (HF's order of the two products)
  * silu_mul: y = silu(g) * u with g, u the two halves of each row of gu (fused gate/up GEMM)
+ * rope:     rotary embedding in place on the q/k heads of the qkv GEMM's output
  */
 #include <immintrin.h>
 #include <math.h>
@@ -46,5 +47,35 @@ void iterserve_silu_mul(const float *gu, float *y, long T, long I) {
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
         for (; i < I; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* RoPE in place, HF's rotate_half form: for each of T rows (stride ldx floats) and `heads`
+ * heads of d floats, with h = d/2 and cos/sin [T][d]:
+ *   x[i]   <- x[i]*cos[i]     - x[i+h]*sin[i]
+ *   x[i+h] <- x[i+h]*cos[i+h] + x[i]*sin[i+h]      (products rounded, then added, as torch) */
+void iterserve_rope(float *x, long T, long ldx, long heads, long d, const float *cos,
+                    const float *sin) {
+    const long h = d / 2;
+    for (long t = 0; t < T; t++) {
+        const float *c = cos + t * d, *s = sin + t * d;
+        for (long n = 0; n < heads; n++) {
+            float *a = x + t * ldx + n * d, *b = a + h;
+            long i = 0;
+            for (; i + 8 <= h; i += 8) {
+                __m256 va = _mm256_loadu_ps(a + i), vb = _mm256_loadu_ps(b + i);
+                __m256 lo = _mm256_sub_ps(_mm256_mul_ps(va, _mm256_loadu_ps(c + i)),
+                                          _mm256_mul_ps(vb, _mm256_loadu_ps(s + i)));
+                __m256 hi = _mm256_add_ps(_mm256_mul_ps(vb, _mm256_loadu_ps(c + h + i)),
+                                          _mm256_mul_ps(va, _mm256_loadu_ps(s + h + i)));
+                _mm256_storeu_ps(a + i, lo);
+                _mm256_storeu_ps(b + i, hi);
+            }
+            for (; i < h; i++) {
+                const float va = a[i], vb = b[i];
+                a[i] = va * c[i] - vb * s[i];
+                b[i] = vb * c[h + i] + va * s[h + i];
+            }
+        }
     }
 }
