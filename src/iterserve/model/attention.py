@@ -88,12 +88,12 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
             meta.block_size = block_size
         else:
             meta.decode_slots = slots.reshape(-1).to(device)
-        k_pos = torch.arange(lmax)[None, :]
-        valid = k_pos < lens_t[:, None]          # padded positions of shorter contexts
-        if sliding_window is not None:
-            valid &= (lens_t[:, None] - 1 - k_pos) < sliding_window
-        if decode_kernel is None and not bool(valid.all()):
-            meta.decode_mask = _additive(valid[:, None, None, :], dtype, device)
+            k_pos = torch.arange(lmax)[None, :]
+            valid = k_pos < lens_t[:, None]          # padded positions of shorter contexts
+            if sliding_window is not None:
+                valid &= (lens_t[:, None] - 1 - k_pos) < sliding_window
+            if not bool(valid.all()):
+                meta.decode_mask = _additive(valid[:, None, None, :], dtype, device)
 
     row = num_decodes
     for start, n, block_ids in seqs[num_decodes:]:

@@ -171,21 +171,18 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"weights have tensors the {c.model_type} model does not use: "
                                  f"{surplus[:5]}{' ...' if len(surplus) > 5 else ''}")
 
-    def attach_quantized(self, quantized: dict[str, "BlockQuantWeight"]) -> int:  # noqa: F821
+    def attach_quantized(self, quantized: dict[str, "BlockQuantWeight"]) -> None:  # noqa: F821
         """Give each Linear the GGUF blocks of its weight (fused the way load_hf_state_dict
         fuses the floats); a fused Linear gets them only if all its parts have the same
-        kind. Returns how many Linears got blocks; `use_quant` turns them on."""
+        kind. `use_quant` turns them on."""
         from iterserve.model.quant import BlockQuantWeight
         q = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in quantized.items()}
-        count = 0
 
         def attach(linear: Linear, names: list[str]) -> None:
-            nonlocal count
             linear.quant = BlockQuantWeight.cat([q.get(n) for n in names])
             if linear.quant is not None and linear.quant.shape != tuple(linear.weight.shape):
                 raise ModelLoadError(f"quantised {names} have shape {linear.quant.shape}, "
                                      f"the layer {tuple(linear.weight.shape)}")
-            count += linear.quant is not None
 
         attach(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings
                               else "lm_head.weight"])
@@ -195,7 +192,6 @@ class LlamaForCausalLM(nn.Module):
             attach(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
             attach(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             attach(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
-        return count
 
     def use_quant(self, on: bool = True) -> bool:
         """Turn the native quantised kernel on (or off) for every Linear that has blocks;

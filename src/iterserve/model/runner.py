@@ -29,7 +29,7 @@ PACKING_DEFAULT: str | None = "onednn"
 # Decode steps through the native kernel over GGUF blocks where the model has them
 # (layers.Linear.use_quant, model/quant.py); False keeps every GEMM on the float weights.
 QUANT_DEFAULT = True
-# Decode attention and the elementwise ops (RMSNorm, SiLU x up) through the native kernels
+# Decode attention and the elementwise ops (RMSNorm, SiLU x up, RoPE) through the native kernels
 # (kernels/decode_attention.c, elementwise.c) on CPU float32.
 NATIVE_KERNELS_DEFAULT = True
 

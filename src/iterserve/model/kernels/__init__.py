@@ -18,8 +18,8 @@ against each other on few cores. ctypes releases the GIL for the call, so the se
 loop keeps running while a step computes.
 
 Everything degrades, never fails: no x86-64 AVX2+FMA CPU, no compiler, a failed build, or
-`ITERSERVE_NATIVE_KERNELS=0` make `qgemm()` and `decode_attention()` return None (the reason
-in `unavailable`), and callers use their torch path.
+`ITERSERVE_NATIVE_KERNELS=0` make `qgemm()`, `decode_attention()` and `elementwise()` return
+None (the reason in `unavailable`), and callers use their torch path.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off",
           "-shared", "-fPIC", "-Wall")
 
 unavailable: str | None = None   # why the kernels are not in use, for logs and benchmarks
@@ -61,7 +61,7 @@ def _cpu_has_avx2_fma() -> bool:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma", "f16c"} <= flags
+                    return {"avx2", "fma"} <= flags
     except OSError:
         pass
     return False
@@ -104,7 +104,7 @@ def _library() -> ctypes.CDLL | None:
         unavailable = "disabled by ITERSERVE_NATIVE_KERNELS"
         return None
     if not _cpu_has_avx2_fma():
-        unavailable = "the CPU is not x86-64 with AVX2, FMA and F16C"
+        unavailable = "the CPU is not x86-64 with AVX2 and FMA"
         return None
     cc = _compiler()
     if cc is None:

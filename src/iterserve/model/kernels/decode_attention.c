@@ -110,7 +110,7 @@ void iterserve_decode_attention(const float *q, const float *kpool, const float 
                         for (int j = j0; j < j1; j++) {
                             const float *v = vb + (long)j * row;
                             const __m256 w = _mm256_set1_ps(sg[p0 + j - start]);
-                            if (nv == 8) {
+                            if (nv == 8) {      /* constant trip count: fully unrolled */
                                 for (int i = 0; i < 8; i++)
                                     acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
                             } else {
