@@ -51,38 +51,56 @@ static inline __attribute__((always_inline)) void dequant(
     }
 }
 
-/* R rows of x (R a compile-time constant after inlining) times one weight row. */
+/* Independent accumulators per row, so that enough FMA chains are in flight: an FMA has a
+ * latency of 4-5 cycles and two issue per cycle, so ~10 chains keep the units busy. With one
+ * accumulator per row, a batch-1 call ran one chain (4 serial FMAs per block) and reached a
+ * fifth of the FMA throughput; R*A stays <= 12 so accumulators and w[4] fit 16 registers. */
+#define ACCS(R) ((R) <= 3 ? 4 : (R) <= 5 ? 2 : 1)
+
+/* R rows of x times one weight row over blocks [b0, b1); R and A are compile-time constants
+ * after inlining. y[r] is set, or with `add` accumulated (the second and later K chunks). */
 static inline __attribute__((always_inline)) void rows_by_col(
-        int R, int kind, const float *x, long ldx, int nb, const uint8_t *q, long qblock,
-        const float *d, const float *m, float *y, long ldy) {
-    __m256 acc[8];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
+        int R, int A, int kind, const float *x, long ldx, int b0, int b1, const uint8_t *q,
+        long qblock, const float *d, const float *m, float *y, long ldy, int add) {
+    __m256 acc[12];
+    for (int i = 0; i < R * A; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = b0; b < b1; b++) {
         __m256 w[4];
         dequant(kind, q + b * qblock, d[b], m ? m[b] : 0.0f, w);
         const float *xb = x + b * QK;
         for (int r = 0; r < R; r++) {
             const float *xr = xb + r * ldx;
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], acc[r]);
+            for (int i = 0; i < 4; i++)
+                acc[r * A + i % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * i), w[i],
+                                                     acc[r * A + i % A]);
         }
     }
-    for (int r = 0; r < R; r++) y[r * ldy] = hsum8(acc[r]);
+    for (int r = 0; r < R; r++) {
+        __m256 s = acc[r * A];
+        for (int i = 1; i < A; i++) s = _mm256_add_ps(s, acc[r * A + i]);
+        const float v = hsum8(s);
+        y[r * ldy] = add ? y[r * ldy] + v : v;
+    }
 }
 
+#define ROWS(R, KIND) \
+    rows_by_col(R, ACCS(R), KIND, xt, K, b0, b1, qn, qblock, dn, mn, yt, N, b0 > 0)
 #define DISPATCH(KIND)                                                                    \
     switch (R) {                                                                          \
-    case 8: rows_by_col(8, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;            \
-    case 7: rows_by_col(7, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;            \
-    case 6: rows_by_col(6, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;            \
-    case 5: rows_by_col(5, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;            \
-    case 4: rows_by_col(4, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;            \
-    case 3: rows_by_col(3, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;            \
-    case 2: rows_by_col(2, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;            \
-    default: rows_by_col(1, KIND, xt, K, nb, qn, qblock, dn, mn, yt, N); break;           \
+    case 8: ROWS(8, KIND); break;                                                         \
+    case 7: ROWS(7, KIND); break;                                                         \
+    case 6: ROWS(6, KIND); break;                                                         \
+    case 5: ROWS(5, KIND); break;                                                         \
+    case 4: ROWS(4, KIND); break;                                                         \
+    case 3: ROWS(3, KIND); break;                                                         \
+    case 2: ROWS(2, KIND); break;                                                         \
+    default: ROWS(1, KIND); break;                                                        \
     }
+
+/* Activation bytes one row tile may take per K chunk: the tile is re-read for every weight
+ * row, so it must stay in the 32 KiB L1 next to the streaming weights. down_proj's 8 rows x
+ * 1,536 floats (48 KiB) did not, and ran at 70% of the other projections' rate. */
+#define X_TILE_BYTES (24 * 1024)
 
 /* y must be [M][N] contiguous, x [M][K] contiguous, K a multiple of 32. */
 void iterserve_qgemm(int kind, const float *x, long M, long K, const uint8_t *qs,
@@ -91,23 +109,32 @@ void iterserve_qgemm(int kind, const float *x, long M, long K, const uint8_t *qs
     const long qblock = kind == KIND_Q8_0 ? QK : QK / 2;
     if (nthreads < 1) nthreads = 1;
     if (N < 64 * nthreads) nthreads = 1;
+    /* Row tiles of at most 8, balanced (12 rows -> 6 + 6, not 8 + 4). */
+    const long ntiles = (M + 7) / 8;
 #pragma omp parallel num_threads(nthreads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const long n0 = N * t / T, n1 = N * (t + 1) / T;
         for (long c0 = n0; c0 < n1; c0 += COL_CHUNK) {
             const long c1 = c0 + COL_CHUNK < n1 ? c0 + COL_CHUNK : n1;
-            for (long r0 = 0; r0 < M; r0 += 8) {
-                const int R = M - r0 < 8 ? (int)(M - r0) : 8;
+            for (long tile = 0; tile < ntiles; tile++) {
+                const long r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
+                const int R = (int)(r1 - r0);
                 const float *xt = x + r0 * K;
-                for (long n = c0; n < c1; n++) {
-                    const uint8_t *qn = qs + n * nb * qblock;
-                    const float *dn = d + n * nb;
-                    const float *mn = m ? m + n * nb : 0;
-                    float *yt = y + r0 * N + n;
-                    if (kind == KIND_Q8_0) { DISPATCH(KIND_Q8_0) }
-                    else if (kind == KIND_Q4_1) { DISPATCH(KIND_Q4_1) }
-                    else { DISPATCH(KIND_Q4_0) }
+                const int kc_max = X_TILE_BYTES / (R * QK * (int)sizeof(float));
+                const int nk = (nb + kc_max - 1) / kc_max;
+                for (int kchunk = 0; kchunk < nk; kchunk++) {
+                    const int b0 = (int)((long)nb * kchunk / nk);
+                    const int b1 = (int)((long)nb * (kchunk + 1) / nk);
+                    for (long n = c0; n < c1; n++) {
+                        const uint8_t *qn = qs + n * nb * qblock;
+                        const float *dn = d + n * nb;
+                        const float *mn = m ? m + n * nb : 0;
+                        float *yt = y + r0 * N + n;
+                        if (kind == KIND_Q8_0) { DISPATCH(KIND_Q8_0) }
+                        else if (kind == KIND_Q4_1) { DISPATCH(KIND_Q4_1) }
+                        else { DISPATCH(KIND_Q4_0) }
+                    }
                 }
             }
         }
