@@ -10,7 +10,9 @@ final hidden states; the runner applies `lm_head` only to the rows that sample.
 
 from __future__ import annotations
 
+import ctypes
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,23 @@ from torch import nn
 
 from iterserve.model.attention import AttentionMetadata, paged_attention
 from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.model import layers as layers_mod
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from iterserve.model.quant import KINDS
+
+
+class QWeight(ctypes.Structure):
+    """kernels/decode_layers.c's `qweight`: a block-quantised weight's addresses and shape."""
+    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """kernels/decode_layers.c's `decode_layer`."""
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
+                ("kpool", ctypes.c_void_p), ("vpool", ctypes.c_void_p),
+                ("qkv", QWeight), ("o", QWeight), ("gate_up", QWeight), ("down", QWeight)]
 
 
 class Attention(nn.Module):
@@ -112,11 +129,72 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states [T, hidden] of a flattened step."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, max_position, h.dtype)
+        T = h.shape[0]
+        if self._fused is not None and meta.num_decodes == T and T <= layers_mod.QUANT_MAX_ROWS \
+                and meta.decode_kernel is not None:
+            self._decode_layers(h, cos, sin, kv_cache, meta)
+            return self.norm(h)
         for i, layer in enumerate(self.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin,
                                     kv_cache.k_slots[i], kv_cache.v_slots[i], meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def _decode_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        """All layers of a decode-only step in one native call, h updated in place."""
+        fn, layers = self._fused
+        c, a = self.config, self.layers[0].self_attn
+        if self._fused_pools is None or self._fused_pools() is not kv_cache:
+            for i, layer in enumerate(layers):      # pool addresses: fixed for a cache's life
+                layer.kpool = kv_cache.k_slots[i].data_ptr()
+                layer.vpool = kv_cache.v_slots[i].data_ptr()
+            self._fused_pools = weakref.ref(kv_cache)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        tables, lens = meta.decode_tables, meta.decode_lens
+        fn(ctypes.addressof(layers), len(layers), h.data_ptr(), h.shape[0], c.hidden_size,
+           a.num_heads, a.num_kv_heads, a.head_dim, c.intermediate_size, c.rms_norm_eps,
+           cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+           lens.data_ptr(), meta.sliding_window, meta.block_size, a.scale,
+           torch.get_num_threads())
+
+    def use_fused_decode(self, on: bool = True) -> bool:
+        """Run small decode-only steps through kernels/decode_layers.c (every layer in one
+        call) or not; returns whether it is in use. It needs what that file chains: every
+        layer Linear on the block kernel (use_quant), the native elementwise ops, no q/k/v
+        bias and no q/k norm; anything else keeps the per-module path."""
+        self._fused, self._fused_pools = None, None
+        c = self.config
+        linears = [m for layer in self.layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        if not on or c.attention_bias or c.qk_norm or self.norm._native is None \
+                or any(m._qgemm is None or m.bias is not None for m in linears):
+            return False
+        from iterserve.model import kernels
+        fn = kernels.decode_layers()
+        if fn is None:
+            return False
+
+        def qw(linear: Linear) -> QWeight:
+            w = linear.quant
+            n, k = w.shape
+            return QWeight(KINDS[w.kind][0], n, k, w.qs.data_ptr(), w.d.data_ptr(),
+                           0 if w.m is None else w.m.data_ptr())
+
+        layers = (DecodeLayer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
+            layers[i] = DecodeLayer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(), 0, 0,
+                qw(layer.self_attn.qkv_proj), qw(layer.self_attn.o_proj),
+                qw(layer.mlp.gate_up_proj), qw(layer.mlp.down_proj))
+        self._fused = (fn, layers)
+        return True
+
+    _fused = None          # (iterserve_decode_layers, DecodeLayer array) when in use
+    _fused_pools = None    # weakref to the PagedKVCache whose pool addresses the array holds
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ PACKING_DEFAULT: str | None = "onednn"
 # (layers.Linear.use_quant, model/quant.py); False keeps every GEMM on the float weights.
 QUANT_DEFAULT = True
 # Decode attention and the elementwise ops (RMSNorm, SiLU x up, RoPE) through the native kernels
-# (kernels/decode_attention.c, elementwise.c) on CPU float32.
+# (kernels/decode_attention.c, elementwise.c) on CPU float32; with the block kernel also on,
+# small decode-only steps run all layers in one native call (kernels/decode_layers.c).
 NATIVE_KERNELS_DEFAULT = True
 
 
@@ -66,6 +67,10 @@ class ModelRunner:
                 and self.config.head_dim % 8 == 0:
             from iterserve.model import kernels
             self.decode_kernel = kernels.decode_attention()
+        # Small decode-only steps: every layer in one native call (llama.use_fused_decode).
+        self.fused_decode = self.model.use_fused_decode(
+            bool(on and self.quantized and self.native_ops and self.decode_kernel is not None)) \
+            if hasattr(self.model, "use_fused_decode") else False
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:

@@ -6,7 +6,9 @@ Kernels for where a decode step spends its time on CPU:
   KV pool (used by model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up and RoPE in one call each (layers.RMSNorm, llama.MLP,
   llama.Attention), where
-  small batches pay more for torch's per-op dispatch than for the arithmetic.
+  small batches pay more for torch's per-op dispatch than for the arithmetic;
+- `decode_layers.c`: all decoder layers of a small decode-only step in one call, chaining
+  the kernels above without Python in between (llama.LlamaForCausalLM.use_fused_decode).
 Every `*.c` here goes into one shared object. Building takes about two seconds with gcc; the
 library is cached under `$ITERSERVE_CACHE_DIR` (default `~/.cache/iterserve/kernels`) keyed
 by a hash of the sources, the flags and the compiler, so a changed source never loads a
@@ -18,8 +20,8 @@ against each other on few cores. ctypes releases the GIL for the call, so the se
 loop keeps running while a step computes.
 
 Everything degrades, never fails: no x86-64 AVX2+FMA CPU, no compiler, a failed build, or
-`ITERSERVE_NATIVE_KERNELS=0` make `qgemm()`, `decode_attention()` and `elementwise()` return
-None (the reason in `unavailable`), and callers use their torch path.
+`ITERSERVE_NATIVE_KERNELS=0` make `qgemm()`, `decode_attention()`, `elementwise()` and
+`decode_layers()` return None (the reason in `unavailable`), and callers use their torch path.
 """
 
 from __future__ import annotations
@@ -128,6 +130,10 @@ def _library() -> ctypes.CDLL | None:
     lib.iterserve_silu_mul.restype = None
     lib.iterserve_rope.argtypes = [p, i64, i64, i64, i64, p, p]
     lib.iterserve_rope.restype = None
+    lib.iterserve_decode_layers.argtypes = [p, i32, p, i64, i64, i32, i32, i32, i64,
+                                            ctypes.c_float, p, p, p, p, i32, p, i32, i32,
+                                            ctypes.c_float, i32]
+    lib.iterserve_decode_layers.restype = None
     unavailable = None
     return lib
 
@@ -147,6 +153,12 @@ def elementwise():
     """The library with `iterserve_rmsnorm`, `iterserve_silu_mul` and `iterserve_rope`
     (elementwise.c), or None."""
     return _library()
+
+
+def decode_layers():
+    """`iterserve_decode_layers` (see decode_layers.c), or None."""
+    lib = _library()
+    return None if lib is None else lib.iterserve_decode_layers
 
 
 def decode_attention():

@@ -1,0 +1,103 @@
+"""All decoder layers of a decode-only step in one native call (model/kernels/decode_layers.c).
+
+The fused call chains the same kernels in the same order as llama.py's per-module native path,
+so a model must give bit-identical logits with it on and off; it must only be taken for
+decode-only steps the block kernel covers, and must not be used where its preconditions fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures.tiny_gguf import write_tiny_llama_gguf
+from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
+from iterserve.model import kernels, layers
+
+pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
+                                reason="needs an x86-64 AVX2/FMA CPU and a C compiler")
+
+ALL_QUANT = {"attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_1",
+             "attn_output.weight": "Q4_0", "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q4_1",
+             "ffn_down.weight": "Q8_0", "output.weight": "Q8_0", "token_embd.weight": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def quant_model(tmp_path_factory):
+    from iterserve.model.loader import load_model
+    path = tmp_path_factory.mktemp("q") / "allquant.gguf"
+    write_tiny_llama_gguf(path, seed=5, tensor_types=ALL_QUANT)
+    return load_model(str(path))
+
+
+def _run(loaded, fused: bool, decode_steps: int = 9):
+    """Prefill three prompts (one in two chunks), then decode; logits of every step and how
+    many steps took the fused call."""
+    from iterserve.model.runner import ModelRunner
+    seen = []
+
+    def sampler(logits, requests):
+        seen.append(logits.clone())
+        return greedy(logits, requests)
+
+    runner = ModelRunner(loaded, num_blocks=48, block_size=4, sampler=sampler)
+    assert runner.fused_decode
+    if not fused:
+        assert not loaded.model.use_fused_decode(False)
+    calls = []
+    inner = loaded.model._decode_layers
+    loaded.model._decode_layers = lambda *a: (calls.append(a[0].shape[0]), inner(*a))[1]
+    try:
+        blocks = Blocks(48, 4)
+        a = request("a", list(range(5, 30)))
+        b = request("b", list(range(40, 47)))
+        c = request("c", [3, 1, 4])
+        out = step(chunk(blocks, a, 12), chunk(blocks, b), chunk(blocks, c))
+        advance(out, runner.execute(out))
+        out = step(chunk(blocks, b, 1), chunk(blocks, c, 1), chunk(blocks, a), step_no=1)
+        advance(out, runner.execute(out))
+        for s in range(decode_steps):
+            out = step(*(chunk(blocks, r, 1) for r in (a, b, c)), step_no=2 + s)
+            advance(out, runner.execute(out))
+    finally:
+        del loaded.model._decode_layers
+    return seen, calls, [r.output_token_ids for r in (a, b, c)]
+
+
+def test_fused_decode_layers_equal_the_per_module_path_bit_for_bit(quant_model):
+    on, calls_on, tokens_on = _run(quant_model, True)
+    off, calls_off, tokens_off = _run(quant_model, False)
+    assert calls_on == [3] * 9          # every decode-only step, none of the prefill steps
+    assert calls_off == []
+    assert tokens_on == tokens_off
+    assert len(on) == len(off)
+    for x, y in zip(on, off):
+        assert torch.equal(x, y)
+
+
+def test_steps_with_more_rows_than_the_block_kernel_takes_use_the_module_path(quant_model,
+                                                                               monkeypatch):
+    monkeypatch.setattr(layers, "QUANT_MAX_ROWS", 2)
+    _, calls, _ = _run(quant_model, True, decode_steps=3)
+    assert calls == []
+
+
+def test_fused_decode_is_off_without_the_block_kernel_or_native_ops(quant_model):
+    from iterserve.model.runner import ModelRunner
+    runner = ModelRunner(quant_model, num_blocks=8, block_size=4, sampler=greedy,
+                         quant_kernels=False)
+    assert not runner.fused_decode and quant_model.model._fused is None
+    runner = ModelRunner(quant_model, num_blocks=8, block_size=4, sampler=greedy,
+                         native_kernels=False)
+    assert not runner.fused_decode and quant_model.model._fused is None
+
+
+def test_float_weights_keep_the_module_path(tmp_path):
+    """The default tiny GGUF stores q/k/v in three types, so qkv has no blocks: not fused."""
+    from iterserve.model.loader import load_model
+    from iterserve.model.runner import ModelRunner
+    path = tmp_path / "mixed.gguf"
+    write_tiny_llama_gguf(path, seed=1)
+    loaded = load_model(str(path))
+    runner = ModelRunner(loaded, num_blocks=8, block_size=4, sampler=greedy)
+    assert not runner.fused_decode
