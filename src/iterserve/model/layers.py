@@ -141,9 +141,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # --- linear with prepacked weights ----------------------------------------------------------
 
-# Row count up to which the quantised kernel beats the float GEMM on the default model
-# (benchmarks/bench_decode.py --variants ...,float: measured crossover between 8 and 16 rows).
-QUANT_MAX_ROWS = 16
+# Row count up to which decode steps use the quantised kernel (and, with it, the fused decode
+# layers of llama.py). On the default model the kernel is faster than oneDNN's float GEMM up to
+# ~16 rows and level with it up to ~48 (both near this CPU's FMA peak there); at 24-32 rows the
+# fused call's saved Python still made steps 3-10% faster in same-process A/B runs, at 48
+# slower, hence 32.
+QUANT_MAX_ROWS = 32
 
 
 class Linear(nn.Module):
