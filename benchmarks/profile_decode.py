@@ -3,7 +3,9 @@
 Two views of the same steps (a warm engine, 8 sequences past their prefill):
 - cProfile over `LLMEngine.step`: scheduler (`Scheduler.schedule` + `update_from_output`),
   the model runner (inputs, forward, LM head) without the sampler, the sampler, and the engine's own Python (detokenise, outputs) as the rest;
-- the native kernels (ctypes calls, which torch.profiler cannot see) from the same cProfile;
+- the native kernels (ctypes calls, which torch.profiler cannot see) from the same cProfile:
+  a decode-only step runs all its layers in one call (kernels/decode_layers.c), so the
+  layers' GEMMs, attention and elementwise ops show up as one figure, the LM head apart;
 - torch.profiler over the forward: GEMMs (aten::linear/addmm/mm/matmul), attention (the
   paged-attention functions' self time plus SDPA/softmax/bmm ops), other tensor ops.
 
@@ -81,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     step_total = _cum(st, "engine/llm_engine.py:step")
     split["engine_python_rest"] = step_total - sum(split.values())
     # the native kernels are ctypes calls, invisible to torch.profiler: time them here
-    native = {"native_gemm (quant.matmul)": _cum(st, "model/quant.py:matmul"),
-              "native_decode_attention": _cum(st, "model/attention.py:_decode_attention")}
+    # decode-only steps of up to layers.QUANT_MAX_ROWS rows run every layer in one native
+    # call (llama._decode_layers: GEMMs, attention, norms, RoPE, SiLU); the LM head and the
+    # other paths still go through quant.matmul / _decode_attention
+    native = {"native_decode_layers (all layers, one call)": _cum(st, "model/llama.py:_decode_layers"),
+              "native_gemm (quant.matmul: LM head, unfused steps)": _cum(st, "model/quant.py:matmul"),
+              "native_decode_attention (unfused steps)":
+                  _cum(st, "model/attention.py:_decode_attention")}
 
     with profile(activities=[ProfilerActivity.CPU]) as tp:
         for _ in range(args.steps):
