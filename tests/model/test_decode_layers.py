@@ -10,24 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.tiny_gguf import write_tiny_llama_gguf
+from fixtures.tiny_gguf import load_all_quant_model, write_tiny_llama_gguf
 from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
 from iterserve.model import kernels, layers
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
                                 reason="needs an x86-64 AVX2/FMA CPU and a C compiler")
 
-ALL_QUANT = {"attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_1",
-             "attn_output.weight": "Q4_0", "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q4_1",
-             "ffn_down.weight": "Q8_0", "output.weight": "Q8_0", "token_embd.weight": "Q8_0"}
-
-
 @pytest.fixture(scope="module")
 def quant_model(tmp_path_factory):
-    from iterserve.model.loader import load_model
-    path = tmp_path_factory.mktemp("q") / "allquant.gguf"
-    write_tiny_llama_gguf(path, seed=5, tensor_types=ALL_QUANT)
-    return load_model(str(path))
+    return load_all_quant_model(tmp_path_factory.mktemp("q") / "allquant.gguf", seed=5)
 
 
 def _run(loaded, fused: bool, decode_steps: int = 9):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.tiny_gguf import write_tiny_llama_gguf
+from fixtures.tiny_gguf import load_all_quant_model, write_tiny_llama_gguf
 from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
 from iterserve.model import kernels
 from iterserve.model.quant import BlockQuantWeight
@@ -74,17 +74,9 @@ def test_building_into_an_empty_cache_dir_compiles_and_caches(tmp_path, monkeypa
         kernels.clear_cache()
 
 
-ALL_QUANT = {"attn_q.weight": "Q4_1", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_1",
-             "attn_output.weight": "Q4_0", "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q4_1",
-             "ffn_down.weight": "Q8_0", "output.weight": "Q8_0", "token_embd.weight": "Q8_0"}
-
-
 @pytest.fixture(scope="module")
 def quant_model(tmp_path_factory):
-    from iterserve.model.loader import load_model
-    path = tmp_path_factory.mktemp("q") / "allquant.gguf"
-    write_tiny_llama_gguf(path, seed=3, tensor_types=ALL_QUANT)
-    return load_model(str(path))
+    return load_all_quant_model(tmp_path_factory.mktemp("q") / "allquant.gguf", seed=3)
 
 
 def _run(loaded, quant: bool):
