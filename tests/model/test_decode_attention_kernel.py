@@ -63,3 +63,17 @@ def test_long_contexts_and_many_sequences():
                                            decode_kernel=kern), 0.125)
             for kern in (fn, None)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("lens", [[700], [1000, 5], [129, 257, 3]])
+def test_long_contexts_split_into_runs_merge_to_the_same_result(lens, window):
+    """Few sequences with long contexts are split into runs of positions (flash-decoding),
+    each with its own softmax max and sum, merged at the end: the merge must be exact."""
+    fn = kernels.decode_attention()
+    seqs, pk, pv, q, k, v = _case(lens, None, 64, 3, 9, bs=16, num_blocks=160, seed=len(lens))
+    outs = [paged_attention(q, k, v, pk.clone(), pv.clone(),
+                            build_metadata(seqs, 16, window, torch.device("cpu"), torch.float32,
+                                           decode_kernel=kern), 0.125)
+            for kern in (fn, None)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
