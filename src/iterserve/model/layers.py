@@ -164,9 +164,9 @@ class Linear(nn.Module):
 
     A Linear loaded from a GGUF Q4_0/Q4_1/Q8_0 tensor also keeps those blocks (`quant`, see
     model/quant.py). With `use_quant` on (the runner's default on CPU), calls with at most
-    QUANT_MAX_ROWS rows, i.e. decode steps, go through the native kernel, which streams
-    ~0.6-1 byte per weight instead of 4; bigger calls (prefill chunks) keep the float GEMM,
-    which is faster once the row count amortises the weight reads.
+    QUANT_MAX_ROWS rows (decode steps, short prefill chunks) go through the native kernel,
+    which streams ~0.6-1 byte per weight instead of 4; bigger calls (prefill chunks) keep the
+    float GEMM, which is as fast once the row count amortises the weight reads.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
