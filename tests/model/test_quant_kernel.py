@@ -51,6 +51,16 @@ def test_kernel_equals_float_gemm_over_the_dequantised_weights(kind, rows, threa
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 12])
+def test_long_rows_split_into_k_chunks_sum_like_one_gemm(rows):
+    """K = 1,600: an 8-row activation tile exceeds the kernel's L1 budget, so the dot products
+    are summed over K chunks (the first sets y, the others add to it)."""
+    fn = kernels.qgemm()
+    bq, w = _blocks("Q4_1", 70, 1600, seed=rows)
+    x = torch.randn(rows, 1600)
+    torch.testing.assert_close(bq.matmul(x, fn, 2), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
 def test_rows_and_cat_reorder_and_fuse_like_the_floats():
     a, wa = _blocks("Q4_1", 8, 64, seed=1)
     b, wb = _blocks("Q4_1", 4, 64, seed=2)

@@ -68,8 +68,8 @@ class ModelRunner:
             from iterserve.model import kernels
             self.decode_kernel = kernels.decode_attention()
         # Small decode-only steps: every layer in one native call (llama.use_fused_decode).
-        self.fused_decode = self.model.use_fused_decode(
-            bool(on and self.quantized and self.native_ops and self.decode_kernel is not None)) \
+        # The model checks the rest (block kernel and native ops in use, architecture).
+        self.fused_decode = self.model.use_fused_decode(self.decode_kernel is not None) \
             if hasattr(self.model, "use_fused_decode") else False
 
     @staticmethod

@@ -3,24 +3,28 @@
  * Why: the torch path gathers every sequence's K/V into a padded [D, Lmax] tensor in every
  * layer, then SDPA reads it again. With one long request among short ones that is ~3x the
  * KV bytes of the step, padded to the longest context: on the `mix` workload it was ~26 ms
- * of an ~85 ms step. Here each (sequence, KV head) pair walks its own block table and reads
- * each cached K and V row once, for all the query heads of its group (GQA stays grouped).
+ * of an ~85 ms step. Here each sequence walks its own block table and reads each cached K
+ * and V row once, for all query heads (GQA stays grouped: a KV head serves its G heads).
  *
- * Per pair: scores s = scale * q.k for positions [start, len) (start > 0 under a sliding
- * window), softmax in float32 with the max subtracted, then out = sum p * v. exp is a
- * vectorised Cephes-style polynomial (relative error ~1e-7, like expf).
+ * Per sequence and query head: scores s = scale * q.k for positions [start, len) (start > 0
+ * under a sliding window), softmax in float32 with the max subtracted, then out = sum p * v.
+ * exp is a vectorised Cephes-style polynomial (relative error ~1e-7, like expf).
  *
  * How it is laid out for speed (the first version ran at a third of memory speed and was
  * ~40% of a decode step at 10 sequences x 400 tokens):
  * - a work item is a sequence and a run of its positions, with all KV heads: a slot's K or
- *   V row (all heads, kvh*d floats) is contiguous, so each item streams whole rows; items of
- *   one pair of (K head, position) at a time read a third of each row and ran at ~10 GB/s;
+ *   V row (all heads, kvh*d floats) is contiguous, so each item streams whole rows (items of
+ *   one (sequence, KV head) pair read a third of each row);
  * - long contexts split into runs (flash-decoding), so a few sequences still use every
  *   thread; each run keeps its softmax max and sum, and runs are merged at the end;
  * - scores: 8 positions per query head at once (8 FMA chains), the 8 sums reduced together
  *   with a horizontal-add tree;
  * - p * v: per 16 positions, tiles of up to 3 query heads x 32 dims (12 chains), each V load
- *   shared by the query heads of its group; accumulators live in the output between tiles.
+ *   shared by the query heads of its group; accumulators live in the output between tiles;
+ * - the score pass prefetches K rows ahead and the same positions' V rows for pass 2.
+ * It still runs at about half the memory speed a plain read of the same rows reaches (its
+ * arithmetic and its cache misses overlap poorly); the prefetches measured within noise of
+ * none, and a single-pass online-softmax variant was no faster.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -134,6 +138,7 @@ void iterserve_decode_attention(const float *q, const float *kpool, const float 
     const int G = H / kvh;                 /* query heads per KV head */
     const long row = (long)kvh * d;        /* floats per slot */
     if (nthreads < 1) nthreads = 1;
+    if (D < 1) return;
     /* Split contexts into runs of `run` positions so there are ~4 items per thread. */
     long total = 0;
     for (int s = 0; s < D; s++) {
