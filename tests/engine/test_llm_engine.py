@@ -222,7 +222,7 @@ def test_executor_failure_fails_that_steps_requests_and_engine_keeps_serving(tin
 
 def test_an_exception_in_one_request_fails_only_that_request(tiny_model_dir):
     e = make_engine(tiny_model_dir)
-    real = e._detokenizer_factory
+    real = e.output_processor.detokenizer_factory
 
     class Exploding:
         def __init__(self, *a, **kw):
@@ -234,7 +234,7 @@ def test_an_exception_in_one_request_fails_only_that_request(tiny_model_dir):
         def flush(self):
             return ""
 
-    e._detokenizer_factory = lambda tok, ids, **kw: (
+    e.output_processor.detokenizer_factory = lambda tok, ids, **kw: (
         Exploding() if ids == e.tokenizer.encode("boom") else real(tok, ids, **kw))
     e.add_request("ok", "Hello", SamplingParams(max_tokens=4, **GREEDY))
     e.add_request("bad", "boom", SamplingParams(max_tokens=4, **GREEDY))

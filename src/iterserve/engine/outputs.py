@@ -3,7 +3,10 @@
 A `RequestOutput` is emitted for a request in every step in which one of its sequences
 advanced or finished. It carries the cumulative state (text and token ids so far, as the
 offline API wants) *and* the delta of this step (as a streaming server wants), so neither
-consumer has to diff. `outputs` always lists all n sequences, by index.
+consumer has to diff. `outputs` lists, by index, the sequences that advanced or finished in
+this step; the final output (`finished`) lists all n (with n = 1: always the one). So a
+step's outputs cost what changed in it, not n per request (vLLM streams n > 1 the same way).
+`metrics` (the whole request's, merged over its sequences) comes with the final output.
 """
 
 from __future__ import annotations
@@ -55,8 +58,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics | None = None   # on the final output
     error: str | None = None        # set when a sequence ended with finish_reason "error"
+    num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (most of any sequence)
+    # Logprobs of the prompt tokens (vLLM's field). Always None: the runner computes none
+    # yet, and a request asking for them is refused by the input processor.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,68 @@
+"""Building an engine from EngineArgs: load the model, size the KV pool, make scheduler + runner.
+
+    load_model -> kv_cache_config (blocks from the budget) -> Scheduler, ModelRunner
+
+`build_engine_parts` returns the pieces; `LLMEngine.from_engine_args` wires them. Sizing is
+its own step (`kv_cache_config`) so that memory planning (weights + activations + KV in one
+budget) replaces that one function. torch is imported here, never at module import time, so
+`iterserve.engine` stays importable without it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.scheduler import Scheduler
+
+
+@dataclass(eq=False)
+class EngineParts:
+    """Everything LLMEngine is made of, built and sized."""
+
+    scheduler: Scheduler
+    executor: Any                    # model.runner.ModelRunner
+    tokenizer: Any
+    loaded_model: Any                # model.loader's LoadedModel (config, tokenizer, name)
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: set[int]
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    clock: Callable[[], float]
+
+
+def kv_cache_config(args: Any, loaded: Any) -> CacheConfig:
+    """The KV pool: `num_kv_blocks`, or as many blocks as `kv_cache_memory` GiB holds."""
+    from iterserve.model.runner import ModelRunner
+
+    cfg = loaded.config
+    bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size, cfg.dtype)
+    return args.create_cache_config(bytes_per_block)
+
+
+def build_engine_parts(args: Any) -> EngineParts:
+    import torch
+
+    from iterserve.model.loader import load_model
+    from iterserve.model.runner import ModelRunner
+
+    torch.manual_seed(args.seed)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    cfg = loaded.config
+    sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
+    cache_cfg = kv_cache_config(args, loaded)
+    runner = ModelRunner(loaded, num_blocks=cache_cfg.num_blocks,
+                         block_size=cache_cfg.block_size,
+                         num_swap_blocks=cache_cfg.num_swap_blocks)
+    clock = time.monotonic
+    scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+    eos = set(cfg.eos_token_ids or ()) | set(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())
+    return EngineParts(
+        scheduler=scheduler, executor=runner, tokenizer=loaded.tokenizer, loaded_model=loaded,
+        model_name=args.served_model_name or loaded.name,
+        max_model_len=sched_cfg.max_model_len, vocab_size=cfg.vocab_size, eos_token_ids=eos,
+        scheduler_config=sched_cfg, cache_config=cache_cfg, clock=clock)

@@ -1,0 +1,138 @@
+"""The input side of the engine: from what a caller sends to the scheduler's Requests.
+
+    prompt (text or token ids) + SamplingParams
+        -> tokenise, check the vocabulary and the context length, validate the params
+        -> one scheduler `Request` per sequence (n > 1 fans out into n of them)
+
+Everything here can refuse a request, and does so before any state exists anywhere, with the
+precise ValueErrors of engine/errors.py (HTTP 400 in the server). The fan-out rule, as in
+vLLM: sequence i of a request with `n > 1` is its own scheduler request `<id>-n<i>` with
+n = 1 and, when the request is seeded, seed + i, so it samples exactly what a single request
+with that seed would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from iterserve.core.request import Request, SamplingParams
+from iterserve.engine.errors import (
+    EmptyPromptError, InvalidRequestError, MaxTokensTooLargeError, PromptTooLongError,
+    TokenIdOutOfRangeError)
+
+
+@dataclass(eq=False)
+class ProcessedRequest:
+    """A validated request, ready for the scheduler (`requests`) and the output processor."""
+
+    request_id: str
+    prompt: str | None               # the text, when known (for outputs and traces)
+    prompt_token_ids: list[int]
+    params: SamplingParams           # as the caller sent them
+    priority: int
+    arrival_time: float
+    arrival_wall_time: float
+    requests: list[Request]          # one per sequence, by index, with per-sequence params
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
+                 eos_token_ids: Iterable[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # The scheduler's Request carries one eos id; the model's others become stop tokens.
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.clock = clock
+
+    # --- checks --------------------------------------------------------------------------
+    @staticmethod
+    def check_request_id(request_id: Any) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", "request_id")
+
+    def tokenize_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True
+                        ) -> list[int]:
+        """Token ids of `prompt`, validated against the vocabulary (no length checks)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EmptyPromptError("the prompt is empty", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, dict):
+            raise InvalidRequestError(
+                "the prompt is a dict: LLMEngine takes a string or a list of token ids "
+                "(LLM.generate also takes {'prompt': ...} and {'prompt_token_ids': [...]})",
+                "prompt")
+        ids = list(prompt)
+        if not ids:
+            raise EmptyPromptError("the prompt is empty (no token ids)", "prompt")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TokenIdOutOfRangeError(
+                    f"prompt token {i} is {t!r}, not an integer token id", "prompt")
+            if not 0 <= t < self.vocab_size:
+                raise TokenIdOutOfRangeError(
+                    f"prompt token id {t} (position {i}) is outside the vocabulary "
+                    f"[0, {self.vocab_size})", "prompt")
+        return ids
+
+    def check_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens, but this model's maximum context "
+                f"length is {self.max_model_len} tokens (prompt and output together)", "prompt")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise MaxTokensTooLargeError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                f"the prompt, {max_tokens} in the completion)", "max_tokens")
+
+    @staticmethod
+    def check_params(params: SamplingParams) -> None:
+        params.validate()
+        # The runner computes no logprobs for prompt positions yet: refuse rather than
+        # answer with prompt_logprobs None as if it had been asked for nothing.
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs is not supported yet (the model runner returns logprobs "
+                "for generated tokens only); leave it unset", "prompt_logprobs")
+
+    # --- the request ---------------------------------------------------------------------
+    def process(self, request_id: str, prompt: str | Sequence[int],
+                params: SamplingParams | None = None, *, priority: int = 0,
+                arrival_time: float | None = None, timeout: float | None = None,
+                prompt_text: str | None = None) -> ProcessedRequest:
+        """Validate and tokenise; the scheduler requests of all n sequences."""
+        params = params or SamplingParams()
+        self.check_request_id(request_id)
+        self.check_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        prompt_ids = self.tokenize_prompt(prompt)
+        self.check_lengths(len(prompt_ids), params.max_tokens)
+        now = self.clock() if arrival_time is None else arrival_time
+        deadline = now + timeout if timeout is not None else None
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        n = params.n
+        requests = [
+            Request(request_id if n == 1 else f"{request_id}-n{i}", prompt_ids,
+                    self.sequence_params(params, i), priority=priority, arrival_time=now,
+                    eos_token_id=eos, deadline=deadline, user_data=request_id)
+            for i in range(n)]
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else prompt_text,
+                                prompt_ids, params, priority, now, time.time(), requests)
+
+    def sequence_params(self, params: SamplingParams, i: int) -> SamplingParams:
+        """Sequence i's own params: n = 1, seed + i, every eos id of the model as a stop."""
+        changes: dict[str, Any] = {"n": 1}
+        if params.seed is not None:
+            changes["seed"] = params.seed + i
+        if not params.ignore_eos and len(self.eos_token_ids) > 1:
+            extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+            changes["stop_token_ids"] = list(params.stop_token_ids) + extra
+        changes["stop"] = list(params.stop)
+        return dataclasses.replace(params, **changes)

@@ -1,0 +1,242 @@
+"""The output side of the engine: sampled tokens -> text, stop strings, logprobs, RequestOutputs.
+
+It owns the live requests' text state (engine/request_state.py) and never calls the
+scheduler: when a sequence must end for a reason only the text shows (a stop string) or
+because handling its token failed, it returns `(scheduler request id, reason)` pairs and the
+engine ends them there. So the engine decides *when* the scheduler hears of it and this
+module stays testable without one.
+
+Cost: a step costs O(sequences that changed in it), not O(n) per request. A RequestOutput
+lists the sequences that advanced or finished in this step; the final one (finished=True)
+lists all n, by index, and carries the whole request's metrics. With n = 1 the two are the
+same thing; before this, every step rebuilt all n sequences' outputs and metrics, so a
+request with n = 1000 and max_tokens 1 cost O(n^2 / max_num_seqs).
+
+Failure isolation: an exception while handling one sequence's token ends that sequence
+(finish reason "error", the message in RequestOutput.error) and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Mapping
+
+from iterserve.core.request import FinishReason, Request
+from iterserve.core.scheduler_output import SampleResult
+from iterserve.engine.input_processor import ProcessedRequest
+from iterserve.engine.metrics import RequestMetrics, StepStats, merge_metrics
+from iterserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from iterserve.engine.request_state import RequestState, SequenceState
+from iterserve.engine.tracing import count_token
+
+logger = logging.getLogger(__name__)
+
+ToEnd = list[tuple[str, FinishReason]]      # scheduler request ids the engine must end
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, *, clock: Callable[[], float],
+                 detokenizer_factory: Callable[..., Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.clock = clock
+        if detokenizer_factory is None:
+            from iterserve.model.detokenizer import IncrementalDetokenizer
+            detokenizer_factory = IncrementalDetokenizer
+        self.detokenizer_factory = detokenizer_factory
+        self.requests: dict[str, RequestState] = {}                       # live, by request id
+        self._seqs: dict[str, tuple[RequestState, SequenceState]] = {}    # by scheduler id
+        self._changed: dict[str, RequestState] = {}      # requests with something to emit
+
+    # --- requests in and out -------------------------------------------------------------
+    def add_request(self, req: ProcessedRequest) -> RequestState:
+        """The text state of a validated request (one detokenizer per sequence)."""
+        state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params,
+                             req.priority, req.arrival_time, req.arrival_wall_time)
+        for i, r in enumerate(req.requests):
+            sp = r.sampling_params
+            detok = self.detokenizer_factory(self.tokenizer, req.prompt_token_ids,
+                                             skip_special_tokens=sp.skip_special_tokens,
+                                             stop=tuple(sp.stop))
+            state.seqs.append(SequenceState(i, r, detok, [] if sp.logprobs is not None else None))
+        self.requests[state.request_id] = state
+        for seq in state.seqs:
+            self._seqs[seq.request.request_id] = (state, seq)
+        return state
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request that never reached the scheduler (its add failed)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                self._seqs.pop(seq.request.request_id, None)
+            self._changed.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def has_unemitted_outputs(self) -> bool:
+        return bool(self._changed)
+
+    def abort(self, request_id: str) -> list[str] | None:
+        """Mark every unfinished sequence of a request aborted; their scheduler ids (None if
+        the request is not live). The final output comes with the next make_outputs()."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        ids = []
+        for seq in state.seqs:
+            if not seq.finished:
+                ids.append(seq.request.request_id)
+                state.end(seq, FinishReason.ABORT)
+                self._mark(state, seq)
+        self._changed[request_id] = state
+        return ids
+
+    # --- a step's results ----------------------------------------------------------------
+    def live_tokens(self, results: Mapping[str, SampleResult]) -> dict[str, int]:
+        """The sampled token of each sequence still live here (others' are dropped)."""
+        seqs = self._seqs
+        return {rid: r.token_id for rid, r in results.items()
+                if rid in seqs and not seqs[rid][1].finished}
+
+    def end_by_scheduler(self, requests: Iterable[Request], default: FinishReason) -> None:
+        """Sequences the scheduler ended: outside a forward pass (abort, timeout: default
+        ABORT) or on length / eos / stop token in update_from_output (default STOP)."""
+        for req in requests:
+            entry = self._seqs.get(req.request_id)
+            if entry is None:
+                continue
+            state, seq = entry
+            if not seq.finished:
+                reason = req.finish_reason or default
+                state.end(seq, reason)
+                if reason is FinishReason.STOP and req.output_token_ids and \
+                        req.output_token_ids[-1] in req.sampling_params.stop_token_ids:
+                    seq.stop_reason = req.output_token_ids[-1]
+                self._flush_text(state, seq)
+            self._mark(state, seq)
+
+    def fail(self, rids: Iterable[str], message: str) -> ToEnd:
+        """End sequences with finish reason "error" (executor failure, broken state)."""
+        to_end: ToEnd = []
+        for rid in rids:
+            entry = self._seqs.get(rid)
+            if entry is None:
+                continue
+            state, seq = entry
+            state.end(seq, FinishReason.ERROR)
+            state.error = state.error or message
+            self._mark(state, seq)
+            to_end.append((rid, FinishReason.ERROR))
+        return to_end
+
+    def process_tokens(self, sampled: Mapping[str, int], results: Mapping[str, SampleResult],
+                       stats: StepStats) -> ToEnd:
+        """Detokenise this step's tokens; the sequences a stop string (or a failure) ends."""
+        to_end: ToEnd = []
+        for rid, token_id in sampled.items():
+            state, seq = self._seqs[rid]
+            try:
+                if self._process_token(state, seq, token_id, results[rid], stats):
+                    to_end.append((rid, FinishReason.STOP))
+            except Exception as e:
+                logger.exception("request %s failed while handling its token", rid)
+                to_end += self.fail([rid], f"{type(e).__name__}: {e}")
+            self._mark(state, seq)
+        return to_end
+
+    def _process_token(self, state: RequestState, seq: SequenceState, token_id: int,
+                       result: SampleResult, stats: StepStats) -> bool:
+        """One sequence's new token, through each per-sequence output stage in turn (the
+        place a structured-output matcher or tool-call parser would be fed). True when a
+        stop string ended the sequence."""
+        req = seq.request
+        seq.delta_token_ids.append(token_id)
+        count_token(stats, state, req)
+        if req.num_cached_tokens > state.num_cached_tokens:
+            state.num_cached_tokens = req.num_cached_tokens
+        if seq.logprobs is not None:
+            lp = TokenLogprob(token_id, result.logprob, result.top_logprobs)
+            seq.logprobs.append(lp)
+            seq.delta_logprobs.append(lp)
+        delta = seq.detokenizer.add(token_id)
+        if delta.text:
+            seq.text += delta.text
+            seq.delta_text += delta.text
+        if delta.stopped:
+            seq.stop_reason = getattr(delta, "stop_string", None)
+            state.end(seq, FinishReason.STOP)      # a stop string wins over "length"
+            return True
+        return False
+
+    def _flush_text(self, state: RequestState, seq: SequenceState) -> None:
+        if seq.finish_reason is FinishReason.STOP and isinstance(seq.stop_reason, str):
+            return                          # text after a stop string is never shown
+        rest = seq.detokenizer.flush()
+        if rest:
+            seq.text += rest
+            seq.delta_text += rest
+        if getattr(seq.detokenizer, "stopped", False) and seq.finish_reason is FinishReason.LENGTH:
+            state.end(seq, FinishReason.STOP)   # the held-back tail completed a stop string
+
+    def _mark(self, state: RequestState, seq: SequenceState) -> None:
+        state.mark(seq)
+        self._changed[state.request_id] = state
+
+    # --- outputs -------------------------------------------------------------------------
+    def make_outputs(self, stats: StepStats) -> tuple[list[RequestOutput], list[RequestState]]:
+        """One RequestOutput per request with something new; also the requests that
+        finished (retired here: the caller records their traces)."""
+        changed, self._changed = self._changed, {}
+        outputs, retired = [], []
+        for state in changed.values():
+            outputs.append(self._make_output(state, stats))
+            if state.finished:
+                self._retire(state)
+                retired.append(state)
+        return outputs, retired
+
+    def _make_output(self, state: RequestState, stats: StepStats) -> RequestOutput:
+        now = self.clock()
+        just_finished: set[int] = set()
+        for seq in state.changed:
+            if seq.finished and not seq.reported:
+                seq.metrics = RequestMetrics.from_request(seq.request, now)
+                just_finished.add(seq.index)
+                stats.finished.append(seq.metrics)
+                stats.finish_reasons.append(seq.finish_reason.value)
+        finished = state.finished
+        if finished:
+            seqs = state.seqs
+        elif len(state.changed) > 1:
+            seqs = sorted(state.changed, key=lambda s: s.index)
+        else:
+            seqs = state.changed
+        outs = [self._completion(seq, seq.index in just_finished) for seq in seqs]
+        for seq in state.changed:
+            seq.delta_text, seq.delta_token_ids, seq.delta_logprobs = "", [], []
+            seq.changed = False
+        state.changed = []
+        metrics = merge_metrics([s.metrics for s in state.seqs]) if finished else None
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
+                             finished=finished, metrics=metrics, error=state.error,
+                             num_cached_tokens=state.num_cached_tokens)
+
+    @staticmethod
+    def _completion(seq: SequenceState, just_finished: bool) -> CompletionOutput:
+        """Cumulative state plus this step's delta (empty for a sequence that did not
+        change; its last delta went out with the output it changed in)."""
+        return CompletionOutput(
+            index=seq.index, text=seq.text, token_ids=list(seq.request.output_token_ids),
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            delta_text=seq.delta_text, delta_token_ids=seq.delta_token_ids,
+            delta_logprobs=seq.delta_logprobs if seq.logprobs is not None else None,
+            finished_in_this_step=just_finished,
+            metrics=seq.metrics if seq.finished else None)
+
+    def _retire(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for seq in state.seqs:
+            self._seqs.pop(seq.request.request_id, None)
