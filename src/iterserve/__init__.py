@@ -10,3 +10,31 @@ Layers, from the bottom (see docs/ARCHITECTURE.md):
 """
 
 __version__ = "0.1.0"
+
+# The offline API at the top level, as vLLM has it: `from iterserve import LLM, SamplingParams`.
+# Resolved on first use (PEP 562), so `import iterserve` (and the torch-free lab and core)
+# does not import the engine, the model layer or torch.
+_LAZY = {
+    "LLM": "iterserve.engine.llm",
+    "SamplingParams": "iterserve.core.request",
+    "RequestOutput": "iterserve.engine.outputs",
+    "CompletionOutput": "iterserve.engine.outputs",
+    "EngineArgs": "iterserve.engine.args",
+    "LLMEngine": "iterserve.engine.llm_engine",
+}
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'iterserve' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value          # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -47,3 +47,96 @@ def test_a_bad_prompt_raises_before_anything_runs(llm):
     with pytest.raises(TokenIdOutOfRangeError):
         llm.generate(["fine", [10**7]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+# --- vLLM's prompt shapes, top-level imports, get_tokenizer, new RequestOutput fields --------
+
+GREEDY2 = dict(max_tokens=3, temperature=0, ignore_eos=True)
+
+
+def test_top_level_imports_are_the_offline_api_and_stay_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, iterserve\n"
+            "assert 'torch' not in sys.modules, 'import iterserve imported torch'\n"
+            "from iterserve import LLM, SamplingParams\n"
+            "from iterserve.engine.llm import LLM as L2\n"
+            "from iterserve.core.request import SamplingParams as S2\n"
+            "assert LLM is L2 and SamplingParams is S2\n"
+            "assert 'torch' not in sys.modules, 'importing LLM imported torch'\n"
+            "try:\n    iterserve.NoSuchThing\nexcept AttributeError as e:\n"
+            "    assert 'NoSuchThing' in str(e)\nelse:\n    raise SystemExit('no error')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_prompt_shape_gives_the_same_greedy_output(llm):
+    p = SamplingParams(**GREEDY2)
+    text = "Hello world"
+    ids = llm.get_tokenizer().encode(text)
+    assert llm.get_tokenizer() is llm.tokenizer
+    shapes = [text, ids, {"prompt": text}, {"prompt_token_ids": ids}]
+    each = [llm.generate(s, p, use_tqdm=False) for s in shapes]
+    assert all(len(outs) == 1 for outs in each)
+    tokens = [outs[0].outputs[0].token_ids for outs in each]
+    assert all(t == tokens[0] and len(t) == 3 for t in tokens)
+    assert [outs[0].prompt_token_ids for outs in each] == [ids] * 4
+    assert each[0][0].prompt == each[2][0].prompt == text
+    # A list mixing all four shapes: one output per prompt, in order.
+    mixed = llm.generate(shapes, p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == tokens
+    assert [o.prompt_token_ids for o in mixed] == [ids] * 4
+
+
+def test_request_output_has_num_cached_tokens_and_prompt_logprobs(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256, block_size=4,
+              enable_prefix_caching=True)
+    prompt = "The same long prompt, sent twice, shares its blocks"
+    first = llm.generate(prompt, SamplingParams(**GREEDY2), use_tqdm=False)[0]
+    second = llm.generate(prompt, SamplingParams(**GREEDY2), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 4
+    assert second.num_cached_tokens < len(second.prompt_token_ids)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert first.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([{"prompt_token_ids": [1, "x"]}], r"prompt 0: prompt_token_ids\[1\] is 'x'"),
+    ({"prompt_token_ids": "1 2 3"}, "must be a list of integer token ids"),
+    ({"prompt": [1, 2]}, "'prompt' must be a string"),
+    ({"prompt": "a", "prompt_token_ids": [1]}, "not both"),
+    ({"text": "a"}, "unsupported key.*'text'"),
+    ({}, "empty dict"),
+    (["fine", 3], "mixes token ids"),
+    ([[1, 2], [3, None]], r"prompt 1 is a list whose item 1 is None"),
+    ([True, False], "prompt 0 is a bool"),
+    (42, "prompts is a int"),
+    (["fine", 4.5], "prompt 1 is a float"),
+])
+def test_wrong_prompt_shapes_get_a_message_naming_the_prompt(llm, prompts, match):
+    from iterserve.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_out_of_vocabulary_token_ids_in_a_dict_name_the_prompt(llm):
+    with pytest.raises(TokenIdOutOfRangeError, match=r"^prompt 1: .*outside the vocabulary"):
+        llm.generate(["fine", {"prompt_token_ids": [10**7]}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_n_sequences_come_back_in_the_final_output(llm):
+    out = llm.generate({"prompt": "Hello"}, SamplingParams(n=3, max_tokens=4, temperature=1.0,
+                                                            seed=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [co.index for co in out.outputs] == [0, 1, 2]
+    assert all(len(co.token_ids) == 4 for co in out.outputs)
+    assert out.metrics.num_output_tokens == 12
+
+
+def test_empty_prompt_list_returns_nothing(llm):
+    assert llm.generate([], SamplingParams(max_tokens=2), use_tqdm=False) == []

@@ -13,10 +13,12 @@ from tqdm.auto import tqdm
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.args import EngineArgs
+from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.engine.prompts import parse_prompts
 
-Prompt = str | list[int]
+PromptArg = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -44,17 +46,24 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's spelling): `encode`, `decode`, `apply_chat_template`."""
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptArg | Sequence[PromptArg],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); one RequestOutput per
-        prompt, in order. Bad prompts raise before anything runs."""
-        prompt_list = self._as_prompt_list(prompts)
+        """Generate for each prompt; one RequestOutput per prompt, in order.
+
+        A prompt is a string, a list of token ids, `{"prompt": str}` or
+        `{"prompt_token_ids": [...]}`; `prompts` is one of them or a list (engine/prompts.py).
+        Bad prompts or params raise before anything runs."""
+        prompt_list = parse_prompts(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -64,21 +73,32 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling params for "
                                  f"{len(prompt_list)} prompts")
+            for i, sp in enumerate(params_list):
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] is a {type(sp).__name__}, "
+                                    "not a SamplingParams")
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(prios) != len(prompt_list):
             raise ValueError(f"got {len(prios)} priorities for {len(prompt_list)} prompts")
-        # Validate everything first so a bad prompt does not leave others half-queued.
-        for p, sp in zip(prompt_list, params_list):
-            sp.validate()
-            ids = self.engine.tokenize_prompt(p)
-            self.engine.check_lengths(len(ids), sp.max_tokens)
-        ids = []
-        for p, sp, prio in zip(prompt_list, params_list, prios):
+        # Validate and tokenise everything first, so a bad prompt leaves nothing half-queued.
+        token_ids = []
+        for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
+            self.engine.input_processor.check_params(sp)
+            try:
+                ids = self.engine.tokenize_prompt(p.value)
+                self.engine.check_lengths(len(ids), sp.max_tokens)
+            except InvalidRequestError as e:
+                if len(prompt_list) > 1:
+                    e.args = (f"prompt {i}: {e}",)
+                raise
+            token_ids.append(ids)
+        rids = []
+        for p, ids, sp, prio in zip(prompt_list, token_ids, params_list, prios):
             rid = f"offline-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(rid, p, sp, priority=prio)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+            self.engine.add_request(rid, ids, sp, priority=prio, prompt_text=p.text)
+            rids.append(rid)
+        return self._run(rids, use_tqdm)
 
     def chat(
         self,
@@ -95,14 +115,6 @@ class LLM:
             self.tokenizer.apply_chat_template(list(conv), add_generation_prompt),
             add_special_tokens=False) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
-            return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [prompts]              # one prompt given as token ids
-        return prompts
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
