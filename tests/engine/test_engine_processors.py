@@ -144,6 +144,19 @@ def test_check_health_ends_the_named_requests_with_error_and_frees_their_blocks(
     assert e.scheduler_stats().num_free_blocks == total
 
 
+def test_a_consistency_check_that_raises_is_reported_and_ends_nothing():
+    class CrashingCheck(Scheduler):
+        def consistency_violations(self):
+            raise KeyError("tables")
+
+    e = make_engine(CrashingCheck)
+    e.add_request("x", "hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    e.step()
+    msgs = e.check_health()
+    assert len(msgs) == 1 and "KeyError" in msgs[0]
+    assert [o.outputs[0].finish_reason for o in drain(e) if o.finished] == ["length"]
+
+
 def test_a_healthy_engine_reports_no_violations_at_any_step():
     e = make_engine(max_num_seqs=3, num_blocks=8)       # tight: requests wait and preempt
     for i in range(6):

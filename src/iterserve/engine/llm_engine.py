@@ -233,8 +233,13 @@ class LLMEngine:
         check = getattr(self.scheduler, "consistency_violations", None)
         if check is None:
             return []
+        try:
+            violations = check()
+        except Exception as e:          # the check itself broke: report it, end nobody
+            logger.exception("scheduler consistency check failed")
+            return [f"the consistency check failed: {type(e).__name__}: {e}"]
         messages = []
-        for rid, message in check():
+        for rid, message in violations:
             text = f"request {rid}: {message}" if rid is not None else message
             logger.error("scheduler consistency violation: %s", text)
             messages.append(text)
