@@ -208,3 +208,54 @@ def test_asking_for_prompt_logprobs_is_refused_clearly(value):
         e.add_request("p", "hello", WithPromptLogprobs(prompt_logprobs=value))
     assert info.value.param == "prompt_logprobs"
     assert not e.has_unfinished_requests()
+
+
+# --- the processors on their own ------------------------------------------------------------
+
+def test_input_processor_fans_out_with_seed_plus_index_and_every_eos_as_a_stop():
+    from iterserve.engine.input_processor import InputProcessor
+
+    ip = InputProcessor(CharTokenizer(), vocab_size=100, max_model_len=64,
+                        eos_token_ids=[9, 3, 5], clock=lambda: 1.0)
+    req = ip.process("r", "hey", SamplingParams(n=3, seed=10, stop_token_ids=[5], max_tokens=4),
+                     timeout=2.0)
+    assert [r.request_id for r in req.requests] == ["r-n0", "r-n1", "r-n2"]
+    assert [r.sampling_params.seed for r in req.requests] == [10, 11, 12]
+    for r in req.requests:
+        assert r.sampling_params.n == 1 and r.eos_token_id == 3
+        assert r.sampling_params.stop_token_ids == [5, 9] and r.deadline == 3.0
+        assert r.user_data == "r" and r.prompt_token_ids == req.prompt_token_ids
+    single = ip.process("s", [4, 5], SamplingParams())
+    assert [r.request_id for r in single.requests] == ["s"] and single.prompt is None
+
+
+def test_output_processor_turns_tokens_into_text_and_reports_stop_strings_to_end():
+    from iterserve.core.request import FinishReason
+    from iterserve.engine.input_processor import InputProcessor
+    from iterserve.engine.metrics import StepStats
+    from iterserve.engine.output_processor import OutputProcessor
+
+    ip = InputProcessor(CharTokenizer(), vocab_size=100, max_model_len=64)
+    op = OutputProcessor(CharTokenizer(), clock=lambda: 1.0,
+                         detokenizer_factory=IncrementalDetokenizer)
+    op.add_request(ip.process("r", "ab", SamplingParams(n=2, stop=["dd"], max_tokens=8)))
+    stats = StepStats(step=0, time=0.0)
+    ended = []
+    for token in (2, 3, 3):                       # "c", "d", "d": the stop string on the 3rd
+        sampled = op.live_tokens({"r-n0": SampleResult(token), "r-n1": SampleResult(2)})
+        for sid in sampled:                        # the scheduler's part: append the token
+            state, seq = op._seqs[sid]
+            seq.request.output_token_ids.append(sampled[sid])
+        ended += op.process_tokens(sampled, {s: SampleResult(t) for s, t in sampled.items()},
+                                   stats)
+    assert ended == [("r-n0", FinishReason.STOP)]
+    outs, retired = op.make_outputs(stats)
+    assert retired == [] and len(outs) == 1
+    seq0, seq1 = outs[0].outputs
+    assert (seq0.text, seq0.finish_reason, seq0.stop_reason) == ("c", "stop", "dd")
+    assert seq0.finished_in_this_step and seq1.finish_reason is None
+    assert op.live_tokens({"r-n0": SampleResult(1)}) == {}     # a stopped sequence takes no more
+    assert op.abort("r") == ["r-n1"]
+    outs, retired = op.make_outputs(stats)
+    assert outs[0].finished and [s.request_id for s in retired] == ["r"]
+    assert not op.has_request("r") and op.abort("r") is None
