@@ -187,7 +187,8 @@ class LLMEngine:
                           num_batched_tokens=sched_out.num_batched_tokens,
                           num_preemptions=len(sched_out.preempted) + len(sched_out.swapped_out))
         # Ended outside a forward pass (timeouts, aborts done by the scheduler).
-        self.output_processor.end_by_scheduler(sched_out.finished, FinishReason.ABORT)
+        self.output_processor.end_by_scheduler([r.request_id for r in sched_out.finished],
+                                               FinishReason.ABORT)
 
         results = self._execute(sched_out)
         sampled = self.output_processor.live_tokens(results)
@@ -197,7 +198,8 @@ class LLMEngine:
 
         stopped = self.output_processor.process_tokens(sampled, results, stats)
         self._end_in_scheduler(stopped)           # stop strings, per-sequence failures
-        self.output_processor.end_by_scheduler(finished, FinishReason.STOP)
+        self.output_processor.end_by_scheduler([r.request_id for r in finished],
+                                               FinishReason.STOP)
         outputs, retired = self.output_processor.make_outputs(stats)
 
         self.tracer.retire(retired)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Mapping
 
-from iterserve.core.request import FinishReason, Request
+from iterserve.core.request import FinishReason
 from iterserve.core.scheduler_output import SampleResult
 from iterserve.engine.input_processor import ProcessedRequest
 from iterserve.engine.metrics import RequestMetrics, StepStats, merge_metrics
@@ -99,21 +99,23 @@ class OutputProcessor:
         return {rid: r.token_id for rid, r in results.items()
                 if rid in seqs and not seqs[rid][1].finished}
 
-    def end_by_scheduler(self, requests: Iterable[Request], default: FinishReason) -> None:
-        """Sequences the scheduler ended: outside a forward pass (abort, timeout: default
-        ABORT) or on length / eos / stop token in update_from_output (default STOP)."""
-        for req in requests:
-            entry = self._seqs.get(req.request_id)
-            if entry is None:
+    def end_by_scheduler(self, request_ids: Iterable[str], default: FinishReason) -> None:
+        """Sequences the scheduler ended, by scheduler id: outside a forward pass (abort,
+        timeout: default ABORT) or on length / eos / stop token in update_from_output
+        (default STOP). Their `Request` is the one this processor holds, so the reason is
+        read from it; sequences already ended here (stop strings, aborts) are skipped."""
+        for rid in request_ids:
+            entry = self._seqs.get(rid)
+            if entry is None or entry[1].finished:
                 continue
             state, seq = entry
-            if not seq.finished:
-                reason = req.finish_reason or default
-                state.end(seq, reason)
-                if reason is FinishReason.STOP and req.output_token_ids and \
-                        req.output_token_ids[-1] in req.sampling_params.stop_token_ids:
-                    seq.stop_reason = req.output_token_ids[-1]
-                self._flush_text(state, seq)
+            req = seq.request
+            reason = req.finish_reason or default
+            state.end(seq, reason)
+            if reason is FinishReason.STOP and req.output_token_ids and \
+                    req.output_token_ids[-1] in req.sampling_params.stop_token_ids:
+                seq.stop_reason = req.output_token_ids[-1]
+            self._flush_text(state, seq)
             self._mark(state, seq)
 
     def fail(self, rids: Iterable[str], message: str) -> ToEnd:
