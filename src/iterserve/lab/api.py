@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.core.config import ConfigError
+from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
 from iterserve.lab.cost_model import CostModel, CostModelError, default_cost_model
 from iterserve.lab.metrics import summarize
 from iterserve.lab.simulator import SimResult, SimSettings, simulate
@@ -217,17 +217,19 @@ def plan_lab(options: dict | None) -> LabPlan:
 
     settings = {}
     for mode in modes:
-        s = SimSettings(
-            batching=mode, slots=slots, max_num_batched_tokens=budget,
-            max_model_len=max_model_len, chunked_prefill=chunked,
-            num_kv_blocks=num_kv_blocks, block_size=block_size,
-            preemption_mode=preemption_mode, policy=policy, prefill_ignored=prefill_ignored)
         try:
-            s.scheduler_config()
-            s.cache_config()
+            sc = SchedulerConfig(
+                max_num_seqs=slots, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                enable_chunked_prefill=chunked, scheduling_policy=policy, batching=mode,
+                preemption_mode=preemption_mode).validate()
+            cc = CacheConfig(
+                block_size=block_size, num_kv_blocks=num_kv_blocks,
+                # Swap needs a host pool; as large as the device pool, so swap never fails
+                # for room.
+                num_swap_blocks=num_kv_blocks if preemption_mode == "swap" else 0).validate()
         except ConfigError as e:
-            raise LabOptionsError(str(e)) from e
-        settings[mode] = s
+            raise LabOptionsError(str(e), e.knob) from e
+        settings[mode] = SimSettings(sc, cc, prefill_ignored)
     return LabPlan(modes=modes, workload=workload, specs=specs, settings=settings, cost=cost,
                    per_request=per_request)
 
