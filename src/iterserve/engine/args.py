@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.config import (
-    CacheConfig, ConfigError, Knob, SchedulerConfig, check_knob, knob_fields)
+    CacheConfig, ConfigError, SchedulerConfig, add_knob_argument, check_knob, knob_fields)
 
 GiB = 1 << 30
 DEFAULT_MAX_MODEL_LEN_CAP = 2048
@@ -44,27 +44,6 @@ _DERIVED_HELP = {
     "num_swap_blocks": "default: from --swap-space; with --preemption-mode swap and no swap "
                        "space, as many as the device pool; overrides --swap-space",
 }
-
-
-def add_knob_argument(group, name: str, k: Knob, default, derived_help: str | None = None):
-    """One flag from a knob's metadata: --name-with-dashes, its type, choices, help text.
-
-    Booleans get --flag / --no-flag. Values are checked by the config's validate() (so the
-    CLI, the engine and the lab reject them with the same message), except choices, which
-    argparse checks itself.
-    """
-    flag = k.flag or "--" + name.replace("_", "-")
-    extra = derived_help or ("" if default is None else f"default {default}")
-    bounds = k.bounds_text()
-    text = k.help + (f" ({extra})" if extra else "") + (f" [{bounds}]" if bounds else "")
-    if k.kind is bool:
-        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                           default=default, help=text)
-    elif k.choices:
-        group.add_argument(flag, dest=name, default=default, choices=list(k.choices),
-                           help=text)
-    else:
-        group.add_argument(flag, dest=name, type=k.kind, default=default, help=text)
 
 
 @dataclass
