@@ -218,7 +218,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         clamp = self._clamp
         num_sched = out.num_scheduled_tokens          # filled in scheduling order
-        cached: dict[str, CachedRequestData] = {}
+        cached = out.scheduled_cached_reqs            # (a list: appended once per request)
         new: dict[str, NewRequestData] = {}
         running = self.running
         allocate = bm.allocate_slots
@@ -250,7 +250,7 @@ class Scheduler:
                 continue                    # running[i] is now the next request
             rid = req.request_id
             num_sched[rid] = n
-            cached[rid] = CachedRequestData(rid, blocks.block_ids, start)
+            cached.append(CachedRequestData(rid, blocks.block_ids, start))
             budget -= n
             if start + n < num_tokens:          # still mid-prefill after this step
                 num_partial += 1
@@ -285,7 +285,7 @@ class Scheduler:
                 num_sched[rid] = n
                 table = bm.get_blocks(rid).block_ids
                 if rid in self._sent:
-                    cached[rid] = CachedRequestData(rid, table, start, True)
+                    cached.append(CachedRequestData(rid, table, start, True))
                 else:                       # swapped out the step it was admitted
                     new[rid] = self._new_data(req, table)
                 budget -= n
@@ -358,7 +358,6 @@ class Scheduler:
         if new:
             out.scheduled_new_reqs = list(new.values())
             self._sent.update(new)
-        out.scheduled_cached_reqs = list(cached.values())
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         # Cheap end-of-step checks (vLLM v1 does the same): a broken invariant here would
         # otherwise surface far away, as a wrong token or a leaked block.
@@ -423,7 +422,7 @@ class Scheduler:
         return max(running, key=self._victim_key)
 
     def _preempt_less_urgent(self, req: Request, running: list[Request], out: SchedulerOutput,
-                             new: dict, cached: dict, exclude: set[str]) -> bool:
+                             new: dict, cached: list, exclude: set[str]) -> bool:
         """Priority policy: preempt the least urgent running request if it is strictly less
         urgent than `req`. Requests swapped in this very step are not candidates (their
         swap-in copy and a swap-out copy would race in the executor)."""
@@ -437,13 +436,14 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, idx: int, out: SchedulerOutput, new: dict,
-                 cached: dict) -> int:
+                 cached: list) -> int:
         """Evict running[idx] (== victim); returns the tokens it had been given this step."""
         del self.running[idx]
         rid = victim.request_id
         given = out.num_scheduled_tokens.pop(rid, 0)
-        new.pop(rid, None)
-        cached.pop(rid, None)
+        if given:                           # scheduled earlier this step: withdraw its data
+            if new.pop(rid, None) is None:
+                cached[:] = [d for d in cached if d.req_id != rid]
         victim.num_preemptions += 1
         bm = self.block_manager
         now = self.clock()
