@@ -27,22 +27,25 @@ class CharTokenizer:
 
 
 class ConstantExecutor:
-    """Samples token 7 for every chunk that reaches its request's last token."""
+    """Samples token 7 for every request whose scheduled tokens reach its last token (read
+    from the scheduler's own Requests, which update_from_output has not advanced yet)."""
 
-    def __init__(self):
-        self.steps = 0
+    def __init__(self, scheduler):
+        self.scheduler, self.steps = scheduler, 0
 
     def execute(self, out):
         self.steps += 1
-        return {c.request.request_id: SampleResult(7) for c in out.chunks if c.sample}
+        reqs = self.scheduler.requests
+        return {rid: SampleResult(7) for rid, n in out.num_scheduled_tokens.items()
+                if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens}
 
 
 def make_engine(scheduler_cls=Scheduler, max_num_seqs=32, num_blocks=4096) -> LLMEngine:
     sched = scheduler_cls(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
                         max_model_len=256),
-        CacheConfig(block_size=16, num_blocks=num_blocks))
-    return LLMEngine(sched, ConstantExecutor(), CharTokenizer(), max_model_len=256,
+        CacheConfig(block_size=16, num_kv_blocks=num_blocks))
+    return LLMEngine(sched, ConstantExecutor(sched), CharTokenizer(), max_model_len=256,
                      vocab_size=100, detokenizer_factory=IncrementalDetokenizer)
 
 
@@ -181,8 +184,8 @@ def test_scheduler_stats_is_the_scheduler_snapshot():
 def test_num_cached_tokens_counts_prefix_cache_hits():
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
                                       max_model_len=256),
-                      CacheConfig(block_size=4, num_blocks=256, enable_prefix_caching=True))
-    e = LLMEngine(sched, ConstantExecutor(), CharTokenizer(), max_model_len=256, vocab_size=100)
+                      CacheConfig(block_size=4, num_kv_blocks=256, enable_prefix_caching=True))
+    e = LLMEngine(sched, ConstantExecutor(sched), CharTokenizer(), max_model_len=256, vocab_size=100)
     prompt = "a long shared prompt of many tokens"
     e.add_request("first", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     first = [o for o in drain(e) if o.finished][0]

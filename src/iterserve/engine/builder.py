@@ -55,7 +55,7 @@ def build_engine_parts(args: Any) -> EngineParts:
     cfg = loaded.config
     sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
     cache_cfg = kv_cache_config(args, loaded)
-    runner = ModelRunner(loaded, num_blocks=cache_cfg.num_blocks,
+    runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
                          block_size=cache_cfg.block_size,
                          num_swap_blocks=cache_cfg.num_swap_blocks)
     clock = time.monotonic

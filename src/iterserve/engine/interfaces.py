@@ -36,3 +36,9 @@ class EngineScheduler(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> SchedulerStats: ...
+
+    def consistency_violations(self) -> list[tuple[str | None, str]]:
+        """(offending request id or None, message) for each disagreement in its books.
+        LLMEngine.check_health() looks it up with getattr: a scheduler without it (a test
+        fake) is taken as healthy."""
+        ...

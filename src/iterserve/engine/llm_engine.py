@@ -185,10 +185,9 @@ class LLMEngine:
         sched_out: SchedulerOutput = self.scheduler.schedule()
         stats = StepStats(step=sched_out.step, time=self.clock(),
                           num_batched_tokens=sched_out.num_batched_tokens,
-                          num_preemptions=len(sched_out.preempted) + len(sched_out.swapped_out))
+                          num_preemptions=sched_out.num_preemptions)
         # Ended outside a forward pass (timeouts, aborts done by the scheduler).
-        self.output_processor.end_by_scheduler([r.request_id for r in sched_out.finished],
-                                               FinishReason.ABORT)
+        self.output_processor.end_by_scheduler(sched_out.ended_req_ids, FinishReason.ABORT)
 
         results = self._execute(sched_out)
         sampled = self.output_processor.live_tokens(results)
@@ -204,21 +203,22 @@ class LLMEngine:
 
         self.tracer.retire(retired)
         self.tracer.record_step(stats, self.scheduler.stats(),
-                                active=bool(sched_out.chunks or sched_out.finished))
+                                active=bool(sched_out.num_scheduled_tokens
+                                            or sched_out.ended_req_ids))
         self.num_steps += 1
         return outputs
 
     def _execute(self, sched_out: SchedulerOutput) -> dict[str, SampleResult]:
         """The executor's tokens; on failure, the step's sequences end with "error" (in the
         scheduler too, before update_from_output) and the engine goes on."""
-        if not (sched_out.chunks or sched_out.blocks_to_swap_in or sched_out.blocks_to_swap_out):
+        if sched_out.is_empty:
             return {}
         try:
             return self.executor.execute(sched_out) or {}
         except Exception as e:
             self.num_executor_failures += 1
             logger.exception("executor failed in step %d", sched_out.step)
-            rids = [chunk.request.request_id for chunk in sched_out.chunks]
+            rids = list(sched_out.num_scheduled_tokens)
             self._end_in_scheduler(self.output_processor.fail(rids, f"executor error: {e}"))
             return {}
 

@@ -16,11 +16,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from iterserve.core.errors import WorkloadError
+
 MAX_LENGTH = 100_000      # one request's output or prompt length (keeps the lab interactive)
-
-
-class WorkloadError(ValueError):
-    """A workload description that cannot be drawn or read; the message says what and where."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +42,8 @@ class WorkloadSpec:
     arrival_rate: float | None = None               # requests per step; None = all at step 0
     prompt_len: tuple[int, int] | None = None       # None = prefill ignored (1-token prompts)
     priority_frac: float = 0.0                      # share of requests in the urgent class
+    long_prompt_frac: float = 0.0                   # share of prompts drawn from long_prompt
+    long_prompt: tuple[int, int] | None = None      # (the "longprompt" mix)
 
 
 def _rng(seed: int, stream: str) -> random.Random:
@@ -72,6 +72,12 @@ def draw_workload(spec: WorkloadSpec) -> list[RequestSpec]:
         rng = _rng(spec.seed, "prompts")
         lo, hi = spec.prompt_len
         prompts = [rng.randint(lo, hi) for _ in range(n)]
+        if spec.long_prompt_frac > 0 and spec.long_prompt is not None:
+            # Its own stream, so the short prompts above are the same with or without it.
+            rng = _rng(spec.seed, "long_prompts")
+            llo, lhi = spec.long_prompt
+            prompts = [rng.randint(llo, lhi) if rng.random() < spec.long_prompt_frac else p
+                       for p in prompts]
 
     if spec.arrival_rate is None:
         arrivals = [0] * n
