@@ -92,6 +92,9 @@ class Scheduler:
         # Requests whose state the executors hold (sent as NewRequestData and not finished
         # or preempted by recompute since): a swapped-in one of these comes back as a diff.
         self._sent: set[str] = set()
+        # Token slots each running request was granted, from the block manager's answers
+        # (blocks held x block_size): a step that fits asks the block manager nothing.
+        self._granted: dict[str, int] = {}
         # Static batching: members of the current group not yet admitted (or requeued after
         # preemption), and the ids of all unfinished members.
         self._group = FCFSQueue()
@@ -185,6 +188,7 @@ class Scheduler:
         request.record("finished", now, self.step, reason=reason.value)
         self._finished.append(request.request_id)
         self._sent.discard(request.request_id)
+        self._granted.pop(request.request_id, None)
         if self._static:
             self._group_ids.discard(request.request_id)
 
@@ -222,6 +226,8 @@ class Scheduler:
         new: dict[str, NewRequestData] = {}
         running = self.running
         allocate = bm.allocate_slots
+        granted = self._granted
+        block_size = bm.block_size
         num_preempted = 0
         num_partial = 0       # requests that will still be mid-prefill after this step
 
@@ -237,20 +243,25 @@ class Scheduler:
                 if not n:
                     i += 1                  # a whole recompute that does not fit this step
                     continue
-            while (blocks := allocate(req, n)) is None:
-                victim = self._pick_victim(running)
-                idx = running.index(victim)
-                if idx < i:
-                    i -= 1
-                budget += self._preempt(victim, idx, out, new, cached)
-                num_preempted += 1
-                if victim is req:
-                    break
-            if blocks is None:
-                continue                    # running[i] is now the next request
             rid = req.request_id
+            if start + n <= granted[rid]:
+                new_blocks = ()             # the common decode step: its last block has room
+            else:
+                while (blocks := allocate(req, n)) is None:
+                    victim = self._pick_victim(running)
+                    idx = running.index(victim)
+                    if idx < i:
+                        i -= 1
+                    budget += self._preempt(victim, idx, out, new, cached)
+                    num_preempted += 1
+                    if victim is req:
+                        break
+                if blocks is None:
+                    continue                # running[i] is now the next request
+                new_blocks = blocks.block_ids
+                granted[rid] += len(new_blocks) * block_size
             num_sched[rid] = n
-            cached.append(CachedRequestData(rid, blocks.block_ids, start))
+            cached.append(CachedRequestData(rid, new_blocks, start))
             budget -= n
             if start + n < num_tokens:          # still mid-prefill after this step
                 num_partial += 1
@@ -284,6 +295,7 @@ class Scheduler:
                 req.record("resumed", now, step)
                 num_sched[rid] = n
                 table = bm.get_blocks(rid).block_ids
+                granted[rid] = len(table) * block_size
                 if rid in self._sent:
                     cached.append(CachedRequestData(rid, table, start, True))
                 else:                       # swapped out the step it was admitted
@@ -349,6 +361,7 @@ class Scheduler:
                 num_sched[rid] = n
                 # The table was empty: the blocks added are all of it (hits included).
                 new[rid] = self._new_data(req, blocks.block_ids)
+                granted[rid] = len(blocks.block_ids) * block_size
                 req.record("prefill_chunk", now, step, start=num_hit, num_tokens=n)
                 budget -= n
                 if partial:
@@ -440,6 +453,7 @@ class Scheduler:
         """Evict running[idx] (== victim); returns the tokens it had been given this step."""
         del self.running[idx]
         rid = victim.request_id
+        self._granted.pop(rid, None)            # its device blocks go either way
         given = out.num_scheduled_tokens.pop(rid, 0)
         if given:                           # scheduled earlier this step: withdraw its data
             if new.pop(rid, None) is None:
@@ -604,6 +618,9 @@ class Scheduler:
             elif bm.num_device_blocks(rid) < cdiv(r.num_computed_tokens, bs):
                 bad.append((rid, f"{bm.num_device_blocks(rid)} blocks cannot hold its "
                                  f"{r.num_computed_tokens} computed tokens"))
+            if self._granted.get(rid) != bm.num_device_blocks(rid) * bs:
+                bad.append((rid, f"granted {self._granted.get(rid)} token slots but holds "
+                                 f"{bm.num_device_blocks(rid)} blocks"))
         for r in waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 bad.append((r.request_id, f"waiting with status {r.status.value}"))
@@ -617,6 +634,8 @@ class Scheduler:
                                           f"{r.num_computed_tokens} computed tokens"))
         for rid in sorted(bm.device_owners() - set(running_ids)):
             bad.append((rid, "holds device blocks but is not running"))
+        for rid in sorted(set(self._granted) - set(running_ids)):
+            bad.append((rid, "granted token slots but not running"))
         return bad
 
     def check_consistency(self) -> None:
