@@ -317,7 +317,7 @@ def _lib() -> ctypes.CDLL:
 def _f32(t, name: str, dims: int | None = None, contiguous: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    if t.dtype != torch.float32 or not t.is_cpu:
         raise ValueError(f"{name} must be float32 on the CPU, not {t.dtype} on {t.device}")
     if dims is not None and t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D, not of shape {tuple(t.shape)}")
@@ -327,11 +327,15 @@ def _f32(t, name: str, dims: int | None = None, contiguous: bool = True) -> None
 
 def _rows(t: torch.Tensor, name: str) -> int:
     """Row stride (elements) of a 2-D tensor whose rows are contiguous."""
-    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"{name} must be 2-D with contiguous rows (shape {tuple(t.shape)}, "
-                         f"strides {t.stride()})")
-    ld = t.stride(0) if t.shape[0] > 1 else t.shape[1]
-    if ld < t.shape[1]:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, not of shape {tuple(t.shape)}")
+    rows, cols = t.shape
+    s0, s1 = t.stride()
+    if cols > 1 and s1 != 1:
+        raise ValueError(f"{name} must have contiguous rows (shape {tuple(t.shape)}, "
+                         f"strides {(s0, s1)})")
+    ld = s0 if rows > 1 else cols
+    if ld < cols:
         raise ValueError(f"{name} rows overlap (row stride {ld} < {t.shape[1]})")
     return ld
 
@@ -341,12 +345,13 @@ def _weight(ggml_type: int, w, k: int, what: str) -> tuple[int, int]:
     caps = _caps.get(ggml_type)
     if caps is None or not getattr(caps, what):
         raise ValueError(f"ggml type {ggml_type} has no native {what}")
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.device.type != "cpu":
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or not w.is_cpu:
         raise ValueError("weight must be a uint8 CPU tensor of GGUF blocks")
-    if not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k must be a positive int, not {k!r}")
+    if not isinstance(k, int) or k <= 0 or k % caps.block_elems:
+        raise ValueError(f"k must be a positive multiple of the type's block "
+                         f"({caps.block_elems}), not {k!r}")
     ld = _rows(w, "weight")
-    rb = row_bytes(ggml_type, k)
+    rb = k // caps.block_elems * caps.block_bytes
     if w.shape[1] != rb:
         raise ValueError(f"weight rows are {w.shape[1]} bytes; {k} elements of type "
                          f"{ggml_type} take {rb}")

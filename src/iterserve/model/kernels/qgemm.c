@@ -32,16 +32,27 @@
 #define QK 32
 #define COL_CHUNK 64
 
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* One block of 32 weights -> w[0..3] (elements 0-7, 8-15, 16-23, 24-31). */
 static inline __attribute__((always_inline)) void dequant_block(
         int type, const uint8_t *blk, __m256 *w) {
-    const __m256 vd = _mm256_set1_ps(f16_at(blk));
+    if (type == GGML_Q4_1) {          /* d and m: one conversion for both */
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        const __m128 s = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        const __m256 vd = _mm256_broadcastss_ps(s), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(s));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(raw, mask);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                        _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), vd), vm);
+        return;
+    }
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    const __m256 vd = _mm256_set1_ps(_cvtsh_ss(h));
     if (type == GGML_Q8_0) {
         const uint8_t *q = blk + 2;
         for (int i = 0; i < 4; i++) {
@@ -50,22 +61,16 @@ static inline __attribute__((always_inline)) void dequant_block(
         }
         return;
     }
-    const uint8_t *q = blk + (type == GGML_Q4_1 ? 4 : 2);
+    const uint8_t *q = blk + 2;
     const __m128i raw = _mm_loadu_si128((const __m128i *)q);
     const __m128i mask = _mm_set1_epi8(0x0F);
     __m128i lo = _mm_and_si128(raw, mask);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
     __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
                     _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    if (type == GGML_Q4_0) {
-        const __m256i eight = _mm256_set1_epi32(8);
-        for (int i = 0; i < 4; i++)
-            w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v[i], eight)), vd);
-    } else {
-        const __m256 vm = _mm256_set1_ps(f16_at(blk + 2));
-        for (int i = 0; i < 4; i++)
-            w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), vd), vm);
-    }
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v[i], eight)), vd);
 }
 
 /* Independent accumulators per row, so that enough FMA chains are in flight: an FMA has a
