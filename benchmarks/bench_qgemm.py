@@ -103,8 +103,7 @@ def layout(rows_list: list[int], rounds: int) -> dict:
 def types(rows_list: list[int], rounds: int) -> dict:
     import sys
     sys.path.insert(0, "tests")
-    sys.path.insert(0, "tests/model")
-    from test_gguf_kernels import gguf_blocks
+    from fixtures.gguf_blocks import gguf_blocks
     from iterserve.model import kernels
 
     n, k = 2048, 2048
