@@ -107,7 +107,7 @@ def types(rows_list: list[int], rounds: int) -> dict:
     from iterserve.model import kernels
 
     n, k = 2048, 2048
-    result = {"shape": [n, k], "types": {}}
+    result = {"shape": [n, k], "threads": torch.get_num_threads(), "types": {}}
     for name in ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
                  "IQ4_NL", "IQ4_XS", "F16", "BF16"]:
         t, raw, _ = gguf_blocks(name, n, k)
@@ -137,8 +137,13 @@ def main() -> None:
     ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types"])
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, help="torch/kernel threads (default: torch's); 1 is "
+                    "far less noisy on a loaded machine (a descheduled OpenMP thread stalls "
+                    "the other at the barrier for a whole time slice)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
     res = layout(rows, a.rounds) if a.what == "layout" else types(rows, a.rounds)
     if a.json:
