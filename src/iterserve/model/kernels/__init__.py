@@ -2,9 +2,11 @@
 
 Kernels for where a CPU step spends its time, all over weights in their GGUF encoding (rows of
 blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
-- `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights, register kernels for
-  Q4_0 / Q4_1 / Q8_0, a decode-into-L1 kernel for every other type) and `dequant` (rows ->
-  float32, bit-exact with gguf-py) for tiles, prefill panels and embedding rows;
+- `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights: register kernels for
+  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, a decode-into-L1 kernel for every other type `dequant`
+  covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) for tiles, prefill panels and
+  embedding rows;
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
