@@ -43,10 +43,11 @@
 static inline __attribute__((always_inline)) void dequant_block(
         int type, const uint8_t *blk, __m256 *w) {
     if (type == GGML_Q4_1) {          /* d and m: one conversion for both */
-        uint32_t dm;
-        memcpy(&dm, blk, 4);
-        const __m128 s = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
-        const __m256 vd = _mm256_broadcastss_ps(s), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(s));
+        /* 8 bytes from the block start (d, m and 4 quant bytes, all inside the block),
+         * converted from memory in one instruction; lanes 0 and 1 are d and m */
+        const __m256 s = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
+        const __m256 vd = _mm256_permutevar8x32_ps(s, _mm256_setzero_si256());
+        const __m256 vm = _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(1));
         const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
         const __m128i mask = _mm_set1_epi8(0x0F);
         __m128i lo = _mm_and_si128(raw, mask);
@@ -57,9 +58,7 @@ static inline __attribute__((always_inline)) void dequant_block(
             w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), vd), vm);
         return;
     }
-    uint16_t h;
-    memcpy(&h, blk, 2);
-    const __m256 vd = _mm256_set1_ps(_cvtsh_ss(h));
+    const __m256 vd = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
     if (type == GGML_Q8_0) {
         const uint8_t *q = blk + 2;
         for (int i = 0; i < 4; i++) {
