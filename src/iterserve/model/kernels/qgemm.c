@@ -15,12 +15,13 @@
  * same code as `dequant`, then dotted with the rows): 1.1-1.8x faster than dequantise +
  * F.linear on a 2048x2048 weight, but 1.5-2.5x slower than a register kernel.
  *
- * The f16 scales are converted per block with F16C. On the bundled model's Q4_1 shapes that
- * made the kernel 5-10% slower than the old split layout (scales pre-widened to float32 in
- * separate arrays) in a same-process single-thread A/B under load (benchmarks/bench_qgemm.py
- * layout): at these small shapes the loop is bound by instruction throughput, and the
- * conversion adds ~3 instructions per block; the layout reads 17% fewer bytes (Q4_1: 20 vs 24
- * per block) and needs no copy of the file's weights, which is what issue 12 is about.
+ * The f16 scales are converted per block with F16C, straight from the block (vcvtph2ps from
+ * memory). On the bundled model's Q4_1 shapes the kernel is 0-11% (typically ~5%) slower than
+ * the old split layout (scales pre-widened to float32 in separate arrays) in same-process
+ * single-thread A/Bs on a loaded machine (benchmarks/bench_qgemm.py layout): at these small
+ * shapes the loop is bound by instruction throughput and the conversion adds ~2 instructions
+ * per block; the layout reads 17% fewer bytes (Q4_1: 20 vs 24 per block) and needs no copy of
+ * the file's weights, which is what issue 12 is about.
  *
  * Threads split the n columns; compiled with -mavx2 -mfma -mf16c, and with -ffp-contract=off
  * so the dequantisation is not fused into an FMA. Activations stay float32 (not quantised to
