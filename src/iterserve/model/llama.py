@@ -10,9 +10,7 @@ final hidden states; the runner applies `lm_head` only to the rows that sample.
 
 from __future__ import annotations
 
-import ctypes
 import re
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -23,20 +21,6 @@ from iterserve.model.config import ModelConfig, ModelLoadError
 from iterserve.model import layers as layers_mod
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
-from iterserve.model.quant import KINDS
-
-
-class QWeight(ctypes.Structure):
-    """kernels/decode_layers.c's `qweight`: a block-quantised weight's addresses and shape."""
-    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
-
-
-class DecodeLayer(ctypes.Structure):
-    """kernels/decode_layers.c's `decode_layer`."""
-    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
-                ("kpool", ctypes.c_void_p), ("vpool", ctypes.c_void_p),
-                ("qkv", QWeight), ("o", QWeight), ("gate_up", QWeight), ("down", QWeight)]
 
 
 class Attention(nn.Module):
@@ -50,18 +34,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim ** -0.5
 
-    _rope = None   # kernels' iterserve_rope, set by the model's use_native_ops
+    _rope = None      # kernels.rope, set by the model's use_native_ops
+    _qk_norm = None   # kernels.qk_norm, likewise
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_slots: torch.Tensor, v_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None and self._rope is not None and qkv.dtype == torch.float32 \
-                and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous():
-            # in place on the q and k heads of this step's own qkv buffer
-            self._rope(qkv.data_ptr(), T, qkv.shape[1], H + self.num_kv_heads, self.head_dim,
-                       cos.data_ptr(), sin.data_ptr())
+        if self._rope is not None and qkv.dtype == torch.float32 and qkv.is_contiguous() \
+                and cos.is_contiguous() and sin.is_contiguous():
+            # in place on the q and k heads of this step's own qkv buffer (q/k norm first)
+            if self.q_norm is not None:
+                self._qk_norm(qkv, H, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                              self.k_norm.weight, self.q_norm.eps)
+            self._rope(qkv, H + self.num_kv_heads, self.head_dim, cos, sin)
             q = qkv[:, :self.q_size].view(T, H, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads,
                                                                     self.head_dim)
@@ -86,15 +73,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size)
 
-    _native = None   # kernels' iterserve_silu_mul, set by the model's use_native_ops
+    _native = None   # kernels.silu_mul, set by the model's use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
         if self._native is not None and gu.dtype == torch.float32 and gu.is_contiguous() \
                 and gu.device.type == "cpu":
-            y = torch.empty(gu.shape[0], self.inter)
-            self._native(gu.data_ptr(), y.data_ptr(), gu.shape[0], self.inter)
-            return self.down_proj(y)
+            return self.down_proj(self._native(gu, torch.empty(gu.shape[0], self.inter)))
         gate, up = gu.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -143,58 +128,54 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_cache: PagedKVCache, meta: AttentionMetadata) -> None:
         """All layers of a decode-only step in one native call, h updated in place."""
-        fn, layers = self._fused
-        c, a = self.config, self.layers[0].self_attn
-        if self._fused_pools is None or self._fused_pools() is not kv_cache:
-            for i, layer in enumerate(layers):      # pool addresses: fixed for a cache's life
-                layer.kpool = kv_cache.k_slots[i].data_ptr()
-                layer.vpool = kv_cache.v_slots[i].data_ptr()
-            self._fused_pools = weakref.ref(kv_cache)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        slots = meta.slot_mapping.contiguous()
-        tables, lens = meta.decode_tables, meta.decode_lens
-        fn(ctypes.addressof(layers), len(layers), h.data_ptr(), h.shape[0], c.hidden_size,
-           a.num_heads, a.num_kv_heads, a.head_dim, c.intermediate_size, c.rms_norm_eps,
-           cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-           lens.data_ptr(), meta.sliding_window, meta.block_size, a.scale,
-           torch.get_num_threads())
+        a = self.layers[0].self_attn
+        self._fused.run(h, cos.contiguous(), sin.contiguous(), meta.slot_mapping.contiguous(),
+                        meta.decode_tables, meta.decode_lens, meta.sliding_window,
+                        meta.block_size, a.scale, kv_cache.k_slots, kv_cache.v_slots)
 
     def use_fused_decode(self, on: bool = True) -> bool:
-        """Run small decode-only steps through kernels/decode_layers.c (every layer in one
-        call) or not; returns whether it is in use. It needs what that file chains: every
-        layer Linear on the block kernel (use_quant), the native elementwise ops, no q/k/v
-        bias and no q/k norm; anything else keeps the per-module path."""
-        self._fused, self._fused_pools = None, None
+        """Run small decode-only steps through kernels.DecodeLayers (every layer in one call)
+        or not; returns whether it is in use. It needs what that call chains: every layer
+        Linear on the block kernel (use_quant), the native elementwise ops, and no bias but
+        q/k/v's (Qwen2); q/k norm (Qwen3) is chained too. Anything else keeps the per-module
+        path."""
+        self._fused = None
         c = self.config
+        attn = [layer.self_attn for layer in self.layers]
         linears = [m for layer in self.layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
-        if not on or c.attention_bias or c.qk_norm or self.norm._native is None \
-                or any(m._qgemm is None or m.bias is not None for m in linears):
+        if not on or self.norm._native is None or any(m._qgemm is None for m in linears) \
+                or any(m.bias is not None for m in linears if m not in
+                       [x.qkv_proj for x in attn]):
             return False
         from iterserve.model import kernels
-        fn = kernels.decode_layers()
-        if fn is None:
-            return False
 
-        def qw(linear: Linear) -> QWeight:
+        def segments(linear: Linear) -> list[tuple[int, torch.Tensor]]:
+            # legacy: BlockQuantWeight's split arrays back into GGUF blocks (a copy), until
+            # the loader keeps the file's blocks and hands them over as segments
             w = linear.quant
-            n, k = w.shape
-            return QWeight(KINDS[w.kind][0], n, k, w.qs.data_ptr(), w.d.data_ptr(),
-                           0 if w.m is None else w.m.data_ptr())
+            return [kernels.split_to_gguf_blocks(w.kind, w.qs, w.d, w.m)]
 
-        layers = (DecodeLayer * len(self.layers))()
-        for i, layer in enumerate(self.layers):
-            layers[i] = DecodeLayer(
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(), 0, 0,
-                qw(layer.self_attn.qkv_proj), qw(layer.self_attn.o_proj),
-                qw(layer.mlp.gate_up_proj), qw(layer.mlp.down_proj))
-        self._fused = (fn, layers)
+        specs = [kernels.LayerSpec(
+            ln1=layer.input_layernorm.weight.detach(),
+            ln2=layer.post_attention_layernorm.weight.detach(),
+            qkv=segments(layer.self_attn.qkv_proj), o=segments(layer.self_attn.o_proj),
+            gate_up=segments(layer.mlp.gate_up_proj), down=segments(layer.mlp.down_proj),
+            qkv_bias=None if layer.self_attn.qkv_proj.bias is None
+            else layer.self_attn.qkv_proj.bias.detach(),
+            q_norm=None if layer.self_attn.q_norm is None
+            else layer.self_attn.q_norm.weight.detach(),
+            k_norm=None if layer.self_attn.k_norm is None
+            else layer.self_attn.k_norm.weight.detach()) for layer in self.layers]
+        if not kernels.DecodeLayers.supported(specs):
+            return False
+        a = attn[0]
+        self._fused = kernels.DecodeLayers(specs, c.hidden_size, a.num_heads, a.num_kv_heads,
+                                           a.head_dim, c.intermediate_size, c.rms_norm_eps)
         return True
 
-    _fused = None          # (iterserve_decode_layers, DecodeLayer array) when in use
-    _fused_pools = None    # weakref to the PagedKVCache whose pool addresses the array holds
+    _fused = None          # kernels.DecodeLayers when in use
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -279,18 +260,18 @@ class LlamaForCausalLM(nn.Module):
     def use_native_ops(self, on: bool = True) -> bool:
         """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c)
         on CPU float32, or back to torch ops; returns whether they are in use."""
-        lib = None
-        if on and self.norm.weight.device.type == "cpu" and self.norm.weight.dtype == torch.float32:
-            from iterserve.model import kernels
-            lib = kernels.elementwise()
+        from iterserve.model import kernels
+        native = on and self.norm.weight.device.type == "cpu" \
+            and self.norm.weight.dtype == torch.float32 and kernels.available()
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m._native = None if lib is None else lib.iterserve_rmsnorm
+                m._native = kernels.rmsnorm if native else None
             elif isinstance(m, MLP):
-                m._native = None if lib is None else lib.iterserve_silu_mul
+                m._native = kernels.silu_mul if native else None
             elif isinstance(m, Attention):
-                m._rope = None if lib is None else lib.iterserve_rope
-        return lib is not None
+                m._rope = kernels.rope if native else None
+                m._qk_norm = kernels.qk_norm if native else None
+        return native
 
     def pack_linears(self, mode: str | bool | None = "onednn") -> bool:
         """Switch every Linear (the lm_head included) to prepacked weights ("onednn" or
