@@ -37,12 +37,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0   # cap on one request's prefill chunk (0 = none)
     max_num_partial_prefills: int = 1       # prompts mid-prefill at once
-    policy: str = "fcfs"                 # fcfs | priority
+    policy: str = "fcfs"                 # fcfs | priority | slo
     batching: str = "continuous"         # continuous | static
     preemption_mode: str = "recompute"   # recompute | swap
     max_queued_requests: int = 0         # waiting-queue bound (0 = unbounded)
     request_timeout: float | None = None  # default per-request deadline, seconds from arrival
     queue_timeout: float | None = None    # default limit on time spent waiting before admission
+    # --- policy "slo" (core/slo_policy.py): default per-request targets, and the cost
+    # model (file or shipped name) its online step-time model starts from.
+    slo_ttft_ms: float | None = None      # time to first token target (None: no target)
+    slo_tpot_ms: float | None = None      # time per output token target (None: no target)
+    slo_cost_model: str | None = None     # None: the shipped "smollm2-cpu"
 
     def validate(self) -> "SchedulerConfig":
         if self.max_num_seqs < 1:
@@ -61,8 +66,9 @@ class SchedulerConfig:
             raise ConfigError("long_prefill_token_threshold must be non-negative")
         if self.max_num_partial_prefills < 1:
             raise ConfigError("max_num_partial_prefills must be at least 1")
-        if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "slo"):
+            raise ConfigError(
+                f"policy must be 'fcfs', 'priority' or 'slo', got {self.policy!r}")
         if self.batching not in ("continuous", "static"):
             raise ConfigError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -70,6 +76,10 @@ class SchedulerConfig:
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_queued_requests < 0:
             raise ConfigError("max_queued_requests must be non-negative")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < float("inf"):
+                raise ConfigError(f"{name} must be a positive finite number, got {v}")
         for name in ("request_timeout", "queue_timeout"):
             v = getattr(self, name)
             if v is not None and v <= 0:

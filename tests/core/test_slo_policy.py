@@ -1,0 +1,186 @@
+"""The `slo` policy: slack order, early refusal (SLOUnattainableError), the TPOT hold.
+
+A fake executor advances the clock by a known linear step time between schedule() and
+update_from_output(), as the engine's real executor and the lab's simulated one do, so the
+policy's step-time model is fed through its normal path. The scheduler's books are checked
+after every step.
+"""
+
+import pytest
+
+from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
+from iterserve.core.request import Request, RequestStatus, SamplingParams
+from iterserve.core.scheduler import QueueFullError, Scheduler
+from iterserve.core.slo_policy import SLOUnattainableError
+from iterserve.core.step_time import StepTimeModel
+
+COST = dict(c0=0.010, c_tok=0.0, c_seq=0.002, c_kv=0.0, c_prefill_tok=0.001)
+
+
+def step_seconds(out):
+    prefill = sum(c.num_tokens for c in out.chunks
+                  if c.num_tokens > 1 or c.start < c.request.num_prompt_tokens)
+    return COST["c0"] + COST["c_seq"] * len(out.chunks) + COST["c_prefill_tok"] * prefill
+
+
+class Engine:
+    def __init__(self, **cfg):
+        self.t = 0.0
+        cfg.setdefault("max_num_seqs", 64)
+        cfg.setdefault("max_num_batched_tokens", 512)
+        cfg.setdefault("max_model_len", 1024)
+        self.s = Scheduler(SchedulerConfig(policy="slo", **cfg),
+                           CacheConfig(block_size=16, num_blocks=4096), clock=lambda: self.t)
+        self.s.slo.model = StepTimeModel(COST)
+        self.order: list[str] = []
+
+    def add(self, rid, prompt_len=10, max_tokens=20, **kw):
+        r = Request(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    arrival_time=self.t, **kw)
+        self.s.add_request(r)
+        return r
+
+    def step(self):
+        out = self.s.schedule()
+        self.s.check_consistency()
+        for c in out.chunks:
+            if c.request.first_scheduled_time == self.t and c.request.request_id not in self.order:
+                self.order.append(c.request.request_id)
+        self.t += step_seconds(out) if out.chunks else 0.01
+        done = self.s.update_from_output(out, {c.request.request_id: 2 for c in out.chunks
+                                               if c.sample})
+        self.s.check_consistency()
+        return out, done
+
+    def drain(self, limit=100_000):
+        for _ in range(limit):
+            if not self.s.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("did not drain")
+
+
+def test_config():
+    with pytest.raises(ConfigError):
+        SchedulerConfig(policy="slo", slo_ttft_ms=0).validate()
+    with pytest.raises(ConfigError):
+        SchedulerConfig(policy="slo", slo_tpot_ms=float("nan")).validate()
+    with pytest.raises(ConfigError):
+        SchedulerConfig(policy="edf").validate()
+    e = Engine(slo_ttft_ms=500.0, slo_tpot_ms=80.0)
+    r = e.add("a")
+    assert (r.ttft_slo_ms, r.tpot_slo_ms) == (500.0, 80.0)        # defaults from the config
+    r = e.add("b", ttft_slo_ms=2000.0)
+    assert (r.ttft_slo_ms, r.tpot_slo_ms) == (2000.0, 80.0)       # per-request override
+    e.drain()
+
+
+def test_waiting_requests_are_admitted_by_slack():
+    """One slot: the queue is served tightest deadline first (a long prompt, whose prefill
+    eats its slack, before a short one with the same target), requests without a target last."""
+    e = Engine(max_num_seqs=1)
+    e.add("running", max_tokens=5)
+    e.step()
+    e.add("none")                                              # no target
+    e.add("loose", ttft_slo_ms=60_000.0)
+    e.add("tight-short", ttft_slo_ms=5_000.0, prompt_len=10)
+    e.add("tight-long", ttft_slo_ms=5_000.0, prompt_len=400)   # ~0.4 s of prefill
+    e.add("tighter", ttft_slo_ms=3_000.0)
+    assert [r.request_id for r in e.s.waiting] == [
+        "tighter", "tight-long", "tight-short", "loose", "none"]
+    e.drain()
+    assert e.order == ["running", "tighter", "tight-long", "tight-short", "loose", "none"]
+
+
+def test_a_request_past_its_slack_waits_behind_on_time_ones():
+    e = Engine(max_num_seqs=1)
+    e.add("running", max_tokens=30)
+    e.step()
+    e.add("late", ttft_slo_ms=100.0)          # fits an idle engine, but "running" holds the slot
+    e.add("on-time", ttft_slo_ms=60_000.0)
+    e.drain()
+    assert e.order == ["running", "on-time", "late"]
+    assert e.s.get_request("late") is None   # served, not dropped
+
+
+def test_refuses_a_prompt_that_cannot_make_its_ttft_even_on_an_idle_engine():
+    e = Engine()
+    with pytest.raises(SLOUnattainableError) as exc:
+        e.add("huge", prompt_len=900, ttft_slo_ms=100.0)      # ~0.9 s of prefill alone
+    err = exc.value
+    assert isinstance(err, QueueFullError)                    # the server's 429 path
+    assert err.retry_after_s is None and err.predicted_ttft_s > err.ttft_slo_s == 0.1
+    assert "ttft_slo_ms" in str(err)
+    assert e.s.get_request("huge") is None and not e.s.has_unfinished_requests()
+    bm = e.s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_refuses_early_at_capacity_with_a_retry_after():
+    """A saturated engine (two slots, a queue) measures its admission rate; a new request that
+    would wait past its target is refused with how long to wait, and one that would not is
+    accepted; below capacity nothing is refused."""
+    e = Engine(max_num_seqs=2)
+    for i in range(4):
+        e.add(f"bg{i}", max_tokens=100)
+    for k in range(400):
+        while e.s.num_waiting < 2:                    # a standing queue: saturated
+            e.add(f"fill{k}-{e.s.num_waiting}", max_tokens=100)
+        e.step()
+    rate = e.s.slo.admission_rate
+    assert rate is not None and 1.0 < rate < 2.0        # 2 slots / 100 steps of ~14 ms
+    # 2 requests ahead at ~1.4 admissions/s: ~2 s of wait.
+    with pytest.raises(SLOUnattainableError) as exc:
+        e.add("impatient", ttft_slo_ms=200.0)
+    assert exc.value.retry_after_s is not None and exc.value.retry_after_s > 0.2
+    assert e.s.get_request("impatient") is None
+    e.add("patient", ttft_slo_ms=60_000.0)
+    e.drain()
+
+
+def test_rejected_event_and_no_leak():
+    e = Engine()
+    r = Request("x", [1] * 900, SamplingParams(max_tokens=4), ttft_slo_ms=50.0)
+    with pytest.raises(SLOUnattainableError):
+        e.s.add_request(r)
+    assert r.events[-1].name == "rejected" and r.events[-1].detail == {"reason": "slo_unattainable"}
+    assert r.status is RequestStatus.WAITING and not e.s.requests
+
+
+def test_tpot_hold_caps_the_batch_below_the_target():
+    """Decode step = 10 ms + 2 ms per sequence; with a 40 ms TPOT target and 85% headroom at
+    most 12 decodes fit (10 + 2 * 12 = 34 <= 34): the 13th waits until one finishes."""
+    e = Engine(slo_tpot_ms=40.0)
+    for i in range(20):
+        e.add(f"r{i}", max_tokens=50)
+    peak = 0
+    gaps = []
+    while e.s.has_unfinished_requests():
+        out, _ = e.step()
+        peak = max(peak, e.s.num_running)
+        if out.chunks and all(not c.is_prefill for c in out.chunks):
+            gaps.append(step_seconds(out))
+    assert peak == 12
+    assert max(gaps) <= 0.040
+    assert e.s.slo.num_held_steps > 0
+
+
+def test_without_a_tpot_target_nothing_is_held():
+    e = Engine()
+    for i in range(20):
+        e.add(f"r{i}", max_tokens=5)
+    e.step()
+    assert e.s.num_running == 20 and e.s.slo.num_held_steps == 0
+    e.drain()
+
+
+def test_the_step_time_model_learns_from_the_executor():
+    """The policy is seeded wrong (2x); the measured steps bring its predictions to truth."""
+    e = Engine()
+    e.s.slo.model = StepTimeModel({k: 2 * v for k, v in COST.items()})
+    for i in range(40):
+        e.add(f"r{i}", prompt_len=5 + i * 7, max_tokens=10 + i)
+        e.step()
+    e.drain()
+    pred = e.s.slo.model.predict(20, 20, 0, 0)
+    assert pred == pytest.approx(COST["c0"] + 20 * COST["c_seq"], rel=0.1)
