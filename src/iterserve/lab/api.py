@@ -46,6 +46,9 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "chunked_prefill": True, "num_kv_blocks": None, "block_size": 16,
     "preemption_mode": "recompute", "policy": "fcfs", "priority_frac": None,
     "cost_model": None, "per_request": False,
+    # SLO experiments (issue 18): Poisson arrivals per simulated second, targets (goodput is
+    # reported whenever one is set; policy "slo" admits by them).
+    "arrival_rate_s": None, "slo_ttft_ms": None, "slo_tpot_ms": None,
 }
 MODES = ("static", "continuous")
 
@@ -171,7 +174,16 @@ def plan_lab(options: dict | None) -> LabPlan:
     chunked = _bool(opts, "chunked_prefill")
     block_size = _int(opts, "block_size", 1, 4096)
     preemption_mode = _choice(opts, "preemption_mode", ("recompute", "swap"))
-    policy = _choice(opts, "policy", ("fcfs", "priority"))
+    policy = _choice(opts, "policy", ("fcfs", "priority", "slo"))
+    arrival_rate_s = _float(opts, "arrival_rate_s", 0.0, lo_open=True)
+    if arrival_rate_s is not None and arrival_rate is not None:
+        raise _bad("arrival_rate_s", "give arrival_rate (per step) or arrival_rate_s (per "
+                   "simulated second), not both")
+    if arrival_rate_s is not None and requests / arrival_rate_s > MAX_ARRIVAL_SPAN:
+        raise _bad("arrival_rate_s", f"{requests} requests at {arrival_rate_s:g} per second "
+                   f"would arrive over more than {MAX_ARRIVAL_SPAN:,} seconds")
+    slo_ttft_ms = _float(opts, "slo_ttft_ms", 0.0, lo_open=True)
+    slo_tpot_ms = _float(opts, "slo_tpot_ms", 0.0, lo_open=True)
     priority_frac = _float(opts, "priority_frac", 0.0, 1.0)
     if priority_frac is None:
         priority_frac = DEFAULT_PRIORITY_FRAC if policy == "priority" else 0.0
@@ -191,7 +203,7 @@ def plan_lab(options: dict | None) -> LabPlan:
     workload = WorkloadSpec(
         requests=requests, seed=seed, short_frac=short_frac, short=short, long=long_,
         lengths=lengths, arrival_rate=arrival_rate, prompt_len=prompt_len,
-        priority_frac=priority_frac)
+        priority_frac=priority_frac, arrival_rate_s=arrival_rate_s)
     specs = tuple(sorted(draw_workload(workload), key=lambda s: (s.arrival, s.index)))
 
     max_model_len = max(2, max(s.prompt_len + s.output_len for s in specs))
@@ -221,7 +233,8 @@ def plan_lab(options: dict | None) -> LabPlan:
             batching=mode, slots=slots, max_num_batched_tokens=budget,
             max_model_len=max_model_len, chunked_prefill=chunked,
             num_kv_blocks=num_kv_blocks, block_size=block_size,
-            preemption_mode=preemption_mode, policy=policy, prefill_ignored=prefill_ignored)
+            preemption_mode=preemption_mode, policy=policy, prefill_ignored=prefill_ignored,
+            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
         try:
             s.scheduler_config()
             s.cache_config()

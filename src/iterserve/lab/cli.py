@@ -46,9 +46,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=int)
     s.add_argument("--block-size", type=int)
     s.add_argument("--preemption-mode", choices=("recompute", "swap"))
-    s.add_argument("--policy", choices=("fcfs", "priority"))
+    s.add_argument("--policy", choices=("fcfs", "priority", "slo"))
     s.add_argument("--priority-frac", type=float,
                    help="share of urgent requests under --policy priority (default 0.2)")
+    g = p.add_argument_group("SLO (goodput; --policy slo admits by the targets)")
+    g.add_argument("--arrival-rate-s", type=float, metavar="R",
+                   help="Poisson arrivals, requests per simulated second (instead of per step)")
+    g.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token target")
+    g.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token target")
     o = p.add_argument_group("output")
     o.add_argument("--cost-model", metavar="FILE|NAME",
                    help="step-time model: a JSON file, or a shipped name (smollm2-cpu: fitted to the "
@@ -80,7 +85,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"batching": args.batching}
     for name in ("slots", "requests", "seed", "short_frac", "arrival_rate",
                  "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
-                 "policy", "priority_frac"):
+                 "policy", "priority_frac", "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -164,6 +169,9 @@ ROWS = [  # (label, key, format)
     ("preemptions", "preemptions", "int"),
     ("simulated time (s)", "time_s", "s"),
     ("throughput (tokens/s)", "throughput_tokens_per_s", "f"),
+    ("refused (SLO)", "refused", "int"),
+    ("met both SLOs", "slo_met", "int"),
+    ("goodput (requests/s)", "goodput_rps", "s"),
 ]
 
 
@@ -179,6 +187,8 @@ def format_report(plan, summaries: dict[str, dict[str, Any]]) -> str:
                f"{wl.long[0]}-{wl.long[1]} tokens), seed {wl.seed}")
     arrivals = ("all at step 0" if wl.arrival_rate is None
                 else f"Poisson arrivals, {wl.arrival_rate:g} per step")
+    if wl.arrival_rate_s is not None:
+        arrivals = f"Poisson arrivals, {wl.arrival_rate_s:g} per simulated second"
     prefill = ("prefill ignored" if wl.prompt_len is None
                else f"prompts {wl.prompt_len[0]}-{wl.prompt_len[1]} tokens")
     lines = [f"{mix}; {first['slots']} slots; {arrivals}; {prefill}", ""]

@@ -21,6 +21,7 @@ becomes running and gives it back when it finishes or is preempted.
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import numpy as np
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, SamplingParams
-from iterserve.core.scheduler import Scheduler
+from iterserve.core.scheduler import QueueFullError, Scheduler
 from iterserve.lab.cost_model import CostModel
 from iterserve.lab.workload import RequestSpec
 
@@ -52,8 +53,10 @@ class SimSettings:
     num_kv_blocks: int
     block_size: int
     preemption_mode: str                # "recompute" | "swap"
-    policy: str                         # "fcfs" | "priority"
+    policy: str                         # "fcfs" | "priority" | "slo"
     prefill_ignored: bool
+    slo_ttft_ms: float | None = None    # targets (policy slo admits by them; goodput for all)
+    slo_tpot_ms: float | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -64,6 +67,8 @@ class SimSettings:
             policy=self.policy,
             batching=self.batching,
             preemption_mode=self.preemption_mode,
+            slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
         ).validate()
 
     def cache_config(self) -> CacheConfig:
@@ -108,6 +113,10 @@ class SimResult:
     first_token: np.ndarray              # per request, in steps (end of the step that made it)
     first_scheduled: np.ndarray          # per request, in steps
     preemptions: np.ndarray              # per request
+    # SLO runs (arrivals in seconds, policy slo): the step each request became visible in,
+    # and which ones add_request refused (their finish / first_token entries are 0).
+    arrival_step: np.ndarray | None = None
+    refused: np.ndarray | None = None
     itl_prev: np.ndarray | None = None   # token time pairs (steps) of consecutive tokens
     itl_next: np.ndarray | None = None
     # Recorded only when asked (per-request output, trace, plot):
@@ -131,6 +140,15 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
 
     sched = Scheduler(settings.scheduler_config(), settings.cache_config(), clock=clock)
     n = len(specs)
+    # --- SLO hook: arrivals in seconds, the policy's clock in simulated seconds, refusals.
+    seconds_arrivals = n > 0 and specs[0].arrival_s is not None
+    now_s = 0.0
+    if sched.slo is not None:
+        sched.slo.use_clock(lambda: now_s)
+    arrival_step = np.zeros(n, dtype=np.int64) if seconds_arrivals else None
+    refused = np.zeros(n, dtype=bool) if (seconds_arrivals or sched.slo is not None) else None
+    num_refused = 0
+    # ---
     finish = np.zeros(n, dtype=np.int64)
     first_token = np.zeros(n, dtype=np.int64)
     first_scheduled = np.full(n, -1, dtype=np.int64)
@@ -160,13 +178,22 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     stalled = 0
     sampled_token = SAMPLED_TOKEN
 
+    def arrives_later(spec: RequestSpec) -> bool:
+        if seconds_arrivals:
+            return spec.arrival_s > step_start[-1]
+        return spec.arrival > step
+
     while idx < n or sched.has_unfinished_requests():
-        if idx < n and specs[idx].arrival > step and not sched.has_unfinished_requests():
+        if idx < n and arrives_later(specs[idx]) and not sched.has_unfinished_requests():
             # Nothing can run before the next arrival: skip the empty steps in one go. The
             # scheduler holds no request, so an empty schedule() would change nothing but
             # its step number, which we advance to match.
-            gap = specs[idx].arrival - step
-            base, idle = step_start[-1], cost.idle_step_s
+            if seconds_arrivals:
+                idle_s = cost.idle_step_s if cost.idle_step_s > 0 else 1e-3
+                gap = max(1, math.ceil((specs[idx].arrival_s - step_start[-1]) / idle_s))
+            else:
+                gap = specs[idx].arrival - step
+            base, idle = step_start[-1], cost.idle_step_s if not seconds_arrivals else idle_s
             step_start.extend(base + idle * k for k in range(1, gap + 1))
             if record:
                 for key, value in (("running", 0), ("waiting", 0), ("preempted", 0),
@@ -175,7 +202,7 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
             step += gap
             sched.skip_idle_steps(gap)
         now = float(step)
-        while idx < n and specs[idx].arrival <= step:
+        while idx < n and not arrives_later(specs[idx]):
             spec = specs[idx]
             req = Request(
                 f"req-{spec.index:06d}",
@@ -185,7 +212,19 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 arrival_time=float(spec.arrival),
                 user_data=_Track(spec),
             )
-            sched.add_request(req)
+            if seconds_arrivals:
+                arrival_step[spec.index] = step
+                now_s = spec.arrival_s        # the policy sees it arrive when it arrived
+            try:
+                sched.add_request(req)
+            except QueueFullError:            # policy slo: refused early (a 429 in the server)
+                refused[spec.index] = True
+                num_refused += 1
+                done += 1
+                idx += 1
+                continue
+            finally:
+                now_s = step_start[-1]
             idx += 1
             arrived += 1
 
@@ -285,6 +324,7 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
             timeline["kv_blocks_used"].append(st.num_blocks - st.num_free_blocks)
 
         now = float(step + 1)
+        now_s = step_start[-1]
         finished = sched.update_from_output(out, sampled)
         for req in finished:
             tr = req.user_data
@@ -325,7 +365,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         mode=settings.batching, settings=settings, steps=step, busy_slot_steps=busy,
         computed_tokens=computed, step_start_s=np.frombuffer(step_start, dtype=np.float64), specs=specs,
         finish=finish, first_token=first_token, first_scheduled=first_scheduled,
-        preemptions=preemptions, segments=segments, events=events, timeline=timeline)
+        preemptions=preemptions, segments=segments, events=events, timeline=timeline,
+        arrival_step=arrival_step, refused=refused)
     if token_gaps:
         empty = np.zeros(0, dtype=np.int64)
         result.itl_prev = np.concatenate(gaps_prev) if gaps_prev else empty
