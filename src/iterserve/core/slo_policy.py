@@ -49,6 +49,8 @@ TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT tar
 RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
 MIN_RATE_EVIDENCE_S = 1.0    # saturated seconds seen before the rate is trusted
 DEFAULT_SEED_COST_MODEL = "smollm2-cpu"
+BIG_BATCH = 32               # above this many sequences a step's shape is sampled ...
+SAMPLE_EVERY = 4             # ... every 4th step
 _INF = math.inf
 
 
@@ -290,25 +292,33 @@ class SloPolicy:
         return False
 
     def scheduled(self, out: SchedulerOutput) -> None:
-        """End of schedule(): remember the step's shape to time it in `step_done`."""
+        """End of schedule(): remember the step's shape to time it in `step_done`.
+
+        The shape costs a pass over the chunks; in big batches (> BIG_BATCH sequences) only
+        every SAMPLE_EVERY-th step is measured (their shapes change slowly)."""
+        self._saturated = bool(self.queue)
+        chunks = out.chunks
+        if len(chunks) > BIG_BATCH and out.step % SAMPLE_EVERY:
+            self._features = None
+            return
         kv = prefill = 0
-        for ch in out.chunks:
+        for ch in chunks:
             n = ch.num_tokens
             kv += ch.start + n
             if n > 1 or ch.start < len(ch.request.prompt_token_ids):
                 prefill += n
-        self._features = (out.num_batched_tokens, len(out.chunks), kv, prefill)
-        self._saturated = bool(self.queue)
+        self._features = (out.num_batched_tokens, len(chunks), kv, prefill)
 
     def step_done(self) -> None:
         """update_from_output(): the executor has run; fold its measured time in."""
         dt = self.clock() - self._t0
-        tokens, seqs, kv, prefill = self._features
-        if seqs:
-            self.model.observe(tokens, seqs, kv, prefill, dt)
-            self._last_step_s = dt
-        self._last_seqs = seqs
-        self._last_kv = kv
+        if self._features is not None:
+            tokens, seqs, kv, prefill = self._features
+            if seqs:
+                self.model.observe(tokens, seqs, kv, prefill, dt)
+                self._last_step_s = dt
+            self._last_seqs = seqs
+            self._last_kv = kv
         if dt > 0:
             admitted = self.queue.num_popped - self._popped_before
             if self._backlog:

@@ -72,7 +72,7 @@ class StepTimeModel:
     """Predicts a step's seconds from its batch shape; `observe()` refits it online."""
 
     __slots__ = ("_theta", "_seed", "_ridge", "_A", "_b", "_dirty", "forgetting",
-                 "num_observed", "last_seconds")
+                 "num_observed", "last_seconds", "_fitted_at")
 
     def __init__(self, coefficients: Mapping[str, float] | Sequence[float],
                  forgetting: float = FORGETTING) -> None:
@@ -98,6 +98,7 @@ class StepTimeModel:
         self._dirty = False
         self.forgetting = forgetting
         self.num_observed = 0
+        self._fitted_at = 0
         self.last_seconds = 0.0
 
     @classmethod
@@ -113,8 +114,11 @@ class StepTimeModel:
 
     def predict(self, tokens: float, seqs: float, kv_tokens: float,
                 prefill_tokens: float = 0.0) -> float:
-        """Seconds a step with this shape is expected to take (an empty step: c0)."""
-        th = self._fit() if self._dirty else self._theta
+        """Seconds a step with this shape is expected to take (an empty step: c0).
+
+        Uses the fit as of the last refit, at most REFIT_EVERY observations old (the solve
+        costs ~30 us; the memory is ~100 steps, so a few steps' lag changes nothing)."""
+        th = self._theta if self._fresh() else self._fit()
         return (th[0] + th[1] * tokens / 256.0 + th[2] * seqs / 32.0
                 + th[3] * kv_tokens / 16384.0 + th[4] * prefill_tokens / 256.0)
 
@@ -130,7 +134,7 @@ class StepTimeModel:
         inv = 1.0 / seconds
         x = (inv, tokens / 256.0 * inv, seqs / 32.0 * inv, kv_tokens / 16384.0 * inv,
              prefill_tokens / 256.0 * inv)
-        th = self._fit() if self._dirty and not self.num_observed % REFIT_EVERY else self._theta
+        th = self._theta if self._fresh() else self._fit()
         pred = th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4]
         target = 1.0
         if self.num_observed >= TRUST_AFTER:          # the fit is data now, not the seed
@@ -151,6 +155,10 @@ class StepTimeModel:
     def observe_many(self, steps: Iterable[tuple[float, float, float, float, float]]) -> None:
         for s in steps:
             self.observe(*s)
+
+    def _fresh(self) -> bool:
+        return not self._dirty or (self.num_observed - self._fitted_at < REFIT_EVERY
+                                   and self._fitted_at > 0)
 
     def _fit(self) -> list[float]:
         """Minimise sum of weighted residuals + ridge to the seed, with theta >= 0."""
@@ -178,6 +186,7 @@ class StepTimeModel:
             del free[worst]              # pin the most negative at 0, one at a time
         self._theta = theta
         self._dirty = False
+        self._fitted_at = self.num_observed
         return theta
 
     def __repr__(self) -> str:

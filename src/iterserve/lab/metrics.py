@@ -95,7 +95,8 @@ def _served_only(res: SimResult, served: np.ndarray) -> SimResult:
                    preemptions=res.preemptions[served],
                    segments=None if res.segments is None else [res.segments[i] for i in idx],
                    events=None if res.events is None else [res.events[i] for i in idx],
-                   arrival_step=None, refused=None)
+                   arrival_step=None if res.arrival_step is None else res.arrival_step[served],
+                   refused=None)
 
 
 def _slo_block(res: SimResult, arrival_step: np.ndarray,
@@ -135,6 +136,7 @@ def per_request_records(res: SimResult) -> list[dict[str, Any]]:
     last = len(S) - 1
     records = []
     for i, spec in enumerate(res.specs):
+        arrival = spec.arrival if res.arrival_step is None else int(res.arrival_step[i])
         fin = int(res.finish[i])
         ft = int(res.first_token[i])
         events = []
@@ -145,7 +147,7 @@ def per_request_records(res: SimResult) -> list[dict[str, Any]]:
             events.append(e)
         records.append({
             "id": f"req-{spec.index:06d}",
-            "arrival": spec.arrival,
+            "arrival": arrival,
             "first_scheduled": int(res.first_scheduled[i]),
             "first_token": ft,
             "finish": fin,
@@ -153,9 +155,9 @@ def per_request_records(res: SimResult) -> list[dict[str, Any]]:
             "output_len": spec.output_len,
             "long": spec.long,
             "priority": spec.priority,
-            "latency": fin - spec.arrival,
-            "ttft": ft - spec.arrival,
-            "latency_s": float(S[fin] - S[spec.arrival]),
+            "latency": fin - arrival,
+            "ttft": ft - arrival,
+            "latency_s": float(S[fin] - S[arrival]),
             "preemptions": int(res.preemptions[i]),
             "segments": res.segments[i],
             "events": events,
