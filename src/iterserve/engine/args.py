@@ -47,6 +47,9 @@ class EngineArgs:
     max_queued_requests: int = 0
     request_timeout: float | None = None     # seconds from arrival; None: no limit
     queue_timeout: float | None = None       # seconds waiting before admission
+    slo_ttft_ms: float | None = None         # policy slo: default TTFT target
+    slo_tpot_ms: float | None = None         # policy slo: default TPOT target
+    slo_cost_model: str | None = None        # policy slo: step-time seed (file or shipped name)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -88,6 +91,9 @@ class EngineArgs:
             max_queued_requests=self.max_queued_requests,
             request_timeout=self.request_timeout,
             queue_timeout=self.queue_timeout,
+            slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
+            slo_cost_model=self.slo_cost_model,
         ).validate()
 
     def create_cache_config(self, bytes_per_block: int | None = None) -> CacheConfig:
@@ -148,7 +154,7 @@ class EngineArgs:
         g.add_argument("--max-num-partial-prefills", type=int,
                        default=d.max_num_partial_prefills)
         g.add_argument("--scheduling-policy", default=d.scheduling_policy,
-                       choices=["fcfs", "priority"])
+                       choices=["fcfs", "priority", "slo"])
         g.add_argument("--preemption-mode", default=d.preemption_mode,
                        choices=["recompute", "swap"])
         g.add_argument("--batching", default=d.batching, choices=["continuous", "static"])
@@ -159,6 +165,15 @@ class EngineArgs:
                             "finish_reason 'timeout'")
         g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
                        help="seconds a request may wait before admission")
+        g.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
+                       help="--scheduling-policy slo: default time-to-first-token target; a "
+                            "request that cannot meet it is refused with 429 + Retry-After")
+        g.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms,
+                       help="--scheduling-policy slo: default time-per-output-token target; "
+                            "admission holds before a decode would break it")
+        g.add_argument("--slo-cost-model", default=d.slo_cost_model,
+                       help="--scheduling-policy slo: the cost model (JSON file or shipped name, "
+                            "default smollm2-cpu) its online step-time model starts from")
 
         g = parser.add_argument_group("KV cache")
         g.add_argument("--block-size", type=int, default=d.block_size)
