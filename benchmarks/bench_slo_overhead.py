@@ -32,17 +32,19 @@ SLO = {"slo_ttft_ms": 1000.0, "slo_tpot_ms": 100.0}
 
 def _step(s: Scheduler) -> None:
     out = s.schedule()
-    s.update_from_output(out, {c.request.request_id: 1 for c in out.chunks if c.sample})
+    reqs = s.requests
+    s.update_from_output(out, {rid: 1 for rid, n in out.num_scheduled_tokens.items()
+                               if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens})
 
 
 def _config(policy: str, **kw) -> SchedulerConfig:
-    return SchedulerConfig(policy=policy, **(SLO if policy == "slo" else {}), **kw)
+    return SchedulerConfig(scheduling_policy=policy, **(SLO if policy == "slo" else {}), **kw)
 
 
 def decode(policy: str, num_seqs: int, steps: int) -> float:
     s = Scheduler(_config(policy, max_num_seqs=num_seqs,
                           max_num_batched_tokens=max(2048, num_seqs), max_model_len=1 << 20),
-                  CacheConfig(block_size=16, num_blocks=num_seqs * (steps // 16 + 8)))
+                  CacheConfig(block_size=16, num_kv_blocks=num_seqs * (steps // 16 + 8)))
     for i in range(num_seqs):
         s.add_request(Request(f"r{i}", [1 + i % 7] * 16,
                               SamplingParams(max_tokens=steps + 100, ignore_eos=True)))
@@ -59,7 +61,7 @@ def churn(policy: str, steps: int, seed: int = 0) -> float:
     s = Scheduler(_config(policy, max_num_seqs=64, max_num_batched_tokens=2048,
                           max_model_len=4096, long_prefill_token_threshold=512,
                           max_num_partial_prefills=4),
-                  CacheConfig(block_size=16, num_blocks=64 * 40))
+                  CacheConfig(block_size=16, num_kv_blocks=64 * 40))
     n = 0
 
     def top_up() -> None:

@@ -18,10 +18,10 @@ class Clock:
 
 
 def make(clock=None, **kw):
-    cache = {k: kw.pop(k) for k in ("block_size", "num_blocks", "num_swap_blocks",
+    cache = {k: kw.pop(k) for k in ("block_size", "num_kv_blocks", "num_swap_blocks",
                                     "enable_prefix_caching") if k in kw}
     cache.setdefault("block_size", 4)
-    cache.setdefault("num_blocks", 256)
+    cache.setdefault("num_kv_blocks", 256)
     return Scheduler(SchedulerConfig(**kw), CacheConfig(**cache), clock=clock or Clock())
 
 
@@ -35,8 +35,7 @@ def req(rid, prompt_len=1, max_tokens=4, prompt=None, ignore_eos=True, **kw):
 def step(s, token=TOKEN):
     out = s.schedule()
     s.check_consistency()
-    finished = s.update_from_output(
-        out, {c.request.request_id: token for c in out.chunks if c.sample})
+    finished = s.update_from_output(out, {rid: token for rid in sampling(s, out)})
     s.check_consistency()
     return out, finished
 
@@ -46,7 +45,14 @@ def ids(reqs):
 
 
 def scheduled(out):
-    return {c.request.request_id: c.num_tokens for c in out.chunks}
+    return dict(out.num_scheduled_tokens)
+
+
+def sampling(s, out):
+    """Ids whose tokens this step reach their request's end (what an executor samples)."""
+    return [rid for rid, n in out.num_scheduled_tokens.items()
+            if s.get_request(rid) is not None
+            and s.get_request(rid).num_computed_tokens + n >= s.get_request(rid).num_tokens]
 
 
 # --- the lab's timing semantics --------------------------------------------------------------
@@ -57,7 +63,7 @@ def test_one_token_prompt_runs_max_tokens_steps_and_frees_its_slot_the_next_step
     runs = []
     for _ in range(4):
         out, finished = step(s)
-        runs.append((out.step, ids(c.request for c in out.chunks), ids(finished)))
+        runs.append((out.step, list(out.num_scheduled_tokens), ids(finished)))
     assert runs == [(0, ["a"], []), (1, ["a"], []), (2, ["a"], ["a"]), (3, ["b"], ["b"])]
 
 
@@ -87,7 +93,7 @@ def test_token_budget_caps_tokens_scheduled_per_step():
     for k in range(4):
         s.add_request(req(f"r{k}", prompt_len=4))
     out, _ = step(s)
-    assert out.num_batched_tokens == 10 == sum(c.num_tokens for c in out.chunks)
+    assert out.num_batched_tokens == 10 == sum(out.num_scheduled_tokens.values())
     assert scheduled(out) == {"r0": 4, "r1": 4, "r2": 2}
 
 
@@ -96,7 +102,7 @@ def test_max_num_seqs_caps_running_requests():
     for k in range(5):
         s.add_request(req(f"r{k}"))
     out, _ = step(s)
-    assert len(out.chunks) == 3 and s.num_running == 3 and s.num_waiting == 2
+    assert out.num_seqs == 3 and s.num_running == 3 and s.num_waiting == 2
 
 
 def test_running_requests_are_served_before_waiting_ones():
@@ -116,7 +122,7 @@ def test_prompt_as_long_as_max_model_len_is_rejected_precisely():
 
 
 def test_request_that_can_never_fit_in_the_kv_pool_is_rejected():
-    s = make(num_blocks=2, block_size=4)
+    s = make(num_kv_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="need 3 KV blocks.*only 2"):
         s.add_request(req("a", prompt_len=5, max_tokens=5))
     s.add_request(req("fits", prompt_len=5, max_tokens=4))   # 8 tokens computed at most
@@ -187,7 +193,7 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
 
 # --- KV pressure and preemption --------------------------------------------------------------
 def test_admission_only_when_the_requests_blocks_fit():
-    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s = make(num_kv_blocks=4, block_size=4, max_num_batched_tokens=64)
     s.add_request(req("a", prompt_len=12, max_tokens=4))
     s.add_request(req("b", prompt_len=5))
     out, _ = step(s)
@@ -197,12 +203,12 @@ def test_admission_only_when_the_requests_blocks_fit():
 
 def test_kv_pressure_preempts_the_latest_arrived_request_by_recompute():
     clock = Clock()
-    s = make(clock, num_blocks=2, block_size=2, max_num_seqs=2)
+    s = make(clock, num_kv_blocks=2, block_size=2, max_num_seqs=2)
     s.add_request(req("old", prompt_len=2, max_tokens=3, arrival_time=0.0))
     s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
     step(s)                                      # both prefilled, one block each, pool full
     out, _ = step(s)                             # both need a second block
-    assert ids(out.preempted) == ["new"] and scheduled(out) == {"old": 1}
+    assert out.preempted_req_ids == ["new"] and scheduled(out) == {"old": 1}
     new = s.get_request("new")
     assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
     assert new.num_preemptions == 1 and s.stats().num_preemptions == 1
@@ -215,7 +221,7 @@ def test_kv_pressure_preempts_the_latest_arrived_request_by_recompute():
 
 
 def test_recompute_victim_is_requeued_at_the_front_of_the_waiting_queue():
-    s = make(num_blocks=2, block_size=2, max_num_seqs=2)
+    s = make(num_kv_blocks=2, block_size=2, max_num_seqs=2)
     s.add_request(req("old", prompt_len=2, max_tokens=3))
     s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
     step(s)
@@ -225,7 +231,7 @@ def test_recompute_victim_is_requeued_at_the_front_of_the_waiting_queue():
 
 
 def test_victim_already_scheduled_this_step_returns_its_budget():
-    s = make(num_blocks=4, block_size=2, max_num_seqs=2, policy="priority",
+    s = make(num_kv_blocks=4, block_size=2, max_num_seqs=2, scheduling_policy="priority",
              max_num_batched_tokens=8)
     s.add_request(req("lazy", prompt_len=3, max_tokens=4, priority=5, arrival_time=0.0))
     step(s)                                  # lazy: 3 tokens computed, 2 blocks
@@ -235,19 +241,19 @@ def test_victim_already_scheduled_this_step_returns_its_budget():
     # lazy (first in the running list) takes the last block for its 5th token; then urgent
     # needs one for its 3rd: lazy, the less urgent, is preempted after it was scheduled.
     out, _ = step(s)
-    assert ids(out.preempted) == ["lazy"]
+    assert out.preempted_req_ids == ["lazy"]
     assert scheduled(out) == {"urgent": 1}
     assert out.num_batched_tokens == 1
 
 
 def test_swap_preemption_moves_blocks_to_host_and_swaps_back_in_without_recompute():
-    s = make(num_blocks=2, block_size=2, num_swap_blocks=4, preemption_mode="swap",
+    s = make(num_kv_blocks=2, block_size=2, num_swap_blocks=4, preemption_mode="swap",
              max_num_seqs=2)
     s.add_request(req("old", prompt_len=2, max_tokens=3))
     s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
     step(s)
     out, _ = step(s)
-    assert ids(out.swapped_out) == ["new"] and len(out.blocks_to_swap_out) == 1
+    assert out.swapped_out_req_ids == ["new"] and len(out.blocks_to_swap_out) == 1
     host_blocks = [h for _, h in out.blocks_to_swap_out]
     new = s.get_request("new")
     assert new.status is RequestStatus.SWAPPED and new.num_computed_tokens == 2
@@ -255,9 +261,9 @@ def test_swap_preemption_moves_blocks_to_host_and_swaps_back_in_without_recomput
     swapped_in = None
     while s.has_unfinished_requests():
         out, _ = step(s)
-        if out.swapped_in:
+        if out.swapped_in_req_ids:
             swapped_in = out
-    assert ids(swapped_in.swapped_in) == ["new"]
+    assert swapped_in.swapped_in_req_ids == ["new"]
     assert [h for h, _ in swapped_in.blocks_to_swap_in] == host_blocks
     assert scheduled(swapped_in)["new"] == 1          # resumed with a decode, not a prefill
     names = [e.name for e in new.events]
@@ -266,50 +272,50 @@ def test_swap_preemption_moves_blocks_to_host_and_swaps_back_in_without_recomput
 
 
 def test_swap_falls_back_to_recompute_when_swap_space_is_full():
-    s = make(num_blocks=2, block_size=2, num_swap_blocks=0, preemption_mode="swap",
+    s = make(num_kv_blocks=2, block_size=2, num_swap_blocks=0, preemption_mode="swap",
              max_num_seqs=2)
     s.add_request(req("old", prompt_len=2, max_tokens=3))
     s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
     step(s)
     out, _ = step(s)
-    assert ids(out.preempted) == ["new"] and out.swapped_out == []
+    assert out.preempted_req_ids == ["new"] and out.swapped_out_req_ids == []
 
 
 # --- priority policy -------------------------------------------------------------------------
 def test_priority_policy_admits_the_most_urgent_waiting_request_first():
-    s = make(policy="priority", max_num_seqs=1)
+    s = make(scheduling_policy="priority", max_num_seqs=1)
     s.add_request(req("lazy", priority=3, arrival_time=0.0))
     s.add_request(req("urgent", priority=0, arrival_time=1.0))
     assert list(scheduled(step(s)[0])) == ["urgent"]
 
 
 def test_fcfs_policy_ignores_priority():
-    s = make(policy="fcfs", max_num_seqs=1)
+    s = make(scheduling_policy="fcfs", max_num_seqs=1)
     s.add_request(req("lazy", priority=3, arrival_time=0.0))
     s.add_request(req("urgent", priority=0, arrival_time=1.0))
     assert list(scheduled(step(s)[0])) == ["lazy"]
 
 
 def test_priority_urgent_request_preempts_a_less_urgent_one_when_max_num_seqs_is_full():
-    s = make(policy="priority", max_num_seqs=1)
+    s = make(scheduling_policy="priority", max_num_seqs=1)
     s.add_request(req("lazy", priority=3, max_tokens=5))
     step(s)
     s.add_request(req("urgent", priority=0, arrival_time=1.0))
     out, _ = step(s)
-    assert scheduled(out) == {"urgent": 1} and ids(out.preempted) == ["lazy"]
+    assert scheduled(out) == {"urgent": 1} and out.preempted_req_ids == ["lazy"]
 
 
 def test_priority_equal_priority_never_preempts():
-    s = make(policy="priority", max_num_seqs=1)
+    s = make(scheduling_policy="priority", max_num_seqs=1)
     s.add_request(req("first", priority=1, max_tokens=5))
     step(s)
     s.add_request(req("second", priority=1, arrival_time=1.0))
     out, _ = step(s)
-    assert scheduled(out) == {"first": 1} and out.preempted == []
+    assert scheduled(out) == {"first": 1} and out.preempted_req_ids == []
 
 
 def test_priority_preempted_request_keeps_its_place_ahead_of_later_arrivals():
-    s = make(policy="priority", max_num_seqs=1)
+    s = make(scheduling_policy="priority", max_num_seqs=1)
     s.add_request(req("lazy", priority=3, max_tokens=3))
     step(s)
     s.add_request(req("urgent", priority=0, max_tokens=1, arrival_time=1.0))
@@ -339,7 +345,7 @@ def test_finish_reasons_length_eos_stop_token_and_max_model_len():
 @pytest.mark.parametrize("state", ["waiting", "running", "preempted", "swapped"])
 def test_abort_ends_a_request_in_any_state_and_frees_everything(state):
     mode = "swap" if state == "swapped" else "recompute"
-    s = make(num_blocks=2, block_size=2, num_swap_blocks=4, preemption_mode=mode,
+    s = make(num_kv_blocks=2, block_size=2, num_swap_blocks=4, preemption_mode=mode,
              max_num_seqs=2)
     s.add_request(req("old", prompt_len=2, max_tokens=3))
     s.add_request(req("new", prompt_len=2, max_tokens=3, arrival_time=1.0))
@@ -357,7 +363,7 @@ def test_abort_ends_a_request_in_any_state_and_frees_everything(state):
     assert s.get_request(target) is None
     s.check_consistency()
     out, _ = step(s)
-    assert ids(out.finished) == [target]
+    assert out.ended_req_ids == [target]
     while s.has_unfinished_requests():
         step(s)
     assert s.block_manager.num_free_blocks == 2
@@ -380,14 +386,15 @@ def test_finish_request_unknown_id_returns_none():
 def test_request_deadline_times_out_in_any_state():
     clock = Clock()
     s = make(clock, max_num_seqs=1)
-    s.add_request(req("running", max_tokens=50, deadline=2.0))
-    s.add_request(req("waiting", max_tokens=50, deadline=2.0))
+    both = [req("running", max_tokens=50, deadline=2.0), req("waiting", max_tokens=50, deadline=2.0)]
+    for r in both:
+        s.add_request(r)
     step(s)
     clock.t = 2.0
     out, _ = step(s)
-    assert sorted(ids(out.finished)) == ["running", "waiting"]
-    assert all(r.finish_reason is FinishReason.TIMEOUT for r in out.finished)
-    assert out.chunks == [] and not s.has_unfinished_requests()
+    assert sorted(out.ended_req_ids) == ["running", "waiting"] == sorted(out.finished_req_ids)
+    assert all(r.finish_reason is FinishReason.TIMEOUT for r in both)
+    assert out.num_scheduled_tokens == {} and not s.has_unfinished_requests()
 
 
 def test_queue_timeout_applies_only_while_never_admitted():
@@ -398,7 +405,7 @@ def test_queue_timeout_applies_only_while_never_admitted():
     step(s)
     clock.t = 1.5
     out, _ = step(s)
-    assert ids(out.finished) == ["stuck"]
+    assert out.ended_req_ids == ["stuck"]
     assert s.get_request("admitted").status is RequestStatus.RUNNING
 
 
@@ -426,16 +433,18 @@ def test_prefix_cache_hit_skips_the_cached_prompt_blocks():
     prompt = list(range(10, 20))
     s.add_request(req("first", prompt=prompt, max_tokens=1))
     step(s)
-    s.add_request(req("second", prompt=prompt + [1, 2], max_tokens=1))
+    second = req("second", prompt=prompt + [1, 2], max_tokens=1)
+    s.add_request(second)
     out, _ = step(s)
-    (chunk,) = out.chunks
-    assert (chunk.start, chunk.num_tokens) == (8, 4)
-    assert chunk.request.num_cached_tokens == 8
+    (new,) = out.scheduled_new_reqs
+    assert (new.num_computed_tokens, out.num_scheduled_tokens["second"]) == (8, 4)
+    assert len(new.block_ids) == 3          # two shared prefix blocks and one fresh one
+    assert second.num_cached_tokens == 8
     assert s.stats().prefix_cache_hit_rate == pytest.approx(2 / (2 + 2))
 
 
 def test_blocks_of_finished_requests_stay_cached_but_count_as_free():
-    s = make(enable_prefix_caching=True, block_size=2, num_blocks=8)
+    s = make(enable_prefix_caching=True, block_size=2, num_kv_blocks=8)
     s.add_request(req("a", prompt_len=6, max_tokens=1))
     step(s)
     st = s.stats()
@@ -445,7 +454,7 @@ def test_blocks_of_finished_requests_stay_cached_but_count_as_free():
 
 # --- stats and events ------------------------------------------------------------------------
 def test_stats_report_queues_kv_usage_tokens_and_preemptions():
-    s = make(max_num_seqs=1, num_blocks=10, block_size=4)
+    s = make(max_num_seqs=1, num_kv_blocks=10, block_size=4)
     s.add_request(req("a", prompt_len=5, max_tokens=3))
     s.add_request(req("b"))
     step(s)
@@ -469,7 +478,7 @@ def test_events_record_lifecycle_transitions_but_nothing_per_decode_step():
 
 def test_skip_idle_steps_advances_the_step_only_when_nothing_is_unfinished():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
-                      CacheConfig(block_size=4, num_blocks=8))
+                      CacheConfig(block_size=4, num_kv_blocks=8))
     sched.skip_idle_steps(5)
     assert sched.schedule().step == 5
     sched.add_request(Request("a", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True)))
@@ -477,3 +486,92 @@ def test_skip_idle_steps_advances_the_step_only_when_nothing_is_unfinished():
         sched.skip_idle_steps(1)
     with pytest.raises(ValueError):
         sched.skip_idle_steps(-1)
+
+
+# --- the data-only seam and the production checks --------------------------------------------
+def test_output_is_data_new_requests_once_then_diffs_and_whole_again_after_recompute():
+    s = make(num_kv_blocks=2, block_size=2, max_num_seqs=2)
+    s.add_request(req("old", max_tokens=3))
+    out, _ = step(s)
+    (new,) = out.scheduled_new_reqs
+    assert (new.req_id, new.num_computed_tokens, new.output_token_ids) == ("old", 0, [])
+    assert len(new.block_ids) == 1 and out.scheduled_cached_reqs == []
+    s.add_request(req("new", max_tokens=4, arrival_time=1.0))
+    out, _ = step(s)                  # old decodes within its block: an empty diff
+    assert [(c.req_id, c.new_block_ids, c.num_computed_tokens) for c in
+            out.scheduled_cached_reqs] == [("old", (), 1)]
+    out, _ = step(s)                  # both need a second block; the pool has none: new goes
+    assert out.preempted_req_ids == ["new"]
+    (c,) = out.scheduled_cached_reqs
+    assert c.req_id == "old" and len(c.new_block_ids) == 1
+    for _ in range(3):
+        out, _ = step(s)
+        if out.scheduled_new_reqs:
+            break
+    (again,) = out.scheduled_new_reqs  # resumed after recompute: everything, outputs too
+    assert again.req_id == "new" and again.output_token_ids == [TOKEN]
+    assert out.finished_req_ids == ["old"] and out.ended_req_ids == []
+
+
+def test_a_swapped_in_request_comes_back_as_a_resumed_diff_with_its_whole_table():
+    s = make(num_kv_blocks=2, block_size=2, num_swap_blocks=4, preemption_mode="swap",
+             max_num_seqs=2)
+    s.add_request(req("old", max_tokens=3))
+    step(s)
+    s.add_request(req("new", max_tokens=4, arrival_time=1.0))
+    step(s)
+    out, _ = step(s)
+    assert out.swapped_out_req_ids == ["new"]
+    while not out.swapped_in_req_ids:
+        out, _ = step(s)
+    (c,) = [c for c in out.scheduled_cached_reqs if c.req_id == "new"]
+    assert c.resumed_from_preemption
+    assert list(c.new_block_ids) == s.block_manager.block_table("new")
+
+
+def test_consistency_violations_name_the_request_with_a_corrupted_block_table():
+    s = make(num_kv_blocks=8, block_size=2)
+    s.add_request(req("good", prompt_len=3))
+    s.add_request(req("bad", prompt_len=3))
+    step(s)
+    assert s.consistency_violations() == []
+    bm = s.block_manager
+    bm.tables["bad"][0] = bm.tables["good"][0]       # two owners, ref counts now wrong
+    bad = s.consistency_violations()
+    assert bad and any(rid == "bad" for rid, _ in bad)
+    bm.tables["bad"].append(99)                      # a block outside the pool
+    assert ("bad", "block table names block 99, outside the pool of 8") in \
+        s.consistency_violations()
+    with pytest.raises(AssertionError, match="bad"):
+        s.check_consistency()
+
+
+def test_consistency_violations_report_a_lost_request():
+    s = make()
+    s.add_request(req("a"))
+    s.waiting.remove(s.get_request("a"))
+    assert s.consistency_violations() == [("a", "unfinished but in no queue (lost)")]
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty",
+                                  "frequency_penalty", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_sampling_floats_are_rejected_by_name(name, value):
+    from iterserve.core.request import SamplingParamsError
+    with pytest.raises(SamplingParamsError, match=name) as e:
+        SamplingParams(**{name: value}).validate()
+    assert e.value.param == name
+    s = make()
+    with pytest.raises(SamplingParamsError):
+        s.add_request(Request("x", [1], SamplingParams(**{name: value})))
+    assert not s.has_unfinished_requests()
+
+
+def test_end_of_step_asserts_catch_more_running_than_max_num_seqs():
+    s = make(max_num_seqs=2)
+    s.add_request(req("a", max_tokens=5))
+    s.add_request(req("b", max_tokens=5))
+    step(s)
+    s.config.max_num_seqs = 1                    # the books broken behind its back
+    with pytest.raises(AssertionError, match="max_num_seqs is 1"):
+        s.schedule()

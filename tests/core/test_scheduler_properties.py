@@ -5,7 +5,8 @@ chunked prefill, tiny block pools, tiny budgets) and a script of per-step action
 with random prompts from a 3-token vocabulary so prefixes repeat, aborts, clock jumps past
 deadlines). The driver runs the scheduler with a fake executor and asserts after every step:
 the token budget and max_num_seqs hold, every chunk starts at the request's computed
-tokens, no block is owned twice and ref counts match owners (check_consistency), static
+tokens, the block tables a data-only executor rebuilds from the SchedulerOutputs (new
+requests once, then diffs) equal the block manager's own, no block is owned twice and ref counts match owners (check_consistency), static
 batching never admits into a live group; and at the end that every request ended with
 exactly its max_tokens (ignore_eos) or with the abort/timeout it was given, and that every
 block is free again (cached blocks count as free).
@@ -39,7 +40,7 @@ def configs(draw):
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 2, 5])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
-        policy=draw(st.sampled_from(["fcfs", "priority", "slo"])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority", "slo"])),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
         preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
         max_queued_requests=draw(st.sampled_from([0, 0, 3])),
@@ -51,7 +52,7 @@ def configs(draw):
     )
     cache = CacheConfig(
         block_size=draw(st.integers(1, 4)),
-        num_blocks=draw(st.integers(2, 10)),
+        num_kv_blocks=draw(st.integers(2, 10)),
         num_swap_blocks=draw(st.sampled_from([0, 3, 12])),
         enable_prefix_caching=draw(st.booleans()),
     )
@@ -77,6 +78,7 @@ def run(sched_cfg, cache_cfg, script):
     aborted: set[str] = set()
     group: set[str] = set()               # static: members admitted since the group formed
     group_live: set[str] = set()          # ... and not finished yet
+    held: dict[str, list[int]] = {}       # block tables as an executor rebuilds them
     max_steps = 4000
     k = 0
     while k < max_steps:
@@ -94,7 +96,7 @@ def run(sched_cfg, cache_cfg, script):
                 except ValueError:
                     too_long = len(prompt) >= sched_cfg.max_model_len
                     final = min(len(prompt) + max_tokens, sched_cfg.max_model_len)
-                    too_big = -(-(final - 1) // cache_cfg.block_size) > cache_cfg.num_blocks
+                    too_big = -(-(final - 1) // cache_cfg.block_size) > cache_cfg.num_kv_blocks
                     assert too_long or too_big, "a request that fits was rejected"
                     continue
                 accepted.append(r)
@@ -111,34 +113,57 @@ def run(sched_cfg, cache_cfg, script):
         before = {r.request_id: r.num_computed_tokens for r in s.running}
         out = s.schedule()
         s.check_consistency()
-        assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
+        sched_tokens = out.num_scheduled_tokens
+        assert out.num_batched_tokens == sum(sched_tokens.values())
         assert out.num_batched_tokens <= sched_cfg.max_num_batched_tokens
-        assert len(out.chunks) <= sched_cfg.max_num_seqs
+        assert len(sched_tokens) <= sched_cfg.max_num_seqs
         assert s.num_running <= sched_cfg.max_num_seqs
-        assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
-        for c in out.chunks:
-            r = c.request
-            assert c.num_tokens >= 1 and c.start == r.num_computed_tokens
-            assert c.start + c.num_tokens <= r.num_tokens
-            if r.request_id in before:
-                assert c.start == before[r.request_id]
-            assert len(c.block_ids) * cache_cfg.block_size >= c.start + c.num_tokens
+        # The executor's side of the seam: state from data only.
+        for rid in out.finished_req_ids + out.preempted_req_ids:
+            held.pop(rid, None)
+        for d in out.scheduled_new_reqs:
+            r = s.get_request(d.req_id)
+            assert d.req_id not in held, "a held request was sent whole again"
+            assert d.prompt_token_ids + d.output_token_ids == r.all_token_ids
+            held[d.req_id] = list(d.block_ids)
+        for d in out.scheduled_cached_reqs:
+            assert d.req_id in held, f"a diff for {d.req_id}, which the executor never got"
+            if d.resumed_from_preemption:
+                held[d.req_id] = list(d.new_block_ids)
+            else:
+                held[d.req_id].extend(d.new_block_ids)
+        data = out.scheduled_new_reqs + out.scheduled_cached_reqs
+        assert sorted(d.req_id for d in data) == sorted(sched_tokens)
+        for d in data:
+            rid, n = d.req_id, sched_tokens[d.req_id]
+            r = s.get_request(rid)
+            assert n >= 1 and d.num_computed_tokens == r.num_computed_tokens
+            assert d.num_computed_tokens + n <= r.num_tokens
+            if rid in before:
+                assert d.num_computed_tokens == before[rid]
+            assert held[rid] == s.block_manager.block_table(rid)
+            assert len(held[rid]) * cache_cfg.block_size >= d.num_computed_tokens + n
         if sched_cfg.batching == "static":
             # A group forms only when every earlier member has finished, and never grows past
             # max_num_seqs (no refill of freed slots while the group runs).
-            group_live.difference_update(r.request_id for r in out.finished)
+            group_live.difference_update(out.ended_req_ids)
             if not group_live:
                 group.clear()
-            newly = {c.request.request_id for c in out.chunks
-                     if len(c.request.events) >= 2 and c.request.events[-2].name == "scheduled"
-                     and c.request.events[-2].step == out.step}
+            newly = {rid for rid in sched_tokens
+                     if len(s.get_request(rid).events) >= 2
+                     and s.get_request(rid).events[-2].name == "scheduled"
+                     and s.get_request(rid).events[-2].step == out.step}
             group |= newly
             group_live |= newly
             assert len(group) <= sched_cfg.max_num_seqs, "static refilled a live group"
-        sampled = {c.request.request_id: 1 + (k + c.start) % 3 for c in out.chunks if c.sample}
+        sampled = {}
+        for d in data:
+            r = s.get_request(d.req_id)
+            if d.num_computed_tokens + sched_tokens[d.req_id] >= r.num_tokens:
+                sampled[d.req_id] = 1 + (k + d.num_computed_tokens) % 3
         finished = s.update_from_output(out, sampled)
         s.check_consistency()
-        for r in finished + out.finished:
+        for r in finished:
             group_live.discard(r.request_id)
         clock.t += 0.25
         k += 1
@@ -147,7 +172,12 @@ def run(sched_cfg, cache_cfg, script):
     bm = s.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     assert bm.num_free_host_blocks == bm.num_swap_blocks, "swap blocks leaked"
-    assert not bm.tables and not bm.host_tables
+    assert not bm.device_owners() and all(bm.num_host_blocks(r.request_id) is None
+                                          for r in accepted)
+    out = s.schedule()                    # the last finishes reach the executor
+    for rid in out.finished_req_ids:
+        held.pop(rid, None)
+    assert not held, f"the executor was never told that {sorted(held)} finished"
     for r in accepted:
         assert r.status is RequestStatus.FINISHED
         if r.finish_reason is FinishReason.ABORT:
@@ -180,8 +210,8 @@ def test_every_request_gets_exactly_max_tokens_under_heavy_kv_pressure(
         policy, mode, caching, reqs):
     """A pool barely larger than one request forces constant preemption; nothing is lost."""
     sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32,
-                            policy=policy, preemption_mode=mode)
-    cache = CacheConfig(block_size=2, num_blocks=8, num_swap_blocks=6,
+                            scheduling_policy=policy, preemption_mode=mode)
+    cache = CacheConfig(block_size=2, num_kv_blocks=8, num_swap_blocks=6,
                         enable_prefix_caching=caching)
     script = [[("arrive", [1] * p, m, i % 3, None)] for i, (p, m) in enumerate(reqs)]
     s = run(sched, cache, script)

@@ -17,10 +17,20 @@ from iterserve.core.step_time import StepTimeModel
 COST = dict(c0=0.010, c_tok=0.0, c_seq=0.002, c_kv=0.0, c_prefill_tok=0.001)
 
 
-def step_seconds(out):
-    prefill = sum(c.num_tokens for c in out.chunks
-                  if c.num_tokens > 1 or c.start < c.request.num_prompt_tokens)
-    return COST["c0"] + COST["c_seq"] * len(out.chunks) + COST["c_prefill_tok"] * prefill
+def step_seconds(s, out):
+    """The fake executor's step time (read before update_from_output advances the requests)."""
+    prefill = 0
+    for rid, n in out.num_scheduled_tokens.items():
+        r = s.requests[rid]
+        if n > 1 or r.num_computed_tokens < r.num_prompt_tokens:
+            prefill += n
+    return (COST["c0"] + COST["c_seq"] * len(out.num_scheduled_tokens)
+            + COST["c_prefill_tok"] * prefill)
+
+
+def sampled(s, out):
+    return {rid: 2 for rid, n in out.num_scheduled_tokens.items()
+            if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens}
 
 
 class Engine:
@@ -29,8 +39,8 @@ class Engine:
         cfg.setdefault("max_num_seqs", 64)
         cfg.setdefault("max_num_batched_tokens", 512)
         cfg.setdefault("max_model_len", 1024)
-        self.s = Scheduler(SchedulerConfig(policy="slo", **cfg),
-                           CacheConfig(block_size=16, num_blocks=4096), clock=lambda: self.t)
+        self.s = Scheduler(SchedulerConfig(scheduling_policy="slo", **cfg),
+                           CacheConfig(block_size=16, num_kv_blocks=4096), clock=lambda: self.t)
         self.s.slo.model = StepTimeModel(COST)
         self.order: list[str] = []
 
@@ -41,15 +51,20 @@ class Engine:
         return r
 
     def step(self):
-        out = self.s.schedule()
-        self.s.check_consistency()
-        for c in out.chunks:
-            if c.request.first_scheduled_time == self.t and c.request.request_id not in self.order:
-                self.order.append(c.request.request_id)
-        self.t += step_seconds(out) if out.chunks else 0.01
-        done = self.s.update_from_output(out, {c.request.request_id: 2 for c in out.chunks
-                                               if c.sample})
-        self.s.check_consistency()
+        s = self.s
+        out = s.schedule()
+        s.check_consistency()
+        for d in out.scheduled_new_reqs:
+            if d.req_id not in self.order:
+                self.order.append(d.req_id)
+        self.last_step_s = step_seconds(s, out) if out.num_scheduled_tokens else 0.01
+        self.decode_only = all(n == 1 and s.requests[rid].num_computed_tokens
+                               >= s.requests[rid].num_prompt_tokens
+                               for rid, n in out.num_scheduled_tokens.items())
+        tokens = sampled(s, out)
+        self.t += self.last_step_s
+        done = s.update_from_output(out, tokens)
+        s.check_consistency()
         return out, done
 
     def drain(self, limit=100_000):
@@ -62,11 +77,11 @@ class Engine:
 
 def test_config():
     with pytest.raises(ConfigError):
-        SchedulerConfig(policy="slo", slo_ttft_ms=0).validate()
+        SchedulerConfig(scheduling_policy="slo", slo_ttft_ms=0).validate()
     with pytest.raises(ConfigError):
-        SchedulerConfig(policy="slo", slo_tpot_ms=float("nan")).validate()
+        SchedulerConfig(scheduling_policy="slo", slo_tpot_ms=float("nan")).validate()
     with pytest.raises(ConfigError):
-        SchedulerConfig(policy="edf").validate()
+        SchedulerConfig(scheduling_policy="edf").validate()
     e = Engine(slo_ttft_ms=500.0, slo_tpot_ms=80.0)
     r = e.add("a")
     assert (r.ttft_slo_ms, r.tpot_slo_ms) == (500.0, 80.0)        # defaults from the config
@@ -158,8 +173,8 @@ def test_tpot_hold_caps_the_batch_below_the_target():
     while e.s.has_unfinished_requests():
         out, _ = e.step()
         peak = max(peak, e.s.num_running)
-        if out.chunks and all(not c.is_prefill for c in out.chunks):
-            gaps.append(step_seconds(out))
+        if out.num_scheduled_tokens and e.decode_only:
+            gaps.append(e.last_step_s)
     assert peak == 12
     assert max(gaps) <= 0.040
     assert e.s.slo.num_held_steps > 0

@@ -26,6 +26,8 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 
+from iterserve.core.errors import WorkloadError  # the one workload error (lab and bench)
+
 # Single tokens (with a leading space) in SmolLM2's tokenizer; common English, so they are
 # single tokens in most BPE vocabularies too (GPT-2, Llama-3 style).
 WORDS: tuple[str, ...] = tuple("""
@@ -45,10 +47,6 @@ FIRST_WORDS: tuple[str, ...] = ("Tell", "Write")
 
 DEFAULT_SEED = 0
 DEFAULT_POISSON_RATE = 2.0   # requests/s when `poisson` is asked for without a rate
-
-
-class WorkloadError(ValueError):
-    """A workload name or parameter that cannot be built; the message says which."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,11 @@
 
 No tensors live here. A block is an index into the executor's KV tensors; this module only
 decides which request owns which block. Each request has a block table (list of block ids,
-position i holds tokens [i*block_size, (i+1)*block_size)); the scheduler hands that very list
-to the executor in every ScheduledChunk, so tables are never copied per step (executors must
-treat them as read-only).
+position i holds tokens [i*block_size, (i+1)*block_size)). The tables are this module's
+own: the scheduler never reads them. It sees an allocation's result as a `KVCacheBlocks`
+value (vLLM v1's idea: the blocks it added, or None when they do not fit) and passes those
+ids on to the executors as data, so nothing is aliased and nothing is copied per decode step
+that needs no new block.
 
 Prefix caching (vLLM's "automatic prefix caching"): once a block is full of computed tokens
 it is registered under a key `(parent block hash, its tokens)`; the hash of that key is the
@@ -24,6 +26,7 @@ reverse. The copies themselves are the executor's job: these methods return the
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from iterserve.core.request import Request
 
@@ -36,6 +39,21 @@ class NoFreeBlocksError(RuntimeError):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """The block manager's answer to the scheduler: block ids, as an immutable value.
+
+    From `allocate_slots`, the blocks the allocation appended to the request's table (empty
+    on the common decode step whose last block still has room); from `get_blocks`, the whole
+    table. Always truthy, so `if not bm.allocate_slots(...)` reads "did not fit" (None).
+    """
+
+    block_ids: tuple[int, ...] = ()
+
+
+NO_NEW_BLOCKS = KVCacheBlocks()
 
 
 class BlockManager:
@@ -96,7 +114,27 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self.tables.get(request_id, [])
+        """A copy of the request's device table (tests, checks)."""
+        return list(self.tables.get(request_id, ()))
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's whole device table as a value (a swapped-in request's new table)."""
+        return KVCacheBlocks(tuple(self.tables.get(request_id, ())))
+
+    def holds_device_blocks(self, request_id: str) -> bool:
+        return request_id in self.tables
+
+    def num_device_blocks(self, request_id: str) -> int:
+        return len(self.tables.get(request_id, ()))
+
+    def num_host_blocks(self, request_id: str) -> int | None:
+        """Host blocks of a swapped-out request (None: it has no host table)."""
+        host = self.host_tables.get(request_id)
+        return None if host is None else len(host)
+
+    def device_owners(self) -> set[str]:
+        """Ids of the requests holding device blocks (consistency checks)."""
+        return set(self.tables)
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      cached_blocks: list[int] | tuple = ()) -> bool:
@@ -187,10 +225,11 @@ class BlockManager:
         return block
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] | tuple = ()) -> bool:
-        """Give `request` blocks for `num_new_tokens` more tokens; False (and no change) if
-        they do not fit. `cached_blocks` are prefix-cache hits claimed first (admission only:
-        the caller then advances num_computed_tokens by len(cached_blocks) * block_size)."""
+                       cached_blocks: list[int] | tuple = ()) -> KVCacheBlocks | None:
+        """Give `request` blocks for `num_new_tokens` more tokens: the blocks added (possibly
+        none), or None (and no change) if they do not fit. `cached_blocks` are prefix-cache
+        hits claimed first (admission only: the caller then advances num_computed_tokens by
+        len(cached_blocks) * block_size); they are part of the returned blocks."""
         rid = request.request_id
         table = self.tables.get(rid)
         bs = self.block_size
@@ -198,14 +237,16 @@ class BlockManager:
             # Hot path (decode): usually the last block still has room.
             need = cdiv(request.num_computed_tokens + num_new_tokens, bs) - len(table)
             if need <= 0:
-                return True
+                return NO_NEW_BLOCKS
             if need > len(self._free_plain) + len(self._free_cached):
-                return False
+                return None
+            have = len(table)
         else:
             if self._blocks_needed(request, num_new_tokens, cached_blocks) < 0:
-                return False
+                return None
             if table is None:
                 table = self.tables[rid] = []
+            have = len(table)
             ref = self.ref_cnt
             free_cached = self._free_cached
             for block in cached_blocks:
@@ -220,7 +261,7 @@ class BlockManager:
                         bs) - len(table)
         for _ in range(need):
             table.append(self._take_free_block())
-        return True
+        return KVCacheBlocks(tuple(table[have:])) if len(table) > have else NO_NEW_BLOCKS
 
     def note_cache_query(self, request: Request) -> None:
         """Count the blocks a first admission looked up (for the prefix-cache hit rate)."""
@@ -313,35 +354,63 @@ class BlockManager:
             self._host_release.clear()
 
     # --- checks ---------------------------------------------------------------------------
-    def check_consistency(self) -> None:
-        """Raise AssertionError if the books do not balance (used by tests after every step).
+    def consistency_violations(self) -> list[tuple[str | None, str]]:
+        """Every way the books do not balance, as (request id or None, message).
 
         Each block's ref count equals the number of tables holding it; no table holds a block
-        twice; a block shared by several tables is a registered prefix block; a block is in
-        exactly one of {in use, free plain, free cached}; host blocks are owned at most once.
+        twice or a block outside the pool; a block shared by several tables is a registered
+        prefix block; a block is in exactly one of {in use, free plain, free cached}; host
+        blocks are owned at most once. O(blocks + table entries).
         """
-        owners = [0] * self.num_blocks
+        bad: list[tuple[str | None, str]] = []
+        n = self.num_blocks
+        owners = [0] * n
+        holders: dict[int, list[str]] = {}
         for rid, table in self.tables.items():
-            assert len(set(table)) == len(table), f"{rid} holds a block twice: {table}"
+            if len(set(table)) != len(table):
+                bad.append((rid, f"holds a block twice: {table}"))
             for b in table:
+                if not (isinstance(b, int) and 0 <= b < n):
+                    bad.append((rid, f"block table names block {b!r}, outside the pool of {n}"))
+                    continue
                 owners[b] += 1
+                holders.setdefault(b, []).append(rid)
         plain = set(self._free_plain)
-        assert len(plain) == len(self._free_plain), "a block is twice in the free list"
-        for b in range(self.num_blocks):
-            assert self.ref_cnt[b] == owners[b], (
-                f"block {b}: ref count {self.ref_cnt[b]} but {owners[b]} owners")
-            if owners[b] > 1:
-                assert b in self._block_key, f"block {b} is shared but not a cached prefix block"
-            in_plain, in_cached = b in plain, b in self._free_cached
+        if len(plain) != len(self._free_plain):
+            bad.append((None, "a block is twice in the free list"))
+        ref, block_key, free_cached = self.ref_cnt, self._block_key, self._free_cached
+        for b in range(n):
+            rids = holders.get(b) or [None]
+            if ref[b] != owners[b]:
+                bad += [(rid, f"block {b}: ref count {ref[b]} but {owners[b]} owners")
+                        for rid in rids]
+            if owners[b] > 1 and b not in block_key:
+                bad += [(rid, f"block {b} is shared but not a cached prefix block")
+                        for rid in rids]
+            in_plain, in_cached = b in plain, b in free_cached
             if owners[b]:
-                assert not in_plain and not in_cached, f"block {b} is in use and free"
-            else:
-                assert in_plain != in_cached, f"free block {b} is in {in_plain + in_cached} lists"
-            if in_cached:
-                assert b in self._block_key, f"evictable block {b} has no cache key"
+                if in_plain or in_cached:
+                    bad += [(rid, f"block {b} is in use and free") for rid in rids]
+            elif in_plain == in_cached:
+                bad.append((None, f"free block {b} is in {in_plain + in_cached} free lists"))
+            if in_cached and b not in block_key:
+                bad.append((None, f"evictable block {b} has no cache key"))
         for key, b in self._cached.items():
-            assert self._block_key.get(b) == key, f"cache maps {key} to {b} but not back"
+            if block_key.get(b) != key:
+                bad.append((None, f"cache maps a key to block {b} but not back"))
         host_owned = [b for t in self.host_tables.values() for b in t]
         everything = host_owned + self._free_host + self._host_release
-        assert sorted(everything) == list(range(self.num_swap_blocks)), (
-            "host blocks are lost or owned twice")
+        if sorted(everything) != list(range(self.num_swap_blocks)):
+            seen: set[int] = set()
+            for rid, t in self.host_tables.items():
+                if any(b in seen for b in t):
+                    bad.append((rid, "owns a host block another request owns"))
+                seen.update(t)
+            bad.append((None, "host blocks are lost or owned twice"))
+        return bad
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError listing every violation (used by tests after every step)."""
+        bad = self.consistency_violations()
+        if bad:
+            raise AssertionError("; ".join(f"{rid}: {msg}" if rid else msg for rid, msg in bad))

@@ -1,87 +1,205 @@
-"""Scheduler and KV-cache knobs as small dataclasses (vLLM's names where one exists).
+"""The one definition of the scheduler and KV-cache knobs (vLLM's names).
 
-The same objects configure the real engine (CLI flags of `iterserve serve`) and the lab.
+Each knob is a dataclass field whose metadata (`Knob`) holds its help text, CLI flag,
+bounds and, for choices, an Enum. Everything else is derived from these fields, so a knob
+is written once:
+
+- `validate()` checks every field against its metadata, then the rules between fields;
+- `engine/args.py` generates the scheduler / KV-cache flags of `iterserve serve` from them
+  (`add_knob_arguments`), and builds the configs by field name (nano-vllm's `fields(Config)`);
+- the lab's options (`lab/options.py`) are a pydantic model whose scheduler fields are made
+  from the same metadata (`pydantic_field_specs`), so the lab, its CLI and its page have
+  every knob under the same name with the same bounds.
+
+The one cross-knob rule that used to be handled three ways: without chunked prefill a whole
+prompt must fit in one step, so the token budget must cover max_model_len. As in vLLM, a
+budget that was not given (None) is raised to max_model_len; an explicit one that is too
+small is a ConfigError naming the knob.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Iterator
 
 
 class ConfigError(ValueError):
-    """A knob has a value that cannot work; the message names the knob."""
+    """A knob has a value that cannot work; the message names the knob (`knob` holds it)."""
+
+    def __init__(self, message: str, knob: str | None = None):
+        super().__init__(message)
+        self.knob = knob
+
+
+class SchedulingPolicy(enum.StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+    SLO = "slo"            # core/slo_policy.py: admit by TTFT / TPOT targets
+
+
+class Batching(enum.StrEnum):
+    CONTINUOUS = "continuous"
+    STATIC = "static"
+
+
+class PreemptionMode(enum.StrEnum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """Metadata of one knob: enough to validate it, document it and make a flag for it."""
+
+    help: str
+    kind: type                        # int, float, bool, or an Enum class
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False   # minimum itself is not allowed (timeouts: > 0)
+    nullable: bool = False            # None is a value (no limit / derived)
+    flag: str | None = None           # CLI flag; default --name-with-dashes
+    group: str = "scheduler"          # CLI argument group: "scheduler" or "KV cache"
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        if isinstance(self.kind, type) and issubclass(self.kind, enum.Enum):
+            return tuple(m.value for m in self.kind)
+        return None
+
+    def bounds_text(self) -> str:
+        parts = []
+        if self.minimum is not None:
+            parts.append(f"{'>' if self.exclusive_minimum else '>='} {self.minimum:g}")
+        if self.maximum is not None:
+            parts.append(f"<= {self.maximum:g}")
+        return ", ".join(parts)
+
+
+def knob(default: Any, help: str, kind: type, **meta: Any) -> Any:
+    """A dataclass field carrying its Knob metadata."""
+    return field(default=default, metadata={"knob": Knob(help=help, kind=kind, **meta)})
+
+
+def knob_fields(cls: type) -> Iterator[tuple[str, Any, Knob]]:
+    """(name, default, Knob) for every knob of a config class, in declaration order."""
+    for f in fields(cls):
+        k = f.metadata.get("knob")
+        if k is not None:
+            yield f.name, (None if f.default is MISSING else f.default), k
+
+
+def check_knob(name: str, value: Any, k: Knob) -> Any:
+    """`value` checked (and coerced: str -> Enum, int -> float) against `k`; ConfigError
+    naming the knob otherwise."""
+    if value is None:
+        if k.nullable:
+            return None
+        raise ConfigError(f"{name} must be set", name)
+    if isinstance(k.kind, type) and issubclass(k.kind, enum.Enum):
+        try:
+            return k.kind(value)
+        except ValueError:
+            raise ConfigError(
+                f"{name} must be one of {', '.join(k.choices)}; got {value!r}", name) from None
+    if k.kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}", name)
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}", name)
+    if k.kind is int:
+        if not isinstance(value, int):
+            raise ConfigError(f"{name} must be an integer, got {value!r}", name)
+    else:
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}", name)
+        value = float(value)
+    lo, hi = k.minimum, k.maximum
+    if lo is not None and (value < lo or (k.exclusive_minimum and value == lo)):
+        raise ConfigError(f"{name} must be {'greater than' if k.exclusive_minimum else 'at least'}"
+                          f" {lo:g}, got {value:g}", name)
+    if hi is not None and value > hi:
+        raise ConfigError(f"{name} must be at most {hi:g}, got {value:g}", name)
+    return value
+
+
+def _check_fields(obj: Any) -> None:
+    for name, _, k in knob_fields(type(obj)):
+        setattr(obj, name, check_knob(name, getattr(obj, name), k))
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16                 # tokens per KV block
-    num_blocks: int = 1024               # device (GPU/CPU) pool
-    num_swap_blocks: int = 0             # host pool for preemption by swap
-    enable_prefix_caching: bool = False
+    block_size: int = knob(16, "tokens per KV block", int, minimum=1, group="KV cache")
+    num_kv_blocks: int = knob(1024, "device KV blocks", int, minimum=1, group="KV cache")
+    num_swap_blocks: int = knob(0, "host KV blocks for preemption by swap", int, minimum=0,
+                                group="KV cache")
+    enable_prefix_caching: bool = knob(False, "share the KV blocks of common prompt prefixes",
+                                       bool, group="KV cache")
 
     def validate(self) -> "CacheConfig":
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be at least 1, got {self.block_size}")
-        if self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be at least 1, got {self.num_blocks}")
-        if self.num_swap_blocks < 0:
-            raise ConfigError(f"num_swap_blocks must be non-negative, got {self.num_swap_blocks}")
+        _check_fields(self)
         return self
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64               # sequences in one step
-    max_num_batched_tokens: int = 512    # token budget of one step
-    max_model_len: int = 2048            # prompt + output tokens of one request
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0   # cap on one request's prefill chunk (0 = none)
-    max_num_partial_prefills: int = 1       # prompts mid-prefill at once
-    policy: str = "fcfs"                 # fcfs | priority | slo
-    batching: str = "continuous"         # continuous | static
-    preemption_mode: str = "recompute"   # recompute | swap
-    max_queued_requests: int = 0         # waiting-queue bound (0 = unbounded)
-    request_timeout: float | None = None  # default per-request deadline, seconds from arrival
-    queue_timeout: float | None = None    # default limit on time spent waiting before admission
-    # --- policy "slo" (core/slo_policy.py): default per-request targets, and the cost
-    # model (file or shipped name) its online step-time model starts from.
-    slo_ttft_ms: float | None = None      # time to first token target (None: no target)
-    slo_tpot_ms: float | None = None      # time per output token target (None: no target)
-    slo_cost_model: str | None = None     # None: the shipped "smollm2-cpu"
+    max_num_seqs: int = knob(64, "sequences per step", int, minimum=1)
+    max_num_batched_tokens: int | None = knob(
+        None, "token budget per step (without chunked prefill at least max_model_len)", int,
+        minimum=1, nullable=True)
+    max_model_len: int = knob(2048, "prompt + output tokens per request", int, minimum=2)
+    enable_chunked_prefill: bool = knob(True, "split long prompts over several steps", bool)
+    long_prefill_token_threshold: int = knob(
+        0, "cap on one request's prefill chunk (0: none)", int, minimum=0)
+    max_num_partial_prefills: int = knob(1, "prompts mid-prefill at once", int, minimum=1)
+    scheduling_policy: SchedulingPolicy = knob(
+        SchedulingPolicy.FCFS, "queue order (priority: lower value first, may preempt)",
+        SchedulingPolicy)
+    batching: Batching = knob(Batching.CONTINUOUS,
+                              "continuous, or static (a whole batch runs to completion)", Batching)
+    preemption_mode: PreemptionMode = knob(
+        PreemptionMode.RECOMPUTE, "what happens to a request evicted for KV room", PreemptionMode)
+    max_queued_requests: int = knob(
+        0, "bound on the waiting queue; beyond it requests get 503 (0: none)", int, minimum=0)
+    request_timeout: float | None = knob(
+        None, "seconds from arrival after which a request ends with finish_reason 'timeout'",
+        float, minimum=0, exclusive_minimum=True, nullable=True)
+    queue_timeout: float | None = knob(
+        None, "seconds a request may wait before admission", float, minimum=0,
+        exclusive_minimum=True, nullable=True)
+    # --- scheduling_policy "slo" (core/slo_policy.py) -----------------------------------
+    slo_ttft_ms: float | None = knob(
+        None, "scheduling_policy slo: default time-to-first-token target (ms); a request "
+        "that cannot meet it is refused early (429 + Retry-After)", float, minimum=0,
+        exclusive_minimum=True, nullable=True)
+    slo_tpot_ms: float | None = knob(
+        None, "scheduling_policy slo: default time-per-output-token target (ms); admission "
+        "holds before one more decode would break it", float, minimum=0,
+        exclusive_minimum=True, nullable=True)
+    # Not a knob (a path or a shipped name, not a number): the cost model the slo policy's
+    # online step-time model starts from; None = the shipped "smollm2-cpu".
+    slo_cost_model: str | None = None
 
-    def validate(self) -> "SchedulerConfig":
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+    def validate(self, default_max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+                 ) -> "SchedulerConfig":
+        """Check every knob, then resolve the budget (None: the caller's default, raised to
+        max_model_len without chunked prefill). Idempotent."""
+        _check_fields(self)
+        if self.max_num_batched_tokens is None:
+            budget = default_max_num_batched_tokens
+            if not self.enable_chunked_prefill:
+                budget = max(budget, self.max_model_len)
+            self.max_num_batched_tokens = budget
+        elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                "without chunked prefill max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}), "
-                "or a long prompt could never be scheduled")
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold must be non-negative")
-        if self.max_num_partial_prefills < 1:
-            raise ConfigError("max_num_partial_prefills must be at least 1")
-        if self.policy not in ("fcfs", "priority", "slo"):
-            raise ConfigError(
-                f"policy must be 'fcfs', 'priority' or 'slo', got {self.policy!r}")
-        if self.batching not in ("continuous", "static"):
-            raise ConfigError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ConfigError(
-                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.max_queued_requests < 0:
-            raise ConfigError("max_queued_requests must be non-negative")
-        for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            v = getattr(self, name)
-            if v is not None and not 0 < v < float("inf"):
-                raise ConfigError(f"{name} must be a positive finite number, got {v}")
-        for name in ("request_timeout", "queue_timeout"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ConfigError(f"{name} must be positive, got {v}")
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) without chunked prefill, or a long "
+                "prompt could never be scheduled; raise it, leave it unset or turn chunked "
+                "prefill on", "max_num_batched_tokens")
         return self

@@ -14,7 +14,8 @@ the lab's Chrome trace both read this list).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -74,6 +75,12 @@ class SamplingParams:
         def bad(msg: str, param: str) -> None:
             raise SamplingParamsError(msg, param)
 
+        # NaN passes every range check below (all comparisons are false) and inf slips
+        # through the one-sided ones, so non-finite floats are refused first, by name.
+        for f in _FLOAT_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, float) and not math.isfinite(v):
+                bad(f"{f} must be a finite number, got {v}", f)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
@@ -97,6 +104,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings", "stop")
         return self
+
+
+_FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type in ("float", float))
 
 
 @dataclass(slots=True)

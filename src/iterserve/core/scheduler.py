@@ -24,23 +24,30 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
 of up to `max_num_seqs` waiting requests when nothing runs, is preempted or swapped, and
 admits nothing else until every member has finished.
 
-Per-step cost is O(running requests) with small constants: block tables are passed by
-reference, nothing is recorded per decode step, queues are a deque or a heap with lazy
+What the executors get is data (scheduler_output.py): a request the executor does not hold
+comes once whole, then only as per-step diffs (new block ids, where its tokens start). The
+block manager answers allocations with the blocks it added (`KVCacheBlocks`); the scheduler
+never reads its tables. `schedule()` ends with cheap asserts (token budget, max_num_seqs).
+
+Per-step cost is O(running requests) with small constants: a decode that needs no new block
+copies nothing, nothing is recorded per decode step, queues are a deque or a heap with lazy
 removal, and timeouts sit in a heap keyed by time.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from iterserve.core.block_manager import BlockManager, cdiv
-from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.config import (
+    Batching, CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy)
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.request_queue import FCFSQueue, PriorityQueue, make_queue
-from iterserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from iterserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -73,25 +80,30 @@ class Scheduler:
         self.cache_config = cache_config.validate()
         self.clock = clock
         self.block_manager = BlockManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.num_swap_blocks,
+            cache_config.num_kv_blocks, cache_config.block_size, cache_config.num_swap_blocks,
             cache_config.enable_prefix_caching)
         self.step = 0
         self.requests: dict[str, Request] = {}          # every unfinished request
         self.running: list[Request] = []                # admission order
+        self._priority = config.scheduling_policy is SchedulingPolicy.PRIORITY
         # The `slo` policy (core/slo_policy.py) owns its waiting queue; its hooks are the
         # `if self.slo is not None` lines below (add_request, schedule, update_from_output).
         self.slo = None
-        if config.policy == "slo":
+        if config.scheduling_policy is SchedulingPolicy.SLO:
             from iterserve.core.slo_policy import SloPolicy
 
             self.slo = SloPolicy(self)
             self.waiting = self.slo.queue
         else:
-            self.waiting = make_queue(config.policy)
-        self.swapped = PriorityQueue(use_priority=config.policy == "priority")
-        self._priority = config.policy == "priority"
-        self._static = config.batching == "static"
-        self._swap = config.preemption_mode == "swap"
+            self.waiting = make_queue(config.scheduling_policy.value)
+        self.swapped = PriorityQueue(use_priority=self._priority)
+        self._static = config.batching is Batching.STATIC
+        self._swap = config.preemption_mode is PreemptionMode.SWAP
+        self._chunked = config.enable_chunked_prefill
+        self._threshold = config.long_prefill_token_threshold
+        # Requests whose state the executors hold (sent as NewRequestData and not finished
+        # or preempted by recompute since): a swapped-in one of these comes back as a diff.
+        self._sent: set[str] = set()
         # Static batching: members of the current group not yet admitted (or requeued after
         # preemption), and the ids of all unfinished members.
         self._group = FCFSQueue()
@@ -99,7 +111,8 @@ class Scheduler:
         # (time, seq, is_queue_deadline, request): checked at the start of schedule().
         self._timeouts: list[tuple[float, int, bool, Request]] = []
         self._timeout_seq = 0
-        self._ended: list[Request] = []     # ended by abort/timeout, for the next output
+        self._ended: list[str] = []          # ended by finish_request, for the next output
+        self._finished: list[str] = []       # every request finished since the last output
         self._last_batched = 0
         self._last_preemptions = 0
         self._preemptions_total = 0
@@ -186,7 +199,7 @@ class Scheduler:
             self._group.remove(request)
         self.block_manager.free(request)
         self._finish(request, reason, self.clock())
-        self._ended.append(request)
+        self._ended.append(request_id)
         return request
 
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
@@ -194,6 +207,8 @@ class Scheduler:
         request.finish_reason = reason
         request.finished_time = now
         request.record("finished", now, self.step, reason=reason.value)
+        self._finished.append(request.request_id)
+        self._sent.discard(request.request_id)
         if self._static:
             self._group_ids.discard(request.request_id)
 
@@ -209,7 +224,7 @@ class Scheduler:
 
     # --- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks. Call once per step, then update_from_output()."""
+        """Pick this step's tokens. Call once per step, then update_from_output()."""
         cfg = self.config
         bm = self.block_manager
         now = self.clock()
@@ -220,17 +235,20 @@ class Scheduler:
             slo.step_started()
         if self._timeouts and self._timeouts[0][0] <= now:
             self._expire_timeouts(now)
+        if self._finished:
+            out.finished_req_ids = self._finished
+            self._finished = []
         if self._ended:
-            out.finished = self._ended
+            out.ended_req_ids = self._ended
             self._ended = []
 
         budget = cfg.max_num_batched_tokens
-        chunked = cfg.enable_chunked_prefill
-        threshold = cfg.long_prefill_token_threshold
-        chunks: dict[str, ScheduledChunk] = {}
-        tables = bm.tables
+        clamp = self._clamp
+        num_sched = out.num_scheduled_tokens          # filled in scheduling order
+        cached: dict[str, CachedRequestData] = {}
+        new: dict[str, NewRequestData] = {}
         running = self.running
-        block_size = bm.block_size
+        allocate = bm.allocate_slots
         num_preempted = 0
         num_partial = 0       # requests that will still be mid-prefill after this step
 
@@ -241,33 +259,25 @@ class Scheduler:
             start = req.num_computed_tokens
             num_tokens = len(req.all_token_ids)      # (properties cost ~2x on this path)
             n = num_tokens - start
-            if chunked:
-                if n > 1:
-                    if threshold and n > threshold:
-                        n = threshold
-                    if n > budget:
-                        n = budget
-            elif n > budget:
-                i += 1                      # a whole recompute that does not fit this step
-                continue
-            rid = req.request_id
-            table = tables.get(rid)
-            scheduled = True
-            # Inline fast path: most decode steps need no new block.
-            while (table is None or start + n > len(table) * block_size) and \
-                    not bm.allocate_slots(req, n):
+            if n > 1:
+                n = clamp(n, budget)
+                if not n:
+                    i += 1                  # a whole recompute that does not fit this step
+                    continue
+            while (blocks := allocate(req, n)) is None:
                 victim = self._pick_victim(running)
                 idx = running.index(victim)
                 if idx < i:
                     i -= 1
-                budget += self._preempt(victim, idx, out, chunks)
+                budget += self._preempt(victim, idx, out, new, cached)
                 num_preempted += 1
                 if victim is req:
-                    scheduled = False
                     break
-            if not scheduled:
+            if blocks is None:
                 continue                    # running[i] is now the next request
-            chunks[rid] = ScheduledChunk(req, start, n, tables[rid])
+            rid = req.request_id
+            num_sched[rid] = n
+            cached[rid] = CachedRequestData(rid, blocks.block_ids, start)
             budget -= n
             if start + n < num_tokens:          # still mid-prefill after this step
                 num_partial += 1
@@ -285,28 +295,26 @@ class Scheduler:
                 if req is None:
                     break
                 start = req.num_computed_tokens
-                n = req.num_tokens - start
-                if chunked:
-                    if n > 1:
-                        if threshold and n > threshold:
-                            n = threshold
-                        if n > budget:
-                            n = budget
-                elif n > budget:
-                    break
-                if not bm.can_swap_in(req, n):
+                n = clamp(req.num_tokens - start, budget)
+                if not n or not bm.can_swap_in(req, n):
                     break
                 self.swapped.pop()
                 out.blocks_to_swap_in.extend(bm.swap_in(req))
-                ok = bm.allocate_slots(req, n)
-                assert ok, "swap-in fit check and allocation disagree"
+                ok = allocate(req, n)
+                assert ok is not None, "swap-in fit check and allocation disagree"
                 req.status = _RUNNING
                 running.append(req)
-                out.swapped_in.append(req)
-                swapped_in_now.add(req.request_id)
+                rid = req.request_id
+                out.swapped_in_req_ids.append(rid)
+                swapped_in_now.add(rid)
                 req.record("swapped_in", now, step)
                 req.record("resumed", now, step)
-                chunks[req.request_id] = ScheduledChunk(req, start, n, tables[req.request_id])
+                num_sched[rid] = n
+                table = bm.get_blocks(rid).block_ids
+                if rid in self._sent:
+                    cached[rid] = CachedRequestData(rid, table, start, True)
+                else:                       # swapped out the step it was admitted
+                    new[rid] = self._new_data(req, table)
                 budget -= n
                 if start + n < req.num_tokens:
                     num_partial += 1
@@ -323,8 +331,8 @@ class Scheduler:
             bs = bm.block_size
             while budget > 0:
                 req = source.peek()
-                if req is None or req.status is RequestStatus.PREEMPTED and any(
-                        r is req for r in out.preempted):
+                if req is None or req.status is RequestStatus.PREEMPTED and \
+                        req.request_id in out.preempted_req_ids:
                     break                   # never re-admit a victim of this very step
                 if self.swapped:
                     head = self.swapped.peek()
@@ -334,30 +342,24 @@ class Scheduler:
                     break                   # one more decode would break a TPOT target
                 if len(running) >= max_seqs:
                     if preempt_for_urgent and self._preempt_less_urgent(
-                            req, running, out, chunks, swapped_in_now):
-                        budget, num_partial = self._recount(chunks, cfg)
+                            req, running, out, new, cached, swapped_in_now):
+                        budget, num_partial = self._recount(num_sched)
                         num_preempted += 1
                         continue
                     break
                 hits = bm.find_cached_blocks(req)
                 num_hit = len(hits) * bs
-                n = req.num_tokens - num_hit
-                if chunked:
-                    if threshold and n > threshold:
-                        n = threshold
-                    if n > budget:
-                        n = budget
-                    partial = num_hit + n < req.num_tokens
-                    if partial and num_partial >= cfg.max_num_partial_prefills:
-                        break
-                elif n > budget:
+                n = clamp(req.num_tokens - num_hit, budget)
+                if not n:
                     break
-                else:
-                    partial = False
-                if not bm.allocate_slots(req, n, hits):
+                partial = num_hit + n < req.num_tokens
+                if partial and num_partial >= cfg.max_num_partial_prefills:
+                    break
+                blocks = allocate(req, n, hits)
+                if blocks is None:
                     if preempt_for_urgent and self._preempt_less_urgent(
-                            req, running, out, chunks, swapped_in_now):
-                        budget, num_partial = self._recount(chunks, cfg)
+                            req, running, out, new, cached, swapped_in_now):
+                        budget, num_partial = self._recount(num_sched)
                         num_preempted += 1
                         continue
                     break
@@ -372,15 +374,26 @@ class Scheduler:
                     req.record("scheduled", now, step, num_cached_tokens=num_hit)
                 else:
                     req.record("resumed", now, step, num_cached_tokens=num_hit)
-                chunks[req.request_id] = ScheduledChunk(req, num_hit, n, tables[req.request_id])
+                rid = req.request_id
+                num_sched[rid] = n
+                # The table was empty: the blocks added are all of it (hits included).
+                new[rid] = self._new_data(req, blocks.block_ids)
                 req.record("prefill_chunk", now, step, start=num_hit, num_tokens=n)
                 budget -= n
                 if partial:
                     num_partial += 1
 
         bm.end_step()
-        out.chunks = list(chunks.values())
+        if new:
+            out.scheduled_new_reqs = list(new.values())
+            self._sent.update(new)
+        out.scheduled_cached_reqs = list(cached.values())
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        # Cheap end-of-step checks (vLLM v1 does the same): a broken invariant here would
+        # otherwise surface far away, as a wrong token or a leaked block.
+        assert budget >= 0, f"step {step} overran the token budget by {-budget}"
+        assert len(num_sched) <= max_seqs and len(running) <= max_seqs, (
+            f"step {step} runs {len(running)} requests, max_num_seqs is {max_seqs}")
         self._last_batched = out.num_batched_tokens
         self._last_preemptions = num_preempted
         self._preemptions_total += num_preempted
@@ -388,15 +401,40 @@ class Scheduler:
             slo.scheduled(out)
         return out
 
+    def _clamp(self, n: int, budget: int) -> int:
+        """Tokens of an n-token remainder to compute this step; 0 when it must wait.
+
+        With chunked prefill: at most long_prefill_token_threshold (if set) and the budget
+        left. Without it a remainder runs whole or not at all (the budget covers
+        max_model_len, so it fits in some step).
+        """
+        if self._chunked:
+            if n > 1:
+                t = self._threshold
+                if t and n > t:
+                    n = t
+                if n > budget:
+                    n = budget
+            return n
+        return n if n <= budget else 0
+
     @staticmethod
-    def _recount(chunks: dict[str, ScheduledChunk], cfg: SchedulerConfig) -> tuple[int, int]:
-        """Budget left and partial prefills after a victim's chunk was withdrawn (rare)."""
+    def _new_data(req: Request, block_ids: tuple[int, ...]) -> NewRequestData:
+        return NewRequestData(req.request_id, list(req.prompt_token_ids), req.sampling_params,
+                              block_ids, req.num_computed_tokens, list(req.output_token_ids))
+
+    def _recount(self, num_sched: dict[str, int]) -> tuple[int, int]:
+        """Budget left and partial prefills after a victim's tokens were withdrawn (rare).
+
+        A scheduled request's num_computed_tokens is still where its tokens start."""
         used = partial = 0
-        for c in chunks.values():
-            used += c.num_tokens
-            if c.start + c.num_tokens < c.request.num_tokens:
+        requests = self.requests
+        for rid, n in num_sched.items():
+            used += n
+            r = requests[rid]
+            if r.num_computed_tokens + n < r.num_tokens:
                 partial += 1
-        return cfg.max_num_batched_tokens - used, partial
+        return self.config.max_num_batched_tokens - used, partial
 
     def _form_group(self) -> None:
         """Static batching: take the next group of up to max_num_seqs waiting requests."""
@@ -416,7 +454,7 @@ class Scheduler:
         return max(running, key=self._victim_key)
 
     def _preempt_less_urgent(self, req: Request, running: list[Request], out: SchedulerOutput,
-                             chunks: dict[str, ScheduledChunk], exclude: set[str]) -> bool:
+                             new: dict, cached: dict, exclude: set[str]) -> bool:
         """Priority policy: preempt the least urgent running request if it is strictly less
         urgent than `req`. Requests swapped in this very step are not candidates (their
         swap-in copy and a swap-out copy would race in the executor)."""
@@ -426,34 +464,39 @@ class Scheduler:
         victim = max(candidates, key=self._victim_key)
         if victim.priority <= req.priority:
             return False
-        self._preempt(victim, running.index(victim), out, chunks)
+        self._preempt(victim, running.index(victim), out, new, cached)
         return True
 
-    def _preempt(self, victim: Request, idx: int, out: SchedulerOutput,
-                 chunks: dict[str, ScheduledChunk]) -> int:
+    def _preempt(self, victim: Request, idx: int, out: SchedulerOutput, new: dict,
+                 cached: dict) -> int:
         """Evict running[idx] (== victim); returns the tokens it had been given this step."""
         del self.running[idx]
-        chunk = chunks.pop(victim.request_id, None)
+        rid = victim.request_id
+        given = out.num_scheduled_tokens.pop(rid, 0)
+        new.pop(rid, None)
+        cached.pop(rid, None)
         victim.num_preemptions += 1
         bm = self.block_manager
         now = self.clock()
         if self._swap and bm.can_swap_out(victim):
             mapping = bm.swap_out(victim)
             out.blocks_to_swap_out.extend(mapping)
-            out.swapped_out.append(victim)
+            out.swapped_out_req_ids.append(rid)
             victim.status = RequestStatus.SWAPPED
             self.swapped.push(victim)
             victim.record("preempted", now, self.step, mode="swap")
             victim.record("swapped_out", now, self.step, num_blocks=len(mapping))
         else:
-            # Recompute (also the fallback when swap space is full or absent).
+            # Recompute (also the fallback when swap space is full or absent): the executors
+            # drop the request and get it whole again when it is re-admitted.
             bm.free_device(victim)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
             (self._group if self._static else self.waiting).push_front(victim)
-            out.preempted.append(victim)
+            out.preempted_req_ids.append(rid)
+            self._sent.discard(rid)
             victim.record("preempted", now, self.step, mode="recompute")
-        return chunk.num_tokens if chunk is not None else 0
+        return given
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: Mapping[str, int]) -> list[Request]:
@@ -465,24 +508,25 @@ class Scheduler:
         bm = self.block_manager
         caching = bm.enable_prefix_caching
         max_len = self.config.max_model_len
+        requests = self.requests
         finished: list[Request] = []
-        for chunk in output.chunks:
-            req = chunk.request
-            if req.status is not _RUNNING:
+        for rid, n in output.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING:
                 continue                    # ended by finish_request after schedule()
-            computed = chunk.start + chunk.num_tokens
+            start = req.num_computed_tokens
+            computed = start + n
             req.num_computed_tokens = computed
             if caching:
                 bm.cache_full_blocks(req)
             all_tokens = req.all_token_ids
             if computed < len(all_tokens):
                 continue                    # a prefill chunk that did not reach the end
-            rid = req.request_id
             token = sampled.get(rid)
             if token is None:
                 raise ValueError(
                     f"the executor returned no token for request {rid!r}, whose chunk "
-                    f"[{chunk.start}, {computed}) reached its last token")
+                    f"[{start}, {computed}) reached its last token")
             # Request.append_output_token, inlined: this loop runs for every decode.
             outputs = req.output_token_ids
             outputs.append(token)
@@ -500,7 +544,7 @@ class Scheduler:
                 reason = FinishReason.STOP
             else:
                 continue
-            del self.requests[rid]
+            del requests[rid]
             bm.free(req)
             self._finish(req, reason, now)
             finished.append(req)
@@ -560,25 +604,56 @@ class Scheduler:
                                    if bm.num_cache_queries else 0.0),
         )
 
-    def check_consistency(self) -> None:
-        """Raise AssertionError if the scheduler's and the block manager's books disagree."""
+    def consistency_violations(self) -> list[tuple[str | None, str]]:
+        """Every disagreement between the scheduler's and the block manager's books, as
+        (offending request id or None, message); [] when they balance.
+
+        O(requests + blocks), cheap enough for production to run when the engine is idle
+        (LLMEngine.check_health) or after every step under a debug flag.
+        """
         bm = self.block_manager
-        bm.check_consistency()
+        bad: list[tuple[str | None, str]] = list(bm.consistency_violations())
         running_ids = [r.request_id for r in self.running]
-        assert len(set(running_ids)) == len(running_ids), "a request runs twice"
-        assert len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs"
+        if len(self.running) > self.config.max_num_seqs:
+            bad.append((None, f"{len(self.running)} running, more than max_num_seqs="
+                              f"{self.config.max_num_seqs}"))
         waiting = list(self.waiting) + list(self._group)
         swapped = list(self.swapped)
-        ids = running_ids + [r.request_id for r in waiting] + [r.request_id for r in swapped]
-        assert sorted(ids) == sorted(self.requests), "requests lost or queued twice"
+        queued = running_ids + [r.request_id for r in waiting] + [r.request_id for r in swapped]
+        known = set(self.requests)
+        for rid in sorted(known - set(queued)):
+            bad.append((rid, "unfinished but in no queue (lost)"))
+        for rid in sorted(set(queued) - known):
+            bad.append((rid, "queued but not an unfinished request"))
+        counts = collections.Counter(queued)
+        bad += [(rid, f"queued {c} times") for rid, c in counts.items() if c > 1]
+        bs = bm.block_size
         for r in self.running:
-            assert r.status is _RUNNING and r.request_id in bm.tables, r
-            assert len(bm.tables[r.request_id]) >= cdiv(r.num_computed_tokens, bm.block_size)
+            rid = r.request_id
+            if r.status is not _RUNNING:
+                bad.append((rid, f"in the running list with status {r.status.value}"))
+            if not bm.holds_device_blocks(rid):
+                bad.append((rid, "running without a block table"))
+            elif bm.num_device_blocks(rid) < cdiv(r.num_computed_tokens, bs):
+                bad.append((rid, f"{bm.num_device_blocks(rid)} blocks cannot hold its "
+                                 f"{r.num_computed_tokens} computed tokens"))
         for r in waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
-            assert r.request_id not in bm.tables and r.num_computed_tokens == 0, r
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                bad.append((r.request_id, f"waiting with status {r.status.value}"))
+            if bm.holds_device_blocks(r.request_id) or r.num_computed_tokens:
+                bad.append((r.request_id, "waiting but holds blocks or computed tokens"))
         for r in swapped:
-            assert r.status is RequestStatus.SWAPPED and r.request_id not in bm.tables, r
-            assert len(bm.host_tables[r.request_id]) == cdiv(r.num_computed_tokens,
-                                                            bm.block_size), r
-        assert set(bm.tables) == set(running_ids), "blocks held by a request not running"
+            if r.status is not RequestStatus.SWAPPED or bm.holds_device_blocks(r.request_id):
+                bad.append((r.request_id, "swapped but not SWAPPED or holds device blocks"))
+            elif bm.num_host_blocks(r.request_id) != cdiv(r.num_computed_tokens, bs):
+                bad.append((r.request_id, f"{bm.num_host_blocks(r.request_id)} host blocks for "
+                                          f"{r.num_computed_tokens} computed tokens"))
+        for rid in sorted(bm.device_owners() - set(running_ids)):
+            bad.append((rid, "holds device blocks but is not running"))
+        return bad
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError listing every violation (tests call this after each step)."""
+        bad = self.consistency_violations()
+        if bad:
+            raise AssertionError("; ".join(f"{rid}: {msg}" if rid else msg for rid, msg in bad))

@@ -1,62 +1,107 @@
-"""What one scheduler step hands to an executor (the model runner or the lab's simulator).
+"""What one scheduler step hands to an executor (the model runner, the lab, calibration).
 
-This is the whole contract between the torch-free core and the executors: an executor reads
-each ScheduledChunk, computes `num_tokens` tokens of that request starting at position
-`start` (their K/V go into the slots named by `block_ids`), and, where `sample` is true,
-samples the request's next token. It returns one SampleResult per sampling chunk, and the
-scheduler's `update_from_output` appends them.
+This is the whole contract between the torch-free core and the executors, and it is plain
+data (vLLM v1's NewRequestData / CachedRequestData): no live `Request`, no list aliased to
+the block manager's tables, so an executor could live in another process (tensor-parallel
+ranks, replicas) and receive it as a message.
+
+- A request the executor has not seen, or must rebuild, comes once as `NewRequestData`:
+  its id, prompt, outputs so far (non-empty only when it is resumed after a recompute
+  preemption), sampling params, whole block table and computed tokens.
+- Every later step it comes as `CachedRequestData`: only the new block ids (appended to
+  the executor's table; the whole new table when `resumed_from_preemption`, i.e. after a
+  swap-in) and where this step's tokens start.
+- `num_scheduled_tokens` says how many tokens each scheduled request computes this step,
+  in scheduling order. The executor computes tokens [num_computed_tokens, + n) from its own
+  copy of the request's tokens; when that reaches the last token it knows, it samples one
+  more and appends it to its copy (the scheduler appends the same token in
+  `update_from_output`).
+- `finished_req_ids`: every request finished since the previous step (any reason); the
+  executor drops its state for them. `ended_req_ids` is the subset ended by
+  `Scheduler.finish_request` (abort, timeout, stop string, error) rather than by a sampled
+  token: the engine reports those. `preempted_req_ids` (recompute: the request will come
+  back as new data) and `swapped_out_req_ids` / `swapped_in_req_ids` are informational.
+- Swap copies (`blocks_to_swap_out/in`) are done before the forward pass.
+
+One SampleResult per sampling request comes back through `Scheduler.update_from_output`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
-from iterserve.core.request import Request
+from iterserve.core.request import SamplingParams
 
 
 @dataclass(slots=True)
-class ScheduledChunk:
-    request: Request
-    start: int               # == request.num_computed_tokens when scheduled
-    num_tokens: int          # tokens to compute this step (a prefill chunk, or 1 to decode)
-    block_ids: list[int]     # the request's whole block table on the device pool
+class NewRequestData:
+    """A request sent whole: first admission, or re-admission after recompute preemption."""
 
-    @property
-    def sample(self) -> bool:
-        """True when this chunk reaches the last known token, so a new token is sampled."""
-        return self.start + self.num_tokens >= self.request.num_tokens
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]        # the whole device block table
+    num_computed_tokens: int          # where this step's tokens start (prefix-cache hits)
+    output_token_ids: list[int] = field(default_factory=list)   # resumed: outputs so far
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_tokens]
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_tokens > 1 or self.start < self.request.num_prompt_tokens
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the executor already holds: this step's diff."""
+
+    req_id: str
+    new_block_ids: tuple[int, ...]    # appended to the table (replace it when resumed)
+    num_computed_tokens: int          # where this step's tokens start
+    resumed_from_preemption: bool = False   # swapped back in: new_block_ids is the table
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     step: int
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)      # evicted by recompute this step
-    swapped_out: list[Request] = field(default_factory=list)    # evicted by swap this step
-    swapped_in: list[Request] = field(default_factory=list)     # resumed from swap this step
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # Tokens each scheduled request computes this step, in scheduling order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_batched_tokens: int = 0       # == sum(num_scheduled_tokens.values())
+    finished_req_ids: list[str] = field(default_factory=list)
+    ended_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)     # by recompute this step
+    swapped_out_req_ids: list[str] = field(default_factory=list)   # by swap this step
+    swapped_in_req_ids: list[str] = field(default_factory=list)    # resumed from swap
     # Block copies the executor must do before the forward pass: (device, host) / (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Requests that ended outside a forward pass this step (abort, timeout): executors may
-    # drop per-request state (sampler generators, ...) they keep for them.
-    finished: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """True when there is nothing for an executor to do (no tokens, copies or state to
+        drop): the engine then skips the executor call."""
+        return not (self.num_scheduled_tokens or self.blocks_to_swap_in
+                    or self.blocks_to_swap_out or self.finished_req_ids
+                    or self.preempted_req_ids)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.chunks)
+        return len(self.num_scheduled_tokens)
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempted_req_ids) + len(self.swapped_out_req_ids)
+
+
+class SamplingRow(Protocol):
+    """What a sampler reads of one row: the executor's own per-request state, never the
+    scheduler's live Request (penalties see prompt + outputs, seeds the output count)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
 
 
 @dataclass(slots=True)

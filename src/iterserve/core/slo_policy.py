@@ -294,20 +294,22 @@ class SloPolicy:
     def scheduled(self, out: SchedulerOutput) -> None:
         """End of schedule(): remember the step's shape to time it in `step_done`.
 
-        The shape costs a pass over the chunks; in big batches (> BIG_BATCH sequences) only
+        The shape costs a pass over the scheduled requests; in big batches (> BIG_BATCH sequences) only
         every SAMPLE_EVERY-th step is measured (their shapes change slowly)."""
         self._saturated = bool(self.queue)
-        chunks = out.chunks
-        if len(chunks) > BIG_BATCH and out.step % SAMPLE_EVERY:
+        scheduled = out.num_scheduled_tokens
+        if len(scheduled) > BIG_BATCH and out.step % SAMPLE_EVERY:
             self._features = None
             return
+        requests = self.scheduler.requests
         kv = prefill = 0
-        for ch in chunks:
-            n = ch.num_tokens
-            kv += ch.start + n
-            if n > 1 or ch.start < len(ch.request.prompt_token_ids):
+        for rid, n in scheduled.items():
+            req = requests[rid]
+            start = req.num_computed_tokens      # not advanced until update_from_output
+            kv += start + n
+            if n > 1 or start < len(req.prompt_token_ids):
                 prefill += n
-        self._features = (out.num_batched_tokens, len(chunks), kv, prefill)
+        self._features = (out.num_batched_tokens, len(scheduled), kv, prefill)
 
     def step_done(self) -> None:
         """update_from_output(): the executor has run; fold its measured time in."""

@@ -16,11 +16,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from iterserve.core.errors import WorkloadError
+
 MAX_LENGTH = 100_000      # one request's output or prompt length (keeps the lab interactive)
-
-
-class WorkloadError(ValueError):
-    """A workload description that cannot be drawn or read; the message says what and where."""
 
 
 @dataclass(frozen=True, slots=True)
