@@ -7,6 +7,8 @@ after every step.
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
 from iterserve.core.request import Request, RequestStatus, SamplingParams
@@ -199,3 +201,34 @@ def test_the_step_time_model_learns_from_the_executor():
     e.drain()
     pred = e.s.slo.model.predict(20, 20, 0, 0)
     assert pred == pytest.approx(COST["c0"] + 20 * COST["c_seq"], rel=0.1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 40),
+                          st.sampled_from([None, 50.0, 300.0, 5000.0]),
+                          st.sampled_from([None, 14.0, 30.0]), st.integers(0, 3)),
+                min_size=1, max_size=40),
+       st.sampled_from(["recompute", "swap"]), st.integers(1, 8))
+def test_random_overload_keeps_the_books_and_drains(reqs, mode, max_seqs):
+    """Arrivals faster than service, mixed targets, a small KV pool (preemption): every step
+    is consistent, refused requests hold nothing, accepted ones finish with max_tokens."""
+    e = Engine(max_num_seqs=max_seqs, preemption_mode=mode, max_model_len=400)
+    e.s = Scheduler(e.s.config, CacheConfig(block_size=16, num_kv_blocks=40,
+                                            num_swap_blocks=40), clock=lambda: e.t)
+    e.s.slo.model = StepTimeModel(COST)
+    accepted = []
+    for i, (prompt, out_len, ttft, tpot, gap) in enumerate(reqs):
+        try:
+            accepted.append(e.add(f"q{i}", prompt_len=prompt, max_tokens=out_len,
+                                  ttft_slo_ms=ttft, tpot_slo_ms=tpot))
+        except SLOUnattainableError as err:
+            assert err.retry_after_s is None or err.retry_after_s > 0
+            assert e.s.get_request(f"q{i}") is None
+        for _ in range(gap):
+            e.step()
+    e.drain()
+    bm = e.s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tables and not bm.host_tables
+    for r in accepted:
+        assert r.status is RequestStatus.FINISHED
+        assert r.num_output_tokens == r.sampling_params.max_tokens
