@@ -64,7 +64,7 @@ class SimSettings:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=self.chunked_prefill,
-            policy=self.policy,
+            scheduling_policy=self.policy,
             batching=self.batching,
             preemption_mode=self.preemption_mode,
             slo_ttft_ms=self.slo_ttft_ms,
@@ -74,7 +74,7 @@ class SimSettings:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
             block_size=self.block_size,
-            num_blocks=self.num_kv_blocks,
+            num_kv_blocks=self.num_kv_blocks,
             # Swap needs a host pool; as large as the device pool, so swap never fails for room.
             num_swap_blocks=self.num_kv_blocks if self.preemption_mode == "swap" else 0,
             enable_prefix_caching=False,
@@ -234,8 +234,10 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 f"the scheduler numbered step {out.step} where the lab expected {step}: "
                 "schedule() must number its steps 0, 1, 2, ... one per call")
 
-        if out.preempted or out.swapped_out:
-            for req in (*out.preempted, *out.swapped_out):
+        requests = sched.requests
+        if out.preempted_req_ids or out.swapped_out_req_ids:
+            for req in (requests[rid] for rid in (*out.preempted_req_ids,
+                                                   *out.swapped_out_req_ids)):
                 tr: _Track = req.user_data
                 tr.preemptions += 1
                 if not tr.evicted:
@@ -248,7 +250,10 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                     heapq.heappush(free_slots, tr.slot)
                     tr.slot = -1
 
-        chunks = out.chunks
+        # (request, start, num_tokens) per scheduled request: the plain-data output names
+        # requests by id; start is where the request's computed tokens stand before the step.
+        chunks = [(requests[rid], requests[rid].num_computed_tokens, nt)
+                  for rid, nt in out.num_scheduled_tokens.items()]
         sampled: dict[str, int] = {}
         tokens = kv_read = prefill = 0
         if not record:
@@ -257,28 +262,24 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 raise SimulationError(
                     f"step {step}: the scheduler ran {len(chunks)} requests, more than "
                     f"max_num_seqs={settings.slots}")
-            for ch in chunks:
-                req = ch.request
-                nt = ch.num_tokens
-                end = ch.start + nt
+            for req, start, nt in chunks:
+                end = start + nt
                 tokens += nt
                 kv_read += end
                 if end >= len(req.all_token_ids):
                     sampled[req.request_id] = sampled_token
             if count_prefill:
-                prefill = sum(ch.num_tokens for ch in chunks if ch.num_tokens > 1 or (
-                    not prefill_ignored and ch.start < len(ch.request.prompt_token_ids)))
+                prefill = sum(nt for req, start, nt in chunks if nt > 1 or (
+                    not prefill_ignored and start < len(req.prompt_token_ids)))
         else:
-            for ch in chunks:
-                req = ch.request
-                nt = ch.num_tokens
-                end = ch.start + nt
+            for req, start, nt in chunks:
+                end = start + nt
                 tokens += nt
                 kv_read += end
                 if end >= len(req.all_token_ids):
                     sampled[req.request_id] = sampled_token
                 is_prefill = nt > 1 or (not prefill_ignored
-                                        and ch.start < len(req.prompt_token_ids))
+                                        and start < len(req.prompt_token_ids))
                 if is_prefill:
                     prefill += nt
                 tr = req.user_data
