@@ -69,6 +69,11 @@ class Engine:
         s.check_consistency()
         return out, done
 
+    def warm(self):
+        """Serve a little so the policy has measured steps (it refuses nothing before)."""
+        self.add("warm", max_tokens=30)
+        self.drain()
+
     def drain(self, limit=100_000):
         for _ in range(limit):
             if not self.s.has_unfinished_requests():
@@ -120,8 +125,16 @@ def test_a_request_past_its_slack_waits_behind_on_time_ones():
     assert e.s.get_request("late") is None   # served, not dropped
 
 
+def test_a_fresh_engine_refuses_nothing_until_it_has_measured_steps():
+    """The seed may come from another machine: no refusal on its word alone."""
+    e = Engine()
+    e.add("huge", prompt_len=900, ttft_slo_ms=100.0)
+    e.drain()
+
+
 def test_refuses_a_prompt_that_cannot_make_its_ttft_even_on_an_idle_engine():
     e = Engine()
+    e.warm()
     with pytest.raises(SLOUnattainableError) as exc:
         e.add("huge", prompt_len=900, ttft_slo_ms=100.0)      # ~0.9 s of prefill alone
     err = exc.value
@@ -157,6 +170,7 @@ def test_refuses_early_at_capacity_with_a_retry_after():
 
 def test_rejected_event_and_no_leak():
     e = Engine()
+    e.warm()
     r = Request("x", [1] * 900, SamplingParams(max_tokens=4), ttft_slo_ms=50.0)
     with pytest.raises(SLOUnattainableError):
         e.s.add_request(r)

@@ -49,6 +49,7 @@ TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT tar
 RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
 MIN_RATE_EVIDENCE_S = 1.0    # saturated seconds seen before the rate is trusted
 DEFAULT_SEED_COST_MODEL = "smollm2-cpu"
+MIN_OBSERVED_TO_REFUSE = 20  # measured steps before predictions may refuse a request
 BIG_BATCH = 32               # above this many sequences a step's shape is sampled ...
 SAMPLE_EVERY = 4             # ... every 4th step
 _INF = math.inf
@@ -222,8 +223,8 @@ class SloPolicy:
     def on_add(self, request: Request) -> None:
         """Refuse `request` (SLOUnattainableError) if it cannot meet its TTFT target."""
         slo_ms = request.ttft_slo_ms
-        if slo_ms is None:
-            return
+        if slo_ms is None or self.model.num_observed < MIN_OBSERVED_TO_REFUSE:
+            return          # a seed from another machine must not refuse a fresh engine's work
         slo = slo_ms / 1000.0
         n = request.num_prompt_tokens
         alone = self.prefill_time(n, 0, 0)
