@@ -235,20 +235,21 @@ class SloPolicy:
                 f"to prefill on this engine, more than its ttft_slo_ms={slo_ms:g}",
                 retry_after_s=None, predicted_ttft_s=alone, ttft_slo_s=slo)
         own = self.prefill_time(n, self._last_seqs, self._last_kv)
-        wait = self._last_step_s            # the step under way ends first
+        now = self.clock()
+        arrival = now if self._own_clock else request.arrival_time
+        # Time already spent (tokenising, in the server), then the step under way.
+        wait = max(now - arrival, 0.0) + self._last_step_s
         rate = self.admission_rate
         if self._saturated and rate is not None:
-            now = self.clock()
-            key = (now if self._own_clock else request.arrival_time) + slo - alone
-            wait += (self.queue.num_ahead(key) + 1) / rate
+            wait += (self.queue.num_ahead(arrival + slo - alone) + 1) / rate
         predicted = wait + own
         if predicted > slo:
             self.num_refused += 1
             retry = max(predicted - slo, self._last_step_s, 0.001)
             raise SLOUnattainableError(
                 f"request {request.request_id!r}: predicted time to first token "
-                f"~{predicted:.3f} s exceeds its ttft_slo_ms={slo_ms:g} (the engine is at "
-                f"capacity); retry in ~{retry:.1f} s",
+                f"~{predicted:.3f} s exceeds its ttft_slo_ms={slo_ms:g} (the engine is busy); "
+                f"retry in ~{retry:.1f} s",
                 retry_after_s=retry, predicted_ttft_s=predicted, ttft_slo_s=slo)
 
     def step_started(self) -> None:
