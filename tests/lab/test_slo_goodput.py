@@ -71,3 +71,16 @@ def test_cli_runs_the_slo_policy():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "goodput (requests/s)" in proc.stdout and "refused (SLO)" in proc.stdout
+
+
+def test_lab_slo_command_prints_the_comparison():
+    cmd = [sys.executable, "-m", "iterserve.cli", "lab", "slo", "--requests", "80", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    out = json.loads(proc.stdout)
+    assert [row["load"] for row in out["rows"]] == [0.8, 1.5, 2.0]
+    assert out["capacity_rps"] > 0
+    bad = subprocess.run(cmd[:-3] + ["--slots", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "slots" in bad.stderr

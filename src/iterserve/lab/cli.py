@@ -18,7 +18,8 @@ from typing import Any
 
 # Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
 # `iterserve lab calibrate` fits the cost model to the real model runner.
-LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate")]
+LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate"),
+                                          ("slo", "iterserve.lab.slo")]
 
 
 def register(subparsers) -> argparse.ArgumentParser:

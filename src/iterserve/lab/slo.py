@@ -68,3 +68,51 @@ def goodput_comparison(options: dict[str, Any] | None = None,
                                              if k != "cost_model"} | {
         "cost_model": base["cost_model"] if isinstance(base["cost_model"], str) else "custom"},
         "rows": rows}
+
+
+def register(subparsers):
+    """`iterserve lab slo`: the preset as a command (the issue's table in one line)."""
+    p = subparsers.add_parser(
+        "slo", help="goodput of fcfs vs slo at 0.8x / 1.5x / 2x the engine's capacity",
+        description="Run the SLO preset (bench poisson mix, smollm2-cpu cost model, 64 slots, "
+                    "TTFT <= 1 s, TPOT <= 100 ms) under fcfs and slo at each load factor.")
+    p.add_argument("--seed", type=int, default=None, help="workload seed (default: the lab's)")
+    p.add_argument("--requests", type=int, default=PRESET["requests"])
+    p.add_argument("--slo-ttft-ms", type=float, default=PRESET["slo_ttft_ms"])
+    p.add_argument("--slo-tpot-ms", type=float, default=PRESET["slo_tpot_ms"])
+    p.add_argument("--slots", type=int, default=PRESET["slots"])
+    p.add_argument("--cost-model", default=PRESET["cost_model"], metavar="FILE|NAME")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    import json
+    import sys
+
+    from iterserve.lab.api import LabOptionsError
+    from iterserve.lab.cost_model import CostModelError
+
+    opts = {"requests": args.requests, "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tpot_ms": args.slo_tpot_ms, "slots": args.slots, "cost_model": args.cost_model}
+    if args.seed is not None:
+        opts["seed"] = args.seed
+    try:
+        result = goodput_comparison(opts)
+    except (LabOptionsError, CostModelError, ValueError) as e:
+        print(f"iterserve lab slo: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    print(f"capacity {result['capacity_rps']:.2f} requests/s; TTFT <= {args.slo_ttft_ms:g} ms, "
+          f"TPOT <= {args.slo_tpot_ms:g} ms; goodput = requests/s meeting both")
+    print(f"{'load':>6} {'rate':>7} {'fcfs goodput':>13} {'slo goodput':>12} {'refused':>8} "
+          f"{'ratio':>7}")
+    for row in result["rows"]:
+        print(f"{row['load']:>5}x {row['arrival_rate_s']:>7.2f} "
+              f"{row['fcfs']['goodput_rps']:>13.2f} {row['slo']['goodput_rps']:>12.2f} "
+              f"{row['slo']['refused']:>8} {row['goodput_ratio']:>6.2f}x")
+    return 0
