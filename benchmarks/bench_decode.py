@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from iterserve.core.request import Request, SamplingParams
-from iterserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from iterserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 def prompts(batch: int, ctx: int, vocab: int) -> list[list[int]]:
@@ -47,13 +47,25 @@ def bench_iterserve(loaded, batch: int, ctx: int, steps: int, block_size: int = 
             for i, p in enumerate(prompts(batch, ctx, loaded.config.vocab_size))]
     tables = {r.request_id: list(range(i * per_req, (i + 1) * per_req)) for i, r in enumerate(reqs)}
 
+    sent: set[str] = set()
+
     def one_step(n: int, chunk_reqs: list[Request]) -> None:
-        chunks = [ScheduledChunk(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens,
-                                 tables[r.request_id]) for r in chunk_reqs]
-        res = runner.execute(SchedulerOutput(step=n, chunks=chunks))
-        for c in chunks:
-            c.request.num_computed_tokens = c.start + c.num_tokens
-            c.request.append_output_token(res[c.request.request_id].token_id, 0.0)
+        # New requests once, then per-step diffs (the runner appends what it samples).
+        out = SchedulerOutput(step=n)
+        for r in chunk_reqs:
+            rid = r.request_id
+            if rid in sent:
+                out.scheduled_cached_reqs.append(CachedRequestData(rid, (), r.num_computed_tokens))
+            else:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, r.prompt_token_ids, r.sampling_params, tuple(tables[rid]),
+                    r.num_computed_tokens))
+                sent.add(rid)
+            out.num_scheduled_tokens[rid] = r.num_tokens - r.num_computed_tokens
+        res = runner.execute(out)
+        for r in chunk_reqs:
+            r.num_computed_tokens = r.num_tokens
+            r.append_output_token(res[r.request_id].token_id, 0.0)
 
     for i in range(0, batch, 4):           # prefill a few prompts per step (not timed)
         one_step(0, reqs[i:i + 4])

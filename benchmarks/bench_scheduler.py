@@ -28,14 +28,16 @@ from iterserve.core.scheduler import Scheduler
 
 def _step(s: Scheduler) -> None:
     out = s.schedule()
-    s.update_from_output(out, {c.request.request_id: 1 for c in out.chunks if c.sample})
+    reqs = s.requests                   # the executor's "sample" rule, from the data
+    s.update_from_output(out, {rid: 1 for rid, n in out.num_scheduled_tokens.items()
+                               if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens})
 
 
 def bench_decode(num_seqs: int, steps: int, caching: bool) -> dict:
     """All requests run for the whole measurement: a steady decode batch."""
     s = Scheduler(SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs),
                                   max_model_len=1 << 20),
-                  CacheConfig(block_size=16, num_blocks=num_seqs * (steps // 16 + 8),
+                  CacheConfig(block_size=16, num_kv_blocks=num_seqs * (steps // 16 + 8),
                               enable_prefix_caching=caching))
     for i in range(num_seqs):
         s.add_request(Request(f"r{i}", [1 + i % 7] * 16,
@@ -57,7 +59,7 @@ def bench_mixed(num_seqs: int, steps: int, caching: bool, seed: int = 0) -> dict
     s = Scheduler(SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=2048,
                                   max_model_len=4096, long_prefill_token_threshold=512,
                                   max_num_partial_prefills=4),
-                  CacheConfig(block_size=16, num_blocks=num_seqs * 40,
+                  CacheConfig(block_size=16, num_kv_blocks=num_seqs * 40,
                               enable_prefix_caching=caching))
     n = 0
     system = [3] * 48                                   # a shared "system prompt" prefix

@@ -61,11 +61,18 @@ class StepRecorder:
             return self.inner.execute(output)
         finally:
             dt = time.perf_counter() - t
-            if output.chunks:
-                tokens = sum(c.num_tokens for c in output.chunks)
-                kv = sum(c.start + c.num_tokens for c in output.chunks)
-                prefill = sum(c.num_tokens for c in output.chunks if c.is_prefill)
-                self.steps.append((tokens, len(output.chunks), kv, prefill, dt))
+            sched = output.num_scheduled_tokens
+            if sched:
+                data = output.scheduled_new_reqs + output.scheduled_cached_reqs
+                tokens = sum(sched.values())
+                kv = sum(d.num_computed_tokens + sched[d.req_id] for d in data)
+                # A prefill chunk: more than one token, or inside the prompt (the runner's
+                # own state knows the prompt length of every request it holds).
+                plen = {rid: len(st.prompt_token_ids)
+                        for rid, st in getattr(self.inner, "requests", {}).items()}
+                prefill = sum(sched[d.req_id] for d in data if sched[d.req_id] > 1
+                              or d.num_computed_tokens < plen.get(d.req_id, 0))
+                self.steps.append((tokens, len(sched), kv, prefill, dt))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -125,12 +132,7 @@ def _drive_by_wall_clock(engine, w: Workload, prompts, params) -> tuple[float, i
 def lab_settings(engine) -> SimSettings:
     """The engine's own scheduler and KV-pool knobs, as the lab's settings."""
     sc, cc = engine.scheduler_config, engine.cache_config
-    return SimSettings(
-        batching=sc.batching, slots=sc.max_num_seqs,
-        max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=sc.max_model_len,
-        chunked_prefill=sc.enable_chunked_prefill, num_kv_blocks=cc.num_blocks,
-        block_size=cc.block_size, preemption_mode=sc.preemption_mode, policy=sc.policy,
-        prefill_ignored=False)
+    return SimSettings(sc, cc, prefill_ignored=False)
 
 
 def _arrival_steps(arrivals_s: list[float], res: SimResult | None, cost: CostModel) -> list[int]:

@@ -157,3 +157,45 @@ def test_idle_steps_between_sparse_arrivals_are_counted_but_cost_nothing_to_simu
     assert r["time_s"] == 5 * 1.0 + (r["steps"] - 5) * 0.5   # 5 busy steps, the rest idle
     assert len(r["timeline"]["running"]) == r["steps"]
     assert r["timeline"]["finished"][second["arrival"] - 1] == 1
+
+
+def _chunks(records):
+    return [e["num_tokens"] for r in records for e in r["events"] if e["event"] == "prefill_chunk"]
+
+
+def test_longprompt_mix_and_long_prefill_token_threshold_cap_every_chunk():
+    base = dict(batching="continuous", mix="longprompt", requests=40, seed=3)
+    free = per_request(**base)["continuous"]["per_request"]
+    assert max(r["prompt_len"] for r in free) >= 1500 > min(r["prompt_len"] for r in free)
+    assert max(_chunks(free)) >= 1500                     # a long prompt in one chunk
+    capped = per_request(**base, long_prefill_token_threshold=128)["continuous"]["per_request"]
+    assert [r["prompt_len"] for r in capped] == [r["prompt_len"] for r in free]
+    assert max(_chunks(capped)) == 128
+
+
+def test_max_num_partial_prefills_lets_several_prompts_prefill_at_once():
+    opts = dict(batching="continuous", requests=8, prompt_len=[400, 400],
+                max_num_batched_tokens=512, long_prefill_token_threshold=100, lengths=None)
+    one = lab(**opts)["continuous"]
+    four = lab(**opts, max_num_partial_prefills=4)["continuous"]
+    assert four["mean_ttft"] < one["mean_ttft"]
+
+
+def test_prefix_caching_serves_the_shared_prompt_prefix_from_the_cache():
+    opts = dict(batching="continuous", requests=16, prompt_len=[64, 64], block_size=16)
+    off = per_request(**opts)["continuous"]["per_request"]
+    on = per_request(**opts, enable_prefix_caching=True)["continuous"]["per_request"]
+    cached = [e.get("num_cached_tokens", 0) for r in on for e in r["events"]
+              if e["event"] == "scheduled"]
+    assert max(cached) == 48 and sum(_chunks(on)) < sum(_chunks(off))
+
+
+@pytest.mark.parametrize("name, value", [("max_num_partial_prefills", 0),
+                                         ("long_prefill_token_threshold", -1),
+                                         ("enable_prefix_caching", "yes"),
+                                         ("mix", "bursty")])
+def test_scheduler_knobs_are_checked_by_the_schema_and_errors_name_them(name, value):
+    from iterserve.lab.api import LabOptionsError
+    with pytest.raises(LabOptionsError, match=name) as e:
+        run_lab({name: value})
+    assert e.value.option == name

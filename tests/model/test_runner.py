@@ -97,8 +97,8 @@ def test_bad_steps_raise_clear_errors(loaded):
 
 
 def chunk_with(r, start, n, blocks):
-    from iterserve.core.scheduler_output import ScheduledChunk
-    return ScheduledChunk(r, start, n, blocks)
+    from fixtures.tiny_models import Chunk
+    return Chunk(r, start, n, blocks)
 
 
 def test_load_model_rejects_bad_paths_dtypes_and_architectures(tmp_path):

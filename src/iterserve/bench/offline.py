@@ -37,9 +37,9 @@ class CountingExecutor:
         self.forward_s = 0.0
 
     def execute(self, output):
-        if output.chunks:
+        if output.num_scheduled_tokens:
             self.steps += 1
-            self.busy_slot_steps += len(output.chunks)
+            self.busy_slot_steps += len(output.num_scheduled_tokens)
         t = time.perf_counter()
         try:
             return self.inner.execute(output)

@@ -19,6 +19,7 @@ small is a ConfigError naming the knob.
 
 from __future__ import annotations
 
+import argparse
 import enum
 import math
 from dataclasses import MISSING, dataclass, field, fields
@@ -130,6 +131,28 @@ def _check_fields(obj: Any) -> None:
         setattr(obj, name, check_knob(name, getattr(obj, name), k))
 
 
+def add_knob_argument(group: Any, name: str, k: Knob, default: Any,
+                      derived_help: str | None = None) -> None:
+    """One flag from a knob's metadata: --name-with-dashes, its type, choices, help text.
+
+    Booleans get --flag / --no-flag. Values are checked by the config's validate() (so the
+    CLI, the engine and the lab reject them with the same message), except choices, which
+    argparse checks itself.
+    """
+    flag = k.flag or "--" + name.replace("_", "-")
+    extra = derived_help or ("" if default is None else f"default {default}")
+    bounds = k.bounds_text()
+    text = k.help + (f" ({extra})" if extra else "") + (f" [{bounds}]" if bounds else "")
+    if k.kind is bool:
+        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                           default=default, help=text)
+    elif k.choices:
+        group.add_argument(flag, dest=name, default=default, choices=list(k.choices),
+                           help=text)
+    else:
+        group.add_argument(flag, dest=name, type=k.kind, default=default, help=text)
+
+
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
@@ -151,7 +174,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = knob(64, "sequences per step", int, minimum=1)
     max_num_batched_tokens: int | None = knob(
-        None, "token budget per step (without chunked prefill at least max_model_len)", int,
+        None, "token budget per step", int,
         minimum=1, nullable=True)
     max_model_len: int = knob(2048, "prompt + output tokens per request", int, minimum=2)
     enable_chunked_prefill: bool = knob(True, "split long prompts over several steps", bool)

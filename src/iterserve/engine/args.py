@@ -1,12 +1,18 @@
 """EngineArgs: every knob of the engine in one dataclass, and its command-line flags.
 
+The scheduler and KV-cache knobs are defined once, in core/config.py (name, type, bounds,
+help): the flags below are generated from that schema (`add_knob_argument`) and the configs
+are built by field name, so EngineArgs only adds its CPU defaults and the knobs that exist
+only here (model, device, KV memory budgets, observability).
+
 Flag spellings follow vLLM (`--max-num-seqs`, `--enable-chunked-prefill`, ...) so a command
 line written for `vllm serve` mostly works for `iterserve serve`. The defaults are chosen for
 a small model on a CPU, where a step's cost grows with its token count (a prefill chunk adds
 about 1.2 ms per token to *everyone's* step on a laptop-class core):
 
 - max_num_seqs 32: a decode step of 32 sequences still costs a few tens of ms.
-- max_num_batched_tokens 256: caps the stall a long prompt's prefill chunk causes.
+- max_num_batched_tokens 256: caps the stall a long prompt's prefill chunk causes (without
+  chunked prefill it is raised to max_model_len; an explicit smaller value is an error).
 - max_model_len: the model's max_position_embeddings, capped at 2048.
 - KV pool: `--num-kv-blocks` if given, else as many blocks as fit in `--kv-cache-memory`
   GiB (default 1 GiB) at `ModelRunner.kv_cache_bytes_per_block` bytes each.
@@ -21,10 +27,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
+from iterserve.core.config import (
+    CacheConfig, ConfigError, SchedulerConfig, add_knob_argument, check_knob, knob_fields)
 
 GiB = 1 << 30
 DEFAULT_MAX_MODEL_LEN_CAP = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256     # used when --max-num-batched-tokens is not given
+_CACHE_KNOBS = {name: k for name, _, k in knob_fields(CacheConfig)}
+
+# Knobs whose engine default is derived rather than a number: the flag's help says how.
+_DERIVED_HELP = {
+    "max_num_batched_tokens": f"default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; without chunked "
+                              "prefill, max_model_len",
+    "max_model_len": f"default: the model's limit, at most {DEFAULT_MAX_MODEL_LEN_CAP}",
+    "num_kv_blocks": "default: as many as fit in --kv-cache-memory; overrides it",
+    "num_swap_blocks": "default: from --swap-space; with --preemption-mode swap and no swap "
+                       "space, as many as the device pool; overrides --swap-space",
+}
 
 
 @dataclass
@@ -36,7 +55,7 @@ class EngineArgs:
     seed: int = 0                            # torch seed for unseeded sampling
     # scheduler
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int | None = None   # None: 256, or max_model_len unchunked
     max_model_len: int | None = None         # None: min(model limit, 2048)
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
@@ -47,9 +66,9 @@ class EngineArgs:
     max_queued_requests: int = 0
     request_timeout: float | None = None     # seconds from arrival; None: no limit
     queue_timeout: float | None = None       # seconds waiting before admission
-    slo_ttft_ms: float | None = None         # policy slo: default TTFT target
-    slo_tpot_ms: float | None = None         # policy slo: default TPOT target
-    slo_cost_model: str | None = None        # policy slo: step-time seed (file or shipped name)
+    slo_ttft_ms: float | None = None         # scheduling_policy slo: default TTFT target
+    slo_tpot_ms: float | None = None         # scheduling_policy slo: default TPOT target
+    slo_cost_model: str | None = None        # scheduling_policy slo: step-time seed (not a knob)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -67,39 +86,24 @@ class EngineArgs:
             if model_limit is not None and self.max_model_len > model_limit:
                 raise ConfigError(
                     f"max_model_len {self.max_model_len} exceeds the model's limit "
-                    f"(max_position_embeddings = {model_limit})")
+                    f"(max_position_embeddings = {model_limit})", "max_model_len")
             return self.max_model_len
         return min(model_limit or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
 
     def create_scheduler_config(self, model_limit: int | None = None) -> SchedulerConfig:
-        max_model_len = self.resolve_max_model_len(model_limit)
-        batched = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and batched < max_model_len:
-            # Without chunking a whole prompt must fit in one step (vLLM raises the budget the
-            # same way rather than refusing to start).
-            batched = max_model_len
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=batched,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_num_partial_prefills=self.max_num_partial_prefills,
-            policy=self.scheduling_policy,
-            batching=self.batching,
-            preemption_mode=self.preemption_mode,
-            max_queued_requests=self.max_queued_requests,
-            request_timeout=self.request_timeout,
-            queue_timeout=self.queue_timeout,
-            slo_ttft_ms=self.slo_ttft_ms,
-            slo_tpot_ms=self.slo_tpot_ms,
-            slo_cost_model=self.slo_cost_model,
-        ).validate()
+        """Every SchedulerConfig knob by name (the schema is core/config.py). The budget,
+        when not given, is DEFAULT_MAX_NUM_BATCHED_TOKENS, raised to max_model_len without
+        chunked prefill; an explicit budget below it is a ConfigError (as in vLLM)."""
+        knobs = {name: getattr(self, name) for name, _, _ in knob_fields(SchedulerConfig)}
+        knobs["max_model_len"] = self.resolve_max_model_len(model_limit)
+        knobs["slo_cost_model"] = self.slo_cost_model
+        return SchedulerConfig(**knobs).validate(
+            default_max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
     def create_cache_config(self, bytes_per_block: int | None = None) -> CacheConfig:
         """Block counts from the explicit counts, else from the memory budgets."""
         if self.num_kv_blocks is not None:
-            num_blocks = self.num_kv_blocks
+            num_blocks = check_knob("num_kv_blocks", self.num_kv_blocks, _CACHE_KNOBS["num_kv_blocks"])
         else:
             if not bytes_per_block:
                 raise ConfigError("num_kv_blocks is needed when the block size in bytes is unknown")
@@ -120,7 +124,7 @@ class EngineArgs:
             num_swap = num_blocks if self.preemption_mode == "swap" else 0
         return CacheConfig(
             block_size=self.block_size,
-            num_blocks=num_blocks,
+            num_kv_blocks=num_blocks,
             num_swap_blocks=num_swap,
             enable_prefix_caching=self.enable_prefix_caching,
         ).validate()
@@ -139,54 +143,21 @@ class EngineArgs:
         g.add_argument("--device", default=d.device, help="torch device (default: cpu)")
         g.add_argument("--seed", type=int, default=d.seed)
 
-        g = parser.add_argument_group("scheduler")
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                       help=f"sequences per step (default {d.max_num_seqs})")
-        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                       help=f"token budget per step (default {d.max_num_batched_tokens})")
-        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                       help="prompt + output tokens per request (default: model limit, "
-                            f"at most {DEFAULT_MAX_MODEL_LEN_CAP})")
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=d.enable_chunked_prefill)
-        g.add_argument("--long-prefill-token-threshold", type=int,
-                       default=d.long_prefill_token_threshold)
-        g.add_argument("--max-num-partial-prefills", type=int,
-                       default=d.max_num_partial_prefills)
-        g.add_argument("--scheduling-policy", default=d.scheduling_policy,
-                       choices=["fcfs", "priority", "slo"])
-        g.add_argument("--preemption-mode", default=d.preemption_mode,
-                       choices=["recompute", "swap"])
-        g.add_argument("--batching", default=d.batching, choices=["continuous", "static"])
-        g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
-                       help="bound on the waiting queue; beyond it requests get 503 (0: none)")
-        g.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                       help="seconds from arrival after which a request ends with "
-                            "finish_reason 'timeout'")
-        g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
-                       help="seconds a request may wait before admission")
-        g.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
-                       help="--scheduling-policy slo: default time-to-first-token target; a "
-                            "request that cannot meet it is refused with 429 + Retry-After")
-        g.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms,
-                       help="--scheduling-policy slo: default time-per-output-token target; "
-                            "admission holds before a decode would break it")
-        g.add_argument("--slo-cost-model", default=d.slo_cost_model,
-                       help="--scheduling-policy slo: the cost model (JSON file or shipped name, "
-                            "default smollm2-cpu) its online step-time model starts from")
-
-        g = parser.add_argument_group("KV cache")
-        g.add_argument("--block-size", type=int, default=d.block_size)
-        g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
-                       help="device KV blocks (overrides --kv-cache-memory)")
+        groups = {"scheduler": parser.add_argument_group("scheduler"),
+                  "KV cache": parser.add_argument_group("KV cache")}
+        for cls in (SchedulerConfig, CacheConfig):
+            for name, _, k in knob_fields(cls):
+                add_knob_argument(groups[k.group], name, k, getattr(d, name),
+                                  _DERIVED_HELP.get(name))
+        groups["scheduler"].add_argument(
+            "--slo-cost-model", default=d.slo_cost_model, metavar="FILE|NAME",
+            help="scheduling_policy slo: the cost model its online step-time model starts "
+                 "from (a JSON file or a shipped name; default smollm2-cpu)")
+        g = groups["KV cache"]
         g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                        help=f"GiB for the KV cache (default {d.kv_cache_memory})")
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of host memory for swapped-out KV blocks")
-        g.add_argument("--num-swap-blocks", type=int, default=d.num_swap_blocks,
-                       help="host swap blocks (overrides --swap-space)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d.enable_prefix_caching)
         return parser
 
     @classmethod

@@ -139,7 +139,7 @@ class LLMEngine:
         sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
         bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size, cfg.dtype)
         cache_cfg = args.create_cache_config(bytes_per_block)
-        runner = ModelRunner(loaded, num_blocks=cache_cfg.num_blocks,
+        runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
                              block_size=cache_cfg.block_size,
                              num_swap_blocks=cache_cfg.num_swap_blocks)
         clock = time.monotonic
@@ -277,23 +277,25 @@ class LLMEngine:
         sched_out: SchedulerOutput = self.scheduler.schedule()
         stats = StepStats(step=sched_out.step, time=self.clock(),
                           num_batched_tokens=sched_out.num_batched_tokens,
-                          num_preemptions=len(sched_out.preempted) + len(sched_out.swapped_out))
+                          num_preemptions=sched_out.num_preemptions)
         touched: dict[str, _Group] = dict(self._pending)
         self._pending.clear()
 
         # Ended outside a forward pass (timeouts, aborts done by the scheduler).
-        for req in sched_out.finished:
-            self._end_from_scheduler(req, touched)
+        for rid in sched_out.ended_req_ids:
+            entry = self._seqs.get(rid)
+            if entry is not None:
+                self._end_from_scheduler(entry[1].request, touched)
 
         results: dict[str, SampleResult] = {}
-        if sched_out.chunks or sched_out.blocks_to_swap_in or sched_out.blocks_to_swap_out:
+        if not sched_out.is_empty:
             try:
                 results = self.executor.execute(sched_out) or {}
             except Exception as e:
                 self.num_executor_failures += 1
                 logger.exception("executor failed in step %d", sched_out.step)
-                for chunk in sched_out.chunks:
-                    self._fail(chunk.request.request_id, f"executor error: {e}", touched)
+                for rid in sched_out.num_scheduled_tokens:
+                    self._fail(rid, f"executor error: {e}", touched)
                 results = {}
 
         sampled = {rid: r.token_id for rid, r in results.items()
@@ -475,7 +477,7 @@ class LLMEngine:
         stats.num_running, stats.num_waiting = s.num_running, s.num_waiting
         stats.num_swapped, stats.kv_cache_usage = s.num_swapped, s.kv_usage
         self.num_steps += 1
-        if sched_out.chunks or sched_out.finished:
+        if sched_out.num_scheduled_tokens or sched_out.ended_req_ids:
             self.history.append({
                 "step": sched_out.step, "time": time.time(),
                 "num_batched_tokens": sched_out.num_batched_tokens,

@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.core.config import ConfigError
+from iterserve.core.config import (
+    CacheConfig, ConfigError, SchedulerConfig, check_knob, knob_fields)
 from iterserve.lab.cost_model import CostModel, CostModelError, default_cost_model
 from iterserve.lab.metrics import summarize
 from iterserve.lab.simulator import SimResult, SimSettings, simulate
@@ -46,10 +47,23 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "chunked_prefill": True, "num_kv_blocks": None, "block_size": 16,
     "preemption_mode": "recompute", "policy": "fcfs", "priority_frac": None,
     "cost_model": None, "per_request": False,
-    # SLO experiments (issue 18): Poisson arrivals per simulated second, targets (goodput is
-    # reported whenever one is set; policy "slo" admits by them).
+    # Scheduler knobs checked by the one schema (core/config.py), under their engine names.
+    "enable_prefix_caching": False, "long_prefill_token_threshold": 0,
+    "max_num_partial_prefills": 1,
+    "mix": "reference",
+    # SLO experiments (issue 18): Poisson arrivals per simulated second, and the targets
+    # (schema knobs; goodput is reported whenever one is set, policy "slo" admits by them).
     "arrival_rate_s": None, "slo_ttft_ms": None, "slo_tpot_ms": None,
 }
+# Workload mixes: "reference" draws prompt_len (if given) uniformly; "longprompt" makes
+# LONGPROMPT_FRAC of the prompts long (LONGPROMPT_LEN tokens) among short chats (prompt_len,
+# default 20-100), the case chunked prefill and the long-prefill threshold are for.
+MIXES = ("reference", "longprompt")
+LONGPROMPT_FRAC = 0.1
+LONGPROMPT_LEN = (1500, 2000)
+LONGPROMPT_SHORT = (20, 100)
+_SCHEMA_OPTIONS = ("enable_prefix_caching", "long_prefill_token_threshold",
+                   "max_num_partial_prefills", "slo_ttft_ms", "slo_tpot_ms")
 MODES = ("static", "continuous")
 
 
@@ -128,6 +142,18 @@ def _range(opts: dict, name: str) -> tuple[int, int] | None:
         raise LabOptionsError(str(e), name) from e
 
 
+_KNOBS = {name: k for cls in (SchedulerConfig, CacheConfig) for name, _, k in knob_fields(cls)}
+
+
+def _schema_knob(opts: dict, name: str) -> Any:
+    """A scheduler knob checked by its definition in core/config.py (one message for the
+    engine, the lab and its CLI)."""
+    try:
+        return check_knob(name, opts[name], _KNOBS[name])
+    except ConfigError as e:
+        raise _bad(name, str(e).removeprefix(f"{name} ")) from e
+
+
 def plan_lab(options: dict | None) -> LabPlan:
     """Validate `options` and resolve the workload-dependent defaults."""
     if options is None:
@@ -171,6 +197,12 @@ def plan_lab(options: dict | None) -> LabPlan:
                    f"~{requests / arrival_rate:,.0f} steps; the lab simulates at most "
                    f"{MAX_ARRIVAL_SPAN:,} (raise the rate or lower the requests)")
     prompt_len = _range(opts, "prompt_len")
+    mix = _choice(opts, "mix", MIXES)
+    long_prompt_frac, long_prompt = 0.0, None
+    if mix == "longprompt":
+        prompt_len = prompt_len or LONGPROMPT_SHORT
+        long_prompt_frac, long_prompt = LONGPROMPT_FRAC, LONGPROMPT_LEN
+    knobs = {name: _schema_knob(opts, name) for name in _SCHEMA_OPTIONS}
     chunked = _bool(opts, "chunked_prefill")
     block_size = _int(opts, "block_size", 1, 4096)
     preemption_mode = _choice(opts, "preemption_mode", ("recompute", "swap"))
@@ -182,8 +214,6 @@ def plan_lab(options: dict | None) -> LabPlan:
     if arrival_rate_s is not None and requests / arrival_rate_s > MAX_ARRIVAL_SPAN:
         raise _bad("arrival_rate_s", f"{requests} requests at {arrival_rate_s:g} per second "
                    f"would arrive over more than {MAX_ARRIVAL_SPAN:,} seconds")
-    slo_ttft_ms = _float(opts, "slo_ttft_ms", 0.0, lo_open=True)
-    slo_tpot_ms = _float(opts, "slo_tpot_ms", 0.0, lo_open=True)
     priority_frac = _float(opts, "priority_frac", 0.0, 1.0)
     if priority_frac is None:
         priority_frac = DEFAULT_PRIORITY_FRAC if policy == "priority" else 0.0
@@ -203,7 +233,8 @@ def plan_lab(options: dict | None) -> LabPlan:
     workload = WorkloadSpec(
         requests=requests, seed=seed, short_frac=short_frac, short=short, long=long_,
         lengths=lengths, arrival_rate=arrival_rate, prompt_len=prompt_len,
-        priority_frac=priority_frac, arrival_rate_s=arrival_rate_s)
+        priority_frac=priority_frac, long_prompt_frac=long_prompt_frac, long_prompt=long_prompt,
+        arrival_rate_s=arrival_rate_s)
     specs = tuple(sorted(draw_workload(workload), key=lambda s: (s.arrival, s.index)))
 
     max_model_len = max(2, max(s.prompt_len + s.output_len for s in specs))
@@ -229,18 +260,23 @@ def plan_lab(options: dict | None) -> LabPlan:
 
     settings = {}
     for mode in modes:
-        s = SimSettings(
-            batching=mode, slots=slots, max_num_batched_tokens=budget,
-            max_model_len=max_model_len, chunked_prefill=chunked,
-            num_kv_blocks=num_kv_blocks, block_size=block_size,
-            preemption_mode=preemption_mode, policy=policy, prefill_ignored=prefill_ignored,
-            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
         try:
-            s.scheduler_config()
-            s.cache_config()
+            sc = SchedulerConfig(
+                max_num_seqs=slots, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                enable_chunked_prefill=chunked, scheduling_policy=policy, batching=mode,
+                preemption_mode=preemption_mode,
+                long_prefill_token_threshold=knobs["long_prefill_token_threshold"],
+                max_num_partial_prefills=knobs["max_num_partial_prefills"],
+                slo_ttft_ms=knobs["slo_ttft_ms"], slo_tpot_ms=knobs["slo_tpot_ms"]).validate()
+            cc = CacheConfig(
+                block_size=block_size, num_kv_blocks=num_kv_blocks,
+                # Swap needs a host pool; as large as the device pool, so swap never fails
+                # for room.
+                num_swap_blocks=num_kv_blocks if preemption_mode == "swap" else 0,
+                enable_prefix_caching=knobs["enable_prefix_caching"]).validate()
         except ConfigError as e:
-            raise LabOptionsError(str(e)) from e
-        settings[mode] = s
+            raise LabOptionsError(str(e), e.knob) from e
+        settings[mode] = SimSettings(sc, cc, prefill_ignored)
     return LabPlan(modes=modes, workload=workload, specs=specs, settings=settings, cost=cost,
                    per_request=per_request)
 

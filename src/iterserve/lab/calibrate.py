@@ -193,25 +193,27 @@ def fit_errors(coefficients: dict[str, float], features: Sequence[Sequence[float
 
 def _build_outputs(grid: Sequence[GridPoint], block_size: int, vocab: int):
     """One SchedulerOutput per grid point, with disjoint block tables over one pool."""
-    from iterserve.core.request import Request, SamplingParams
-    from iterserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
+    from iterserve.core.request import SamplingParams
+    from iterserve.core.scheduler_output import NewRequestData, SchedulerOutput
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     outputs, next_block = [], 0
     for i, point in enumerate(grid):
-        chunks = []
-        for j, (start, num) in enumerate(point.chunk_shapes()):
-            length = start + num
+        new, num = [], {}
+        for j, (start, n) in enumerate(point.chunk_shapes()):
+            length = start + n
             prompt = [rng.randrange(3, vocab) for _ in range(length)]
-            req = Request(f"cal-{i}-{j}", prompt, params)
-            req.num_computed_tokens = start
             blocks = -(-length // block_size)
-            chunks.append(ScheduledChunk(req, start, num,
-                                         list(range(next_block, next_block + blocks))))
+            # Sent whole every time (as after a recompute preemption): the runner rebuilds
+            # the request from the data, so the same output can be timed again and again.
+            rid = f"cal-{i}-{j}"
+            new.append(NewRequestData(rid, prompt, params,
+                                      tuple(range(next_block, next_block + blocks)), start))
+            num[rid] = n
             next_block += blocks
-        outputs.append(SchedulerOutput(step=i, chunks=chunks,
-                                       num_batched_tokens=sum(c.num_tokens for c in chunks)))
+        outputs.append(SchedulerOutput(step=i, scheduled_new_reqs=new, num_scheduled_tokens=num,
+                                       num_batched_tokens=sum(num.values())))
     return outputs, next_block
 
 

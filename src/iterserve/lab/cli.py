@@ -50,11 +50,22 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--policy", choices=("fcfs", "priority", "slo"))
     s.add_argument("--priority-frac", type=float,
                    help="share of urgent requests under --policy priority (default 0.2)")
-    g = p.add_argument_group("SLO (goodput; --policy slo admits by the targets)")
-    g.add_argument("--arrival-rate-s", type=float, metavar="R",
-                   help="Poisson arrivals, requests per simulated second (instead of per step)")
-    g.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token target")
-    g.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token target")
+    s.add_argument("--mix", choices=("reference", "longprompt"),
+                   help="longprompt: 10%% of the prompts 1500-2000 tokens among short chats "
+                        "(--prompt-len, default 20-100); turns prefill on")
+    # The engine's own knobs, flags and help generated from core/config.py.
+    from iterserve.core.config import (
+        CacheConfig, SchedulerConfig, add_knob_argument, knob_fields)
+    for cls, names in ((CacheConfig, ("enable_prefix_caching",)),
+                       (SchedulerConfig, ("long_prefill_token_threshold",
+                                          "max_num_partial_prefills", "slo_ttft_ms",
+                                          "slo_tpot_ms"))):
+        for name, default, k in knob_fields(cls):
+            if name in names:
+                add_knob_argument(s, name, k, None, f"default {default}")
+    s.add_argument("--arrival-rate-s", type=float, metavar="R",
+                   help="Poisson arrivals, requests per simulated second (instead of per "
+                        "step; for SLO experiments)")
     o = p.add_argument_group("output")
     o.add_argument("--cost-model", metavar="FILE|NAME",
                    help="step-time model: a JSON file, or a shipped name (smollm2-cpu: fitted to the "
@@ -86,7 +97,9 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"batching": args.batching}
     for name in ("slots", "requests", "seed", "short_frac", "arrival_rate",
                  "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
-                 "policy", "priority_frac", "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
+                 "policy", "priority_frac", "mix", "enable_prefix_caching",
+                 "long_prefill_token_threshold", "max_num_partial_prefills",
+                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -192,6 +205,9 @@ def format_report(plan, summaries: dict[str, dict[str, Any]]) -> str:
         arrivals = f"Poisson arrivals, {wl.arrival_rate_s:g} per simulated second"
     prefill = ("prefill ignored" if wl.prompt_len is None
                else f"prompts {wl.prompt_len[0]}-{wl.prompt_len[1]} tokens")
+    if wl.long_prompt_frac and wl.long_prompt:
+        prefill += (f", {wl.long_prompt_frac:.0%} long prompts "
+                    f"{wl.long_prompt[0]}-{wl.long_prompt[1]} tokens")
     lines = [f"{mix}; {first['slots']} slots; {arrivals}; {prefill}", ""]
     modes = list(summaries)
     lines.append(f"{'':24}" + "".join(f"{m:>14}" for m in modes))

@@ -104,7 +104,7 @@ def _slo_block(res: SimResult, arrival_step: np.ndarray,
     """Goodput: requests per simulated second that met both targets (a refused request
     meets neither). ttft = first token - arrival (seconds arrivals when the workload has
     them); tpot = (finish - first token) / (output tokens - 1), vLLM's definition."""
-    st = res.settings
+    st = res.settings.scheduler
     if st.slo_ttft_ms is None and st.slo_tpot_ms is None:
         return {}
     S = res.step_start_s

@@ -1,11 +1,13 @@
 """The engine's own Scheduler, driven by a simulated executor on a virtual clock.
 
-No scheduling decision is made here: every step calls `Scheduler.schedule()`, "computes"
-the chunks it returns (each chunk that reaches a request's last known token yields one
-sampled token), and hands the tokens back through `Scheduler.update_from_output()`, exactly
-as the engine does with the model runner. What the lab adds is bookkeeping: which slot each
-running request occupies, when it arrived, got its first token and finished, and how long
-each step would take under a cost model.
+No scheduling decision is made here: every step calls `Scheduler.schedule()`, hands the
+SchedulerOutput to a `SimExecutor` (which, like the model runner, keeps its own per-request
+state built from that data only and "samples" a token for each request whose tokens reach
+its end), and hands the tokens back through `Scheduler.update_from_output()`, exactly as the
+engine does with the model runner. What the lab adds is bookkeeping: a `Recorder` (only when
+asked: per-request output, traces, plots) keeps which slot each running request occupies
+and a per-step timeline; `simulate` keeps when each request arrived, got its first token
+and finished, and how long each step would take under a cost model.
 
 The virtual clock counts steps. While step s is scheduled the clock reads s; the tokens of
 step s are appended at the end of the step, when it reads s + 1. So a request admitted at
@@ -28,13 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.config import Batching, CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.scheduler import QueueFullError, Scheduler
+from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.lab.cost_model import CostModel
 from iterserve.lab.workload import RequestSpec
 
-PROMPT_TOKEN = 1       # the token every simulated prompt is made of (prefix caching is off)
+PROMPT_TOKEN = 1       # the token every simulated prompt is made of (so, with prefix
+                       # caching on, prompts share their prefixes as far as they go)
 SAMPLED_TOKEN = 2      # what the simulated executor "samples"; never an eos (ignore_eos too)
 STALL_LIMIT = 10_000   # steps with work queued but nothing scheduled before we give up
 
@@ -45,40 +49,24 @@ class SimulationError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class SimSettings:
-    batching: str                       # "static" | "continuous"
-    slots: int                          # max_num_seqs
-    max_num_batched_tokens: int
-    max_model_len: int
-    chunked_prefill: bool
-    num_kv_blocks: int
-    block_size: int
-    preemption_mode: str                # "recompute" | "swap"
-    policy: str                         # "fcfs" | "priority" | "slo"
+    """One mode's configs (the engine's own, from the one knob schema) plus the lab's view."""
+
+    scheduler: SchedulerConfig
+    cache: CacheConfig
     prefill_ignored: bool
-    slo_ttft_ms: float | None = None    # targets (policy slo admits by them; goodput for all)
-    slo_tpot_ms: float | None = None
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.slots,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=self.chunked_prefill,
-            scheduling_policy=self.policy,
-            batching=self.batching,
-            preemption_mode=self.preemption_mode,
-            slo_ttft_ms=self.slo_ttft_ms,
-            slo_tpot_ms=self.slo_tpot_ms,
-        ).validate()
+    @property
+    def batching(self) -> str:
+        return self.scheduler.batching.value
 
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            # Swap needs a host pool; as large as the device pool, so swap never fails for room.
-            num_swap_blocks=self.num_kv_blocks if self.preemption_mode == "swap" else 0,
-            enable_prefix_caching=False,
-        ).validate()
+    @property
+    def slots(self) -> int:
+        """The lab's name for max_num_seqs: a running request occupies one slot."""
+        return self.scheduler.max_num_seqs
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.cache.num_kv_blocks
 
 
 class _Track:
@@ -98,6 +86,141 @@ class _Track:
         self.evicted = False
 
 
+class Recorder:
+    """Slots, segments and a per-step timeline: what traces, plots and per-request output
+    need. Only built when recording, so big runs pay nothing for it."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.free_slots = list(range(slots))        # a heap: lowest index first
+        self.tracks: dict[str, _Track] = {}
+        self.timeline: dict[str, Any] = {
+            "running": [], "waiting": [], "preempted": [], "finished": [], "kv_blocks_used": []}
+        self.arrived = self.admitted = self.evicted_now = 0
+
+    def idle(self, gap: int, done: int) -> None:
+        for key, value in (("running", 0), ("waiting", 0), ("preempted", 0),
+                           ("finished", done), ("kv_blocks_used", 0)):
+            self.timeline[key].extend([value] * gap)
+
+    def arrive(self, rid: str, tr: _Track) -> None:
+        self.tracks[rid] = tr
+        self.arrived += 1
+
+    def evict(self, tr: _Track, step: int, first: bool) -> None:
+        if first:
+            self.evicted_now += 1
+        if tr.slot >= 0:
+            tr.segments.append({"slot": tr.slot, "start": tr.seg_start, "end": step,
+                                "kind": tr.seg_kind})
+            heapq.heappush(self.free_slots, tr.slot)
+            tr.slot = -1
+
+    def chunk(self, rid: str, step: int, is_prefill: bool) -> None:
+        tr = self.tracks[rid]
+        if tr.slot < 0:
+            if not self.free_slots:
+                raise SimulationError(
+                    f"step {step}: the scheduler ran more than max_num_seqs="
+                    f"{self.slots} requests at once")
+            tr.slot = heapq.heappop(self.free_slots)
+            tr.seg_start = step
+            tr.seg_kind = "prefill" if is_prefill else "decode"
+            if tr.first_scheduled < 0:
+                tr.first_scheduled = step
+                self.admitted += 1
+            if tr.evicted:
+                tr.evicted = False
+                self.evicted_now -= 1
+        elif is_prefill != (tr.seg_kind == "prefill"):
+            tr.segments.append({"slot": tr.slot, "start": tr.seg_start, "end": step,
+                                "kind": tr.seg_kind})
+            tr.seg_start = step
+            tr.seg_kind = "prefill" if is_prefill else "decode"
+
+    def end_step(self, sched: Scheduler) -> None:
+        tl = self.timeline
+        tl["running"].append(self.slots - len(self.free_slots))
+        tl["waiting"].append(self.arrived - self.admitted)
+        tl["preempted"].append(self.evicted_now)
+        st = sched.stats()
+        tl["kv_blocks_used"].append(st.num_blocks - st.num_free_blocks)
+
+    def finish(self, rid: str, tr: _Track, end: int) -> None:
+        if tr.slot >= 0:
+            heapq.heappush(self.free_slots, tr.slot)
+            tr.segments.append({"slot": tr.slot, "start": tr.seg_start, "end": end,
+                                "kind": tr.seg_kind})
+            tr.slot = -1
+        del self.tracks[rid]
+
+
+class SimExecutor:
+    """Executes a SchedulerOutput in simulated time, from the data alone (as the runner does).
+
+    Per request it keeps only its token count and prompt length, built from NewRequestData
+    and advanced by the token it "samples". `execute` returns the sampled tokens and leaves
+    the step's cost-model features (tokens, sequences, KV read, prefill tokens) and its
+    duration in `last_*` / `step_seconds`.
+    """
+
+    def __init__(self, cost: CostModel, max_num_seqs: int, prefill_ignored: bool,
+                 recorder: Recorder | None = None):
+        self.cost = cost
+        self.max_num_seqs = max_num_seqs
+        self.prefill_ignored = prefill_ignored
+        # Prefill tokens only matter to the cost when they have their own price.
+        self.count_prefill = cost.c_prefill_tok > 0 or recorder is not None
+        self.recorder = recorder
+        self.num_tokens: dict[str, int] = {}
+        self.prompt_len: dict[str, int] = {}
+        self.last_tokens = 0
+        self.step_seconds = 0.0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        num_tokens, prompt_len = self.num_tokens, self.prompt_len
+        for rid in out.finished_req_ids:
+            num_tokens.pop(rid, None)
+            prompt_len.pop(rid, None)
+        for d in out.scheduled_new_reqs:
+            num_tokens[d.req_id] = len(d.prompt_token_ids) + len(d.output_token_ids)
+            prompt_len[d.req_id] = len(d.prompt_token_ids)
+        sched = out.num_scheduled_tokens
+        if len(sched) > self.max_num_seqs:
+            raise SimulationError(
+                f"step {out.step}: the scheduler ran {len(sched)} requests, more than "
+                f"max_num_seqs={self.max_num_seqs}")
+        sampled: dict[str, int] = {}
+        tokens = kv_read = prefill = 0
+        count_prefill = self.count_prefill
+        ignored = self.prefill_ignored
+        rec = self.recorder
+        step = out.step
+        kinds: dict[str, bool] = {}
+        for data in (out.scheduled_new_reqs, out.scheduled_cached_reqs):
+            for d in data:
+                rid = d.req_id
+                nt = sched[rid]
+                start = d.num_computed_tokens
+                end = start + nt
+                tokens += nt
+                kv_read += end
+                if end >= num_tokens[rid]:
+                    sampled[rid] = SAMPLED_TOKEN
+                    num_tokens[rid] += 1
+                if count_prefill:
+                    is_prefill = nt > 1 or (not ignored and start < prompt_len[rid])
+                    if is_prefill:
+                        prefill += nt
+                    if rec is not None:
+                        kinds[rid] = is_prefill
+        if rec is not None:                 # slots are handed out in scheduling order
+            for rid in sched:
+                rec.chunk(rid, step, kinds[rid])
+        self.last_tokens = tokens
+        self.step_seconds = self.cost.step_time(tokens, len(sched), kv_read,
+                                                prefill if self.cost.c_prefill_tok > 0 else 0)
+        return sampled
 @dataclass
 class SimResult:
     """Everything one simulated run measured; `metrics.summarize` turns it into a report."""
@@ -113,12 +236,12 @@ class SimResult:
     first_token: np.ndarray              # per request, in steps (end of the step that made it)
     first_scheduled: np.ndarray          # per request, in steps
     preemptions: np.ndarray              # per request
+    itl_prev: np.ndarray | None = None   # token time pairs (steps) of consecutive tokens
+    itl_next: np.ndarray | None = None
     # SLO runs (arrivals in seconds, policy slo): the step each request became visible in,
     # and which ones add_request refused (their finish / first_token entries are 0).
     arrival_step: np.ndarray | None = None
     refused: np.ndarray | None = None
-    itl_prev: np.ndarray | None = None   # token time pairs (steps) of consecutive tokens
-    itl_next: np.ndarray | None = None
     # Recorded only when asked (per-request output, trace, plot):
     segments: list[list[dict[str, Any]]] | None = None
     events: list[list[dict[str, Any]]] | None = None
@@ -138,7 +261,7 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     def clock() -> float:
         return now
 
-    sched = Scheduler(settings.scheduler_config(), settings.cache_config(), clock=clock)
+    sched = Scheduler(settings.scheduler, settings.cache, clock=clock)
     n = len(specs)
     # --- SLO hook: arrivals in seconds, the policy's clock in simulated seconds, refusals.
     seconds_arrivals = n > 0 and specs[0].arrival_s is not None
@@ -147,7 +270,12 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         sched.slo.use_clock(lambda: now_s)
     arrival_step = np.zeros(n, dtype=np.int64) if seconds_arrivals else None
     refused = np.zeros(n, dtype=bool) if (seconds_arrivals or sched.slo is not None) else None
-    num_refused = 0
+    idle_s = cost.idle_step_s if cost.idle_step_s > 0 else 1e-3
+
+    def arrives_later(spec: RequestSpec) -> bool:
+        if seconds_arrivals:
+            return spec.arrival_s > step_start[-1]
+        return spec.arrival > step
     # ---
     finish = np.zeros(n, dtype=np.int64)
     first_token = np.zeros(n, dtype=np.int64)
@@ -157,31 +285,17 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     gaps_next: list[np.ndarray] = []
     segments: list[list[dict[str, Any]]] | None = [[] for _ in range(n)] if record else None
     events: list[list[dict[str, Any]]] | None = [[] for _ in range(n)] if record else None
-    timeline: dict[str, list[int]] | None = (
-        {"running": [], "waiting": [], "preempted": [], "finished": [], "kv_blocks_used": []}
-        if record else None)
+    rec = Recorder(settings.slots) if record else None
+    executor = SimExecutor(cost, settings.slots, settings.prefill_ignored, rec)
+    execute = executor.execute
 
-    free_slots = list(range(settings.slots))       # a heap: lowest index first
     step_start = array("d", [0.0])              # 8 bytes a step
-    step_time = cost.step_time
-    prefill_ignored = settings.prefill_ignored
-    # Prefill tokens only matter to the fast path's cost when they have their own price.
-    count_prefill = cost.c_prefill_tok > 0
     idx = 0
     step = 0
     busy = 0
     computed = 0
     done = 0
-    arrived = 0
-    admitted = 0
-    evicted_now = 0
     stalled = 0
-    sampled_token = SAMPLED_TOKEN
-
-    def arrives_later(spec: RequestSpec) -> bool:
-        if seconds_arrivals:
-            return spec.arrival_s > step_start[-1]
-        return spec.arrival > step
 
     while idx < n or sched.has_unfinished_requests():
         if idx < n and arrives_later(specs[idx]) and not sched.has_unfinished_requests():
@@ -189,28 +303,27 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
             # scheduler holds no request, so an empty schedule() would change nothing but
             # its step number, which we advance to match.
             if seconds_arrivals:
-                idle_s = cost.idle_step_s if cost.idle_step_s > 0 else 1e-3
                 gap = max(1, math.ceil((specs[idx].arrival_s - step_start[-1]) / idle_s))
+                base, idle = step_start[-1], idle_s
             else:
                 gap = specs[idx].arrival - step
-            base, idle = step_start[-1], cost.idle_step_s if not seconds_arrivals else idle_s
+                base, idle = step_start[-1], cost.idle_step_s
             step_start.extend(base + idle * k for k in range(1, gap + 1))
-            if record:
-                for key, value in (("running", 0), ("waiting", 0), ("preempted", 0),
-                                   ("finished", done), ("kv_blocks_used", 0)):
-                    timeline[key].extend([value] * gap)
+            if rec is not None:
+                rec.idle(gap, done)
             step += gap
             sched.skip_idle_steps(gap)
         now = float(step)
         while idx < n and not arrives_later(specs[idx]):
             spec = specs[idx]
+            tr = _Track(spec)
             req = Request(
                 f"req-{spec.index:06d}",
                 [PROMPT_TOKEN] * spec.prompt_len,
                 SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0),
                 priority=spec.priority,
                 arrival_time=float(spec.arrival),
-                user_data=_Track(spec),
+                user_data=tr,
             )
             if seconds_arrivals:
                 arrival_step[spec.index] = step
@@ -219,94 +332,34 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 sched.add_request(req)
             except QueueFullError:            # policy slo: refused early (a 429 in the server)
                 refused[spec.index] = True
-                num_refused += 1
                 done += 1
                 idx += 1
                 continue
             finally:
                 now_s = step_start[-1]
+            if rec is not None:
+                rec.arrive(req.request_id, tr)
             idx += 1
-            arrived += 1
 
         out = sched.schedule()
         if out.step != step:
             raise SimulationError(
                 f"the scheduler numbered step {out.step} where the lab expected {step}: "
                 "schedule() must number its steps 0, 1, 2, ... one per call")
-
-        requests = sched.requests
         if out.preempted_req_ids or out.swapped_out_req_ids:
-            for req in (requests[rid] for rid in (*out.preempted_req_ids,
-                                                   *out.swapped_out_req_ids)):
-                tr: _Track = req.user_data
+            for rid in (*out.preempted_req_ids, *out.swapped_out_req_ids):
+                tr = sched.get_request(rid).user_data
                 tr.preemptions += 1
-                if not tr.evicted:
-                    tr.evicted = True
-                    evicted_now += 1
-                if tr.slot >= 0:
-                    if record:
-                        tr.segments.append({"slot": tr.slot, "start": tr.seg_start, "end": step,
-                                            "kind": tr.seg_kind})
-                    heapq.heappush(free_slots, tr.slot)
-                    tr.slot = -1
+                first = not tr.evicted
+                tr.evicted = True
+                if rec is not None:
+                    rec.evict(tr, step, first)
 
-        # (request, start, num_tokens) per scheduled request: the plain-data output names
-        # requests by id; start is where the request's computed tokens stand before the step.
-        chunks = [(requests[rid], requests[rid].num_computed_tokens, nt)
-                  for rid, nt in out.num_scheduled_tokens.items()]
-        sampled: dict[str, int] = {}
-        tokens = kv_read = prefill = 0
-        if not record:
-            # The hot loop of big runs: only what the executor and the cost model need.
-            if len(chunks) > settings.slots:
-                raise SimulationError(
-                    f"step {step}: the scheduler ran {len(chunks)} requests, more than "
-                    f"max_num_seqs={settings.slots}")
-            for req, start, nt in chunks:
-                end = start + nt
-                tokens += nt
-                kv_read += end
-                if end >= len(req.all_token_ids):
-                    sampled[req.request_id] = sampled_token
-            if count_prefill:
-                prefill = sum(nt for req, start, nt in chunks if nt > 1 or (
-                    not prefill_ignored and start < len(req.prompt_token_ids)))
-        else:
-            for req, start, nt in chunks:
-                end = start + nt
-                tokens += nt
-                kv_read += end
-                if end >= len(req.all_token_ids):
-                    sampled[req.request_id] = sampled_token
-                is_prefill = nt > 1 or (not prefill_ignored
-                                        and start < len(req.prompt_token_ids))
-                if is_prefill:
-                    prefill += nt
-                tr = req.user_data
-                if tr.slot < 0:
-                    if not free_slots:
-                        raise SimulationError(
-                            f"step {step}: the scheduler ran more than max_num_seqs="
-                            f"{settings.slots} requests at once")
-                    tr.slot = heapq.heappop(free_slots)
-                    tr.seg_start = step
-                    tr.seg_kind = "prefill" if is_prefill else "decode"
-                    if tr.first_scheduled < 0:
-                        tr.first_scheduled = step
-                        admitted += 1
-                    if tr.evicted:
-                        tr.evicted = False
-                        evicted_now -= 1
-                elif is_prefill != (tr.seg_kind == "prefill"):
-                    tr.segments.append({"slot": tr.slot, "start": tr.seg_start, "end": step,
-                                        "kind": tr.seg_kind})
-                    tr.seg_start = step
-                    tr.seg_kind = "prefill" if is_prefill else "decode"
-
-        nseq = len(chunks)
+        sampled = execute(out)
+        nseq = len(out.num_scheduled_tokens)
         busy += nseq
-        computed += tokens
-        step_start.append(step_start[-1] + step_time(tokens, nseq, kv_read, prefill))
+        computed += executor.last_tokens
+        step_start.append(step_start[-1] + executor.step_seconds)
         if nseq == 0:
             stalled += 1
             if stalled > STALL_LIMIT and sched.has_unfinished_requests():
@@ -316,13 +369,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                     "token budget cannot fit the next request")
         else:
             stalled = 0
-
-        if record:
-            timeline["running"].append(settings.slots - len(free_slots))
-            timeline["waiting"].append(arrived - admitted)
-            timeline["preempted"].append(evicted_now)
-            st = sched.stats()
-            timeline["kv_blocks_used"].append(st.num_blocks - st.num_free_blocks)
+        if rec is not None:
+            rec.end_step(sched)
 
         now = float(step + 1)
         now_s = step_start[-1]
@@ -342,30 +390,27 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 times = np.asarray(req.token_times, dtype=np.int64)
                 gaps_prev.append(times[:-1])
                 gaps_next.append(times[1:])
-            if tr.slot >= 0:
-                heapq.heappush(free_slots, tr.slot)
-                if record:
-                    tr.segments.append({"slot": tr.slot, "start": tr.seg_start,
-                                        "end": step + 1, "kind": tr.seg_kind})
-                tr.slot = -1
-            if record:
+            if rec is not None:
+                rec.finish(req.request_id, tr, step + 1)
                 segments[i] = tr.segments
                 events[i] = [e.to_dict() for e in req.events]
             req.user_data = None
             done += 1
 
-        if record:
-            timeline["finished"].append(done)
+        if rec is not None:
+            rec.timeline["finished"].append(done)
         step += 1
 
     if done != n:
         raise SimulationError(f"{n - done} of {n} requests never finished")
-    if record:
+    timeline = None
+    if rec is not None:
+        timeline = rec.timeline
         timeline["num_kv_blocks"] = settings.num_kv_blocks
     result = SimResult(
         mode=settings.batching, settings=settings, steps=step, busy_slot_steps=busy,
-        computed_tokens=computed, step_start_s=np.frombuffer(step_start, dtype=np.float64), specs=specs,
-        finish=finish, first_token=first_token, first_scheduled=first_scheduled,
+        computed_tokens=computed, step_start_s=np.frombuffer(step_start, dtype=np.float64),
+        specs=specs, finish=finish, first_token=first_token, first_scheduled=first_scheduled,
         preemptions=preemptions, segments=segments, events=events, timeline=timeline,
         arrival_step=arrival_step, refused=refused)
     if token_gaps:

@@ -44,6 +44,8 @@ class WorkloadSpec:
     arrival_rate: float | None = None               # requests per step; None = all at step 0
     prompt_len: tuple[int, int] | None = None       # None = prefill ignored (1-token prompts)
     priority_frac: float = 0.0                      # share of requests in the urgent class
+    long_prompt_frac: float = 0.0                   # share of prompts drawn from long_prompt
+    long_prompt: tuple[int, int] | None = None      # (the "longprompt" mix)
     arrival_rate_s: float | None = None             # requests per simulated second (Poisson)
 
 
@@ -73,6 +75,12 @@ def draw_workload(spec: WorkloadSpec) -> list[RequestSpec]:
         rng = _rng(spec.seed, "prompts")
         lo, hi = spec.prompt_len
         prompts = [rng.randint(lo, hi) for _ in range(n)]
+        if spec.long_prompt_frac > 0 and spec.long_prompt is not None:
+            # Its own stream, so the short prompts above are the same with or without it.
+            rng = _rng(spec.seed, "long_prompts")
+            llo, lhi = spec.long_prompt
+            prompts = [rng.randint(llo, lhi) if rng.random() < spec.long_prompt_frac else p
+                       for p in prompts]
 
     arrivals_s: list[float | None] = [None] * n
     if spec.arrival_rate_s is not None:

@@ -1,10 +1,15 @@
 """ModelRunner: one SchedulerOutput -> one forward pass -> sampled tokens.
 
+The SchedulerOutput is data (core/scheduler_output.py): the runner keeps its own state per
+request (`RequestState`: token ids, sampling params, block table), built from a request's
+NewRequestData and updated from each step's diffs, and appends the token it samples. Per
+step that costs O(scheduled requests + new blocks), never O(context).
+
 The step's chunks are flattened into one token batch with no padding: decodes first (so
 attention can batch them), then each prefill chunk. The K/V of every computed token is
-written to the paged pool at the slots its chunk's block table names; logits are computed
+written to the paged pool at the slots its request's block table names; logits are computed
 only for the rows that sample (the last token of a chunk that reaches the request's end),
-then one batched Sampler call picks the tokens.
+then one batched Sampler call picks the tokens from the runner's own rows.
 """
 
 from __future__ import annotations
@@ -13,13 +18,33 @@ from typing import Callable, Sequence
 
 import torch
 
-from iterserve.core.request import Request
-from iterserve.core.scheduler_output import SampleResult, ScheduledChunk, SchedulerOutput
+from iterserve.core.request import SamplingParams
+from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
 
-SamplerFn = Callable[[torch.Tensor, Sequence[Request]], list[SampleResult]]
+SamplerFn = Callable[[torch.Tensor, Sequence["RequestState"]], list[SampleResult]]
+
+
+class RequestState:
+    """The runner's copy of one request (a SamplingRow for the sampler)."""
+
+    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "token_ids",
+                 "sampling_params", "block_ids")
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                 sampling_params: SamplingParams, block_ids) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids = list(output_token_ids)
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+        self.sampling_params = sampling_params
+        self.block_ids = list(block_ids)
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
 
 # Prepacked weights (layers.Linear) on CPU float32 cost one extra copy of the weights.
 # "onednn" by default: measured side by side by benchmarks/bench_decode.py on this machine
@@ -53,6 +78,7 @@ class ModelRunner:
             from iterserve.model.sampler import Sampler
             sampler = Sampler()
         self.sampler = sampler
+        self.requests: dict[str, RequestState] = {}
         # Packing is a property of the model's Linear modules: set (or clear) it every time.
         mode = PACKING_DEFAULT if pack_weights == "default" else pack_weights
         self.packed = self.model.pack_linears(mode)
@@ -77,48 +103,85 @@ class ModelRunner:
         return PagedKVCache.bytes_per_block(config, block_size, dtype or config.dtype)
 
     # --- one step ------------------------------------------------------------------------
+    def update_states(self, output: SchedulerOutput) -> None:
+        """Apply the step's data to the per-request states (finished / preempted dropped,
+        new ones built, cached ones' new blocks and resumed tables applied)."""
+        states = self.requests
+        for rid in output.finished_req_ids:
+            states.pop(rid, None)
+        for rid in output.preempted_req_ids:
+            states.pop(rid, None)
+        for d in output.scheduled_new_reqs:
+            states[d.req_id] = RequestState(d.req_id, d.prompt_token_ids, d.output_token_ids,
+                                            d.sampling_params, d.block_ids)
+        for d in output.scheduled_cached_reqs:
+            st = states.get(d.req_id)
+            if st is None:
+                raise ValueError(f"step {output.step}: cached data for request "
+                                 f"{d.req_id!r}, which the runner does not hold")
+            if d.resumed_from_preemption:
+                st.block_ids = list(d.new_block_ids)
+            elif d.new_block_ids:
+                st.block_ids.extend(d.new_block_ids)
+
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         logits, sampling = self._run(output)
         if not sampling:
             return {}
-        requests = [c.request for c in sampling]
-        results = self.sampler(logits, requests)
-        return {r.request_id: res for r, res in zip(requests, results)}
+        results = self.sampler(logits, sampling)
+        for st, res in zip(sampling, results):
+            st.append(res.token_id)
+        return {st.req_id: res for st, res in zip(sampling, results)}
 
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor:
-        """float32 logits [N, vocab] of the sampling chunks, in output.chunks order."""
+        """float32 logits [N, vocab] of the sampling requests, in num_scheduled_tokens order
+        (applies the step's data but samples nothing)."""
         logits, _ = self._run(output)
         return logits
 
-    def _run(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    def _run(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[RequestState]]:
+        self.update_states(output)
         self.kv_cache.swap_out(output.blocks_to_swap_out)
         self.kv_cache.swap_in(output.blocks_to_swap_in)
-        if not output.chunks:
+        if not output.num_scheduled_tokens:
             return torch.empty(0, self.config.vocab_size), []
-        for c in output.chunks:
-            if c.num_tokens < 1 or c.start < 0 or c.start + c.num_tokens > c.request.num_tokens:
+        states = self.requests
+        chunks: list[tuple[RequestState, int, int]] = []     # (state, start, num_tokens)
+        starts = {d.req_id: d.num_computed_tokens for d in output.scheduled_new_reqs}
+        for d in output.scheduled_cached_reqs:
+            starts[d.req_id] = d.num_computed_tokens
+        for rid, n in output.num_scheduled_tokens.items():
+            st = states.get(rid)
+            start = starts.get(rid)
+            if st is None or start is None:
+                raise ValueError(f"step {output.step}: request {rid!r} is scheduled but "
+                                 "the runner has no data for it")
+            if n < 1 or start < 0 or start + n > len(st.token_ids):
                 raise ValueError(
-                    f"chunk of request {c.request.request_id!r} asks for tokens "
-                    f"[{c.start}, {c.start + c.num_tokens}) of a {c.request.num_tokens}-token request")
+                    f"chunk of request {rid!r} asks for tokens "
+                    f"[{start}, {start + n}) of a {len(st.token_ids)}-token request")
+            chunks.append((st, start, n))
         # Decodes first (batched attention), then prefill chunks; stable within each group.
-        order = sorted(range(len(output.chunks)), key=lambda i: output.chunks[i].num_tokens != 1)
-        chunks = [output.chunks[i] for i in order]
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i][2] != 1)
         ids: list[int] = []
         positions: list[int] = []
         last_row: dict[int, int] = {}
-        for i, c in zip(order, chunks):
-            ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + c.num_tokens))
+        spans = []
+        for i in order:
+            st, start, n = chunks[i]
+            ids.extend(st.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
             last_row[i] = len(ids) - 1
-        meta = build_metadata([(c.start, c.num_tokens, c.block_ids) for c in chunks],
-                              self.block_size, self.config.sliding_window, self.device,
+            spans.append((start, n, st.block_ids))
+        meta = build_metadata(spans, self.block_size, self.config.sliding_window, self.device,
                               self.config.dtype, decode_kernel=self.decode_kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
-        sampling = [c for c in output.chunks if c.sample]
-        rows = [last_row[i] for i, c in enumerate(output.chunks) if c.sample]
-        if not rows:
+        sample_idx = [i for i, (st, start, n) in enumerate(chunks)
+                      if start + n >= len(st.token_ids)]
+        if not sample_idx:
             return torch.empty(0, self.config.vocab_size), []
+        rows = [last_row[i] for i in sample_idx]
         sel = hidden.index_select(0, torch.tensor(rows, device=self.device))
-        return self.model.logits(sel), sampling
+        return self.model.logits(sel), [chunks[i][0] for i in sample_idx]

@@ -33,8 +33,7 @@ from typing import Sequence
 
 import torch
 
-from iterserve.core.request import Request
-from iterserve.core.scheduler_output import SampleResult
+from iterserve.core.scheduler_output import SampleResult, SamplingRow
 
 GREEDY_TEMPERATURE = 1e-5   # at or below this, sampling is argmax (as vLLM's _SAMPLING_EPS)
 _MASK64 = (1 << 64) - 1
@@ -49,7 +48,12 @@ def _row_seed(seed: int, step: int) -> int:
 
 
 class Sampler:
-    """`sampler(logits [N, V] float32, requests) -> [SampleResult] * N`."""
+    """`sampler(logits [N, V] float32, rows) -> [SampleResult] * N`.
+
+    A row is anything with `sampling_params`, `prompt_token_ids` and `output_token_ids`
+    (core.scheduler_output.SamplingRow): the runner's own per-request state, not the
+    scheduler's live Request.
+    """
 
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed
@@ -66,7 +70,7 @@ class Sampler:
             self._generators[device] = g
         return g
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingRow]) -> list[SampleResult]:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [num_requests={len(requests)}, vocab], "
                              f"got {tuple(logits.shape)}")
@@ -97,7 +101,7 @@ class Sampler:
             return [SampleResult(t) for t in token_list]
         return self._with_logprobs(raw_logprobs, tokens, token_list, params)
 
-    def _uniforms(self, requests: Sequence[Request], device: torch.device) -> torch.Tensor:
+    def _uniforms(self, requests: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
         """One U[0, 1) per row; a seeded row's comes from its own (seed, step) generator."""
         u = torch.empty(len(requests), device=device)
         unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
@@ -112,11 +116,11 @@ class Sampler:
             seed = r.sampling_params.seed
             if seed is not None:
                 g = torch.Generator(device=device)
-                g.manual_seed(_row_seed(seed, r.num_output_tokens))
+                g.manual_seed(_row_seed(seed, len(r.output_token_ids)))
                 u[i] = torch.rand(1, device=device, generator=g)[0]
         return u
 
-    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request], *,
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[SamplingRow], *,
                        owned: bool = False) -> torch.Tensor:
         """Temperature, truncation, then an inverse-CDF draw with one uniform per row.
 
@@ -195,7 +199,7 @@ def _padded_ids(lists: list[list[int]], device: torch.device) -> tuple[torch.Ten
             torch.tensor(valid, dtype=torch.bool, device=device))
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition (prompt + output), frequency and presence (output) penalties, batched.
 
     Touches only the seen ids (gather, compute, scatter): the cost grows with the tokens a

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     cache = getattr(e, "cache_config", None)
     print(f"iterserve: serving {e.model_name!r} on http://{args.host}:{args.port} "
           f"(max_model_len {e.max_model_len}"
-          + (f", {cache.num_blocks} KV blocks of {cache.block_size} tokens" if cache else "")
+          + (f", {cache.num_kv_blocks} KV blocks of {cache.block_size} tokens" if cache else "")
           + ")", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
