@@ -28,9 +28,9 @@ from iterserve.core.scheduler import Scheduler
 
 def _step(s: Scheduler) -> None:
     out = s.schedule()
-    reqs = s.requests                   # the executor's "sample" rule, from the data
+    get = s.requests.__getitem__        # the executor's "sample" rule, from the data
     s.update_from_output(out, {rid: 1 for rid, n in out.num_scheduled_tokens.items()
-                               if reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens})
+                               if (r := get(rid)).num_computed_tokens + n >= len(r.all_token_ids)})
 
 
 def bench_decode(num_seqs: int, steps: int, caching: bool) -> dict:

@@ -252,6 +252,28 @@ def test_a_bad_knob_shows_the_servers_message_and_marks_the_field(page):
     assert page.get_attribute("#opt-short-min", "aria-invalid") is None
 
 
+def test_scheduler_knobs_and_the_longprompt_mix_reach_the_lab(page, base_url):
+    options = {"mix": "longprompt", "long_prefill_token_threshold": 256,
+               "max_num_partial_prefills": 2, "enable_prefix_caching": True}
+
+    def set_knobs():
+        page.select_option("#opt-mix", "longprompt")
+        page.fill("#opt-long_prefill_token_threshold", "256")
+        page.fill("#opt-max_num_partial_prefills", "2")
+        page.check("#opt-enable_prefix_caching")
+        page.click("#run")
+
+    rerun(page, set_knobs)
+    expected = lab_run(base_url, options)
+    assert expected != lab_run(base_url, {"mix": "longprompt"})   # the knobs change the run
+    for mode in ("static", "continuous"):
+        assert shown(page, mode, "mean_ttft") == pytest.approx(expected[mode]["mean_ttft"])
+        assert shown(page, mode, "steps") == expected[mode]["steps"]
+    rerun(page, lambda: page.click("#reference-case"))
+    assert page.input_value("#opt-mix") == "reference"
+    assert not page.is_checked("#opt-enable_prefix_caching")
+
+
 def test_live_panel_is_hidden_without_a_model_and_shows_engine_stats_when_there_is_one(page):
     assert page.locator("#live").is_hidden()   # no engine here: /v1/engine/stats is a 503
     stats = {

@@ -234,8 +234,8 @@ class BlockManager:
         table = self.tables.get(rid)
         bs = self.block_size
         if table is not None and not cached_blocks:
-            # Hot path (decode): usually the last block still has room.
-            need = cdiv(request.num_computed_tokens + num_new_tokens, bs) - len(table)
+            # Hot path (decode): usually the last block still has room (cdiv inlined).
+            need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(table)
             if need <= 0:
                 return NO_NEW_BLOCKS
             if need > len(self._free_plain) + len(self._free_cached):

@@ -104,6 +104,9 @@ class Scheduler:
         # Requests whose state the executors hold (sent as NewRequestData and not finished
         # or preempted by recompute since): a swapped-in one of these comes back as a diff.
         self._sent: set[str] = set()
+        # Token slots each running request was granted, from the block manager's answers
+        # (blocks held x block_size): a step that fits asks the block manager nothing.
+        self._granted: dict[str, int] = {}
         # Static batching: members of the current group not yet admitted (or requeued after
         # preemption), and the ids of all unfinished members.
         self._group = FCFSQueue()
@@ -209,6 +212,7 @@ class Scheduler:
         request.record("finished", now, self.step, reason=reason.value)
         self._finished.append(request.request_id)
         self._sent.discard(request.request_id)
+        self._granted.pop(request.request_id, None)
         if self._static:
             self._group_ids.discard(request.request_id)
 
@@ -245,10 +249,12 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         clamp = self._clamp
         num_sched = out.num_scheduled_tokens          # filled in scheduling order
-        cached: dict[str, CachedRequestData] = {}
+        cached = out.scheduled_cached_reqs            # (a list: appended once per request)
         new: dict[str, NewRequestData] = {}
         running = self.running
         allocate = bm.allocate_slots
+        granted = self._granted
+        block_size = bm.block_size
         num_preempted = 0
         num_partial = 0       # requests that will still be mid-prefill after this step
 
@@ -264,20 +270,25 @@ class Scheduler:
                 if not n:
                     i += 1                  # a whole recompute that does not fit this step
                     continue
-            while (blocks := allocate(req, n)) is None:
-                victim = self._pick_victim(running)
-                idx = running.index(victim)
-                if idx < i:
-                    i -= 1
-                budget += self._preempt(victim, idx, out, new, cached)
-                num_preempted += 1
-                if victim is req:
-                    break
-            if blocks is None:
-                continue                    # running[i] is now the next request
             rid = req.request_id
+            if start + n <= granted[rid]:
+                new_blocks = ()             # the common decode step: its last block has room
+            else:
+                while (blocks := allocate(req, n)) is None:
+                    victim = self._pick_victim(running)
+                    idx = running.index(victim)
+                    if idx < i:
+                        i -= 1
+                    budget += self._preempt(victim, idx, out, new, cached)
+                    num_preempted += 1
+                    if victim is req:
+                        break
+                if blocks is None:
+                    continue                # running[i] is now the next request
+                new_blocks = blocks.block_ids
+                granted[rid] += len(new_blocks) * block_size
             num_sched[rid] = n
-            cached[rid] = CachedRequestData(rid, blocks.block_ids, start)
+            cached.append(CachedRequestData(rid, new_blocks, start))
             budget -= n
             if start + n < num_tokens:          # still mid-prefill after this step
                 num_partial += 1
@@ -311,8 +322,9 @@ class Scheduler:
                 req.record("resumed", now, step)
                 num_sched[rid] = n
                 table = bm.get_blocks(rid).block_ids
+                granted[rid] = len(table) * block_size
                 if rid in self._sent:
-                    cached[rid] = CachedRequestData(rid, table, start, True)
+                    cached.append(CachedRequestData(rid, table, start, True))
                 else:                       # swapped out the step it was admitted
                     new[rid] = self._new_data(req, table)
                 budget -= n
@@ -378,6 +390,7 @@ class Scheduler:
                 num_sched[rid] = n
                 # The table was empty: the blocks added are all of it (hits included).
                 new[rid] = self._new_data(req, blocks.block_ids)
+                granted[rid] = len(blocks.block_ids) * block_size
                 req.record("prefill_chunk", now, step, start=num_hit, num_tokens=n)
                 budget -= n
                 if partial:
@@ -387,7 +400,6 @@ class Scheduler:
         if new:
             out.scheduled_new_reqs = list(new.values())
             self._sent.update(new)
-        out.scheduled_cached_reqs = list(cached.values())
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         # Cheap end-of-step checks (vLLM v1 does the same): a broken invariant here would
         # otherwise surface far away, as a wrong token or a leaked block.
@@ -454,7 +466,7 @@ class Scheduler:
         return max(running, key=self._victim_key)
 
     def _preempt_less_urgent(self, req: Request, running: list[Request], out: SchedulerOutput,
-                             new: dict, cached: dict, exclude: set[str]) -> bool:
+                             new: dict, cached: list, exclude: set[str]) -> bool:
         """Priority policy: preempt the least urgent running request if it is strictly less
         urgent than `req`. Requests swapped in this very step are not candidates (their
         swap-in copy and a swap-out copy would race in the executor)."""
@@ -468,13 +480,15 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, idx: int, out: SchedulerOutput, new: dict,
-                 cached: dict) -> int:
+                 cached: list) -> int:
         """Evict running[idx] (== victim); returns the tokens it had been given this step."""
         del self.running[idx]
         rid = victim.request_id
+        self._granted.pop(rid, None)            # its device blocks go either way
         given = out.num_scheduled_tokens.pop(rid, 0)
-        new.pop(rid, None)
-        cached.pop(rid, None)
+        if given:                           # scheduled earlier this step: withdraw its data
+            if new.pop(rid, None) is None:
+                cached[:] = [d for d in cached if d.req_id != rid]
         victim.num_preemptions += 1
         bm = self.block_manager
         now = self.clock()
@@ -637,6 +651,9 @@ class Scheduler:
             elif bm.num_device_blocks(rid) < cdiv(r.num_computed_tokens, bs):
                 bad.append((rid, f"{bm.num_device_blocks(rid)} blocks cannot hold its "
                                  f"{r.num_computed_tokens} computed tokens"))
+            if self._granted.get(rid) != bm.num_device_blocks(rid) * bs:
+                bad.append((rid, f"granted {self._granted.get(rid)} token slots but holds "
+                                 f"{bm.num_device_blocks(rid)} blocks"))
         for r in waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 bad.append((r.request_id, f"waiting with status {r.status.value}"))
@@ -650,6 +667,8 @@ class Scheduler:
                                           f"{r.num_computed_tokens} computed tokens"))
         for rid in sorted(bm.device_owners() - set(running_ids)):
             bad.append((rid, "holds device blocks but is not running"))
+        for rid in sorted(set(self._granted) - set(running_ids)):
+            bad.append((rid, "granted token slots but not running"))
         return bad
 
     def check_consistency(self) -> None:

@@ -172,19 +172,18 @@ class SimExecutor:
         # Prefill tokens only matter to the cost when they have their own price.
         self.count_prefill = cost.c_prefill_tok > 0 or recorder is not None
         self.recorder = recorder
-        self.num_tokens: dict[str, int] = {}
-        self.prompt_len: dict[str, int] = {}
+        # request id -> [tokens it has (prompt + outputs), prompt length]: one lookup a chunk.
+        self.state: dict[str, list[int]] = {}
         self.last_tokens = 0
         self.step_seconds = 0.0
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        num_tokens, prompt_len = self.num_tokens, self.prompt_len
+        state = self.state
         for rid in out.finished_req_ids:
-            num_tokens.pop(rid, None)
-            prompt_len.pop(rid, None)
+            state.pop(rid, None)
         for d in out.scheduled_new_reqs:
-            num_tokens[d.req_id] = len(d.prompt_token_ids) + len(d.output_token_ids)
-            prompt_len[d.req_id] = len(d.prompt_token_ids)
+            state[d.req_id] = [len(d.prompt_token_ids) + len(d.output_token_ids),
+                               len(d.prompt_token_ids)]
         sched = out.num_scheduled_tokens
         if len(sched) > self.max_num_seqs:
             raise SimulationError(
@@ -205,11 +204,12 @@ class SimExecutor:
                 end = start + nt
                 tokens += nt
                 kv_read += end
-                if end >= num_tokens[rid]:
+                st = state[rid]
+                if end >= st[0]:
                     sampled[rid] = SAMPLED_TOKEN
-                    num_tokens[rid] += 1
+                    st[0] += 1
                 if count_prefill:
-                    is_prefill = nt > 1 or (not ignored and start < prompt_len[rid])
+                    is_prefill = nt > 1 or (not ignored and start < st[1])
                     if is_prefill:
                         prefill += nt
                     if rec is not None:

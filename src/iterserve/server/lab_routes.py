@@ -6,10 +6,11 @@ scheduler on a simulated executor), and the page is plain HTML/JS/CSS shipped in
 internet. When the app does have an engine, the page also polls `GET /v1/engine/stats`
 (served by the app, not by this router) for its live view.
 
-Why a JSON body parsed by hand rather than a pydantic model: the lab owns the option names
-and their validation (`LabOptionsError` names the option and what is wrong), and the CLI, this
-endpoint and the page must agree on them; a second schema here would drift. So the router only
-checks that the body is a JSON object and maps the lab's errors to OpenAI-style 400 bodies.
+The options are validated by the lab's own pydantic model (`iterserve.lab.options.LabOptions`,
+its scheduler fields generated from the knob schema in core/config.py), the same one the CLI
+and `run_lab` use, so there is no second schema here to drift. The router checks that the body
+is a JSON object, bounds the work, and maps `LabOptionsError` (which names the option) to an
+OpenAI-style 400 body with `param`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,142 @@
+"""The lab's options as one pydantic model, its scheduler fields made from the knob schema.
+
+`LabOptions` is what `run_lab`, `iterserve lab` and `POST /v1/lab/run` accept. The
+scheduler and KV-cache fields are generated from `core/config.py` (type, bounds, choices,
+help), so the lab checks a knob exactly as the engine does; the workload fields (what to
+draw, how to time it) are the lab's own. Validation is strict (no "8" for 8, no 1 for true)
+and every error is turned into a `LabOptionsError` whose message names the option.
+
+Three lab options still carry the lab's older names for engine knobs (`LAB_NAMES`: slots,
+policy, chunked_prefill); everything else uses the engine's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from iterserve.core.config import CacheConfig, Knob, SchedulerConfig, knob_fields
+
+MAX_SLOTS = 4096
+MAX_REQUESTS = 1_000_000
+MAX_LENGTH = 100_000
+
+# lab option name -> engine knob name, for the knobs the lab spelled its own way.
+LAB_NAMES = {"slots": "max_num_seqs", "policy": "scheduling_policy",
+             "chunked_prefill": "enable_chunked_prefill"}
+# The engine knobs the lab exposes, with lab defaults (None: derived from the workload,
+# see lab/api.py) and lab-only upper bounds that keep a run interactive.
+_LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
+    "max_num_seqs": (8, MAX_SLOTS),
+    "max_num_batched_tokens": (None, 10 * MAX_LENGTH),
+    "enable_chunked_prefill": (True, None),
+    "long_prefill_token_threshold": (0, None),
+    "max_num_partial_prefills": (1, None),
+    "scheduling_policy": ("fcfs", None),
+    "preemption_mode": ("recompute", None),
+    "num_kv_blocks": (None, 100_000_000),
+    "block_size": (16, 4096),
+    "enable_prefix_caching": (False, None),
+    "slo_ttft_ms": (None, None),          # SLO targets (issue 18): goodput is reported
+    "slo_tpot_ms": (None, None),          # whenever one is set; policy slo admits by them
+}
+
+
+class LabOptionsError(ValueError):
+    """A lab option with a bad value (or an unknown option); the message names it."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
+
+
+def _field(k: Knob, default: Any, maximum: float | None) -> tuple[Any, Any]:
+    """(annotation, FieldInfo) for one knob, from its metadata."""
+    if k.choices:
+        kind: Any = Literal[k.choices]          # strict: the plain string, not the Enum
+    else:
+        kind = k.kind
+    bounds: dict[str, Any] = {}
+    if k.minimum is not None and k.kind is not bool:
+        bounds["gt" if k.exclusive_minimum else "ge"] = k.minimum
+    hi = maximum if maximum is not None else k.maximum
+    if hi is not None:
+        bounds["le"] = hi
+    if k.kind is float:
+        bounds["allow_inf_nan"] = False
+    ann = Optional[kind] if default is None else kind
+    return ann, Field(default, description=k.help, **bounds)
+
+
+def _knob_fields() -> dict[str, tuple[Any, Any]]:
+    schema = {name: k for cls in (SchedulerConfig, CacheConfig) for name, _, k in knob_fields(cls)}
+    engine_to_lab = {v: k for k, v in LAB_NAMES.items()}
+    return {engine_to_lab.get(name, name): _field(schema[name], default, hi)
+            for name, (default, hi) in _LAB_KNOBS.items()}
+
+
+LabOptions = create_model(
+    "LabOptions",
+    __config__=ConfigDict(strict=True, extra="forbid"),
+    __doc__="Options of one lab run (all optional; None means the default).",
+    batching=(Literal["static", "continuous", "both"], Field("both")),
+    requests=(int, Field(48, ge=1, le=MAX_REQUESTS, description="number of requests")),
+    seed=(Optional[int], Field(None, ge=0, description="seed of the draw")),
+    short_frac=(float, Field(0.8, ge=0, le=1, allow_inf_nan=False)),
+    short=(Any, Field([10, 100], description="[min, max] short output lengths")),
+    long=(Any, Field([250, 500], description="[min, max] long output lengths")),
+    lengths=(Any, Field(None, description="given output lengths instead of a draw")),
+    arrival_rate=(Optional[float], Field(None, gt=0, allow_inf_nan=False,
+                                         description="Poisson arrivals, requests per step")),
+    arrival_rate_s=(Optional[float], Field(
+        None, gt=0, allow_inf_nan=False,
+        description="Poisson arrivals, requests per simulated second (SLO experiments)")),
+    prompt_len=(Any, Field(None, description="[min, max] prompt lengths (turns prefill on)")),
+    mix=(Literal["reference", "longprompt"], Field("reference")),
+    priority_frac=(Optional[float], Field(None, ge=0, le=1, allow_inf_nan=False)),
+    cost_model=(Any, Field(None, description="a cost model object or CostModel")),
+    per_request=(bool, Field(False)),
+    **_knob_fields(),
+)
+
+OPTION_DEFAULTS: dict[str, Any] = {name: f.default for name, f in LabOptions.model_fields.items()}
+
+
+def _message(err: dict[str, Any]) -> str:
+    t, v, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    if t == "greater_than_equal":
+        return f"must be at least {ctx['ge']:g}, got {v!r}"
+    if t == "greater_than":
+        return f"must be greater than {ctx['gt']:g}, got {v!r}"
+    if t == "less_than_equal":
+        return f"must be at most {ctx['le']:g}, got {v!r}"
+    if t in ("int_type", "int_from_float", "int_parsing"):
+        return f"expected an integer, got {v!r}"
+    if t in ("float_type", "finite_number", "float_parsing"):
+        return f"expected a finite number, got {v!r}"
+    if t == "bool_type":
+        return f"expected true or false, got {v!r}"
+    if t == "literal_error":
+        choices = ctx.get("expected", "").replace("'", "").replace(" or ", ", ")
+        return f"must be one of {choices}; got {v!r}"
+    return err.get("msg", "invalid value")
+
+
+def parse_options(options: Any) -> Any:
+    """`options` (a dict; None values mean "default") as a validated LabOptions."""
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise LabOptionsError(f"options must be an object, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(LabOptions.model_fields))
+    if unknown:
+        raise LabOptionsError(
+            f"unknown option(s) {', '.join(map(repr, unknown))}; known options: "
+            f"{', '.join(LabOptions.model_fields)}", unknown[0])
+    try:
+        return LabOptions.model_validate({k: v for k, v in options.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else None
+        raise LabOptionsError(f"{name}: {_message(err)}", name) from None
