@@ -47,7 +47,8 @@ def decode(policy: str, num_seqs: int, steps: int) -> float:
                   CacheConfig(block_size=16, num_kv_blocks=num_seqs * (steps // 16 + 8)))
     for i in range(num_seqs):
         s.add_request(Request(f"r{i}", [1 + i % 7] * 16,
-                              SamplingParams(max_tokens=steps + 100, ignore_eos=True)))
+                              SamplingParams(max_tokens=steps + 100, ignore_eos=True),
+                              arrival_time=s.clock()))
     while not all(r.num_output_tokens for r in s.running) or s.num_waiting:
         _step(s)
     c0 = time.process_time()
@@ -68,7 +69,8 @@ def churn(policy: str, steps: int, seed: int = 0) -> float:
         nonlocal n
         while s.num_running + s.num_waiting < 56:
             s.add_request(Request(f"m{n}", [rng.randrange(1000) for _ in range(rng.randint(16, 464))],
-                                  SamplingParams(max_tokens=rng.randint(16, 256), ignore_eos=True)))
+                                  SamplingParams(max_tokens=rng.randint(16, 256), ignore_eos=True),
+                                  arrival_time=s.clock()))     # on the scheduler's clock
             n += 1
 
     top_up()
