@@ -153,7 +153,7 @@ class PriorityQueue(RequestQueue):
 
 
 def make_queue(policy: str) -> RequestQueue:
-    """The waiting queue for a `SchedulerConfig.policy` ('fcfs' or 'priority')."""
+    """The waiting queue for a `SchedulerConfig.scheduling_policy` ('fcfs' or 'priority')."""
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from iterserve.core.config import CacheConfig, Knob, SchedulerConfig, knob_fields
 

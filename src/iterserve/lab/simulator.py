@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from iterserve.core.config import Batching, CacheConfig, SchedulerConfig
+from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.scheduler import QueueFullError, Scheduler
 from iterserve.core.scheduler_output import SchedulerOutput
