@@ -1,6 +1,6 @@
 """Property tests: random workloads against every combination of knobs, invariants each step.
 
-Hypothesis draws a configuration (policy, batching, preemption mode, prefix caching,
+Hypothesis draws a configuration (policy incl. `slo` with its targets, batching, preemption mode, prefix caching,
 chunked prefill, tiny block pools, tiny budgets) and a script of per-step actions (arrivals
 with random prompts from a 3-token vocabulary so prefixes repeat, aborts, clock jumps past
 deadlines). The driver runs the scheduler with a fake executor and asserts after every step:
@@ -40,11 +40,15 @@ def configs(draw):
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 2, 5])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
-        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority", "slo"])),
         batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
         preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
         max_queued_requests=draw(st.sampled_from([0, 0, 3])),
         queue_timeout=draw(st.sampled_from([None, None, 6.0])),
+        # policy "slo": refusals, late requests and TPOT holds (smollm2-cpu seed: a 1-token
+        # decode step is ~10 ms, a 12-token prefill ~35 ms).
+        slo_ttft_ms=draw(st.sampled_from([None, 30.0, 200.0, 5000.0])),
+        slo_tpot_ms=draw(st.sampled_from([None, 15.0, 100.0])),
     )
     cache = CacheConfig(
         block_size=draw(st.integers(1, 4)),

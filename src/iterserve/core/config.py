@@ -37,6 +37,7 @@ class ConfigError(ValueError):
 class SchedulingPolicy(enum.StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"
+    SLO = "slo"            # core/slo_policy.py: admit by TTFT / TPOT targets
 
 
 class Batching(enum.StrEnum):
@@ -195,6 +196,18 @@ class SchedulerConfig:
     queue_timeout: float | None = knob(
         None, "seconds a request may wait before admission", float, minimum=0,
         exclusive_minimum=True, nullable=True)
+    # --- scheduling_policy "slo" (core/slo_policy.py) -----------------------------------
+    slo_ttft_ms: float | None = knob(
+        None, "scheduling_policy slo: default time-to-first-token target (ms); a request "
+        "that cannot meet it is refused early (429 + Retry-After)", float, minimum=0,
+        exclusive_minimum=True, nullable=True)
+    slo_tpot_ms: float | None = knob(
+        None, "scheduling_policy slo: default time-per-output-token target (ms); admission "
+        "holds before one more decode would break it", float, minimum=0,
+        exclusive_minimum=True, nullable=True)
+    # Not a knob (a path or a shipped name, not a number): the cost model the slo policy's
+    # online step-time model starts from; None = the shipped "smollm2-cpu".
+    slo_cost_model: str | None = None
 
     def validate(self, default_max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
                  ) -> "SchedulerConfig":

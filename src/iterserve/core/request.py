@@ -132,7 +132,8 @@ class Request:
     `priority`: lower value = more urgent (as in vLLM). `arrival_time` is on the scheduler's
     clock (wall time in the engine, virtual time in the lab). `deadline` is an absolute time
     after which the request ends with FinishReason.TIMEOUT, whatever its state;
-    `queue_deadline` applies only while it has never been admitted.
+    `queue_deadline` applies only while it has never been admitted. `ttft_slo_ms` /
+    `tpot_slo_ms` are latency targets (the `slo` policy admits and orders by them).
     """
 
     __slots__ = (
@@ -140,7 +141,7 @@ class Request:
         "sampling_params", "priority", "arrival_time", "status", "finish_reason",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "events",
         "deadline", "queue_deadline", "eos_token_id", "first_token_time", "first_scheduled_time",
-        "finished_time", "token_times", "user_data",
+        "finished_time", "token_times", "user_data", "ttft_slo_ms", "tpot_slo_ms",
     )
 
     def __init__(
@@ -155,6 +156,8 @@ class Request:
         deadline: float | None = None,
         queue_deadline: float | None = None,
         user_data: Any = None,
+        ttft_slo_ms: float | None = None,
+        tpot_slo_ms: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must have at least one token")
@@ -180,6 +183,10 @@ class Request:
         self.finished_time: float | None = None
         self.token_times: list[float] = []   # time each output token was produced
         self.user_data = user_data           # free slot for the engine/lab (e.g. a stream)
+        # Latency targets for the `slo` policy (None: the scheduler's slo_ttft_ms /
+        # slo_tpot_ms defaults, filled in by add_request; still None: no target).
+        self.ttft_slo_ms = ttft_slo_ms
+        self.tpot_slo_ms = tpot_slo_ms
 
     # --- sizes -------------------------------------------------------------------------
     @property

@@ -15,7 +15,10 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
 4. If nothing was preempted, waiting requests are admitted in queue order while the budget,
    `max_num_seqs`, the partial-prefill cap and the KV pool allow (prefix-cache hits are
    claimed first). Under the `priority` policy a waiting request may preempt a strictly less
-   urgent running one, both when `max_num_seqs` is full and when the KV pool is.
+   urgent running one, both when `max_num_seqs` is full and when the KV pool is. Under the
+   `slo` policy (core/slo_policy.py) the queue is ordered by slack, a request that cannot
+   meet its TTFT target is refused in add_request, and admission holds while one more
+   decode would push the running requests past their TPOT target.
 
 `static` batching (for comparison with continuous batching on the same engine) forms a group
 of up to `max_num_seqs` waiting requests when nothing runs, is preempted or swapped, and
@@ -83,7 +86,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}          # every unfinished request
         self.running: list[Request] = []                # admission order
         self._priority = config.scheduling_policy is SchedulingPolicy.PRIORITY
-        self.waiting = make_queue(config.scheduling_policy.value)
+        # The `slo` policy (core/slo_policy.py) owns its waiting queue; its hooks are the
+        # `if self.slo is not None` lines below (add_request, schedule, update_from_output).
+        self.slo = None
+        if config.scheduling_policy is SchedulingPolicy.SLO:
+            from iterserve.core.slo_policy import SloPolicy
+
+            self.slo = SloPolicy(self)
+            self.waiting = self.slo.queue
+        else:
+            self.waiting = make_queue(config.scheduling_policy.value)
         self.swapped = PriorityQueue(use_priority=self._priority)
         self._static = config.batching is Batching.STATIC
         self._swap = config.preemption_mode is PreemptionMode.SWAP
@@ -110,7 +122,8 @@ class Scheduler:
 
     # --- requests in ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a new request, or raise ValueError / QueueFullError saying why not."""
+        """Queue a new request, or raise ValueError / QueueFullError saying why not (under
+        the `slo` policy, SLOUnattainableError, a QueueFullError with a retry-after)."""
         cfg = self.config
         rid = request.request_id
         now = self.clock()
@@ -141,6 +154,17 @@ class Scheduler:
             raise QueueFullError(
                 f"the waiting queue is full ({self.num_waiting} requests, "
                 f"max_queued_requests={cfg.max_queued_requests}); retry later")
+
+        if self.slo is not None:
+            if request.ttft_slo_ms is None:
+                request.ttft_slo_ms = cfg.slo_ttft_ms
+            if request.tpot_slo_ms is None:
+                request.tpot_slo_ms = cfg.slo_tpot_ms
+            try:
+                self.slo.on_add(request)          # SLOUnattainableError: refused early
+            except QueueFullError:
+                self._reject(request, now, "slo_unattainable")
+                raise
 
         if request.deadline is None and cfg.request_timeout is not None:
             request.deadline = request.arrival_time + cfg.request_timeout
@@ -210,6 +234,9 @@ class Scheduler:
         now = self.clock()
         step = self.step
         out = SchedulerOutput(step=step)
+        slo = self.slo
+        if slo is not None:
+            slo.step_started()
         if self._timeouts and self._timeouts[0][0] <= now:
             self._expire_timeouts(now)
         if self._finished:
@@ -323,6 +350,8 @@ class Scheduler:
                     head = self.swapped.peek()
                     if not (self._priority and req.priority < head.priority):
                         break               # swapped requests resume before new work
+                if slo is not None and running and slo.hold(req, running):
+                    break                   # one more decode would break a TPOT target
                 if len(running) >= max_seqs:
                     if preempt_for_urgent and self._preempt_less_urgent(
                             req, running, out, new, cached, swapped_in_now):
@@ -380,6 +409,8 @@ class Scheduler:
         self._last_batched = out.num_batched_tokens
         self._last_preemptions = num_preempted
         self._preemptions_total += num_preempted
+        if slo is not None:
+            slo.scheduled(out)
         return out
 
     def _clamp(self, n: int, budget: int) -> int:
@@ -485,6 +516,8 @@ class Scheduler:
                            sampled: Mapping[str, int]) -> list[Request]:
         """Apply a step's results: advance computed tokens, append sampled tokens, finish
         requests on length / eos / stop token. Returns the requests finished here."""
+        if self.slo is not None:
+            self.slo.step_done()              # the executor's measured step time
         now = self.clock()
         bm = self.block_manager
         caching = bm.enable_prefix_caching

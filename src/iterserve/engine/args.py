@@ -66,6 +66,9 @@ class EngineArgs:
     max_queued_requests: int = 0
     request_timeout: float | None = None     # seconds from arrival; None: no limit
     queue_timeout: float | None = None       # seconds waiting before admission
+    slo_ttft_ms: float | None = None         # scheduling_policy slo: default TTFT target
+    slo_tpot_ms: float | None = None         # scheduling_policy slo: default TPOT target
+    slo_cost_model: str | None = None        # scheduling_policy slo: step-time seed (not a knob)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -93,6 +96,7 @@ class EngineArgs:
         chunked prefill; an explicit budget below it is a ConfigError (as in vLLM)."""
         knobs = {name: getattr(self, name) for name, _, _ in knob_fields(SchedulerConfig)}
         knobs["max_model_len"] = self.resolve_max_model_len(model_limit)
+        knobs["slo_cost_model"] = self.slo_cost_model
         return SchedulerConfig(**knobs).validate(
             default_max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
@@ -145,6 +149,10 @@ class EngineArgs:
             for name, _, k in knob_fields(cls):
                 add_knob_argument(groups[k.group], name, k, getattr(d, name),
                                   _DERIVED_HELP.get(name))
+        groups["scheduler"].add_argument(
+            "--slo-cost-model", default=d.slo_cost_model, metavar="FILE|NAME",
+            help="scheduling_policy slo: the cost model its online step-time model starts "
+                 "from (a JSON file or a shipped name; default smollm2-cpu)")
         g = groups["KV cache"]
         g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                        help=f"GiB for the KV cache (default {d.kv_cache_memory})")

@@ -101,6 +101,13 @@ def plan_lab(options: dict | None) -> LabPlan:
                    f"{requests} requests at {arrival_rate:g} per step would arrive over "
                    f"~{requests / arrival_rate:,.0f} steps; the lab simulates at most "
                    f"{MAX_ARRIVAL_SPAN:,} (raise the rate or lower the requests)")
+    arrival_rate_s = o.arrival_rate_s
+    if arrival_rate_s is not None and arrival_rate is not None:
+        raise _bad("arrival_rate_s", "give arrival_rate (per step) or arrival_rate_s (per "
+                   "simulated second), not both")
+    if arrival_rate_s is not None and requests / arrival_rate_s > MAX_ARRIVAL_SPAN:
+        raise _bad("arrival_rate_s", f"{requests} requests at {arrival_rate_s:g} per second "
+                   f"would arrive over more than {MAX_ARRIVAL_SPAN:,} seconds")
     prompt_len = _range(o.prompt_len, "prompt_len")
     long_prompt_frac, long_prompt = 0.0, None
     if o.mix == "longprompt":
@@ -127,7 +134,8 @@ def plan_lab(options: dict | None) -> LabPlan:
     workload = WorkloadSpec(
         requests=requests, seed=seed, short_frac=o.short_frac, short=short, long=long_,
         lengths=lengths, arrival_rate=arrival_rate, prompt_len=prompt_len,
-        priority_frac=priority_frac, long_prompt_frac=long_prompt_frac, long_prompt=long_prompt)
+        priority_frac=priority_frac, long_prompt_frac=long_prompt_frac, long_prompt=long_prompt,
+        arrival_rate_s=arrival_rate_s)
     specs = tuple(sorted(draw_workload(workload), key=lambda s: (s.arrival, s.index)))
 
     max_model_len = max(2, max(s.prompt_len + s.output_len for s in specs))
@@ -154,6 +162,7 @@ def plan_lab(options: dict | None) -> LabPlan:
                 scheduling_policy=policy, batching=mode, preemption_mode=o.preemption_mode,
                 long_prefill_token_threshold=o.long_prefill_token_threshold,
                 max_num_partial_prefills=o.max_num_partial_prefills,
+                slo_ttft_ms=o.slo_ttft_ms, slo_tpot_ms=o.slo_tpot_ms,
             ).validate(default_max_num_batched_tokens=default_budget)
             cc = CacheConfig(
                 block_size=block_size, num_kv_blocks=num_kv_blocks,

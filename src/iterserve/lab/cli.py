@@ -18,7 +18,8 @@ from typing import Any
 
 # Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
 # `iterserve lab calibrate` fits the cost model to the real model runner.
-LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate")]
+LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate"),
+                                          ("slo", "iterserve.lab.slo")]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -46,7 +47,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=int)
     s.add_argument("--block-size", type=int)
     s.add_argument("--preemption-mode", choices=("recompute", "swap"))
-    s.add_argument("--policy", choices=("fcfs", "priority"))
+    s.add_argument("--policy", choices=("fcfs", "priority", "slo"))
     s.add_argument("--priority-frac", type=float,
                    help="share of urgent requests under --policy priority (default 0.2)")
     s.add_argument("--mix", choices=("reference", "longprompt"),
@@ -57,10 +58,14 @@ def register(subparsers) -> argparse.ArgumentParser:
         CacheConfig, SchedulerConfig, add_knob_argument, knob_fields)
     for cls, names in ((CacheConfig, ("enable_prefix_caching",)),
                        (SchedulerConfig, ("long_prefill_token_threshold",
-                                          "max_num_partial_prefills"))):
+                                          "max_num_partial_prefills", "slo_ttft_ms",
+                                          "slo_tpot_ms"))):
         for name, default, k in knob_fields(cls):
             if name in names:
                 add_knob_argument(s, name, k, None, f"default {default}")
+    s.add_argument("--arrival-rate-s", type=float, metavar="R",
+                   help="Poisson arrivals, requests per simulated second (instead of per "
+                        "step; for SLO experiments)")
     o = p.add_argument_group("output")
     o.add_argument("--cost-model", metavar="FILE|NAME",
                    help="step-time model: a JSON file, or a shipped name (smollm2-cpu: fitted to the "
@@ -93,7 +98,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("slots", "requests", "seed", "short_frac", "arrival_rate",
                  "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
                  "policy", "priority_frac", "mix", "enable_prefix_caching",
-                 "long_prefill_token_threshold", "max_num_partial_prefills"):
+                 "long_prefill_token_threshold", "max_num_partial_prefills",
+                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -177,6 +183,9 @@ ROWS = [  # (label, key, format)
     ("preemptions", "preemptions", "int"),
     ("simulated time (s)", "time_s", "s"),
     ("throughput (tokens/s)", "throughput_tokens_per_s", "f"),
+    ("refused (SLO)", "refused", "int"),
+    ("met both SLOs", "slo_met", "int"),
+    ("goodput (requests/s)", "goodput_rps", "s"),
 ]
 
 
@@ -192,6 +201,8 @@ def format_report(plan, summaries: dict[str, dict[str, Any]]) -> str:
                f"{wl.long[0]}-{wl.long[1]} tokens), seed {wl.seed}")
     arrivals = ("all at step 0" if wl.arrival_rate is None
                 else f"Poisson arrivals, {wl.arrival_rate:g} per step")
+    if wl.arrival_rate_s is not None:
+        arrivals = f"Poisson arrivals, {wl.arrival_rate_s:g} per simulated second"
     prefill = ("prefill ignored" if wl.prompt_len is None
                else f"prompts {wl.prompt_len[0]}-{wl.prompt_len[1]} tokens")
     if wl.long_prompt_frac and wl.long_prompt:

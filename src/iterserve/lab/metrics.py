@@ -30,9 +30,17 @@ def _mean(values: np.ndarray) -> float:
 def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
     """The ModeResult dict of one run."""
     specs = res.specs
-    arrival = np.fromiter((s.arrival for s in specs), dtype=np.int64, count=len(specs))
+    arrival = (res.arrival_step if res.arrival_step is not None else
+               np.fromiter((s.arrival for s in specs), dtype=np.int64, count=len(specs)))
     output_len = np.fromiter((s.output_len for s in specs), dtype=np.int64, count=len(specs))
     S = res.step_start_s
+    slo = _slo_block(res, arrival, output_len)      # before refused requests are dropped
+    num_requests = len(specs)
+    if res.refused is not None and res.refused.any():
+        served = ~res.refused
+        res = _served_only(res, served)
+        specs = res.specs
+        arrival, output_len = arrival[served], output_len[served]
     latency = res.finish - arrival
     tokens = int(output_len.sum())
     slots = res.settings.slots
@@ -43,7 +51,7 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         "mean_latency": _mean(latency),
         "p50_latency": _pct(latency, 50),
         "p99_latency": _pct(latency, 99),
-        "requests": len(specs),
+        "requests": num_requests,                   # refused ones included
         "tokens": tokens,
         "slots": slots,
         "time_s": time_s,
@@ -67,11 +75,58 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         out["prompt_tokens"] = int(sum(s.prompt_len for s in specs))
         out["computed_tokens"] = res.computed_tokens
 
+    if slo:
+        out.update(slo)
     if per_request:
         out["per_request"] = per_request_records(res)
         if res.timeline is not None:
             out["timeline"] = res.timeline
     return out
+
+
+def _served_only(res: SimResult, served: np.ndarray) -> SimResult:
+    """The run without the requests add_request refused (latency stats are over served)."""
+    from dataclasses import replace
+
+    idx = np.flatnonzero(served)
+    return replace(res, specs=[res.specs[i] for i in idx], finish=res.finish[served],
+                   first_token=res.first_token[served],
+                   first_scheduled=res.first_scheduled[served],
+                   preemptions=res.preemptions[served],
+                   segments=None if res.segments is None else [res.segments[i] for i in idx],
+                   events=None if res.events is None else [res.events[i] for i in idx],
+                   arrival_step=None if res.arrival_step is None else res.arrival_step[served],
+                   refused=None)
+
+
+def _slo_block(res: SimResult, arrival_step: np.ndarray,
+               output_len: np.ndarray) -> dict[str, Any]:
+    """Goodput: requests per simulated second that met both targets (a refused request
+    meets neither). ttft = first token - arrival (seconds arrivals when the workload has
+    them); tpot = (finish - first token) / (output tokens - 1), vLLM's definition."""
+    st = res.settings.scheduler
+    if st.slo_ttft_ms is None and st.slo_tpot_ms is None:
+        return {}
+    S = res.step_start_s
+    if res.specs and res.specs[0].arrival_s is not None:
+        arrival_s = np.fromiter((s.arrival_s for s in res.specs), dtype=np.float64,
+                                count=len(res.specs))
+    else:
+        arrival_s = S[arrival_step]
+    refused = res.refused if res.refused is not None else np.zeros(len(res.specs), bool)
+    ttft_s = S[res.first_token] - arrival_s
+    tpot_s = (S[res.finish] - S[res.first_token]) / np.maximum(output_len - 1, 1)
+    ok = ~refused
+    if st.slo_ttft_ms is not None:
+        ok &= ttft_s <= st.slo_ttft_ms / 1000.0
+    if st.slo_tpot_ms is not None:
+        ok &= tpot_s <= st.slo_tpot_ms / 1000.0
+    time_s = float(S[-1])
+    good = int(ok.sum())
+    return {"slo_ttft_ms": st.slo_ttft_ms, "slo_tpot_ms": st.slo_tpot_ms,
+            "refused": int(refused.sum()), "slo_met": good,
+            "slo_attainment": good / len(res.specs) if len(res.specs) else 0.0,
+            "goodput_rps": good / time_s if time_s > 0 else 0.0}
 
 
 def per_request_records(res: SimResult) -> list[dict[str, Any]]:
@@ -81,6 +136,7 @@ def per_request_records(res: SimResult) -> list[dict[str, Any]]:
     last = len(S) - 1
     records = []
     for i, spec in enumerate(res.specs):
+        arrival = spec.arrival if res.arrival_step is None else int(res.arrival_step[i])
         fin = int(res.finish[i])
         ft = int(res.first_token[i])
         events = []
@@ -91,7 +147,7 @@ def per_request_records(res: SimResult) -> list[dict[str, Any]]:
             events.append(e)
         records.append({
             "id": f"req-{spec.index:06d}",
-            "arrival": spec.arrival,
+            "arrival": arrival,
             "first_scheduled": int(res.first_scheduled[i]),
             "first_token": ft,
             "finish": fin,
@@ -99,9 +155,9 @@ def per_request_records(res: SimResult) -> list[dict[str, Any]]:
             "output_len": spec.output_len,
             "long": spec.long,
             "priority": spec.priority,
-            "latency": fin - spec.arrival,
-            "ttft": ft - spec.arrival,
-            "latency_s": float(S[fin] - S[spec.arrival]),
+            "latency": fin - arrival,
+            "ttft": ft - arrival,
+            "latency_s": float(S[fin] - S[arrival]),
             "preemptions": int(res.preemptions[i]),
             "segments": res.segments[i],
             "events": events,

@@ -38,6 +38,8 @@ _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
     "num_kv_blocks": (None, 100_000_000),
     "block_size": (16, 4096),
     "enable_prefix_caching": (False, None),
+    "slo_ttft_ms": (None, None),          # SLO targets (issue 18): goodput is reported
+    "slo_tpot_ms": (None, None),          # whenever one is set; policy slo admits by them
 }
 
 
@@ -87,6 +89,9 @@ LabOptions = create_model(
     lengths=(Any, Field(None, description="given output lengths instead of a draw")),
     arrival_rate=(Optional[float], Field(None, gt=0, allow_inf_nan=False,
                                          description="Poisson arrivals, requests per step")),
+    arrival_rate_s=(Optional[float], Field(
+        None, gt=0, allow_inf_nan=False,
+        description="Poisson arrivals, requests per simulated second (SLO experiments)")),
     prompt_len=(Any, Field(None, description="[min, max] prompt lengths (turns prefill on)")),
     mix=(Literal["reference", "longprompt"], Field("reference")),
     priority_frac=(Optional[float], Field(None, ge=0, le=1, allow_inf_nan=False)),

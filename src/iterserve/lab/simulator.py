@@ -23,6 +23,7 @@ becomes running and gives it back when it finishes or is preempted.
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ import numpy as np
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, SamplingParams
-from iterserve.core.scheduler import Scheduler
+from iterserve.core.scheduler import QueueFullError, Scheduler
 from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.lab.cost_model import CostModel
 from iterserve.lab.workload import RequestSpec
@@ -237,6 +238,10 @@ class SimResult:
     preemptions: np.ndarray              # per request
     itl_prev: np.ndarray | None = None   # token time pairs (steps) of consecutive tokens
     itl_next: np.ndarray | None = None
+    # SLO runs (arrivals in seconds, policy slo): the step each request became visible in,
+    # and which ones add_request refused (their finish / first_token entries are 0).
+    arrival_step: np.ndarray | None = None
+    refused: np.ndarray | None = None
     # Recorded only when asked (per-request output, trace, plot):
     segments: list[list[dict[str, Any]]] | None = None
     events: list[list[dict[str, Any]]] | None = None
@@ -258,6 +263,20 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
 
     sched = Scheduler(settings.scheduler, settings.cache, clock=clock)
     n = len(specs)
+    # --- SLO hook: arrivals in seconds, the policy's clock in simulated seconds, refusals.
+    seconds_arrivals = n > 0 and specs[0].arrival_s is not None
+    now_s = 0.0
+    if sched.slo is not None:
+        sched.slo.use_clock(lambda: now_s)
+    arrival_step = np.zeros(n, dtype=np.int64) if seconds_arrivals else None
+    refused = np.zeros(n, dtype=bool) if (seconds_arrivals or sched.slo is not None) else None
+    idle_s = cost.idle_step_s if cost.idle_step_s > 0 else 1e-3
+
+    def arrives_later(spec: RequestSpec) -> bool:
+        if seconds_arrivals:
+            return spec.arrival_s > step_start[-1]
+        return spec.arrival > step
+    # ---
     finish = np.zeros(n, dtype=np.int64)
     first_token = np.zeros(n, dtype=np.int64)
     first_scheduled = np.full(n, -1, dtype=np.int64)
@@ -279,19 +298,23 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     stalled = 0
 
     while idx < n or sched.has_unfinished_requests():
-        if idx < n and specs[idx].arrival > step and not sched.has_unfinished_requests():
+        if idx < n and arrives_later(specs[idx]) and not sched.has_unfinished_requests():
             # Nothing can run before the next arrival: skip the empty steps in one go. The
             # scheduler holds no request, so an empty schedule() would change nothing but
             # its step number, which we advance to match.
-            gap = specs[idx].arrival - step
-            base, idle = step_start[-1], cost.idle_step_s
+            if seconds_arrivals:
+                gap = max(1, math.ceil((specs[idx].arrival_s - step_start[-1]) / idle_s))
+                base, idle = step_start[-1], idle_s
+            else:
+                gap = specs[idx].arrival - step
+                base, idle = step_start[-1], cost.idle_step_s
             step_start.extend(base + idle * k for k in range(1, gap + 1))
             if rec is not None:
                 rec.idle(gap, done)
             step += gap
             sched.skip_idle_steps(gap)
         now = float(step)
-        while idx < n and specs[idx].arrival <= step:
+        while idx < n and not arrives_later(specs[idx]):
             spec = specs[idx]
             tr = _Track(spec)
             req = Request(
@@ -302,7 +325,18 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 arrival_time=float(spec.arrival),
                 user_data=tr,
             )
-            sched.add_request(req)
+            if seconds_arrivals:
+                arrival_step[spec.index] = step
+                now_s = spec.arrival_s        # the policy sees it arrive when it arrived
+            try:
+                sched.add_request(req)
+            except QueueFullError:            # policy slo: refused early (a 429 in the server)
+                refused[spec.index] = True
+                done += 1
+                idx += 1
+                continue
+            finally:
+                now_s = step_start[-1]
             if rec is not None:
                 rec.arrive(req.request_id, tr)
             idx += 1
@@ -339,6 +373,7 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
             rec.end_step(sched)
 
         now = float(step + 1)
+        now_s = step_start[-1]
         finished = sched.update_from_output(out, sampled)
         for req in finished:
             tr = req.user_data
@@ -376,7 +411,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         mode=settings.batching, settings=settings, steps=step, busy_slot_steps=busy,
         computed_tokens=computed, step_start_s=np.frombuffer(step_start, dtype=np.float64),
         specs=specs, finish=finish, first_token=first_token, first_scheduled=first_scheduled,
-        preemptions=preemptions, segments=segments, events=events, timeline=timeline)
+        preemptions=preemptions, segments=segments, events=events, timeline=timeline,
+        arrival_step=arrival_step, refused=refused)
     if token_gaps:
         empty = np.zeros(0, dtype=np.int64)
         result.itl_prev = np.concatenate(gaps_prev) if gaps_prev else empty

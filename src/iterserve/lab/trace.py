@@ -56,15 +56,18 @@ def chrome_trace(results: dict[str, SimResult]) -> dict[str, Any]:
                              "end_step": seg["end"], "prompt_len": spec.prompt_len,
                              "output_len": spec.output_len, "long": spec.long},
                 })
+            if res.refused is not None and res.refused[i]:
+                continue                    # refused by the slo policy: never queued
+            arrival = spec.arrival if res.arrival_step is None else int(res.arrival_step[i])
             finish = int(res.finish[i])
             aid = f"{mode}:{rid}"
             common = {"cat": "request", "pid": pid, "tid": 0, "id": aid}
-            events.append({"ph": "b", "name": rid, "ts": _us(S[spec.arrival]), **common,
-                           "args": {"arrival_step": spec.arrival, "finish_step": finish,
-                                    "latency_steps": finish - spec.arrival}})
+            events.append({"ph": "b", "name": rid, "ts": _us(S[arrival]), **common,
+                           "args": {"arrival_step": arrival, "finish_step": finish,
+                                    "latency_steps": finish - arrival}})
             # Waiting spans: before the first segment and between segments (preempted).
             waits = []
-            t = spec.arrival
+            t = arrival
             for k, seg in enumerate(segs):
                 if seg["start"] > t:
                     waits.append(("queued" if k == 0 else "preempted", t, seg["start"]))

@@ -29,6 +29,8 @@ class RequestSpec:
     output_len: int
     long: bool
     priority: int           # 0 = urgent class, 1 = normal (lower is more urgent, as in vLLM)
+    arrival_s: float | None = None   # with arrival_rate_s: arrival in simulated seconds (the
+                                     # request is visible from the first step starting after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,7 @@ class WorkloadSpec:
     priority_frac: float = 0.0                      # share of requests in the urgent class
     long_prompt_frac: float = 0.0                   # share of prompts drawn from long_prompt
     long_prompt: tuple[int, int] | None = None      # (the "longprompt" mix)
+    arrival_rate_s: float | None = None             # requests per simulated second (Poisson)
 
 
 def _rng(seed: int, stream: str) -> random.Random:
@@ -79,7 +82,16 @@ def draw_workload(spec: WorkloadSpec) -> list[RequestSpec]:
             prompts = [rng.randint(llo, lhi) if rng.random() < spec.long_prompt_frac else p
                        for p in prompts]
 
-    if spec.arrival_rate is None:
+    arrivals_s: list[float | None] = [None] * n
+    if spec.arrival_rate_s is not None:
+        # Poisson in simulated seconds (what an SLO experiment needs: a rate per step would
+        # slow down with the steps). The step a request arrives in is set by the simulator.
+        rng = _rng(spec.seed, "arrivals")
+        t, arrivals = 0.0, [0] * n
+        for i in range(n):
+            t += rng.expovariate(spec.arrival_rate_s)
+            arrivals_s[i] = t
+    elif spec.arrival_rate is None:
         arrivals = [0] * n
     else:
         rng = _rng(spec.seed, "arrivals")
@@ -94,8 +106,8 @@ def draw_workload(spec: WorkloadSpec) -> list[RequestSpec]:
     else:
         priorities = [0] * n
 
-    return [RequestSpec(i, arrivals[i], prompts[i], lengths[i], longs[i], priorities[i])
-            for i in range(n)]
+    return [RequestSpec(i, arrivals[i], prompts[i], lengths[i], longs[i], priorities[i],
+                        arrivals_s[i]) for i in range(n)]
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:

@@ -1,0 +1,336 @@
+"""The `slo` scheduling policy: admit by deadline, refuse early, hold before TPOT breaks.
+
+Why: under overload FCFS makes every request late together (the queue grows, every TTFT
+grows with it, and a batch admitted without limit pushes every decode past its TPOT target).
+Goodput, the requests per second that meet both targets, then falls towards zero. This
+policy spends the same capacity on requests that can still make it:
+
+- **Order by slack.** The waiting queue (`SloQueue`) is a heap keyed by
+  `TTFT deadline - predicted prefill time`; a request whose key has passed (it can no longer
+  make its TTFT even if admitted at once) moves to a *late* tier, served FCFS only when no
+  on-time request waits (it is not dropped: its client still gets an answer). Requests
+  without a TTFT target come after those with one; preempted requests go first, as in the
+  other policies.
+- **Refuse early.** `on_add` predicts the TTFT of a new request (the queue ahead of it at the
+  measured admission rate, plus its own prefill on the current batch); when that exceeds
+  its target it raises `SLOUnattainableError` (a `QueueFullError`, so the server answers 429)
+  with a retry-after estimate, instead of queueing it to be late and to make others late.
+- **Hold admission** when one more decode would make the predicted decode step exceed the
+  tightest TPOT target of the running requests (and the candidate's), with headroom for the
+  prefill chunks interleaved with decodes (`TPOT_HEADROOM`).
+
+Predictions come from `StepTimeModel` (core/step_time.py), seeded from a cost model and
+refitted from every step's measured time: the scheduler stamps `schedule()`'s start and
+`update_from_output()`'s call, which bracket the executor, so the real engine and the lab's
+simulated executor feed it through the same code. Times are seconds on `self.clock`: the
+scheduler's clock by default (wall time in the engine); the lab, whose scheduler clock
+counts steps, installs its simulated seconds with `use_clock`, and then a request's arrival
+is the clock's reading when it is added.
+
+Cost below capacity: per step, one pass over the scheduled chunks for the step's features
+and one `observe` (~3 us); the admission-time work (hold check, refusal check) only runs
+when a request waits, i.e. at or above capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Callable, Iterator
+
+from iterserve.core.request import Request
+from iterserve.core.request_queue import RequestQueue
+from iterserve.core.scheduler import QueueFullError
+from iterserve.core.scheduler_output import SchedulerOutput
+from iterserve.core.step_time import StepTimeModel
+
+TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT target
+RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
+MIN_RATE_EVIDENCE_S = 1.0    # saturated seconds seen before the rate is trusted
+DEFAULT_SEED_COST_MODEL = "smollm2-cpu"
+MIN_OBSERVED_TO_REFUSE = 20  # measured steps before predictions may refuse a request
+BIG_BATCH = 32               # above this many sequences a step's shape is sampled ...
+SAMPLE_EVERY = 4             # ... every 4th step
+_INF = math.inf
+
+
+class SLOUnattainableError(QueueFullError):
+    """A request that cannot meet its TTFT target, refused before it is queued.
+
+    `retry_after_s`: seconds after which the same request could be admitted in time (the
+    queue ahead having drained), or None when it could not be even on an idle engine (its
+    prefill alone is slower than its target). The server maps it to 429 with `Retry-After:
+    ceil(retry_after_s)` and an OpenAI error body; with None, to 400 (param `ttft_slo_ms`).
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float | None,
+                 predicted_ttft_s: float, ttft_slo_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.predicted_ttft_s = predicted_ttft_s
+        self.ttft_slo_s = ttft_slo_s
+
+
+def default_step_time_model(name: str = DEFAULT_SEED_COST_MODEL) -> StepTimeModel:
+    """Seed from a cost model: a JSON file or a shipped name (lab/data; a pure-data import)."""
+    from iterserve.lab.cost_model import load_cost_model
+
+    return StepTimeModel.from_cost_model(load_cost_model(name))
+
+
+class SloQueue(RequestQueue):
+    """Waiting queue of the `slo` policy: front (preempted) < on-time by slack key < late."""
+
+    __slots__ = ("_heap", "_late", "_policy", "_head_late", "num_popped")
+
+    def __init__(self, policy: "SloPolicy") -> None:
+        super().__init__()
+        self._heap: list[tuple] = []            # (tier, key, seq, request); tier 0 = front
+        self._late: deque[tuple[int, Request]] = deque()
+        self._policy = policy
+        self._head_late = False
+        self.num_popped = 0
+
+    def push(self, request: Request) -> None:
+        key = self._policy.queue_key(request)
+        seq = self._next_seq(request)
+        heapq.heappush(self._heap, (1, key, seq, request))
+
+    def push_front(self, request: Request) -> None:
+        seq = self._next_seq(request)
+        heapq.heappush(self._heap, (0, request.arrival_time, seq, request))
+
+    def peek(self) -> Request | None:
+        heap, live = self._heap, self._live
+        now = None
+        while heap:
+            tier, key, seq, request = heap[0]
+            if live.get(request.request_id) != seq:
+                heapq.heappop(heap)
+                continue
+            if tier == 1 and key != _INF:
+                if now is None:
+                    now = self._policy.clock()
+                if key < now:                       # can no longer make its TTFT
+                    heapq.heappop(heap)
+                    self._late.append((seq, request))
+                    continue
+            self._head_late = False
+            return request
+        late = self._late
+        while late:
+            seq, request = late[0]
+            if live.get(request.request_id) == seq:
+                self._head_late = True
+                return request
+            late.popleft()
+        return None
+
+    def _drop_head(self) -> None:
+        if self._head_late:
+            self._late.popleft()
+        else:
+            heapq.heappop(self._heap)
+        self.num_popped += 1
+
+    def num_ahead(self, key: float) -> int:
+        """Live on-time (and front) requests that would be served before a new `key`."""
+        live = self._live
+        return sum(1 for t, k, s, r in self._heap
+                   if (t == 0 or k <= key) and live.get(r.request_id) == s)
+
+    @property
+    def num_late(self) -> int:
+        live = self._live
+        return sum(1 for s, r in self._late if live.get(r.request_id) == s)
+
+    def __iter__(self) -> Iterator[Request]:
+        live = self._live
+        ordered = [e[-1] for e in sorted(self._heap, key=lambda e: e[:3])
+                   if live.get(e[-1].request_id) == e[2]]
+        return iter(ordered + [r for s, r in self._late if live.get(r.request_id) == s])
+
+
+class SloPolicy:
+    """The scheduler's `slo` hooks (see the module docstring); one per Scheduler."""
+
+    def __init__(self, scheduler, model: StepTimeModel | None = None) -> None:
+        self.scheduler = scheduler
+        self.model = model if model is not None else default_step_time_model(
+            scheduler.config.slo_cost_model or DEFAULT_SEED_COST_MODEL)
+        self.clock: Callable[[], float] = scheduler.clock
+        self._own_clock = False
+        self.queue = SloQueue(self)
+        # The last step's shape (for predictions) and what is needed to time it.
+        self._t0 = 0.0
+        self._features = (0, 0, 0, 0)
+        self._last_seqs = 0
+        self._last_kv = 0
+        self._last_step_s = 0.0
+        self._saturated = False         # requests still waited when the last schedule() ended
+        self._backlog = False
+        self._popped_before = 0
+        # Admission rate under saturation: exponentially decayed admissions / seconds.
+        self._sat_admitted = 0.0
+        self._sat_seconds = 0.0
+        # The hold check's view of the running batch, built once per step when needed.
+        self._hold_step = -1
+        self._hold_seqs = 0
+        self._hold_kv = 0
+        self._hold_tpot = _INF
+        self.num_refused = 0
+        self.num_held_steps = 0
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Measure in seconds on `clock` instead of the scheduler's clock (the lab)."""
+        self.clock = clock
+        self._own_clock = True
+
+    # --- predictions ------------------------------------------------------------------------
+    def _chunk(self, n: int) -> int:
+        cfg = self.scheduler.config
+        c = n
+        if cfg.enable_chunked_prefill:
+            if cfg.long_prefill_token_threshold and c > cfg.long_prefill_token_threshold:
+                c = cfg.long_prefill_token_threshold
+            room = cfg.max_num_batched_tokens - self._last_seqs
+            c = min(c, max(room, 1))
+        return max(c, 1)
+
+    def prefill_time(self, n: int, decodes: int, kv: int) -> float:
+        """Predicted seconds to prefill n tokens next to `decodes` running decodes."""
+        c = self._chunk(n)
+        steps = -(-n // c)
+        return steps * self.model.predict(decodes + c, decodes + 1, kv + c * steps, c)
+
+    def queue_key(self, request: Request) -> float:
+        """Latest start (scheduler seconds) at which `request` still makes its TTFT target."""
+        if request.ttft_slo_ms is None:
+            return _INF
+        arrival = self.clock() if self._own_clock else request.arrival_time
+        n = request.num_prompt_tokens
+        return arrival + request.ttft_slo_ms / 1000.0 - self.prefill_time(n, 0, 0)
+
+    @property
+    def admission_rate(self) -> float | None:
+        """Requests/s admitted while requests waited (None until enough was seen)."""
+        if self._sat_seconds < MIN_RATE_EVIDENCE_S or self._sat_admitted <= 0:
+            return None
+        return self._sat_admitted / self._sat_seconds
+
+    # --- hooks ------------------------------------------------------------------------------
+    def on_add(self, request: Request) -> None:
+        """Refuse `request` (SLOUnattainableError) if it cannot meet its TTFT target."""
+        slo_ms = request.ttft_slo_ms
+        if slo_ms is None or self.model.num_observed < MIN_OBSERVED_TO_REFUSE:
+            return          # a seed from another machine must not refuse a fresh engine's work
+        slo = slo_ms / 1000.0
+        n = request.num_prompt_tokens
+        alone = self.prefill_time(n, 0, 0)
+        if alone > slo:
+            self.num_refused += 1
+            raise SLOUnattainableError(
+                f"request {request.request_id!r}: its prompt of {n} tokens takes ~{alone:.3f} s "
+                f"to prefill on this engine, more than its ttft_slo_ms={slo_ms:g}",
+                retry_after_s=None, predicted_ttft_s=alone, ttft_slo_s=slo)
+        own = self.prefill_time(n, self._last_seqs, self._last_kv)
+        now = self.clock()
+        arrival = now if self._own_clock else request.arrival_time
+        # Time already spent (tokenising, in the server), then the step under way.
+        wait = max(now - arrival, 0.0) + self._last_step_s
+        rate = self.admission_rate
+        if self._saturated and rate is not None:
+            wait += (self.queue.num_ahead(arrival + slo - alone) + 1) / rate
+        predicted = wait + own
+        if predicted > slo:
+            self.num_refused += 1
+            retry = max(predicted - slo, self._last_step_s, 0.001)
+            raise SLOUnattainableError(
+                f"request {request.request_id!r}: predicted time to first token "
+                f"~{predicted:.3f} s exceeds its ttft_slo_ms={slo_ms:g} (the engine is busy); "
+                f"retry in ~{retry:.1f} s",
+                retry_after_s=retry, predicted_ttft_s=predicted, ttft_slo_s=slo)
+
+    def step_started(self) -> None:
+        self._t0 = self.clock()
+        self._popped_before = self.queue.num_popped
+        # A step that starts with a backlog left by the previous one measures the service
+        # rate: how fast waiting requests get in when they have to wait.
+        self._backlog = self._saturated
+
+    def hold(self, request: Request, running: list[Request]) -> bool:
+        """True to stop admitting: one more decode would break the tightest TPOT target."""
+        step = self.scheduler.step
+        if self._hold_step != step:
+            self._hold_step = step
+            kv = 0
+            tpot = _INF
+            for r in running:
+                kv += len(r.all_token_ids)
+                t = r.tpot_slo_ms
+                if t is not None and t < tpot:
+                    tpot = t
+            self._hold_seqs, self._hold_kv, self._hold_tpot = len(running), kv, tpot
+        tpot = self._hold_tpot
+        t = request.tpot_slo_ms
+        if t is not None and t < tpot:
+            tpot = t
+        seqs = self._hold_seqs
+        if tpot == _INF or seqs == 0:
+            ok = True
+        else:
+            n = len(request.all_token_ids)
+            step_s = self.model.predict(seqs + 1, seqs + 1, self._hold_kv + n, 0)
+            ok = step_s <= TPOT_HEADROOM * tpot / 1000.0
+        if not ok:
+            self.num_held_steps += 1
+            return True
+        # Assume it is admitted (if not, the admission loop stops anyway).
+        self._hold_seqs = seqs + 1
+        self._hold_kv += len(request.all_token_ids)
+        if t is not None and t < self._hold_tpot:
+            self._hold_tpot = t
+        return False
+
+    def scheduled(self, out: SchedulerOutput) -> None:
+        """End of schedule(): remember the step's shape to time it in `step_done`.
+
+        The shape costs a pass over the scheduled requests; in big batches (> BIG_BATCH sequences) only
+        every SAMPLE_EVERY-th step is measured (their shapes change slowly)."""
+        self._saturated = bool(self.queue)
+        scheduled = out.num_scheduled_tokens
+        if len(scheduled) > BIG_BATCH and out.step % SAMPLE_EVERY:
+            self._features = None
+            return
+        requests = self.scheduler.requests
+        kv = prefill = 0
+        for rid, n in scheduled.items():
+            req = requests[rid]
+            start = req.num_computed_tokens      # not advanced until update_from_output
+            kv += start + n
+            if n > 1 or start < len(req.prompt_token_ids):
+                prefill += n
+        self._features = (out.num_batched_tokens, len(scheduled), kv, prefill)
+
+    def step_done(self) -> None:
+        """update_from_output(): the executor has run; fold its measured time in."""
+        dt = self.clock() - self._t0
+        if self._features is not None:
+            tokens, seqs, kv, prefill = self._features
+            if seqs:
+                self.model.observe(tokens, seqs, kv, prefill, dt)
+                self._last_step_s = dt
+            self._last_seqs = seqs
+            self._last_kv = kv
+        if dt > 0:
+            admitted = self.queue.num_popped - self._popped_before
+            if self._backlog:
+                d = math.exp(-dt / RATE_TIME_CONSTANT_S)
+                self._sat_admitted = self._sat_admitted * d + admitted
+                self._sat_seconds = self._sat_seconds * d + dt
+
+    def stats(self) -> dict:
+        return {"refused": self.num_refused, "held_steps": self.num_held_steps,
+                "late_waiting": self.queue.num_late, "admission_rate": self.admission_rate,
+                "step_time_model": self.model.coefficients}

@@ -1,0 +1,194 @@
+"""An online model of how long one scheduler step takes, for the SLO-aware policy.
+
+Why: to refuse a request that cannot meet its time-to-first-token target, or to hold
+admission before one more decode pushes everyone past their time-per-output-token target,
+the scheduler must predict step times on *this* machine with *this* model, now. The lab's
+cost model (lab/cost_model.py) has the right form, fitted once offline by `iterserve lab
+calibrate`:
+
+    step_s = c0 + c_tok * tokens + c_seq * seqs + c_kv * kv_tokens + c_prefill_tok * prefill_tokens
+
+This module keeps that form and refits the five coefficients online from every measured
+step (features of the step, seconds it took): exponentially forgotten least squares (the
+normal equations of recursive least squares, kept as sums so they cannot lose positive
+definiteness), with a ridge pull towards the seed and a non-negative solve, so it follows
+the machine (other load, thermal limits, a different model) within ~1 / (1 - FORGETTING)
+steps. Design points, all about staying cheap and stable:
+
+- Pure Python on fixed 5x5 lists: `observe` is 20 multiply-adds; the 5x5 solve (~0.1k
+  flops) runs only when a prediction is asked for after new observations.
+- Features are scaled to O(1) (`_SCALE`) so the covariance stays well conditioned.
+- Each observation is weighted by 1 / seconds^2, i.e. the fit minimises *relative* error, as
+  the offline calibration does (a 10 ms decode step matters as much as a 500 ms prefill).
+- A residual is clipped to `MAX_REL_RESIDUAL` of the measurement, so one outlier step (a GC
+  pause, a page fault storm) moves the fit only a little.
+- Some directions are never excited: decode-only traffic never separates `c_tok` from
+  `c_seq` (tokens == seqs), and in any engine tokens = seqs + prefill tokens - prefill
+  chunks. Plain forgetting would let such a direction drift freely ("windup"); the ridge
+  term (worth PRIOR_WEIGHT observations) keeps it at the seed instead.
+- Coefficients are non-negative (an active-set solve: time never decreases with work).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok")
+# Typical magnitude of each feature (1, tokens, seqs, kv tokens, prefill tokens).
+_SCALE = (1.0, 256.0, 32.0, 16384.0, 256.0)
+FORGETTING = 0.99           # memory ~100 steps: a few seconds of a busy engine
+MAX_REL_RESIDUAL = 0.5      # a step more than 50% off the prediction counts as 50% off
+PRIOR_WEIGHT = 1.0         # fixed pull of the seed (dominates only the first few steps)
+RIDGE_SHARE = 0.001          # ... plus this share of the data's weight on each coefficient
+TRUST_AFTER = 100           # observations before the outlier clip applies
+REFIT_EVERY = 16            # refresh the fit the outlier clip compares against (~2 us/step)
+MIN_PRIOR_SHARE = 0.05      # prior scale of a coefficient seeded at 0, as a share of a step
+
+
+def _solve(A: list[list[float]], b: list[float], free: list[int]) -> list[float]:
+    """Solve A[free, free] x = b[free] by Gaussian elimination with partial pivoting."""
+    n = len(free)
+    M = [[A[i][j] for j in free] + [b[i]] for i in free]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(M[r][c]))
+        if abs(M[p][c]) < 1e-300:
+            raise ZeroDivisionError("singular")
+        M[c], M[p] = M[p], M[c]
+        piv = M[c]
+        for r in range(c + 1, n):
+            f = M[r][c] / piv[c]
+            if f:
+                row = M[r]
+                for k in range(c, n + 1):
+                    row[k] -= f * piv[k]
+    x = [0.0] * n
+    for c in range(n - 1, -1, -1):
+        x[c] = (M[c][n] - sum(M[c][k] * x[k] for k in range(c + 1, n))) / M[c][c]
+    return x
+
+
+class StepTimeModel:
+    """Predicts a step's seconds from its batch shape; `observe()` refits it online."""
+
+    __slots__ = ("_theta", "_seed", "_ridge", "_A", "_b", "_dirty", "forgetting",
+                 "num_observed", "last_seconds", "_fitted_at")
+
+    def __init__(self, coefficients: Mapping[str, float] | Sequence[float],
+                 forgetting: float = FORGETTING) -> None:
+        if isinstance(coefficients, Mapping):
+            coefs = [float(coefficients.get(k, 0.0)) for k in COEFFICIENTS]
+        else:
+            coefs = [float(c) for c in coefficients]
+        if len(coefs) != len(COEFFICIENTS):
+            raise ValueError(f"expected {len(COEFFICIENTS)} coefficients, got {len(coefs)}")
+        if any(not math.isfinite(c) or c < 0 for c in coefs):
+            raise ValueError(f"coefficients must be finite and non-negative, got {coefs}")
+        if not 0 < forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        # theta lives in scaled units: theta[i] = coef[i] * scale[i] (seconds at typical size).
+        self._seed = [c * s for c, s in zip(coefs, _SCALE)]
+        self._theta = list(self._seed)
+        ref = max(sum(self._seed), 1e-6)
+        # Ridge: (theta_i - seed_i) of one prior scale costs PRIOR_WEIGHT relative-error
+        # observations (the fit is in relative units, see observe()).
+        self._ridge = [PRIOR_WEIGHT / max(t, MIN_PRIOR_SHARE * ref) ** 2 for t in self._seed]
+        self._A = [[0.0] * 5 for _ in range(5)]
+        self._b = [0.0] * 5
+        self._dirty = False
+        self.forgetting = forgetting
+        self.num_observed = 0
+        self._fitted_at = 0
+        self.last_seconds = 0.0
+
+    @classmethod
+    def from_cost_model(cls, cost) -> "StepTimeModel":
+        """Seed from anything with the lab cost model's attributes (a `CostModel`)."""
+        return cls({k: getattr(cost, k) for k in COEFFICIENTS})
+
+    # --- use --------------------------------------------------------------------------------
+    @property
+    def coefficients(self) -> dict[str, float]:
+        th = self._fit()
+        return {k: t / s for k, t, s in zip(COEFFICIENTS, th, _SCALE)}
+
+    def predict(self, tokens: float, seqs: float, kv_tokens: float,
+                prefill_tokens: float = 0.0) -> float:
+        """Seconds a step with this shape is expected to take (an empty step: c0).
+
+        Uses the fit as of the last refit, at most REFIT_EVERY observations old (the solve
+        costs ~30 us; the memory is ~100 steps, so a few steps' lag changes nothing)."""
+        th = self._theta if self._fresh() else self._fit()
+        return (th[0] + th[1] * tokens / 256.0 + th[2] * seqs / 32.0
+                + th[3] * kv_tokens / 16384.0 + th[4] * prefill_tokens / 256.0)
+
+    # --- learn ------------------------------------------------------------------------------
+    def observe(self, tokens: float, seqs: float, kv_tokens: float, prefill_tokens: float,
+                seconds: float) -> None:
+        """Fold one measured step into the fit (ignored unless 0 < seconds < inf)."""
+        if not (seconds > 0.0 and seconds < math.inf) or seqs <= 0:
+            return
+        self.last_seconds = seconds
+        # Weighted by 1 / seconds: each step contributes (theta . f / y - 1)^2, a relative
+        # error. A residual beyond MAX_REL_RESIDUAL is shrunk by moving the target (Huber-like).
+        inv = 1.0 / seconds
+        x = (inv, tokens / 256.0 * inv, seqs / 32.0 * inv, kv_tokens / 16384.0 * inv,
+             prefill_tokens / 256.0 * inv)
+        th = self._theta if self._fresh() else self._fit()
+        pred = th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4]
+        target = 1.0
+        if self.num_observed >= TRUST_AFTER:          # the fit is data now, not the seed
+            if pred - 1.0 > MAX_REL_RESIDUAL * 2:     # measured far below the prediction
+                target = pred - MAX_REL_RESIDUAL * 2
+            elif 1.0 - pred > MAX_REL_RESIDUAL:
+                target = pred + MAX_REL_RESIDUAL      # an outlier step (GC pause, ...)
+        lam = self.forgetting
+        A, b = self._A, self._b
+        for i in range(5):
+            Ai, xi = A[i], x[i]
+            for j in range(i, 5):
+                Ai[j] = Ai[j] * lam + xi * x[j]
+            b[i] = b[i] * lam + xi * target
+        self._dirty = True
+        self.num_observed += 1
+
+    def observe_many(self, steps: Iterable[tuple[float, float, float, float, float]]) -> None:
+        for s in steps:
+            self.observe(*s)
+
+    def _fresh(self) -> bool:
+        return not self._dirty or (self.num_observed - self._fitted_at < REFIT_EVERY
+                                   and self._fitted_at > 0)
+
+    def _fit(self) -> list[float]:
+        """Minimise sum of weighted residuals + ridge to the seed, with theta >= 0."""
+        if not self._dirty:
+            return self._theta
+        A0, b0, r, seed = self._A, self._b, self._ridge, self._seed
+        # The pull to the seed: a fixed part (for the first steps) plus RIDGE_SHARE of the
+        # data's own curvature, so it stays a fixed small share however much data there is.
+        rr = [r[i] + RIDGE_SHARE * A0[i][i] for i in range(5)]
+        A = [[A0[min(i, j)][max(i, j)] + (rr[i] if i == j else 0.0) for j in range(5)]
+             for i in range(5)]
+        b = [b0[i] + rr[i] * seed[i] for i in range(5)]
+        free = list(range(5))
+        theta = [0.0] * 5
+        while free:                      # active set: pin negative coefficients at 0
+            try:
+                sol = _solve(A, b, free)
+            except ZeroDivisionError:
+                return self._theta
+            worst = min(range(len(free)), key=lambda k: sol[k])
+            if sol[worst] >= 0.0:
+                for k, i in enumerate(free):
+                    theta[i] = sol[k]
+                break
+            del free[worst]              # pin the most negative at 0, one at a time
+        self._theta = theta
+        self._dirty = False
+        self._fitted_at = self.num_observed
+        return theta
+
+    def __repr__(self) -> str:
+        c = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients.items())
+        return f"StepTimeModel({c}, observed={self.num_observed})"

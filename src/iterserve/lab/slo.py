@@ -1,0 +1,118 @@
+"""SLO experiments in the lab: the engine's capacity, and goodput of fcfs vs slo under load.
+
+Issue 18's target: on Poisson arrivals at 1.5x and 2x the engine's capacity, the `slo`
+policy's goodput (requests/s meeting both the TTFT and the TPOT target) is at least 1.5x
+fcfs's; below capacity (0.8x) they are equal within noise. Everything here is `run_lab`
+with options, so the CLI, `POST /v1/lab/run` and the page can run the same cases.
+
+Capacity is measured, not assumed: the same workload and knobs with every request at t=0
+(a saturating burst) under fcfs, in requests per simulated second. The preset (`PRESET`)
+is the bench `poisson` mix (prompts 8-40 tokens, 80% answers of 10-100 tokens, 20% of
+250-500) on the shipped `smollm2-cpu` cost model with 64 slots, TTFT <= 1 s and
+TPOT <= 100 ms: at that size a full batch decodes at ~230 ms a token, so fcfs under
+overload breaks both targets while `slo` holds the batch near 25 and refuses what cannot
+start in time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from iterserve.lab.api import run_lab
+from iterserve.lab.cost_model import load_cost_model
+
+PRESET: dict[str, Any] = {
+    "batching": "continuous", "slots": 64, "requests": 300, "prompt_len": [8, 40],
+    "short_frac": 0.8, "short": [10, 100], "long": [250, 500],
+    "slo_ttft_ms": 1000.0, "slo_tpot_ms": 100.0, "cost_model": "smollm2-cpu",
+}
+LOAD_FACTORS = (0.8, 1.5, 2.0)
+
+
+def _options(options: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(options)
+    if isinstance(opts.get("cost_model"), str):
+        opts["cost_model"] = load_cost_model(opts["cost_model"])
+    return opts
+
+
+def capacity_rps(options: dict[str, Any] | None = None) -> float:
+    """Requests per simulated second the knobs sustain on this mix (an fcfs burst at t=0)."""
+    opts = _options({**PRESET, **(options or {})})
+    for key in ("arrival_rate", "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
+        opts.pop(key, None)
+    opts["policy"] = "fcfs"
+    r = run_lab(opts)["continuous"]
+    return r["requests"] / r["time_s"]
+
+
+def goodput_comparison(options: dict[str, Any] | None = None,
+                       load_factors=LOAD_FACTORS) -> dict[str, Any]:
+    """fcfs vs slo at each load factor x capacity: the lab reports and the goodput ratio."""
+    base = {**PRESET, **(options or {})}
+    cap = capacity_rps(base)
+    rows = []
+    for f in load_factors:
+        row: dict[str, Any] = {"load": f, "arrival_rate_s": f * cap}
+        for policy in ("fcfs", "slo"):
+            r = run_lab(_options({**base, "policy": policy,
+                                  "arrival_rate_s": f * cap}))["continuous"]
+            row[policy] = {k: r[k] for k in (
+                "goodput_rps", "slo_met", "refused", "requests", "time_s", "p99_ttft_s",
+                "mean_ttft_s", "p99_itl_s", "mean_itl_s", "throughput_tokens_per_s")
+                if k in r}
+        g_f, g_s = row["fcfs"]["goodput_rps"], row["slo"]["goodput_rps"]
+        row["goodput_ratio"] = g_s / g_f if g_f > 0 else float("inf")
+        rows.append(row)
+    return {"capacity_rps": cap, "options": {k: v for k, v in base.items()
+                                             if k != "cost_model"} | {
+        "cost_model": base["cost_model"] if isinstance(base["cost_model"], str) else "custom"},
+        "rows": rows}
+
+
+def register(subparsers):
+    """`iterserve lab slo`: the preset as a command (the issue's table in one line)."""
+    p = subparsers.add_parser(
+        "slo", help="goodput of fcfs vs slo at 0.8x / 1.5x / 2x the engine's capacity",
+        description="Run the SLO preset (bench poisson mix, smollm2-cpu cost model, 64 slots, "
+                    "TTFT <= 1 s, TPOT <= 100 ms) under fcfs and slo at each load factor.")
+    p.add_argument("--seed", type=int, default=None, help="workload seed (default: the lab's)")
+    p.add_argument("--requests", type=int, default=PRESET["requests"])
+    p.add_argument("--slo-ttft-ms", type=float, default=PRESET["slo_ttft_ms"])
+    p.add_argument("--slo-tpot-ms", type=float, default=PRESET["slo_tpot_ms"])
+    p.add_argument("--slots", type=int, default=PRESET["slots"])
+    p.add_argument("--cost-model", default=PRESET["cost_model"], metavar="FILE|NAME")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    import json
+    import sys
+
+    from iterserve.lab.api import LabOptionsError
+    from iterserve.lab.cost_model import CostModelError
+
+    opts = {"requests": args.requests, "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tpot_ms": args.slo_tpot_ms, "slots": args.slots, "cost_model": args.cost_model}
+    if args.seed is not None:
+        opts["seed"] = args.seed
+    try:
+        result = goodput_comparison(opts)
+    except (LabOptionsError, CostModelError, ValueError) as e:
+        print(f"iterserve lab slo: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    print(f"capacity {result['capacity_rps']:.2f} requests/s; TTFT <= {args.slo_ttft_ms:g} ms, "
+          f"TPOT <= {args.slo_tpot_ms:g} ms; goodput = requests/s meeting both")
+    print(f"{'load':>6} {'rate':>7} {'fcfs goodput':>13} {'slo goodput':>12} {'refused':>8} "
+          f"{'ratio':>7}")
+    for row in result["rows"]:
+        print(f"{row['load']:>5}x {row['arrival_rate_s']:>7.2f} "
+              f"{row['fcfs']['goodput_rps']:>13.2f} {row['slo']['goodput_rps']:>12.2f} "
+              f"{row['slo']['refused']:>8} {row['goodput_ratio']:>6.2f}x")
+    return 0

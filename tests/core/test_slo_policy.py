@@ -1,0 +1,248 @@
+"""The `slo` policy: slack order, early refusal (SLOUnattainableError), the TPOT hold.
+
+A fake executor advances the clock by a known linear step time between schedule() and
+update_from_output(), as the engine's real executor and the lab's simulated one do, so the
+policy's step-time model is fed through its normal path. The scheduler's books are checked
+after every step.
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
+from iterserve.core.request import Request, RequestStatus, SamplingParams
+from iterserve.core.scheduler import QueueFullError, Scheduler
+from iterserve.core.slo_policy import SLOUnattainableError
+from iterserve.core.step_time import StepTimeModel
+
+COST = dict(c0=0.010, c_tok=0.0, c_seq=0.002, c_kv=0.0, c_prefill_tok=0.001)
+
+
+def step_seconds(s, out):
+    """The fake executor's step time (read before update_from_output advances the requests)."""
+    prefill = 0
+    for rid, n in out.num_scheduled_tokens.items():
+        r = s.requests[rid]
+        if n > 1 or r.num_computed_tokens < r.num_prompt_tokens:
+            prefill += n
+    return (COST["c0"] + COST["c_seq"] * len(out.num_scheduled_tokens)
+            + COST["c_prefill_tok"] * prefill)
+
+
+def sampled(s, out):
+    return {rid: 2 for rid, n in out.num_scheduled_tokens.items()
+            if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_tokens}
+
+
+class Engine:
+    def __init__(self, **cfg):
+        self.t = 0.0
+        cfg.setdefault("max_num_seqs", 64)
+        cfg.setdefault("max_num_batched_tokens", 512)
+        cfg.setdefault("max_model_len", 1024)
+        self.s = Scheduler(SchedulerConfig(scheduling_policy="slo", **cfg),
+                           CacheConfig(block_size=16, num_kv_blocks=4096), clock=lambda: self.t)
+        self.s.slo.model = StepTimeModel(COST)
+        self.order: list[str] = []
+
+    def add(self, rid, prompt_len=10, max_tokens=20, **kw):
+        r = Request(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    arrival_time=self.t, **kw)
+        self.s.add_request(r)
+        return r
+
+    def step(self):
+        s = self.s
+        out = s.schedule()
+        s.check_consistency()
+        for d in out.scheduled_new_reqs:
+            if d.req_id not in self.order:
+                self.order.append(d.req_id)
+        self.last_step_s = step_seconds(s, out) if out.num_scheduled_tokens else 0.01
+        self.decode_only = all(n == 1 and s.requests[rid].num_computed_tokens
+                               >= s.requests[rid].num_prompt_tokens
+                               for rid, n in out.num_scheduled_tokens.items())
+        tokens = sampled(s, out)
+        self.t += self.last_step_s
+        done = s.update_from_output(out, tokens)
+        s.check_consistency()
+        return out, done
+
+    def warm(self):
+        """Serve a little so the policy has measured steps (it refuses nothing before)."""
+        self.add("warm", max_tokens=30)
+        self.drain()
+
+    def drain(self, limit=100_000):
+        for _ in range(limit):
+            if not self.s.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("did not drain")
+
+
+def test_config():
+    with pytest.raises(ConfigError):
+        SchedulerConfig(scheduling_policy="slo", slo_ttft_ms=0).validate()
+    with pytest.raises(ConfigError):
+        SchedulerConfig(scheduling_policy="slo", slo_tpot_ms=float("nan")).validate()
+    with pytest.raises(ConfigError):
+        SchedulerConfig(scheduling_policy="edf").validate()
+    e = Engine(slo_ttft_ms=500.0, slo_tpot_ms=80.0)
+    r = e.add("a")
+    assert (r.ttft_slo_ms, r.tpot_slo_ms) == (500.0, 80.0)        # defaults from the config
+    r = e.add("b", ttft_slo_ms=2000.0)
+    assert (r.ttft_slo_ms, r.tpot_slo_ms) == (2000.0, 80.0)       # per-request override
+    e.drain()
+
+
+def test_waiting_requests_are_admitted_by_slack():
+    """One slot: the queue is served tightest deadline first (a long prompt, whose prefill
+    eats its slack, before a short one with the same target), requests without a target last."""
+    e = Engine(max_num_seqs=1)
+    e.add("running", max_tokens=5)
+    e.step()
+    e.add("none")                                              # no target
+    e.add("loose", ttft_slo_ms=60_000.0)
+    e.add("tight-short", ttft_slo_ms=5_000.0, prompt_len=10)
+    e.add("tight-long", ttft_slo_ms=5_000.0, prompt_len=400)   # ~0.4 s of prefill
+    e.add("tighter", ttft_slo_ms=3_000.0)
+    assert [r.request_id for r in e.s.waiting] == [
+        "tighter", "tight-long", "tight-short", "loose", "none"]
+    e.drain()
+    assert e.order == ["running", "tighter", "tight-long", "tight-short", "loose", "none"]
+
+
+def test_a_request_past_its_slack_waits_behind_on_time_ones():
+    e = Engine(max_num_seqs=1)
+    e.add("running", max_tokens=30)
+    e.step()
+    e.add("late", ttft_slo_ms=100.0)          # fits an idle engine, but "running" holds the slot
+    e.add("on-time", ttft_slo_ms=60_000.0)
+    e.drain()
+    assert e.order == ["running", "on-time", "late"]
+    assert e.s.get_request("late") is None   # served, not dropped
+
+
+def test_a_fresh_engine_refuses_nothing_until_it_has_measured_steps():
+    """The seed may come from another machine: no refusal on its word alone."""
+    e = Engine()
+    e.add("huge", prompt_len=900, ttft_slo_ms=100.0)
+    e.drain()
+
+
+def test_refuses_a_prompt_that_cannot_make_its_ttft_even_on_an_idle_engine():
+    e = Engine()
+    e.warm()
+    with pytest.raises(SLOUnattainableError) as exc:
+        e.add("huge", prompt_len=900, ttft_slo_ms=100.0)      # ~0.9 s of prefill alone
+    err = exc.value
+    assert isinstance(err, QueueFullError)                    # the server's 429 path
+    assert err.retry_after_s is None and err.predicted_ttft_s > err.ttft_slo_s == 0.1
+    assert "ttft_slo_ms" in str(err)
+    assert e.s.get_request("huge") is None and not e.s.has_unfinished_requests()
+    bm = e.s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_refuses_early_at_capacity_with_a_retry_after():
+    """A saturated engine (two slots, a queue) measures its admission rate; a new request that
+    would wait past its target is refused with how long to wait, and one that would not is
+    accepted; below capacity nothing is refused."""
+    e = Engine(max_num_seqs=2)
+    for i in range(4):
+        e.add(f"bg{i}", max_tokens=100)
+    for k in range(400):
+        while e.s.num_waiting < 2:                    # a standing queue: saturated
+            e.add(f"fill{k}-{e.s.num_waiting}", max_tokens=100)
+        e.step()
+    rate = e.s.slo.admission_rate
+    assert rate is not None and 1.0 < rate < 2.0        # 2 slots / 100 steps of ~14 ms
+    # 2 requests ahead at ~1.4 admissions/s: ~2 s of wait.
+    with pytest.raises(SLOUnattainableError) as exc:
+        e.add("impatient", ttft_slo_ms=200.0)
+    assert exc.value.retry_after_s is not None and exc.value.retry_after_s > 0.2
+    assert e.s.get_request("impatient") is None
+    e.add("patient", ttft_slo_ms=60_000.0)
+    e.drain()
+
+
+def test_rejected_event_and_no_leak():
+    e = Engine()
+    e.warm()
+    r = Request("x", [1] * 900, SamplingParams(max_tokens=4), ttft_slo_ms=50.0)
+    with pytest.raises(SLOUnattainableError):
+        e.s.add_request(r)
+    assert r.events[-1].name == "rejected" and r.events[-1].detail == {"reason": "slo_unattainable"}
+    assert r.status is RequestStatus.WAITING and not e.s.requests
+
+
+def test_tpot_hold_caps_the_batch_below_the_target():
+    """Decode step = 10 ms + 2 ms per sequence; with a 40 ms TPOT target and 85% headroom at
+    most 12 decodes fit (10 + 2 * 12 = 34 <= 34): the 13th waits until one finishes."""
+    e = Engine(slo_tpot_ms=40.0)
+    for i in range(20):
+        e.add(f"r{i}", max_tokens=50)
+    peak = 0
+    gaps = []
+    while e.s.has_unfinished_requests():
+        out, _ = e.step()
+        peak = max(peak, e.s.num_running)
+        if out.num_scheduled_tokens and e.decode_only:
+            gaps.append(e.last_step_s)
+    assert peak == 12
+    assert max(gaps) <= 0.040
+    assert e.s.slo.num_held_steps > 0
+
+
+def test_without_a_tpot_target_nothing_is_held():
+    e = Engine()
+    for i in range(20):
+        e.add(f"r{i}", max_tokens=5)
+    e.step()
+    assert e.s.num_running == 20 and e.s.slo.num_held_steps == 0
+    e.drain()
+
+
+def test_the_step_time_model_learns_from_the_executor():
+    """The policy is seeded wrong (2x); the measured steps bring its predictions to truth."""
+    e = Engine()
+    e.s.slo.model = StepTimeModel({k: 2 * v for k, v in COST.items()})
+    for i in range(40):
+        e.add(f"r{i}", prompt_len=5 + i * 7, max_tokens=10 + i)
+        e.step()
+    e.drain()
+    pred = e.s.slo.model.predict(20, 20, 0, 0)
+    assert pred == pytest.approx(COST["c0"] + 20 * COST["c_seq"], rel=0.1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 40),
+                          st.sampled_from([None, 50.0, 300.0, 5000.0]),
+                          st.sampled_from([None, 14.0, 30.0]), st.integers(0, 3)),
+                min_size=1, max_size=40),
+       st.sampled_from(["recompute", "swap"]), st.integers(1, 8))
+def test_random_overload_keeps_the_books_and_drains(reqs, mode, max_seqs):
+    """Arrivals faster than service, mixed targets, a small KV pool (preemption): every step
+    is consistent, refused requests hold nothing, accepted ones finish with max_tokens."""
+    e = Engine(max_num_seqs=max_seqs, preemption_mode=mode, max_model_len=400)
+    e.s = Scheduler(e.s.config, CacheConfig(block_size=16, num_kv_blocks=40,
+                                            num_swap_blocks=40), clock=lambda: e.t)
+    e.s.slo.model = StepTimeModel(COST)
+    accepted = []
+    for i, (prompt, out_len, ttft, tpot, gap) in enumerate(reqs):
+        try:
+            accepted.append(e.add(f"q{i}", prompt_len=prompt, max_tokens=out_len,
+                                  ttft_slo_ms=ttft, tpot_slo_ms=tpot))
+        except SLOUnattainableError as err:
+            assert err.retry_after_s is None or err.retry_after_s > 0
+            assert e.s.get_request(f"q{i}") is None
+        for _ in range(gap):
+            e.step()
+    e.drain()
+    bm = e.s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tables and not bm.host_tables
+    for r in accepted:
+        assert r.status is RequestStatus.FINISHED
+        assert r.num_output_tokens == r.sampling_params.max_tokens

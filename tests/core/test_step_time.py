@@ -1,0 +1,93 @@
+"""The online step-time model: recovers known coefficients, adapts when they change."""
+
+import random
+
+import pytest
+
+from iterserve.core.step_time import COEFFICIENTS, StepTimeModel
+
+TRUE = dict(c0=0.007, c_tok=0.0, c_seq=0.0027, c_kv=4.1e-6, c_prefill_tok=0.002)
+
+
+def seconds(c, tokens, seqs, kv, prefill):
+    return (c["c0"] + c["c_tok"] * tokens + c["c_seq"] * seqs + c["c_kv"] * kv
+            + c["c_prefill_tok"] * prefill)
+
+
+def shapes(rng, n):
+    """Batch shapes as an engine makes them: decodes, sometimes a prefill chunk."""
+    for _ in range(n):
+        d = rng.randint(0, 32)
+        p = rng.choice([0, 0, 0, 16, 64, 128])
+        if d == 0 and p == 0:
+            d = 1
+        kv = sum(rng.randint(16, 1024) for _ in range(d)) + p
+        yield d + p, d + (1 if p else 0), kv, p
+
+
+def mean_rel_error(model, truth, rng, n=300):
+    errs = [abs(model.predict(*s) / seconds(truth, *s) - 1) for s in shapes(rng, n)]
+    return sum(errs) / len(errs)
+
+
+def test_recovers_known_coefficients_from_a_wrong_seed():
+    rng = random.Random(1)
+    seed = {k: v * 3 + 1e-4 for k, v in TRUE.items()}        # 3x off, c_tok seeded nonzero
+    m = StepTimeModel(seed)
+    assert mean_rel_error(m, TRUE, random.Random(2)) > 1.0
+    for s in shapes(rng, 1500):
+        m.observe(*s, seconds(TRUE, *s))
+    assert mean_rel_error(m, TRUE, random.Random(2)) < 0.03
+    assert m.coefficients["c0"] == pytest.approx(TRUE["c0"], rel=0.25)
+    assert all(v >= 0 for v in m.coefficients.values())
+
+
+def test_noise_and_outliers_do_not_throw_it_off():
+    rng = random.Random(3)
+    m = StepTimeModel(TRUE)
+    for i, s in enumerate(shapes(rng, 1500)):
+        y = seconds(TRUE, *s) * (1 + rng.gauss(0, 0.05))
+        if i % 97 == 0:
+            y *= 20                                            # a GC pause
+        m.observe(*s, y)
+    assert mean_rel_error(m, TRUE, random.Random(4)) < 0.06
+
+
+def test_adapts_when_the_machine_slows_down():
+    rng = random.Random(5)
+    m = StepTimeModel(TRUE)
+    for s in shapes(rng, 500):
+        m.observe(*s, seconds(TRUE, *s))
+    slow = {k: 2 * v for k, v in TRUE.items()}                 # e.g. another job took a core
+    assert mean_rel_error(m, slow, random.Random(6)) > 0.4
+    for s in shapes(rng, 600):
+        m.observe(*s, seconds(slow, *s))
+    assert mean_rel_error(m, slow, random.Random(6)) < 0.1
+
+
+def test_unexcited_directions_stay_at_the_seed():
+    """Decode-only steps never separate c_tok from c_seq: the split stays near the seed and
+    the prediction of decode steps is right."""
+    rng = random.Random(7)
+    m = StepTimeModel(TRUE)
+    for _ in range(3000):
+        d = rng.randint(1, 32)
+        kv = d * rng.randint(16, 1024)
+        m.observe(d, d, kv, 0, seconds(TRUE, d, d, kv, 0))
+    c = m.coefficients
+    assert c["c_prefill_tok"] == pytest.approx(TRUE["c_prefill_tok"], rel=0.05)
+    assert m.predict(8, 8, 2048, 0) == pytest.approx(seconds(TRUE, 8, 8, 2048, 0), rel=0.02)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        StepTimeModel([1.0, 2.0])
+    with pytest.raises(ValueError):
+        StepTimeModel({"c0": -1.0})
+    m = StepTimeModel(TRUE)
+    before = m.coefficients
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        m.observe(1, 1, 10, 0, bad)
+    m.observe(0, 0, 0, 0, 0.5)                                 # an empty step
+    assert m.coefficients == before and m.num_observed == 0
+    assert set(before) == set(COEFFICIENTS)

@@ -1,0 +1,53 @@
+"""The `slo` policy on the real engine (tiny random-weight model): the step-time model is fed
+the measured steps, and an unattainable TTFT target is refused at add_request."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.core.request import SamplingParams
+from iterserve.core.scheduler import QueueFullError
+from iterserve.core.slo_policy import SLOUnattainableError
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.llm_engine import LLMEngine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), num_kv_blocks=64, max_model_len=256,
+        scheduling_policy="slo", **kw))
+
+
+def test_serves_and_learns_the_measured_step_times(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, slo_ttft_ms=60_000.0, slo_tpot_ms=60_000.0)
+    for i in range(4):
+        engine.add_request(f"r{i}", "Hello world", SamplingParams(max_tokens=8, **GREEDY))
+    done = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == ["r0", "r1", "r2", "r3"]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in done.values())
+    slo = engine.scheduler.slo
+    assert slo.model.num_observed >= 8 and slo.model.last_seconds > 0
+
+
+def test_an_unattainable_ttft_is_refused_and_nothing_leaks(tiny_model_dir):
+    # A 1 ms target: no prompt of ~200 tokens prefills that fast on a CPU.
+    engine = make_engine(tiny_model_dir, slo_ttft_ms=1.0)
+    engine.add_request("warm", [5, 6], SamplingParams(max_tokens=24, **GREEDY))
+    while engine.has_unfinished_requests():      # measured steps: it refuses none before
+        engine.step()
+    assert engine.scheduler.slo.model.num_observed >= 20
+    free = engine.scheduler.stats().num_free_blocks
+    with pytest.raises(SLOUnattainableError) as exc:
+        engine.add_request("big", list(range(3, 203)), SamplingParams(max_tokens=4, **GREEDY))
+    assert isinstance(exc.value, QueueFullError)
+    assert exc.value.predicted_ttft_s > 0.001
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.stats().num_free_blocks == free

@@ -1,0 +1,86 @@
+"""Issue 18 in the lab: the slo policy's goodput against fcfs's around the engine's capacity.
+
+The same Scheduler and policy code as the engine; the simulated executor feeds the policy's
+online step-time model the cost model's step times. One fixed seed, small enough to run in
+about a second; benchmarks/slo_goodput.py runs more seeds.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.lab.slo import PRESET, capacity_rps, goodput_comparison
+
+SEED = 1001
+
+
+@pytest.fixture(scope="module")
+def comparison():
+    return goodput_comparison({"seed": SEED, "requests": 240})
+
+
+def test_capacity_is_measured_from_the_shipped_cost_model():
+    cap = capacity_rps({"seed": SEED, "requests": 240})
+    assert 1.5 < cap < 3.0         # smollm2-cpu: ~0.45 s of steps per request at full batch
+
+
+def test_slo_goodput_is_at_least_1_5x_fcfs_above_capacity(comparison):
+    rows = {row["load"]: row for row in comparison["rows"]}
+    for load in (1.5, 2.0):
+        row = rows[load]
+        assert row["slo"]["goodput_rps"] >= 1.5 * row["fcfs"]["goodput_rps"], row
+        # Not an artefact of slo's shorter run (refused work): counts alone say the same.
+        assert row["slo"]["slo_met"] >= 1.5 * row["fcfs"]["slo_met"], row
+        assert row["slo"]["refused"] > 0 and row["fcfs"]["refused"] == 0
+    # ... while below capacity it costs nothing: the same requests meet their targets.
+    low = rows[0.8]
+    assert low["slo"]["refused"] == 0
+    assert low["slo"]["slo_met"] == pytest.approx(low["fcfs"]["slo_met"], rel=0.02)
+    assert low["slo"]["goodput_rps"] == pytest.approx(low["fcfs"]["goodput_rps"], rel=0.02)
+
+
+def test_goodput_is_reported_for_any_policy_with_targets():
+    r = run_lab({**PRESET, "requests": 40, "arrival_rate_s": 1.0, "cost_model": None,
+                 "policy": "priority"})["continuous"]
+    assert {"goodput_rps", "slo_met", "refused", "slo_attainment"} <= set(r)
+    assert r["refused"] == 0 and 0 <= r["slo_met"] <= 40
+    r = run_lab({"batching": "continuous", "requests": 8})["continuous"]
+    assert "goodput_rps" not in r
+
+
+@pytest.mark.parametrize("options, option", [
+    ({"arrival_rate": 0.1, "arrival_rate_s": 1.0}, "arrival_rate_s"),
+    ({"arrival_rate_s": 0.0}, "arrival_rate_s"),
+    ({"slo_ttft_ms": -5}, "slo_ttft_ms"),
+    ({"slo_tpot_ms": float("nan")}, "slo_tpot_ms"),
+    ({"policy": "edf"}, "policy"),
+])
+def test_bad_slo_options_name_the_option(options, option):
+    with pytest.raises(LabOptionsError) as exc:
+        run_lab(options)
+    assert exc.value.option == option
+
+
+def test_cli_runs_the_slo_policy():
+    cmd = [sys.executable, "-m", "iterserve.cli", "lab", "--batching", "continuous",
+           "--slots", "64", "--requests", "60", "--prompt-len", "8-40", "--arrival-rate-s",
+           "4", "--cost-model", "smollm2-cpu", "--slo-ttft-ms", "1000", "--slo-tpot-ms",
+           "100", "--policy", "slo"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "goodput (requests/s)" in proc.stdout and "refused (SLO)" in proc.stdout
+
+
+def test_lab_slo_command_prints_the_comparison():
+    cmd = [sys.executable, "-m", "iterserve.cli", "lab", "slo", "--requests", "80", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    out = json.loads(proc.stdout)
+    assert [row["load"] for row in out["rows"]] == [0.8, 1.5, 2.0]
+    assert out["capacity_rps"] > 0
+    bad = subprocess.run(cmd[:-3] + ["--slots", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "slots" in bad.stderr
