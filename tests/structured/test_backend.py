@@ -327,3 +327,23 @@ def test_grammar_bitmask_maps_sequence_ids_to_rows(compiler, tiny_tok):
     first = [int(i) for i in torch.isfinite(logits[2]).nonzero().flatten()]
     assert all("red".startswith(tiny_tok.decode([i])) for i in first)
     assert GrammarBitmask.fill({}) is None
+
+
+@pytest.mark.parametrize("vocab, logits_width", [(100, 100), (100, 130), (100, 70), (64, 64)])
+def test_apply_bitmask_matches_a_per_token_reference(vocab, logits_width):
+    g = torch.Generator().manual_seed(vocab + logits_width)
+    bm = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32,
+                       generator=g)
+    logits = torch.randn(5, logits_width, generator=g)
+    rows = [4, 0, 2]
+    want = logits.clone()
+    for r, row in enumerate(rows):
+        for t in range(logits_width):
+            bit = (int(bm[r, t // 32]) >> (t % 32)) & 1 if t < bm.shape[1] * 32 else 0
+            if not bit:
+                want[row, t] = float("-inf")
+    got = apply_bitmask(logits.clone(), bm, rows)
+    assert torch.equal(got, want)             # allowed logits are untouched, bit for bit
+    assert torch.equal(apply_bitmask(logits[rows].clone(), bm), want[rows])
+    half = apply_bitmask(logits.clone().half(), bm, rows)
+    assert torch.equal(torch.isinf(half), torch.isinf(want))

@@ -4,8 +4,8 @@ A bitmask row holds one bit per vocabulary id (int32 words, bit t%32 of word t//
 t; 1 = allowed), the layout xgrammar and llguidance share. Only constrained sequences have a
 row; `rows` says which logits row each bitmask row belongs to.
 
-`apply_bitmask` unpacks the bits with one shift-and-and over [R, W, 32] and writes -inf with
-one masked_fill: no Python loop over the vocabulary or the rows. The logits may be wider
+`apply_bitmask` turns the packed bits into a 0 / -inf penalty with one byte-wise table lookup
+and adds it: no Python loop over the vocabulary or the rows. The logits may be wider
 than the mask (a model whose embedding table is padded past the tokenizer): the extra ids
 are never allowed; a mask wider than the logits is cut to their width. Works on any device
 (the mask is copied to the logits' device).
@@ -14,9 +14,11 @@ are never allowed; a mask wider than the logits is cut to their width. Works on 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
@@ -55,6 +57,41 @@ def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([allowed, pad], dim=1)
 
 
+_PENALTY_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _penalty_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where its bit is set and -inf where not."""
+    key = (device, dtype)
+    t = _PENALTY_TABLES.get(key)
+    if t is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        t = torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, float("-inf")).to(device)
+        _PENALTY_TABLES[key] = t
+    return t
+
+
+def bitmask_penalty(bitmask: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[R, width] of 0 (allowed) / -inf (forbidden), from the packed mask in one lookup.
+
+    Adding this is the cheapest way found to mask on a CPU: a byte-wise table lookup
+    (`embedding`) plus an add cost ~0.25 ms for 8 rows of a 49,152-token vocabulary, where
+    unpacking to bools and `masked_fill` cost ~1.6 ms (same process, single thread).
+    """
+    r, w = bitmask.shape
+    if sys.byteorder == "little":
+        pen = F.embedding(bitmask.view(torch.uint8).long(),
+                          _penalty_table(bitmask.device, dtype)).view(r, w * 32)
+    else:   # bytes in the other order: unpack bits arithmetically
+        allowed = ((bitmask.unsqueeze(-1) >> _shifts(bitmask.device)) & 1).view(r, w * 32)
+        pen = torch.zeros(allowed.shape, dtype=dtype, device=bitmask.device).masked_fill_(
+            allowed == 0, float("-inf"))
+    if w * 32 >= width:
+        return pen[:, :width]
+    extra = torch.full((r, width - w * 32), float("-inf"), dtype=dtype, device=bitmask.device)
+    return torch.cat([pen, extra], dim=1)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                   rows: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
     """Set the forbidden logits of the constrained rows to -inf, in place; returns `logits`.
@@ -68,18 +105,18 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     if bitmask.dtype != torch.int32:
         raise ValueError(f"the bitmask must be int32, got {bitmask.dtype}")
     n, vocab = logits.shape
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    allowed = unpack_bitmask(bitmask, vocab)
+    bitmask = bitmask.to(logits.device, non_blocking=True).contiguous()
     if rows is None:
         if bitmask.shape[0] != n:
             raise ValueError(f"{bitmask.shape[0]} mask rows for {n} logits rows; pass `rows`")
-        return logits.masked_fill_(~allowed, float("-inf"))
+        return logits.add_(bitmask_penalty(bitmask, vocab, logits.dtype))
     idx = torch.as_tensor(rows, dtype=torch.long, device=logits.device)
     if idx.numel() != bitmask.shape[0]:
         raise ValueError(f"{bitmask.shape[0]} mask rows but {idx.numel()} row indices")
+    penalty = bitmask_penalty(bitmask, vocab, logits.dtype)
     if idx.numel() == n and bool((idx == torch.arange(n, device=idx.device)).all()):
-        return logits.masked_fill_(~allowed, float("-inf"))
-    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+        return logits.add_(penalty)
+    sub = logits.index_select(0, idx).add_(penalty)
     return logits.index_copy_(0, idx, sub)
 
 
