@@ -347,3 +347,34 @@ def test_apply_bitmask_matches_a_per_token_reference(vocab, logits_width):
     assert torch.equal(apply_bitmask(logits[rows].clone(), bm), want[rows])
     half = apply_bitmask(logits.clone().half(), bm, rows)
     assert torch.equal(torch.isinf(half), torch.isinf(want))
+
+
+def test_todays_sampler_picks_only_allowed_tokens(compiler, tiny_tok):
+    """The masked logits go through iterserve's Sampler (greedy, top-k/top-p, min-p,
+    penalties, seeds, logprobs): every pick is one the grammar allows."""
+    from iterserve.core.request import Request, SamplingParams
+    from iterserve.model.sampler import Sampler
+
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9),
+             SamplingParams(temperature=1.2, top_k=5, seed=7),
+             SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.3, logprobs=3)]
+    reqs = [Request(f"r{i}", [5, 6, 7], p) for i, p in enumerate(kinds)]
+    g = compiler.compile(P(regex="(cat|dog|bird)[0-9]{2}"))
+    ms = [g.matcher() for _ in reqs]
+    sampler = Sampler(seed=0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        logits = torch.randn(len(reqs), compiler.vocab_size, generator=gen) * 3
+        bm = fill_bitmasks(ms)
+        apply_bitmask(logits, bm)
+        for r, m, res in zip(reqs, ms, sampler(logits, reqs)):
+            if m.is_terminated():
+                continue
+            assert res.token_id in allowed_ids(bm, reqs.index(r)) and m.accept(res.token_id)
+            if r.sampling_params.logprobs is not None:
+                assert res.logprob > float("-inf")
+            r.append_output_token(res.token_id, 0.0)
+    for r, m in zip(reqs, ms):
+        text = tiny_tok.decode(r.output_token_ids)
+        assert re.fullmatch(r"(cat|dog|bird)[0-9]{0,2}", text) or \
+            re.fullmatch(r"(c|ca|d|do|b|bi|bir)", text), text

@@ -118,7 +118,7 @@ def test_vllm_structured_outputs_and_guided_names():
 
 
 def test_params_module_imports_no_torch():
-    code = ("import sys; import iterserve.structured as s; "
+    code = ("import sys; import iterserve.structured as s, iterserve.tools; "
             "s.StructuredOutputsParams(json={'type': 'object'}); "
             "assert 'torch' not in sys.modules and 'llguidance' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
