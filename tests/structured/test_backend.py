@@ -378,3 +378,10 @@ def test_todays_sampler_picks_only_allowed_tokens(compiler, tiny_tok):
         text = tiny_tok.decode(r.output_token_ids)
         assert re.fullmatch(r"(cat|dog|bird)[0-9]{0,2}", text) or \
             re.fullmatch(r"(c|ca|d|do|b|bi|bir)", text), text
+
+
+@pytest.mark.parametrize("choice", ['say "hi"\n', "café ☕", "a\\b", "{not: grammar}"])
+def test_choices_with_quotes_escapes_and_unicode(compiler, tiny_tok, choice):
+    m = compiler.compile(P(choice=[choice, "other"])).matcher()
+    ids = tiny_tok.encode(choice, add_special_tokens=False)
+    assert m.accept_tokens(ids) == len(ids) and m.is_terminated()

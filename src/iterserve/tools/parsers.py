@@ -31,11 +31,10 @@ The formats:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Callable
 
-from iterserve.tools.jsonscan import ObjectScan, scan_object, scan_value, skip_ws, INVALID
+from iterserve.tools.jsonscan import INVALID, ObjectScan, scan_object, scan_value, skip_ws
 from iterserve.tools.types import (
     DeltaMessage, DeltaToolCall, ExtractedToolCalls, ToolCall, make_tool_call_id)
 
@@ -72,7 +71,6 @@ def _call_from_object(text: str, obj: ObjectScan, args_keys=("arguments", "param
         args = "{}" if complete else ""
     else:
         raw = obj.value_text(text, key) or ""
-        start, end = obj.values[key]
         if raw.startswith('"'):          # arguments given as a JSON string of JSON
             val = obj.complete_value(text, key)
             args = val if isinstance(val, str) else ""
