@@ -246,7 +246,8 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
             return error_response(503, "the engine is shut down", type="service_unavailable")
         return JSONResponse({"status": "ok", "model": model_name})
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
+    @app.post("/ping", operation_id="ping_post")
     async def ping() -> Response:
         if engine is not None and engine.is_closed:
             return error_response(503, "the engine is shut down", type="service_unavailable")

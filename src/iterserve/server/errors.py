@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
@@ -88,10 +89,34 @@ class APIError(Exception):
                               code=self.code, headers=self.headers)
 
 
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]*$|^[0-9]+$")
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    """("body", "messages", 0, "role") -> "messages.0.role"; None for the body itself."""
+    """("body", "messages", 0, "role") -> "messages.0.role"; None for the body itself.
+    Union-member tags pydantic puts in the location ("list[constrained-int]",
+    "function-after[...]", a model's class name) are not fields and are dropped."""
     parts = [str(p) for p in loc if p != "body"]
+    parts = [p for p in parts if _FIELD.match(p) and p not in _TYPE_NAMES]
     return ".".join(parts) or None
+
+
+_MESSAGES = {"string_unicode": "the string is not valid Unicode (it holds a lone UTF-16 "
+                               "surrogate)"}
+
+
+def _best_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One error per parameter; for a union, the member error that says most (a range or a
+    custom check rather than "Input should be a valid list")."""
+    by_param: dict[str | None, list[dict[str, Any]]] = {}
+    for e in errors:
+        by_param.setdefault(_loc_to_param(e.get("loc", ())), []).append(e)
+    best = []
+    for errs in by_param.values():
+        specific = [e for e in errs if not str(e.get("type", "")).endswith("_type")]
+        best.append((specific or errs)[0])
+    return best
 
 
 def validation_message(exc: RequestValidationError
@@ -117,6 +142,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if unsupported:
         e = unsupported[0]
         return str(e.get("msg")), _loc_to_param(e.get("loc", ()))
+    errors = _best_errors(errors)
     first = errors[0]
     etype = first.get("type", "")
     param = _loc_to_param(first.get("loc", ()))
@@ -132,7 +158,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msgs = []
     for err in errors[:3]:
         p = _loc_to_param(err.get("loc", ()))
-        msgs.append(f"{p}: {err.get('msg')}" if p else str(err.get("msg")))
+        text = _MESSAGES.get(str(err.get("type")), err.get("msg"))
+        msgs.append(f"{p}: {text}" if p else str(text))
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return "; ".join(msgs) + more, param
 
