@@ -30,10 +30,10 @@ Fields fall in three groups:
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from iterserve.core.request import SamplingParams
@@ -233,17 +233,18 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1, le=MAX_N,
                                 description="only equal to n (best_of > n is not supported)")
 
-    @model_validator(mode="after")
-    def _best_of(self) -> "CompletionRequest":
-        n = self.n or 1
-        if self.best_of is not None and self.best_of != n:
-            if self.best_of < n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1            # n is validated first (a parent field)
+        if best_of is not None and best_of != n:
+            if best_of < n:
                 raise PydanticCustomError("best_of", "best_of must be at least n ({n}), got "
-                                          "{best_of}", {"n": n, "best_of": self.best_of})
+                                          "{best_of}", {"n": n, "best_of": best_of})
             raise PydanticCustomError(
                 "unsupported_parameter", "best_of > n is not supported by iterserve yet "
-                "(best_of {best_of}, n {n})", {"n": n, "best_of": self.best_of})
-        return self
+                "(best_of {best_of}, n {n})", {"n": n, "best_of": best_of})
+        return best_of
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -376,6 +377,3 @@ class DetokenizeRequest(_Model):
     model: Text | None = None
     tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
 
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
