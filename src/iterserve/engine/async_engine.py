@@ -76,6 +76,7 @@ class AsyncEngine:
         self.scheduling_policy = str(getattr(scheduling_policy, "value", scheduling_policy))
         self.debug_check_consistency = debug_check_consistency
         self.num_health_checks = 0
+        self.num_requests_added = 0                 # accepted by the engine, ever
         self.health_violations: list[str] = []      # every violation seen (the tests read it)
 
     @classmethod
@@ -303,6 +304,7 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        self.num_requests_added += 1
         self._work.set()
         return prompt_ids, q
 
