@@ -9,8 +9,11 @@ after the current step.
 Text work runs on a second small pool, never on the event loop nor on the engine thread:
 tokenising a prompt and rendering a chat template. The tokenizer's batch call releases the
 GIL (its single-text `encode` does not: a 4 MB prompt held the GIL for 3.5 s), and the token
-count is checked against max_model_len before the ids become a Python list, so a huge prompt
-costs the server neither `/health` nor a stalled step (issue 15, defect 2).
+count is checked against max_model_len before the ids become a Python list. A text longer
+than any prompt that can fit (max_model_len x the longest vocabulary entry x 4 characters)
+is refused before it is tokenised at all: freeing the tokenizer's result for a 4 MB text
+alone held the GIL for 0.56 s. So a huge prompt costs the server neither `/health` nor a
+stalled step (issue 15, defect 2).
 
 A consumer that goes away (client disconnect, task cancelled, generator closed) aborts its
 request in the generator's `finally`: the abort is queued on the worker thread at once, so
@@ -77,6 +80,7 @@ class AsyncEngine:
         self.debug_check_consistency = debug_check_consistency
         self.num_health_checks = 0
         self.num_requests_added = 0                 # accepted by the engine, ever
+        self._max_token_chars: int | None = None
         self.health_violations: list[str] = []      # every violation seen (the tests read it)
 
     @classmethod
@@ -160,7 +164,24 @@ class AsyncEngine:
         return await self.run_in_engine(self.engine.get_trace, request_id)
 
     # --- text -----------------------------------------------------------------------------
+    def max_text_chars(self) -> int | None:
+        """No text longer than this can tokenise to max_model_len tokens or fewer: a token
+        covers at most its vocabulary entry's length in characters (byte-level entries count
+        bytes, which bounds characters), times 4 for normalizers that merge characters."""
+        if self._max_token_chars is None:
+            try:
+                self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=0)
+            except Exception:           # a tokenizer without a vocabulary: no bound
+                self._max_token_chars = 0
+        return self.max_model_len * self._max_token_chars * 4 or None
+
     def _encode(self, text: str, add_special_tokens: bool, limit: int | None) -> list[int]:
+        bound = self.max_text_chars()
+        if bound is not None and len(text) > bound:
+            raise PromptTooLongError(
+                f"the text has {len(text)} characters; no text longer than {bound} characters "
+                f"fits in this model's maximum context length of {self.max_model_len} tokens",
+                "prompt")
         tok = self.tokenizer
         backend = getattr(tok, "backend", None)
         if backend is None or not hasattr(backend, "encode_batch"):
