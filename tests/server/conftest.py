@@ -44,11 +44,17 @@ class RunningServer:
         assert not self.thread.is_alive(), "server did not shut down"
 
 
-def _start(model_dir, *, api_key: str | None = None, **engine_kw) -> RunningServer:
+_APP_KW = ("api_key", "metrics_require_auth", "max_request_body_bytes")
+
+
+def _start(model_dir, *, debug_check_consistency: bool = False, **kw) -> RunningServer:
+    app_kw = {k: kw.pop(k) for k in _APP_KW if k in kw}
+    engine_kw = kw
     engine_kw.setdefault("num_kv_blocks", 128)
     engine_kw.setdefault("max_model_len", 256)
-    engine = AsyncEngine.from_engine_args(EngineArgs(model=str(model_dir), **engine_kw))
-    app = create_app(engine, api_key=api_key)
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=str(model_dir), **engine_kw),
+                                          debug_check_consistency=debug_check_consistency)
+    app = create_app(engine, model_root=str(model_dir), **app_kw)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=2))

@@ -80,10 +80,17 @@ def test_streaming_request_with_bad_input_fails_before_the_stream(server):
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
 
 
-def test_unknown_fields_are_ignored(server):
+def test_unknown_and_unimplemented_fields_are_refused_by_name(server):
+    # was test_unknown_fields_are_ignored (a silent 200): issue 14's rule makes both a 400
     r = httpx.post(server.base_url + COMPLETIONS, timeout=30, json={
-        "prompt": "x", "max_tokens": 1, "logit_bias": {"5": 1}, "some_future_field": [1]})
-    assert r.status_code == 200
+        "prompt": "x", "max_tokens": 1, "some_future_field": [1]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == \
+        "Unrecognized request argument supplied: some_future_field"
+    assert r.json()["error"]["param"] == "some_future_field"
+    r = httpx.post(server.base_url + COMPLETIONS, timeout=30, json={
+        "prompt": "x", "max_tokens": 1, "logit_bias": {"5": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
 def test_unknown_route_and_method_get_error_bodies(server):

@@ -193,7 +193,10 @@ def test_token_counters_grow_by_the_tokens_served(client, server):
     assert metric(server, "iterserve:generation_tokens_total") == before + 4
 
 
-def test_trace_of_a_finished_request(client, server):
+def test_trace_of_a_finished_request(start_server):
+    # priority 3 needs the priority policy (on fcfs it is a 400: test_api_surface.py)
+    server = start_server(scheduling_policy="priority")
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=60)
     r = client.completions.create(model=server.model, prompt="Trace me", max_tokens=3,
                                   temperature=0, extra_body={"ignore_eos": True, "priority": 3})
     t = httpx.get(f"{server.v1}/requests/{r.id}/trace").json()

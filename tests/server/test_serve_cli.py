@@ -87,3 +87,36 @@ def test_generate_cli_rejects_bad_settings(tiny_model_dir, capsys):
 
     assert main(["generate", "x", "--model", str(tiny_model_dir), "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_sigterm_ends_cut_streams_with_abort_usage_and_done_within_the_timeout(tiny_model_dir):
+    """Issue 15, defect 6: exit within --shutdown-timeout + 1 s; a stream still running when
+    the drain ends gets finish_reason "abort", its usage chunk, then [DONE]."""
+    import json
+
+    timeout = 0.25          # 4 x 1000 tokens take the tiny model well over that
+    proc, base = start(tiny_model_dir, "--shutdown-timeout", str(timeout))
+    try:
+        with httpx.stream("POST", base + "/v1/completions", timeout=30, json={
+                "prompt": "Hello", "max_tokens": 1000, "n": 4, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            rest = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+        assert code == 0
+        assert elapsed < timeout + 1.0, elapsed
+        assert rest[-1] == "[DONE]"
+        usage_chunk = json.loads(rest[-2])
+        assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
+        finishes = {c["index"]: c["finish_reason"] for e in rest[:-2]
+                    for c in json.loads(e)["choices"] if c["finish_reason"]}
+        assert finishes == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
+        assert not any('"error"' in e for e in rest)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

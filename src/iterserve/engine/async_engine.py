@@ -6,9 +6,27 @@ a forward pass. The background loop submits `step()` while there is work and han
 RequestOutput to its request's asyncio.Queue; an add or abort submitted meanwhile runs right
 after the current step.
 
+Text work runs on a second small pool, never on the event loop nor on the engine thread:
+tokenising a prompt and rendering a chat template. The tokenizer's batch call releases the
+GIL (its single-text `encode` does not: a 4 MB prompt held the GIL for 3.5 s), and the token
+count is checked against max_model_len before the ids become a Python list. A text longer
+than any prompt that can fit (max_model_len x the longest vocabulary entry x 4 characters)
+is refused before it is tokenised at all: freeing the tokenizer's result for a 4 MB text
+alone held the GIL for 0.56 s. So a huge prompt costs the server neither `/health` nor a
+stalled step (issue 15, defect 2).
+
 A consumer that goes away (client disconnect, task cancelled, generator closed) aborts its
 request in the generator's `finally`: the abort is queued on the worker thread at once, so
 the request's blocks are free before the next step is scheduled.
+
+The server uses only this class's public API; this class uses only LLMEngine's public API
+(add_request, abort_request, step, has_unfinished_requests, stats, scheduler_stats,
+get_trace, check_health, model_name, tokenizer, max_model_len, vocab_size, stat_loggers).
+
+Consistency (issue 15): when the engine goes idle, and after every step with
+`debug_check_consistency`, the engine thread runs `LLMEngine.check_health()`, which checks the
+scheduler's books, logs each violation with its request ids and ends the offending requests
+with finish reason "error" (their streams end normally).
 """
 
 from __future__ import annotations
@@ -20,15 +38,15 @@ import threading
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from iterserve.core.request import SamplingParams
+from iterserve.engine.errors import (EmptyPromptError, EngineDeadError, IterserveError,
+                                     InvalidRequestError, PromptTooLongError)
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shutdown or a fatal error); no request can be served."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 def _engine_thread() -> concurrent.futures.ThreadPoolExecutor:
@@ -38,17 +56,32 @@ def _engine_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, idle_sleep: float = 0.002,
-                 thread: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+                 thread: concurrent.futures.ThreadPoolExecutor | None = None,
+                 scheduling_policy: str | None = None,
+                 debug_check_consistency: bool = False, text_workers: int = 2) -> None:
         self.engine = engine
         self._thread = thread or _engine_thread()
+        self._text = concurrent.futures.ThreadPoolExecutor(
+            max_workers=text_workers, thread_name_prefix="iterserve-text")
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._accepting = True
         self._idle_sleep = idle_sleep
         self._counter = 0
         self._counter_lock = threading.Lock()
+        if scheduling_policy is None:
+            cfg = getattr(engine, "scheduler_config", None)
+            scheduling_policy = (getattr(cfg, "scheduling_policy", None)
+                                 or getattr(cfg, "policy", None) or "fcfs")
+        self.scheduling_policy = str(getattr(scheduling_policy, "value", scheduling_policy))
+        self.debug_check_consistency = debug_check_consistency
+        self.num_health_checks = 0
+        self.num_requests_added = 0                 # accepted by the engine, ever
+        self._max_token_chars: int | None = None
+        self.health_violations: list[str] = []      # every violation seen (the tests read it)
 
     @classmethod
     def from_engine_args(cls, args: Any, **kw: Any) -> "AsyncEngine":
@@ -61,10 +94,12 @@ class AsyncEngine:
         one of a step's ~300 regions paid a futex wake-up. The server ran `mix` at 92 output
         tok/s against 133 offline; with one team it matches offline."""
         thread = _engine_thread()
-        engine = thread.submit(LLMEngine.from_engine_args, args, **kw).result()
-        return cls(engine, thread=thread)
+        engine_kw = {k: kw.pop(k) for k in ("stat_loggers",) if k in kw}
+        engine = thread.submit(LLMEngine.from_engine_args, args, **engine_kw).result()
+        kw.setdefault("scheduling_policy", getattr(args, "scheduling_policy", None))
+        return cls(engine, thread=thread, **kw)
 
-    # --- plumbing -----------------------------------------------------------------------
+    # --- what the server reads ------------------------------------------------------------
     @property
     def model_name(self) -> str:
         return self.engine.model_name
@@ -74,8 +109,28 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def is_closed(self) -> bool:
+        """True once shutdown began: no new request is accepted."""
+        return self._closed or not self._accepting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def add_stat_logger(self, stat_logger: Any) -> None:
+        self.engine.stat_loggers.append(stat_logger)
 
     def next_request_id(self, prefix: str = "req") -> str:
         with self._counter_lock:
@@ -89,22 +144,123 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, lambda: fn(*args, **kw))
 
+    async def run_text_work(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run CPU-bound text work (tokenising, template rendering) off the event loop and
+        off the engine thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._text, lambda: fn(*args, **kw))
+
+    async def scheduler_stats(self) -> Any:
+        """The scheduler's SchedulerStats snapshot, read on the engine thread."""
+        fn = getattr(self.engine, "scheduler_stats", None)
+        if fn is None:          # until h-engine's LLMEngine.scheduler_stats() is merged
+            fn = self.engine.scheduler.stats
+        return await self.run_in_engine(fn)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.run_in_engine(self.engine.stats)
+
+    async def get_trace(self, request_id: str) -> dict[str, Any] | None:
+        return await self.run_in_engine(self.engine.get_trace, request_id)
+
+    # --- text -----------------------------------------------------------------------------
+    def max_text_chars(self) -> int | None:
+        """No text longer than this can tokenise to max_model_len tokens or fewer: a token
+        covers at most its vocabulary entry's length in characters (byte-level entries count
+        bytes, which bounds characters), times 4 for normalizers that merge characters."""
+        if self._max_token_chars is None:
+            try:
+                self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=0)
+            except Exception:           # a tokenizer without a vocabulary: no bound
+                self._max_token_chars = 0
+        return self.max_model_len * self._max_token_chars * 4 or None
+
+    def _encode(self, text: str, add_special_tokens: bool, limit: int | None) -> list[int]:
+        bound = self.max_text_chars()
+        if bound is not None and len(text) > bound:
+            raise PromptTooLongError(
+                f"the text has {len(text)} characters; no text longer than {bound} characters "
+                f"fits in this model's maximum context length of {self.max_model_len} tokens",
+                "prompt")
+        tok = self.tokenizer
+        backend = getattr(tok, "backend", None)
+        if backend is None or not hasattr(backend, "encode_batch"):
+            ids = tok.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            # encode_batch releases the GIL; the count is known before the id list is built.
+            enc = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            if limit is not None and len(enc) > limit:
+                raise PromptTooLongError(
+                    f"the prompt has at least {len(enc)} tokens, but this model's maximum "
+                    f"context length is {self.max_model_len} tokens (prompt and output "
+                    "together)", "prompt")
+            ids = enc.ids
+            # The same BOS rule as Tokenizer.encode (tests/server check they agree).
+            bos = getattr(tok, "bos_token_id", None)
+            if add_special_tokens and getattr(tok, "add_bos_token", False) and bos is not None \
+                    and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, but this model's maximum context length "
+                f"is {self.max_model_len} tokens (prompt and output together)", "prompt")
+        return ids
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True,
+                       limit: int | None = None) -> list[int]:
+        """Token ids of `text`, computed off the event loop; PromptTooLongError as soon as
+        the count passes `limit`."""
+        return await self.run_text_work(self._encode, text, add_special_tokens, limit)
+
+    async def render_chat(self, messages: list[dict[str, Any]], *,
+                          add_generation_prompt: bool = True) -> str:
+        """The chat template's text for `messages`, rendered off the event loop."""
+        return await self.run_text_work(self.tokenizer.apply_chat_template, messages,
+                                        add_generation_prompt=add_generation_prompt)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self.run_text_work(self.tokenizer.decode, list(token_ids),
+                                        skip_special_tokens=False)
+
+    # --- the loop -------------------------------------------------------------------------
     def start(self) -> None:
         if self.is_running:
             return
         self._loop = asyncio.get_running_loop()
         self._loop_task = self._loop.create_task(self._run_loop(), name="iterserve-engine-loop")
 
+    def _check_health(self) -> list[str]:
+        """On the engine thread: LLMEngine.check_health(), logged (never raises)."""
+        fn = getattr(self.engine, "check_health", None)   # h-engine adds it; until then: none
+        if fn is None:
+            return []
+        self.num_health_checks += 1
+        try:
+            problems = list(fn() or [])
+        except Exception:
+            logger.exception("the consistency check itself failed")
+            return []
+        for p in problems:
+            logger.error("consistency violation: %s", p)
+        self.health_violations.extend(problems)
+        return problems
+
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        busy = False
         while not self._closed:
             if not self.engine.has_unfinished_requests():
+                if busy:                    # just went idle: check the books once
+                    busy = False
+                    if await loop.run_in_executor(self._thread, self._check_health):
+                        continue            # ended requests emit their outputs next step
                 self._work.clear()
                 if not self.engine.has_unfinished_requests():
                     await self._work.wait()
                 continue
+            busy = True
             try:
-                outputs = await loop.run_in_executor(self._thread, self.engine.step)
+                outputs = await loop.run_in_executor(self._thread, self._step)
             except Exception as e:           # the engine itself broke: fail everyone, go on
                 logger.exception("engine step failed")
                 for rid, q in list(self._streams.items()):
@@ -123,20 +279,53 @@ class AsyncEngine:
             else:
                 await asyncio.sleep(0)                  # let consumers run between steps
 
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        if self.debug_check_consistency:
+            self._check_health()
+        return outputs
+
     # --- the API --------------------------------------------------------------------------
+    def _add_on_thread(self, request_id: str, prompt: Any, params: SamplingParams,
+                       kw: dict[str, Any]) -> list[int]:
+        try:
+            return self.engine.add_request(request_id, prompt, params, **kw)
+        except IterserveError:
+            raise
+        except ValueError as e:
+            if getattr(e, "param", None) is not None:   # SamplingParamsError: already precise
+                raise
+            # The scheduler's "this request can never fit" (core raises plain ValueErrors
+            # from add_request by contract): the request's fault.
+            raise InvalidRequestError(str(e), "prompt") from e
+
     async def add_request(self, request_id: str, prompt: str | Sequence[int],
                           params: SamplingParams, **kw: Any
                           ) -> tuple[list[int], asyncio.Queue]:
-        """Validate and queue a request; raises the engine's ValueErrors / QueueFullError."""
+        """Validate and queue a request; raises ClientErrors / QueueFullError (busy) /
+        EngineDeadError (shutting down). A text prompt is tokenised off the event loop."""
+        if not self._accepting or self._closed:
+            raise EngineDeadError("the server is shutting down")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EmptyPromptError("the prompt is empty", "prompt")
+            kw.setdefault("prompt_text", prompt)
+            prompt = await self.tokenize(prompt, limit=self.max_model_len)
+        elif len(prompt) >= self.max_model_len:     # before the engine walks every id
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt)} tokens, but this model's maximum context "
+                f"length is {self.max_model_len} tokens (prompt and output together)",
+                "prompt")
         self.start()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         try:
-            prompt_ids = await self.run_in_engine(self.engine.add_request, request_id, prompt,
-                                                  params, **kw)
+            prompt_ids = await self.run_in_engine(self._add_on_thread, request_id, prompt,
+                                                  params, kw)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        self.num_requests_added += 1
         self._work.set()
         return prompt_ids, q
 
@@ -187,22 +376,29 @@ class AsyncEngine:
         else:
             loop.call_soon_threadsafe(self._work.set)
 
-    async def stats(self) -> dict[str, Any]:
-        return await self.run_in_engine(self.engine.stats)
-
-    async def get_trace(self, request_id: str) -> dict[str, Any] | None:
-        return await self.run_in_engine(self.engine.get_trace, request_id)
-
-    async def shutdown(self, *, abort_in_flight: bool = True, drain_timeout: float = 0.0) -> None:
-        """Stop the loop: optionally let in-flight requests finish for `drain_timeout`
-        seconds, then abort what is left and end every stream."""
+    async def shutdown(self, *, abort_in_flight: bool = True, drain_timeout: float = 0.0,
+                       abort_grace: float = 0.5) -> None:
+        """Stop accepting, let in-flight requests finish for `drain_timeout` seconds, then
+        abort the rest *through the engine*, so each stream gets its final output with
+        finish_reason "abort" (and the server its usage chunk and `[DONE]`); a stream still
+        open `abort_grace` seconds later gets EngineDeadError. Bounded: it returns within
+        about drain_timeout + abort_grace + one step."""
         if self._closed:
             return
+        self._accepting = False
+        loop = asyncio.get_running_loop()
         if drain_timeout > 0 and self.is_running:
-            deadline = asyncio.get_running_loop().time() + drain_timeout
-            while self._streams and asyncio.get_running_loop().time() < deadline:
+            deadline = loop.time() + drain_timeout
+            while self._streams and loop.time() < deadline:
                 await asyncio.sleep(0.02)
-        if abort_in_flight:
+        if abort_in_flight and self._streams:
+            if self.is_running:
+                for rid in list(self._streams):
+                    self._thread.submit(self.engine.abort_request, rid)
+                self._work.set()
+                deadline = loop.time() + abort_grace
+                while self._streams and loop.time() < deadline:
+                    await asyncio.sleep(0.01)
             for rid in list(self._streams):
                 q = self._streams.pop(rid)
                 self._thread.submit(self.engine.abort_request, rid)
@@ -211,8 +407,9 @@ class AsyncEngine:
         self._work.set()
         if self._loop_task is not None:
             try:
-                await asyncio.wait_for(self._loop_task, timeout=10)
+                await asyncio.wait_for(self._loop_task, timeout=5)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._loop_task.cancel()
-        # Flush the aborts so blocks are freed, then stop the thread.
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.shutdown, True)
+        # Flush the aborts so blocks are freed, then stop the threads.
+        await loop.run_in_executor(None, self._thread.shutdown, True)
+        self._text.shutdown(wait=False, cancel_futures=True)

@@ -17,8 +17,10 @@ import json
 from datetime import datetime
 from typing import Any
 
+from iterserve.engine.errors import ClientError  # base class: see engine/errors.py
 
-class ChatTemplateError(ValueError):
+
+class ChatTemplateError(ClientError):
     """The messages cannot be rendered: malformed input, no template, or the template refused."""
 
 

@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
+from iterserve.engine.errors import ServerError  # the base class is the server's (errors.py says why)
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(ServerError, ValueError):
     """A model path, config or weight file cannot be used; the message says which and why."""
 
 

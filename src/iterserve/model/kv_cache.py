@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from iterserve.engine.errors import ServerError  # base class: see engine/errors.py
 from iterserve.model.config import ModelConfig
 
 
-class KVCacheError(ValueError):
+class KVCacheError(ServerError):
     """A block id or swap pair is outside the pools."""
 
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20      # = server.app.DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,9 +29,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/ routes")
+                   help="require 'Authorization: Bearer <key>' on every route but /health, "
+                        "/ping and the lab page")
+    g.add_argument("--metrics-require-auth", action="store_true",
+                   help="with --api-key, /metrics needs the key too (off: Prometheus "
+                        "scrapers usually send none)")
+    g.add_argument("--max-request-body-bytes", type=int,
+                   default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger bodies get 413 (default %(default)s = 4 MiB)")
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds in-flight requests may run on after SIGINT/SIGTERM")
+                   help="seconds in-flight requests may run on after SIGINT/SIGTERM; then "
+                        "they end with finish_reason 'abort' and the process exits within "
+                        "about one more second")
+    g.add_argument("--debug-check-consistency", action="store_true",
+                   help="check the scheduler's books after every step (they are always "
+                        "checked when the engine goes idle)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(p)
@@ -40,9 +56,16 @@ def build_app(args: argparse.Namespace):
     from iterserve.server.app import create_app
 
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncEngine.from_engine_args(engine_args)
+    if args.max_request_body_bytes < 1:
+        raise ValueError("--max-request-body-bytes must be at least 1")
+    if args.metrics_require_auth and not args.api_key:
+        raise ValueError("--metrics-require-auth needs --api-key")
+    engine = AsyncEngine.from_engine_args(
+        engine_args, debug_check_consistency=args.debug_check_consistency)
     return create_app(engine, served_model_name=engine_args.served_model_name,
-                      api_key=args.api_key), engine
+                      api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
+                      max_request_body_bytes=args.max_request_body_bytes,
+                      model_root=engine_args.model), engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,14 +80,12 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
-    e = engine.engine
-    cache = getattr(e, "cache_config", None)
-    print(f"iterserve: serving {e.model_name!r} on http://{args.host}:{args.port} "
-          f"(max_model_len {e.max_model_len}"
-          + (f", {cache.num_kv_blocks} KV blocks of {cache.block_size} tokens" if cache else "")
-          + ")", file=sys.stderr, flush=True)
+    print(f"iterserve: serving {engine.model_name!r} on http://{args.host}:{args.port} "
+          f"(max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
+    # After the drain (DrainingServer) every stream ends within a step or two; uvicorn's own
+    # graceful wait only covers responses still being written.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=0.5)
     server = DrainingServer(config, engine, drain_timeout=args.shutdown_timeout)
 
     # uvicorn re-raises the signal that stopped it once it is done; by then the shutdown
@@ -73,21 +94,29 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(0)
 
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    code = 0
     try:
         server.run()
     except KeyboardInterrupt:
         pass
     except SystemExit as e:
-        return int(e.code or 0)
+        code = int(e.code or 0)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    # Everything is shut down (streams ended, engine stopped, aborts flushed). Interpreter
+    # teardown with torch loaded took ~0.9 s more, which would break the promise that the
+    # process is gone within --shutdown-timeout + 1 s; so leave without it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class DrainingServer:
     """uvicorn.Server whose shutdown first stops accepting, then lets in-flight requests
     finish for `drain_timeout` seconds and aborts the rest in the engine, so every open
-    stream ends with a final SSE event and `[DONE]` instead of a cut connection."""
+    stream ends with finish_reason "abort" (and its usage chunk), then `[DONE]`, instead of
+    a cut connection; the whole shutdown takes at most about drain_timeout + 1 s."""
 
     def __new__(cls, config, engine, *, drain_timeout: float):
         import uvicorn

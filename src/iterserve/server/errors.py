@@ -8,12 +8,22 @@ of the app, the lab's included, answers errors through `error_response`.
 
 Bad input is the client's fault and must never become a 500 or a hung connection: invalid
 JSON, a body that is not an object and wrong field types all arrive here as pydantic /
-FastAPI validation errors and leave as 400.
+FastAPI validation errors and leave as 400 (an unknown field: "Unrecognized request argument
+supplied: <name>", as OpenAI says; a field iterserve does not implement yet: code
+"unsupported_parameter").
+
+A fault in the server is a 500 with an OpenAI body *and the connection stays usable*: the
+catch-all is a plain ASGI middleware (`CatchAllMiddleware`) that answers and returns,
+instead of Starlette's ServerErrorMiddleware, which re-raises after answering, so that
+uvicorn closes the keep-alive connection. Error bodies are encoded ASCII-only, so no message
+(a lone surrogate echoed from the request, say) can make the error itself fail to encode.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
@@ -45,12 +55,19 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON encoded ASCII-only (\\u escapes): it can always be encoded."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status_code: int, message: str, *, type: str = "invalid_request_error",
                    param: str | None = None, code: str | int | None = None,
                    headers: Mapping[str, str] | None = None) -> JSONResponse:
     """An OpenAI-style `{"error": {...}}` JSON response with the given status code."""
-    return JSONResponse(error_body(message, type=type, param=param, code=code),
-                        status_code=status_code, headers=dict(headers) if headers else None)
+    return SafeJSONResponse(error_body(message, type=type, param=param, code=code),
+                            status_code=status_code, headers=dict(headers) if headers else None)
 
 
 class APIError(Exception):
@@ -72,17 +89,60 @@ class APIError(Exception):
                               code=self.code, headers=self.headers)
 
 
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]*$|^[0-9]+$")
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    """("body", "messages", 0, "role") -> "messages.0.role"; None for the body itself."""
+    """("body", "messages", 0, "role") -> "messages.0.role"; None for the body itself.
+    Union-member tags pydantic puts in the location ("list[constrained-int]",
+    "function-after[...]", a model's class name) are not fields and are dropped."""
     parts = [str(p) for p in loc if p != "body"]
+    parts = [p for p in parts if _FIELD.match(p) and p not in _TYPE_NAMES]
     return ".".join(parts) or None
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A one-line message and the offending parameter from a FastAPI/pydantic error list."""
+_MESSAGES = {"string_unicode": "the string is not valid Unicode (it holds a lone UTF-16 "
+                               "surrogate)"}
+
+
+def _best_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One error per parameter; for a union, the member error that says most (a range or a
+    custom check rather than "Input should be a valid list")."""
+    by_param: dict[str | None, list[dict[str, Any]]] = {}
+    for e in errors:
+        by_param.setdefault(_loc_to_param(e.get("loc", ())), []).append(e)
+    best = []
+    for errs in by_param.values():
+        specific = [e for e in errs if not str(e.get("type", "")).endswith("_type")]
+        best.append((specific or errs)[0])
+    return best
+
+
+def validation_message(exc: RequestValidationError
+                       ) -> tuple[str, str | None, str | None]:
+    """A one-line message, the offending parameter and a code from a FastAPI/pydantic error
+    list."""
+    msg, param = _validation_message(exc)
+    codes = {e.get("type") for e in exc.errors()[:1]}
+    code = "unsupported_parameter" if "unsupported_parameter" in codes else None
+    return msg, param, code
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
+    extra = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if extra:                       # OpenAI's wording for an unknown field
+        names = [_loc_to_param(e.get("loc", ())) for e in extra]
+        return ("Unrecognized request argument supplied: " + ", ".join(str(n) for n in names),
+                names[0])
+    unsupported = [e for e in errors if e.get("type") == "unsupported_parameter"]
+    if unsupported:
+        e = unsupported[0]
+        return str(e.get("msg")), _loc_to_param(e.get("loc", ()))
+    errors = _best_errors(errors)
     first = errors[0]
     etype = first.get("type", "")
     param = _loc_to_param(first.get("loc", ()))
@@ -98,14 +158,15 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msgs = []
     for err in errors[:3]:
         p = _loc_to_param(err.get("loc", ()))
-        msgs.append(f"{p}: {err.get('msg')}" if p else str(err.get("msg")))
+        text = _MESSAGES.get(str(err.get("type")), err.get("msg"))
+        msgs.append(f"{p}: {text}" if p else str(text))
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return "; ".join(msgs) + more, param
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    message, param = validation_message(exc)
-    return error_response(400, message, param=param)
+    message, param, code = validation_message(exc)
+    return error_response(400, message, param=param, code=code)
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -119,15 +180,57 @@ async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> J
                           headers=getattr(exc, "headers", None))
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
-                          type="internal_error")
+async def _on_iterserve_error(request: Request, exc: Exception) -> JSONResponse:
+    from iterserve.server.serving_common import to_api_error
+
+    err = to_api_error(exc)
+    if err is None:
+        raise exc
+    if err.status_code >= 500:
+        logger.error("server fault on %s %s: %s", request.method, request.url.path, exc,
+                     exc_info=exc)
+    return err.response()
+
+
+class CatchAllMiddleware:
+    """Any exception a route lets escape becomes a 500 with an OpenAI body, and the
+    connection stays open (nothing is re-raised to uvicorn, which would close it)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:             # mid-response: nothing sensible can be sent any more
+                raise
+            resp = error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
+                                  type="internal_error")
+            await resp(scope, receive, send)
 
 
 def install_exception_handlers(app: FastAPI) -> None:
     """Make every error the app can produce an OpenAI-style body (400 for bad input)."""
+    from iterserve.core.request import SamplingParamsError
+    from iterserve.core.scheduler import QueueFullError
+    from iterserve.engine.errors import IterserveError
+
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
-    app.add_exception_handler(Exception, _on_unexpected)
+    for cls in (IterserveError, SamplingParamsError, QueueFullError):
+        app.add_exception_handler(cls, _on_iterserve_error)
+    app.add_middleware(CatchAllMiddleware)

@@ -1,5 +1,10 @@
-"""What completions and chat share: error mapping, SSE framing, stream merging, usage,
-and cancellation when the client goes away.
+"""What completions and chat share: error mapping, queueing the prompts, one choices /
+streaming loop (`respond`, parameterised by a `ChoiceFormat`), SSE framing, stream merging,
+usage, and cancellation when the client goes away.
+
+A stream cut by shutdown ends like any other: each unfinished choice gets a chunk with
+finish_reason "abort" (the engine's own abort output, or one made here if the engine stopped
+first), the usage chunk when asked for, then `[DONE]`.
 
 Cancellation is the one subtle part. A streaming response's body generator is cancelled by
 Starlette when the client disconnects; closing our per-request streams in its `finally`
@@ -17,12 +22,13 @@ import uuid
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from iterserve.core.request import SamplingParamsError
-from iterserve.engine.async_engine import EngineDeadError
-from iterserve.engine.errors import InvalidRequestError, UnknownModelError
-from iterserve.engine.outputs import RequestOutput, TokenLogprob
+from iterserve.engine.async_engine import AsyncEngine
+from iterserve.engine.errors import (EngineDeadError, IterserveError, ServerError,
+                                     UnknownModelError, UnsupportedParameterError)
+from iterserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from iterserve.server.errors import APIError, error_body
 
 DISCONNECT_POLL_S = 0.25
@@ -37,23 +43,40 @@ def now_s() -> int:
 
 
 def to_api_error(exc: BaseException) -> APIError | None:
-    """The HTTP answer for an exception raised while accepting a request (None: a bug)."""
+    """The HTTP answer for an exception (None: not one of ours, a bug, so a 500).
+
+    One rule (engine/errors.py): an IterserveError carries its own status and type; the
+    core's SamplingParamsError is a 400 and its QueueFullError a 503 with Retry-After. A bare
+    ValueError is *not* assumed to be the client's fault."""
     from iterserve.core.scheduler import QueueFullError
+    from iterserve.model.chat_template import ChatTemplateError
 
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, UnknownModelError):
-        return APIError(404, str(exc), param=exc.param, code="model_not_found")
     if isinstance(exc, QueueFullError):
         return APIError(503, f"the server is busy: {exc}", type="service_unavailable",
                         headers={"Retry-After": "1"})
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), type="service_unavailable")
-    if isinstance(exc, (SamplingParamsError, InvalidRequestError)):
+    if isinstance(exc, IterserveError):
+        param = exc.param or ("messages" if isinstance(exc, ChatTemplateError) else None)
+        message = str(exc)
+        if isinstance(exc, ServerError) and not isinstance(exc, EngineDeadError):
+            message = f"internal server error: {type(exc).__name__}: {exc}"
+        return APIError(exc.status_code, message, type=exc.error_type, param=param,
+                        code=exc.code)
+    if isinstance(exc, SamplingParamsError):
         return APIError(400, str(exc), param=exc.param)
-    if isinstance(exc, ValueError):           # scheduler "can never fit", chat template, ...
-        return APIError(400, str(exc))
     return None
+
+
+def check_priority(priority: int | None, engine: AsyncEngine) -> int:
+    """priority only means something under the priority policy; elsewhere 0 is the only
+    honest value (issue 14)."""
+    priority = priority or 0
+    if priority and engine.scheduling_policy != "priority":
+        raise UnsupportedParameterError(
+            f"priority {priority} needs a server started with --scheduling-policy priority "
+            f"(this one schedules {engine.scheduling_policy})", "priority")
+    return priority
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -211,3 +234,126 @@ def error_finish_message(out: RequestOutput) -> str | None:
     if out.error or any(o.finish_reason == "error" for o in out.outputs):
         return out.error or "the request failed in the engine"
     return None
+
+
+# --- queueing -------------------------------------------------------------------------------
+
+async def start_streams(engine: AsyncEngine, request_id: str, prompts: list[Any], params: Any,
+                        *, priority: int, prompt_texts: list[str | None] | None = None
+                        ) -> list[AsyncIterator[RequestOutput]]:
+    """Queue every prompt (all or none) and return their streams."""
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            kw: dict[str, Any] = {"priority": priority}
+            if prompt_texts is not None:
+                kw["prompt_text"] = prompt_texts[i]
+            streams.append(await engine.generate(prompt, params, request_id=rid, **kw))
+    except Exception as e:
+        await close_streams(streams)
+        err = to_api_error(e)
+        if err is None:
+            raise
+        if len(prompts) > 1 and err.status_code == 400:
+            err.message = f"prompt {len(streams)}: {err.message}"
+        raise err from e
+    return streams
+
+
+# --- the one choices loop ---------------------------------------------------------------------
+
+class ChoiceFormat:
+    """How one endpoint spells its choices; `respond` does everything else. One instance per
+    response (it may keep per-choice state, e.g. completions' text offsets)."""
+
+    object_final = ""
+    object_chunk = ""
+
+    def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
+        """Choices sent before any token (chat: the assistant role)."""
+        return []
+
+    def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta_choice(self, index: int, co: CompletionOutput | None) -> dict[str, Any]:
+        """A streamed choice without finish_reason; `co` None: an empty one."""
+        raise NotImplementedError
+
+
+async def respond(*, request_id: str, served_model: str, streams: list[Any], n: int,
+                  fmt: ChoiceFormat, stream: bool, include_usage: bool, raw: Request):
+    """The response of a completions or chat request: JSON, or SSE when `stream`.
+    Prompt i's sequence j is choice `i * n + j` (OpenAI's indexes)."""
+    created = now_s()
+
+    def base(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": request_id, "object": obj, "created": created, "model": served_model,
+                "choices": choices}
+
+    if not stream:
+        finals = await collect_final(streams, raw)
+        if finals is None:
+            return JSONResponse({}, status_code=499)      # client is gone; nobody reads this
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(finals):
+            msg = error_finish_message(out)
+            if msg:
+                raise APIError(500, msg, type="internal_error")
+            prompt_tokens += out.num_prompt_tokens
+            for co in out.outputs:
+                completion_tokens += len(co.token_ids)
+                choice = fmt.final_choice(i * n + co.index, co)
+                choice["finish_reason"] = co.finish_reason
+                choice["stop_reason"] = co.stop_reason
+                choices.append(choice)
+        choices.sort(key=lambda c: c["index"])
+        resp = base(fmt.object_final, choices)
+        resp["usage"] = usage(prompt_tokens, completion_tokens)
+        return JSONResponse(resp)
+
+    num_choices = len(streams) * n
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        c = base(fmt.object_chunk, choices)
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    async def events() -> AsyncIterator[str]:
+        for choice in fmt.opening_choices(num_choices):
+            yield chunk([choice])
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        unfinished = set(range(num_choices))
+        try:
+            async for i, out in merge_streams(streams):
+                prompt_tokens[i] = out.num_prompt_tokens
+                for co in out.outputs:
+                    if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
+                        continue
+                    idx = i * n + co.index
+                    completion_tokens += len(co.delta_token_ids)
+                    choice = fmt.delta_choice(idx, co)
+                    choice["finish_reason"] = co.finish_reason if co.finished_in_this_step \
+                        else None
+                    if co.finished_in_this_step:
+                        choice["stop_reason"] = co.stop_reason
+                        unfinished.discard(idx)
+                    yield chunk([choice])
+                msg = error_finish_message(out) if out.finished else None
+                if msg:
+                    yield sse_error(msg)
+        except EngineDeadError:         # the engine stopped before their abort output came
+            for idx in sorted(unfinished):
+                choice = fmt.delta_choice(idx, None)
+                choice["finish_reason"] = "abort"
+                choice["stop_reason"] = None
+                yield chunk([choice])
+        if include_usage:
+            c = base(fmt.object_chunk, [])
+            c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+            yield sse(c)
+
+    return sse_response(events(), streams, request_id)

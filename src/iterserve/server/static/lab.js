@@ -28,6 +28,34 @@
 
   const $ = (sel) => document.querySelector(sel);
 
+  // A server started with --api-key answers 401 to every route but the page itself: ask
+  // for the key once (kept for the tab's session) and send it as a Bearer token.
+  const KEY_STORE = "iterserve-api-key";
+  let keyPrompt = null;
+  async function apiFetch(url, opts = {}) {
+    const send = () => {
+      const key = sessionStorage.getItem(KEY_STORE);
+      const headers = Object.assign({}, opts.headers || {});
+      if (key) headers["Authorization"] = `Bearer ${key}`;
+      return fetch(url, Object.assign({}, opts, { headers }));
+    };
+    let resp = await send();
+    if (resp.status === 401) {
+      keyPrompt = keyPrompt || Promise.resolve(
+        window.prompt("This iterserve server needs its API key (--api-key):"));
+      const key = await keyPrompt;
+      if (key) {
+        sessionStorage.setItem(KEY_STORE, key);
+        resp = await send();
+        if (resp.status === 401) {
+          sessionStorage.removeItem(KEY_STORE);
+          keyPrompt = null;                  // a wrong key: ask again next time
+        }
+      }
+    }
+    return resp;
+  }
+
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
     setAttrs(node, attrs);
@@ -152,7 +180,7 @@
     document.body.setAttribute("aria-busy", "true");
     const started = performance.now();
     try {
-      const resp = await fetch("/v1/lab/run", {
+      const resp = await apiFetch("/v1/lab/run", {
         method: "POST",
         headers: { "Content-Type": "application/json" },
         body: JSON.stringify(options),
@@ -729,7 +757,7 @@
   async function pollLive() {
     let next = LIVE_RETRY_MS;
     try {
-      const resp = await fetch("/v1/engine/stats", { cache: "no-store" });
+      const resp = await apiFetch("/v1/engine/stats", { cache: "no-store" });
       if (resp.ok) {
         renderLive(await resp.json());
         next = LIVE_POLL_MS;
