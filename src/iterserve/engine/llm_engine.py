@@ -134,10 +134,11 @@ class LLMEngine:
         from iterserve.model.runner import ModelRunner
 
         torch.manual_seed(args.seed)
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device,
+                            kv_cache_dtype=args.kv_cache_dtype)
         cfg = loaded.config
         sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
-        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size, cfg.dtype)
+        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size)
         cache_cfg = args.create_cache_config(bytes_per_block)
         runner = ModelRunner(loaded, num_blocks=cache_cfg.num_blocks,
                              block_size=cache_cfg.block_size,
