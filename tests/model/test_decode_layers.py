@@ -84,12 +84,14 @@ def test_fused_decode_is_off_without_the_block_kernel_or_native_ops(quant_model)
     assert not runner.fused_decode and quant_model.model._fused is None
 
 
-def test_float_weights_keep_the_module_path(tmp_path):
-    """The default tiny GGUF stores q/k/v in three types, so qkv has no blocks: not fused."""
+def test_mixed_type_weights_take_the_fused_call_as_segments(tmp_path):
+    """The default tiny GGUF stores q/k/v in three types: qkv is three row segments, each
+    with a native qgemm, so the fused call runs (weights engineer: segments since issue 12)."""
     from iterserve.model.loader import load_model
     from iterserve.model.runner import ModelRunner
     path = tmp_path / "mixed.gguf"
     write_tiny_llama_gguf(path, seed=1)
     loaded = load_model(str(path))
     runner = ModelRunner(loaded, num_blocks=8, block_size=4, sampler=greedy)
-    assert not runner.fused_decode
+    assert len(loaded.model.layers[0].self_attn.qkv_proj.quant.segments) == 3
+    assert runner.fused_decode == all(kernels.supports_qgemm(t) for t in (0, 1, 2))

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from iterserve.model import kernels
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -153,13 +155,9 @@ def _decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Ten
     D, L = q.shape[0], meta.decode_len
     if meta.decode_kernel is not None:
         q = q.contiguous()
-        out = torch.empty_like(q)
-        tables = meta.decode_tables
-        meta.decode_kernel(q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), tables.data_ptr(),
-                           tables.shape[1], meta.decode_lens.data_ptr(), meta.sliding_window,
-                           D, q.shape[1], kvh, d, meta.block_size, scale, out.data_ptr(),
-                           torch.get_num_threads())
-        return out
+        return kernels.decode_attention(q, k_slots, v_slots, meta.decode_tables, meta.decode_lens,
+                                        meta.sliding_window, meta.block_size, scale,
+                                        torch.empty_like(q))
     kc = k_slots.index_select(0, meta.decode_slots).to(q.dtype).view(D, L, kvh, d).transpose(1, 2)
     vc = v_slots.index_select(0, meta.decode_slots).to(q.dtype).view(D, L, kvh, d).transpose(1, 2)
     return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.decode_mask,

@@ -25,16 +25,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    _native = None   # kernels' iterserve_rmsnorm, set by the model's use_native_ops
+    _native = None   # kernels.rmsnorm, set by the model's use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native is not None and x.dtype == torch.float32 and x.is_contiguous() \
                 and x.device.type == "cpu":
-            y = torch.empty_like(x)
-            d = x.shape[-1]
-            self._native(x.data_ptr(), self.weight.data_ptr(), y.data_ptr(), x.numel() // d, d,
-                         self.eps)
-            return y
+            return self._native(x, self.weight, self.eps, torch.empty_like(x))
         if x.dtype == torch.float32:            # fewest ops: this runs 2x per layer per step
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)) * self.weight
         # Otherwise computed in float32 like HF, so bf16 keeps the reference's precision.
@@ -224,7 +220,8 @@ class Linear(nn.Module):
         if on and self.encoded is not None and self.encoded.segments[0][1].device.type == "cpu":
             k = _kernels()
             if k is not None:
-                self._native = frozenset(t for t in self.encoded.types if k.supports_qgemm(t))
+                self._native = frozenset(t for t in self.encoded.types if k.supports_qgemm(t)
+                                         and self.in_features % 32 == 0)
         return bool(self._native)
 
     def compute_path(self) -> str:
@@ -270,17 +267,22 @@ class Linear(nn.Module):
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.float().contiguous()
         m = xf.shape[0]
-        out = torch.empty(m, self.out_features, dtype=torch.float32, device=xf.device)
-        native = self._native and m <= QUANT_MAX_ROWS
-        kern = _kernels() if native else None
-        col = 0
-        for t, w in self.encoded.segments:
-            n = w.shape[0]
-            if native and t in self._native:
-                kern.qgemm(t, w, k, xf, out, col)
-            else:
-                self._reference(t, w, xf, out, col, n == self.out_features)
-            col += n
+        native = bool(self._native) and m <= QUANT_MAX_ROWS
+        segments = self.encoded.segments
+        if len(segments) == 1 and not (native and segments[0][0] in self._native) \
+                and self.out_features <= tile_rows(k):
+            t, w = segments[0]                      # one tile: the GEMM's result is the output
+            out = _float_mm(xf, decode_rows(t, w, k, scratch(w.shape[0], k)))
+        else:
+            out = torch.empty(m, self.out_features, dtype=torch.float32, device=xf.device)
+            kern = _kernels() if native else None
+            col = 0
+            for t, w in segments:
+                if native and t in self._native:
+                    kern.qgemm(t, w, k, xf, out, col)
+                else:
+                    self._reference(t, w, xf, out, col)
+                col += w.shape[0]
         if self.bias is not None:
             out.add_(self.bias)
         if x.dtype != torch.float32:
@@ -288,17 +290,23 @@ class Linear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def _reference(self, t: int, w: torch.Tensor, xf: torch.Tensor, out: torch.Tensor,
-                   col: int, whole: bool) -> None:
+                   col: int) -> None:
         """out[:, col:col+n] = xf @ W_seg^T, one bounded float32 tile of rows at a time."""
         n, k = w.shape[0], self.in_features
         step = tile_rows(k)
-        if whole and n <= step:
-            torch.mm(xf, decode_rows(t, w, k, scratch(n, k)).t(), out=out)
-            return
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             tile = decode_rows(t, w[r0:r1], k, scratch(r1 - r0, k))
-            out[:, col + r0:col + r1] = torch.mm(xf, tile.t())
+            out[:, col + r0:col + r1] = _float_mm(xf, tile)
+
+
+def _float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T for float32 CPU tensors. oneDNN takes a plain (unpacked) weight too and was
+    ~2x faster than torch.mm (MKL sgemm) at 64-256 rows on this AMD CPU (same process, best
+    of 30, under load), so the reference path's tiles go through it where torch has it."""
+    if _ONEDNN_PLAIN and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return torch.mm(x, w.t())
 
 
 class Embedding(nn.Module):
@@ -332,6 +340,7 @@ class Embedding(nn.Module):
 
 
 def packing_modes_available() -> set[str]:
+    """The prepacked-weight GEMMs this torch build offers ("mkl", "onednn")."""
     modes = set()
     if mkl_packing_available():
         modes.add("mkl")
@@ -351,3 +360,6 @@ def mkl_packing_available() -> bool:
                 and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
+
+
+_ONEDNN_PLAIN = "onednn" in packing_modes_available()

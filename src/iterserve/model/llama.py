@@ -11,9 +11,7 @@ final hidden states; the runner applies `lm_head` only to the rows that sample.
 
 from __future__ import annotations
 
-import ctypes
 import re
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -24,20 +22,6 @@ from iterserve.model.config import ModelConfig, ModelLoadError
 from iterserve.model import layers as layers_mod
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope
-from iterserve.model.quant import KINDS
-
-
-class QWeight(ctypes.Structure):
-    """kernels/decode_layers.c's `qweight`: a block-quantised weight's addresses and shape."""
-    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
-
-
-class DecodeLayer(ctypes.Structure):
-    """kernels/decode_layers.c's `decode_layer`."""
-    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
-                ("kpool", ctypes.c_void_p), ("vpool", ctypes.c_void_p),
-                ("qkv", QWeight), ("o", QWeight), ("gate_up", QWeight), ("down", QWeight)]
 
 
 class Attention(nn.Module):
@@ -51,18 +35,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim ** -0.5
 
-    _rope = None   # kernels' iterserve_rope, set by the model's use_native_ops
+    _rope = None      # kernels.rope, set by the model's use_native_ops
+    _qk_norm = None   # kernels.qk_norm, likewise
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_slots: torch.Tensor, v_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None and self._rope is not None and qkv.dtype == torch.float32 \
-                and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous():
-            # in place on the q and k heads of this step's own qkv buffer
-            self._rope(qkv.data_ptr(), T, qkv.shape[1], H + self.num_kv_heads, self.head_dim,
-                       cos.data_ptr(), sin.data_ptr())
+        if self._rope is not None and qkv.dtype == torch.float32 and qkv.is_contiguous() \
+                and cos.is_contiguous() and sin.is_contiguous():
+            # in place on the q and k heads of this step's own qkv buffer (q/k norm first)
+            if self.q_norm is not None:
+                self._qk_norm(qkv, H, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                              self.k_norm.weight, self.q_norm.eps)
+            self._rope(qkv, H + self.num_kv_heads, self.head_dim, cos, sin)
             q = qkv[:, :self.q_size].view(T, H, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads,
                                                                     self.head_dim)
@@ -87,15 +74,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size)
 
-    _native = None   # kernels' iterserve_silu_mul, set by the model's use_native_ops
+    _native = None   # kernels.silu_mul, set by the model's use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
         if self._native is not None and gu.dtype == torch.float32 and gu.is_contiguous() \
                 and gu.device.type == "cpu":
-            y = torch.empty(gu.shape[0], self.inter)
-            self._native(gu.data_ptr(), y.data_ptr(), gu.shape[0], self.inter)
-            return self.down_proj(y)
+            return self.down_proj(self._native(gu, torch.empty(gu.shape[0], self.inter)))
         gate, up = gu.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -181,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         (`DecodeLayers.supported`); anything else keeps the per-module path."""
         self._fused = None
         c = self.config
+        attn = [layer.self_attn for layer in self.layers]
         linears = [m for layer in self.layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
@@ -271,18 +257,18 @@ class LlamaForCausalLM(nn.Module):
     def use_native_ops(self, on: bool = True) -> bool:
         """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c)
         on CPU float32, or back to torch ops; returns whether they are in use."""
-        lib = None
-        if on and self.norm.weight.device.type == "cpu" and self.norm.weight.dtype == torch.float32:
-            from iterserve.model import kernels
-            lib = kernels.elementwise()
+        from iterserve.model import kernels
+        native = on and self.norm.weight.device.type == "cpu" \
+            and self.norm.weight.dtype == torch.float32 and kernels.available()
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m._native = None if lib is None else lib.iterserve_rmsnorm
+                m._native = kernels.rmsnorm if native else None
             elif isinstance(m, MLP):
-                m._native = None if lib is None else lib.iterserve_silu_mul
+                m._native = kernels.silu_mul if native else None
             elif isinstance(m, Attention):
-                m._rope = None if lib is None else lib.iterserve_rope
-        return lib is not None
+                m._rope = kernels.rope if native else None
+                m._qk_norm = kernels.qk_norm if native else None
+        return native
 
     def pack_linears(self, mode: str | bool | None = "onednn") -> bool:
         """Switch every Linear (the lm_head included) to prepacked weights ("onednn" or

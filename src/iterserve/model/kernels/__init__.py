@@ -1,27 +1,35 @@
 """Native CPU kernels: C sources compiled on first use with the system C compiler, loaded by ctypes.
 
-Kernels for where a decode step spends its time on CPU:
-- `qgemm.c`: GEMM over GGUF-blocked weights (model/quant.py, used by layers.Linear);
+Kernels for where a CPU step spends its time, all over weights in their GGUF encoding (rows of
+blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
+- `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights, register kernels for
+  Q4_0 / Q4_1 / Q8_0, a decode-into-L1 kernel for every other type) and `dequant` (rows ->
+  float32, bit-exact with gguf-py) for tiles, prefill panels and embedding rows;
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
-  KV pool (used by model/attention.py);
-- `elementwise.c`: RMSNorm, SiLU x up and RoPE in one call each (layers.RMSNorm, llama.MLP,
-  llama.Attention), where
-  small batches pay more for torch's per-op dispatch than for the arithmetic;
-- `decode_layers.c`: all decoder layers of a small decode-only step in one call, chaining
-  the kernels above without Python in between (llama.LlamaForCausalLM.use_fused_decode).
-Every `*.c` here goes into one shared object. Building takes about two seconds with gcc; the
-library is cached under `$ITERSERVE_CACHE_DIR` (default `~/.cache/iterserve/kernels`) keyed
-by a hash of the sources, the flags and the compiler, so a changed source never loads a
-stale build.
+  KV pool (model/attention.py);
+- `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
+- `decode_layers.c`: all decoder layers of a small decode-only step in one call
+  (`DecodeLayers`, used by llama.py's fused decode).
 
-It links OpenMP by soname (`libgomp.so.1`). torch's wheel ships a `libgomp.so.1` and loads it
-first, so the dynamic loader reuses torch's runtime: one thread pool, not two pools spinning
-against each other on few cores. ctypes releases the GIL for the call, so the server's event
-loop keeps running while a step computes.
+One ABI: `iterserve.h` declares every function and struct once and every source includes it;
+this module declares the same once (`_ARGTYPES`, `Segment` / `Linear` / `Layer`) and refuses a
+library whose self-description (`iterserve_abi`: struct sizes and offsets, the per-type block
+table) differs. Every kernel has one checked wrapper below: dtype, device, contiguity, shapes
+and strides are checked and a ValueError raised before any pointer is passed; indices the C
+code reads (block tables, slots, lengths) are range-checked in C, which returns an error code
+that becomes a ValueError. No caller passes a raw `data_ptr()`.
 
-Everything degrades, never fails: no x86-64 AVX2+FMA CPU, no compiler, a failed build, or
-`ITERSERVE_NATIVE_KERNELS=0` make `qgemm()`, `decode_attention()`, `elementwise()` and
-`decode_layers()` return None (the reason in `unavailable`), and callers use their torch path.
+Every `*.c` here goes into one shared object. Building takes a few seconds with gcc; the library
+is cached under `$ITERSERVE_CACHE_DIR` (default `~/.cache/iterserve/kernels`) keyed by a hash of
+the sources, the headers, the flags and the compiler, so a changed source never loads a stale
+build. It links OpenMP by soname (`libgomp.so.1`); torch's wheel ships a `libgomp.so.1` and
+loads it first, so the dynamic loader reuses torch's runtime (one thread pool, not two pools
+spinning against each other on few cores). ctypes releases the GIL for the call.
+
+Everything degrades, never fails: no x86-64 CPU with AVX2 + FMA + F16C, no compiler, a failed
+build, an ABI mismatch or `ITERSERVE_NATIVE_KERNELS=0` make `available()` False (the reason in
+`unavailable`); the wrappers then raise `KernelsUnavailable` and callers keep their torch path.
+CPU features are detected at run time (`features()`) and logged once when the library loads.
 """
 
 from __future__ import annotations
@@ -35,17 +43,126 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off",
+_DIR = Path(__file__).parent
+_SOURCES = sorted(_DIR.glob("*.c"))
+_HEADERS = sorted(_DIR.glob("*.h"))
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
           "-shared", "-fPIC", "-Wall")
+_REQUIRED = frozenset({"avx2", "fma", "f16c"})
+ABI_VERSION = 2                      # iterserve.h's ITERSERVE_ABI_VERSION
 
-unavailable: str | None = None   # why the kernels are not in use, for logs and benchmarks
+unavailable: str | None = None       # why the kernels are not in use, for logs and benchmarks
 
+
+class KernelsUnavailable(RuntimeError):
+    """A wrapper was called while `available()` is False (see `unavailable`)."""
+
+
+# --- the ABI, once -------------------------------------------------------------------------
+
+class Segment(ctypes.Structure):
+    """iterserve.h's iterserve_segment: one row segment of an encoded weight."""
+    _fields_ = [("type", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64), ("row_stride", ctypes.c_int64),
+                ("data", ctypes.c_void_p)]
+
+
+MAX_SEGMENTS = 3
+
+
+class Linear(ctypes.Structure):
+    """iterserve.h's iterserve_linear: a weight as 1-3 row segments stacked in output order."""
+    _fields_ = [("nseg", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("seg", Segment * MAX_SEGMENTS)]
+
+
+class Layer(ctypes.Structure):
+    """iterserve.h's iterserve_layer: one decoder layer for iterserve_decode_layers."""
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear)]
+
+
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# name -> (restype, argtypes), exactly as iterserve.h declares them
+_ARGTYPES = {
+    "iterserve_abi": (_i64, [_p, _i64]),
+    "iterserve_cpu_features": (_i64, []),
+    "iterserve_qgemm": (None, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
+    "iterserve_dequant": (None, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i32]),
+    "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
+    "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
+    "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
+    "iterserve_qk_norm": (None, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _f32]),
+    "iterserve_decode_attention": (_i32, [_p, _p, _p, _i64, _p, _i32, _p, _i32, _i32, _i32,
+                                          _i32, _i32, _i32, _f32, _p, _i32]),
+    "iterserve_decode_layers": (_i32, [_p, _i32, _p, _p, _i64, _p, _i64, _i64, _i32, _i32,
+                                       _i32, _i64, _f32, _p, _p, _p, _p, _i32, _p, _i32, _i32,
+                                       _f32, _i32]),
+    "iterserve_qgemm_split": (None, [_i32, _p, ctypes.c_long, ctypes.c_long, _p, _p, _p, _p,
+                                     ctypes.c_long, _i32]),
+}
+_ERRORS = {1: "a block table entry lies outside the KV pool",
+           2: "a slot lies outside the KV pool",
+           3: "a context length is < 1 or longer than its block table",
+           4: "unsupported type", 5: "out of memory"}
+_FEATURE_BITS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni",
+                 "avx512bf16", "avxvnni")
+_CPUINFO_NAMES = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f",
+                  "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512_vnni": "avx512vnni",
+                  "avx512_bf16": "avx512bf16", "avx_vnni": "avxvnni"}
+
+
+@dataclass(frozen=True)
+class TypeCaps:
+    block_elems: int
+    block_bytes: int
+    qgemm: bool
+    dequant: bool
+
+
+def _abi_expected() -> list[int]:
+    o = ctypes.sizeof
+    S, L, Y = Segment, Linear, Layer
+    return [ABI_VERSION, o(S), S.type.offset, S.rows.offset, S.row_bytes.offset,
+            S.row_stride.offset, S.data.offset, o(L), L.nseg.offset, L.k.offset, L.seg.offset,
+            MAX_SEGMENTS, o(Y), Y.ln1.offset, Y.ln2.offset, Y.qkv_bias.offset,
+            Y.q_norm.offset, Y.k_norm.offset, Y.qkv.offset, Y.o.offset, Y.gate_up.offset,
+            Y.down.offset]
+
+
+def _check_abi(lib: ctypes.CDLL) -> dict[int, TypeCaps]:
+    """Compare the library's self-description with ctypes' and gguf's; the type table."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    buf = (ctypes.c_int64 * 512)()
+    n = lib.iterserve_abi(buf, 512)
+    got = list(buf[:n])
+    want = _abi_expected()
+    if got[:len(want)] != want:
+        raise RuntimeError(f"kernel ABI mismatch: library {got[:len(want)]}, ctypes {want}")
+    limit, rest = got[len(want)], got[len(want) + 1:]
+    caps = {}
+    for t in range(limit):
+        elems, nbytes, qg, dq = rest[4 * t:4 * t + 4]
+        if not dq:
+            continue
+        ref = GGML_QUANT_SIZES.get(GGMLQuantizationType(t))
+        if ref != (elems, nbytes):
+            raise RuntimeError(f"type {t}: kernel block {(elems, nbytes)}, gguf {ref}")
+        caps[t] = TypeCaps(elems, nbytes, bool(qg), bool(dq))
+    return caps
+
+
+# --- building and loading ----------------------------------------------------------------
 
 def cache_dir() -> Path:
     root = os.environ.get("ITERSERVE_CACHE_DIR")
@@ -55,18 +172,24 @@ def cache_dir() -> Path:
     return Path(base) / "iterserve" / "kernels"
 
 
-def _cpu_has_avx2_fma() -> bool:
+@functools.cache
+def _cpuinfo_features() -> frozenset[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return frozenset(v for k, v in _CPUINFO_NAMES.items() if k in flags)
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    """Whether this CPU can run the kernels at all (AVX2, FMA and F16C), before building."""
+    return _REQUIRED <= _cpuinfo_features()
 
 
 def _compiler() -> str | None:
@@ -97,16 +220,19 @@ def _build(cc: str) -> Path:
     return out
 
 
+_caps: dict[int, TypeCaps] = {}
+_lib_features: frozenset[str] | None = None
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    global unavailable
-    import torch  # noqa: F401  - load torch's libgomp first, so the kernels share its pool
-
+    global unavailable, _caps, _lib_features
+    _caps, _lib_features = {}, None
     if os.environ.get("ITERSERVE_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         unavailable = "disabled by ITERSERVE_NATIVE_KERNELS"
         return None
     if not _cpu_has_avx2_fma():
-        unavailable = "the CPU is not x86-64 with AVX2 and FMA"
+        unavailable = "the CPU is not x86-64 with AVX2, FMA and F16C"
         return None
     cc = _compiler()
     if cc is None:
@@ -114,28 +240,29 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, RuntimeError) as exc:
-        unavailable = f"building the kernels failed: {exc}"
+        for name, (res, args) in _ARGTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        caps = _check_abi(lib)
+    except (OSError, RuntimeError, AttributeError, ValueError) as exc:
+        unavailable = f"building or loading the kernels failed: {exc}"
         log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
         return None
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.iterserve_qgemm.argtypes = [i32, p, i64, i64, p, p, p, p, i64, i32]
-    lib.iterserve_qgemm.restype = None
-    lib.iterserve_decode_attention.argtypes = [p, p, p, p, i32, p, i32, i32, i32, i32, i32, i32,
-                                               ctypes.c_float, p, i32]
-    lib.iterserve_decode_attention.restype = None
-    lib.iterserve_rmsnorm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
-    lib.iterserve_rmsnorm.restype = None
-    lib.iterserve_silu_mul.argtypes = [p, p, i64, i64]
-    lib.iterserve_silu_mul.restype = None
-    lib.iterserve_rope.argtypes = [p, i64, i64, i64, i64, p, p]
-    lib.iterserve_rope.restype = None
-    lib.iterserve_decode_layers.argtypes = [p, i32, p, i64, i64, i32, i32, i32, i64,
-                                            ctypes.c_float, p, p, p, p, i32, p, i32, i32,
-                                            ctypes.c_float, i32]
-    lib.iterserve_decode_layers.restype = None
+    bits = lib.iterserve_cpu_features()
+    _lib_features = frozenset(n for i, n in enumerate(_FEATURE_BITS) if bits >> i & 1)
+    _caps = caps
     unavailable = None
+    names = _type_names()
+    log.info("native CPU kernels loaded; CPU features: %s; qgemm types: %s; dequant types: %s",
+             " ".join(sorted(_lib_features)) or "none",
+             " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.qgemm),
+             " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.dequant))
     return lib
+
+
+def _type_names() -> dict[int, str]:
+    from gguf import GGMLQuantizationType
+    return {int(t): t.name for t in GGMLQuantizationType}
 
 
 def clear_cache() -> None:
@@ -143,25 +270,430 @@ def clear_cache() -> None:
     _library.cache_clear()
 
 
-def qgemm():
-    """`iterserve_qgemm` (see qgemm.c), or None."""
+def available() -> bool:
+    """Whether the native kernels are built and usable here (else see `unavailable`)."""
+    return _library() is not None
+
+
+def features() -> set[str]:
+    """CPU features detected at run time: avx2, fma, f16c, avx512f, avx512bw, avx512vl,
+    avx512vnni, avx512bf16, avxvnni (by cpuid + OS state when the library is loaded, else
+    from /proc/cpuinfo)."""
+    _library()
+    return set(_lib_features if _lib_features is not None else _cpuinfo_features())
+
+
+def supports_qgemm(ggml_type: int) -> bool:
+    _library()
+    c = _caps.get(int(ggml_type))
+    return bool(c and c.qgemm)
+
+
+def supports_dequant(ggml_type: int) -> bool:
+    _library()
+    c = _caps.get(int(ggml_type))
+    return bool(c and c.dequant)
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one row of k elements of the type (k must be a multiple of its block)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+    if k <= 0 or k % elems:
+        raise ValueError(f"row length {k} is not a positive multiple of the "
+                         f"{GGMLQuantizationType(int(ggml_type)).name} block ({elems})")
+    return k // elems * nbytes
+
+
+# --- argument checks ---------------------------------------------------------------------
+
+def _lib() -> ctypes.CDLL:
     lib = _library()
-    return None if lib is None else lib.iterserve_qgemm
+    if lib is None:
+        raise KernelsUnavailable(unavailable or "native kernels unavailable")
+    return lib
 
 
-def elementwise():
-    """The library with `iterserve_rmsnorm`, `iterserve_silu_mul` and `iterserve_rope`
-    (elementwise.c), or None."""
-    return _library()
+def _f32(t, name: str, dims: int | None = None, contiguous: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be float32 on the CPU, not {t.dtype} on {t.device}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, not of shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
 
-def decode_layers():
-    """`iterserve_decode_layers` (see decode_layers.c), or None."""
-    lib = _library()
-    return None if lib is None else lib.iterserve_decode_layers
+def _rows(t: torch.Tensor, name: str) -> int:
+    """Row stride (elements) of a 2-D tensor whose rows are contiguous."""
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be 2-D with contiguous rows (shape {tuple(t.shape)}, "
+                         f"strides {t.stride()})")
+    ld = t.stride(0) if t.shape[0] > 1 else t.shape[1]
+    if ld < t.shape[1]:
+        raise ValueError(f"{name} rows overlap (row stride {ld} < {t.shape[1]})")
+    return ld
 
 
-def decode_attention():
-    """`iterserve_decode_attention` (see decode_attention.c), or None."""
-    lib = _library()
-    return None if lib is None else lib.iterserve_decode_attention
+def _weight(ggml_type: int, w, k: int, what: str) -> tuple[int, int]:
+    """Check an encoded weight uint8 [n, row_bytes]; returns (n, row stride in bytes)."""
+    caps = _caps.get(ggml_type)
+    if caps is None or not getattr(caps, what):
+        raise ValueError(f"ggml type {ggml_type} has no native {what}")
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.device.type != "cpu":
+        raise ValueError("weight must be a uint8 CPU tensor of GGUF blocks")
+    if not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k must be a positive int, not {k!r}")
+    ld = _rows(w, "weight")
+    rb = row_bytes(ggml_type, k)
+    if w.shape[1] != rb:
+        raise ValueError(f"weight rows are {w.shape[1]} bytes; {k} elements of type "
+                         f"{ggml_type} take {rb}")
+    return w.shape[0], ld
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# --- the kernels -------------------------------------------------------------------------
+
+def qgemm(ggml_type=None, w=None, k=None, x=None, out=None, col0: int = 0):
+    """out[:, col0:col0+N] = x @ W^T for an encoded weight W (uint8 [N, row_bytes], GGUF
+    blocks of `ggml_type`, k elements per row), x float32 [M, k] with contiguous rows, out
+    float32 2-D [M, >= col0 + N] with contiguous rows (its row stride may exceed N).
+
+    Called with no arguments (legacy, until the loader keeps GGUF blocks): the split-layout
+    kernel for model/quant.py's BlockQuantWeight.matmul, or None."""
+    if ggml_type is None and w is None:
+        return _legacy_split_qgemm() if available() else None
+    lib = _lib()
+    t = int(ggml_type)
+    n, ldw = _weight(t, w, k, "qgemm")
+    if _caps[t].block_elems == 1 and k % 32:
+        raise ValueError(f"qgemm over float weights needs k % 32 == 0, not {k}")
+    _f32(x, "x", 2, contiguous=False)
+    _f32(out, "out", 2, contiguous=False)
+    ldx, ldo = _rows(x, "x"), _rows(out, "out")
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
+    if not isinstance(col0, int) or col0 < 0 or out.shape[1] < col0 + n or out.shape[0] != x.shape[0]:
+        raise ValueError(f"out of shape {tuple(out.shape)} cannot take [{x.shape[0]}, {n}] at "
+                         f"column {col0}")
+    if x.shape[0] == 0:
+        return
+    lib.iterserve_qgemm(t, w.data_ptr(), n, ldw, k, x.data_ptr(), x.shape[0], ldx,
+                        out.data_ptr() + 4 * col0, ldo, _threads())
+
+
+def dequant(ggml_type, w, k, out) -> torch.Tensor:
+    """out[n, k] (float32, contiguous rows) = the encoded rows w (uint8 [n, row_bytes]) as
+    float32, bit-identical to gguf-py's dequantize; returns out."""
+    lib = _lib()
+    t = int(ggml_type)
+    n, ldw = _weight(t, w, k, "dequant")
+    _f32(out, "out", 2, contiguous=False)
+    ldo = _rows(out, "out")
+    if tuple(out.shape) != (n, k):
+        raise ValueError(f"out has shape {tuple(out.shape)}, the rows need {(n, k)}")
+    if n:
+        lib.iterserve_dequant(t, w.data_ptr(), n, ldw, k, out.data_ptr(), ldo, _threads())
+    return out
+
+
+def rmsnorm(x, w, eps: float, out) -> torch.Tensor:
+    """out = x / sqrt(mean(x^2, -1) + eps) * w (HF's order of the products); x, out float32
+    contiguous of one shape [..., D], w float32 [D]; out may be x. Returns out."""
+    lib = _lib()
+    _f32(x, "x")
+    _f32(w, "w", 1)
+    _f32(out, "out")
+    if x.dim() < 1 or w.shape[0] != x.shape[-1] or out.shape != x.shape:
+        raise ValueError(f"rmsnorm of {tuple(x.shape)} with weight {tuple(w.shape)} into "
+                         f"{tuple(out.shape)}")
+    d = x.shape[-1]
+    if x.numel():
+        lib.iterserve_rmsnorm(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+    return out
+
+
+def silu_mul(gu, out) -> torch.Tensor:
+    """out[T, I] = silu(gu[:, :I]) * gu[:, I:] for gu float32 [T, 2I] (both contiguous)."""
+    lib = _lib()
+    _f32(gu, "gu", 2)
+    _f32(out, "out", 2)
+    if gu.shape[1] % 2 or tuple(out.shape) != (gu.shape[0], gu.shape[1] // 2):
+        raise ValueError(f"silu_mul of {tuple(gu.shape)} into {tuple(out.shape)}")
+    lib.iterserve_silu_mul(gu.data_ptr(), out.data_ptr(), gu.shape[0], out.shape[1])
+    return out
+
+
+def _cos_sin(cos, sin, T: int, d: int) -> None:
+    for name, t in (("cos", cos), ("sin", sin)):
+        _f32(t, name)
+        if t.numel() != T * d or t.shape[-1] != d:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} is not [{T}, {d}]")
+
+
+def rope(qkv, num_heads_total: int, head_dim: int, cos, sin) -> torch.Tensor:
+    """RoPE (HF rotate_half) in place on the leading num_heads_total heads of head_dim floats
+    of each row of qkv (float32 2-D, contiguous rows, any row stride); cos/sin float32
+    contiguous [T, head_dim] (or [T, 1, head_dim]). Returns qkv."""
+    lib = _lib()
+    _f32(qkv, "qkv", 2, contiguous=False)
+    ld = _rows(qkv, "qkv")
+    T = qkv.shape[0]
+    if head_dim <= 0 or head_dim % 2 or num_heads_total <= 0 \
+            or num_heads_total * head_dim > qkv.shape[1]:
+        raise ValueError(f"{num_heads_total} heads of {head_dim} do not fit rows of "
+                         f"{qkv.shape[1]}")
+    _cos_sin(cos, sin, T, head_dim)
+    lib.iterserve_rope(qkv.data_ptr(), T, ld, num_heads_total, head_dim, cos.data_ptr(),
+                       sin.data_ptr())
+    return qkv
+
+
+def qk_norm(qkv, num_heads: int, num_kv_heads: int, head_dim: int, q_w, k_w,
+            eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm in place: the first num_heads heads of each qkv row with q_w,
+    the num_kv_heads heads after them with k_w (float32 [head_dim] each). Returns qkv."""
+    lib = _lib()
+    _f32(qkv, "qkv", 2, contiguous=False)
+    ld = _rows(qkv, "qkv")
+    _f32(q_w, "q_w", 1)
+    _f32(k_w, "k_w", 1)
+    if q_w.shape[0] != head_dim or k_w.shape[0] != head_dim or num_heads <= 0 \
+            or num_kv_heads <= 0 or (num_heads + num_kv_heads) * head_dim > qkv.shape[1]:
+        raise ValueError("qk_norm: heads or norm weights do not match the rows")
+    lib.iterserve_qk_norm(qkv.data_ptr(), qkv.shape[0], ld, num_heads, num_kv_heads, head_dim,
+                          q_w.data_ptr(), k_w.data_ptr(), eps)
+    return qkv
+
+
+def _tables(tables, lens, D: int) -> None:
+    for name, t, dims in (("tables", tables, 2), ("lens", lens, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device.type != "cpu" \
+                or t.dim() != dims or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dims}-D int32 CPU tensor")
+    if tables.shape[0] != D or lens.shape[0] != D:
+        raise ValueError(f"tables {tuple(tables.shape)} / lens {tuple(lens.shape)} are not for "
+                         f"{D} sequences")
+
+
+def _pools(kpool, vpool, d: int) -> int:
+    _f32(kpool, "kpool", 2)
+    _f32(vpool, "vpool", 2)
+    if kpool.shape != vpool.shape or kpool.shape[1] % d:
+        raise ValueError(f"pools {tuple(kpool.shape)} / {tuple(vpool.shape)} do not hold heads "
+                         f"of {d}")
+    return kpool.shape[1] // d
+
+
+def _rc(rc: int) -> None:
+    if rc:
+        raise ValueError(_ERRORS.get(rc, f"kernel error {rc}"))
+
+
+def decode_attention(q=None, kpool=None, vpool=None, tables=None, lens=None, window: int = 0,
+                     block_size: int = 0, scale: float = 1.0, out=None):
+    """Attention of one query per sequence over its context in the paged pool: q, out float32
+    contiguous [D, H, d]; kpool/vpool float32 contiguous [slots, kvh * d]; tables int32
+    [D, max_blocks], lens int32 [D] (context lengths, the new token included); window 0 or a
+    sliding window. Returns out.
+
+    Called with no arguments (legacy, runner.py's probe): this function if available, else
+    None."""
+    if q is None:
+        return decode_attention if available() else None
+    lib = _lib()
+    _f32(q, "q", 3)
+    _f32(out, "out", 3)
+    D, H, d = q.shape
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} is not like q {tuple(q.shape)}")
+    if d % 8:
+        raise ValueError(f"head_dim {d} is not a multiple of 8")
+    kvh = _pools(kpool, vpool, d)
+    if kvh < 1 or H % kvh:
+        raise ValueError(f"{H} query heads cannot share {kvh} KV heads")
+    _tables(tables, lens, D)
+    if block_size <= 0 or window < 0:
+        raise ValueError(f"block_size {block_size} / window {window}")
+    if D == 0:
+        return out
+    _rc(lib.iterserve_decode_attention(
+        q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[0], tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), window, D, H, kvh, d, block_size, scale,
+        out.data_ptr(), _threads()))
+    return out
+
+
+# --- all decoder layers of a decode-only step ------------------------------------------------
+
+@dataclass
+class LayerSpec:
+    """One decoder layer's tensors for DecodeLayers. Each weight is a list of 1-3
+    `(ggml_type, w)` row segments stacked in output order (w uint8 [rows, row_bytes] in GGUF
+    blocks), e.g. q, k, v of a Q4_K_M file in their own types."""
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: list[tuple[int, torch.Tensor]]
+    o: list[tuple[int, torch.Tensor]]
+    gate_up: list[tuple[int, torch.Tensor]]
+    down: list[tuple[int, torch.Tensor]]
+    qkv_bias: torch.Tensor | None = None       # Qwen2
+    q_norm: torch.Tensor | None = None         # Qwen3 (with k_norm)
+    k_norm: torch.Tensor | None = None
+
+
+class DecodeLayers:
+    """Every decoder layer of a decode-only step in one native call (decode_layers.c), with
+    the same kernels, order and arithmetic as the per-module native path, so its results are
+    bit-identical to that path. Built once per model; `run` updates h in place."""
+
+    def __init__(self, layers: list[LayerSpec], hidden: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float) -> None:
+        lib = _lib()
+        if not layers:
+            raise ValueError("no layers")
+        if head_dim % 8 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads of {head_dim}")
+        self.hidden, self.num_heads, self.num_kv_heads = hidden, num_heads, num_kv_heads
+        self.head_dim, self.intermediate, self.eps = head_dim, intermediate, eps
+        self._fn = lib.iterserve_decode_layers
+        self._keep: list[torch.Tensor] = []          # every tensor the structs point into
+        qkvw = (num_heads + 2 * num_kv_heads) * head_dim
+        self._layers = (Layer * len(layers))()
+        for i, spec in enumerate(layers):
+            L = self._layers[i]
+            L.ln1 = self._vec(spec.ln1, hidden, f"layer {i} ln1")
+            L.ln2 = self._vec(spec.ln2, hidden, f"layer {i} ln2")
+            L.qkv_bias = None if spec.qkv_bias is None else \
+                self._vec(spec.qkv_bias, qkvw, f"layer {i} qkv_bias")
+            if (spec.q_norm is None) != (spec.k_norm is None):
+                raise ValueError(f"layer {i}: q_norm and k_norm come together")
+            L.q_norm = None if spec.q_norm is None else \
+                self._vec(spec.q_norm, head_dim, f"layer {i} q_norm")
+            L.k_norm = None if spec.k_norm is None else \
+                self._vec(spec.k_norm, head_dim, f"layer {i} k_norm")
+            self._linear(L.qkv, spec.qkv, qkvw, hidden, f"layer {i} qkv")
+            self._linear(L.o, spec.o, hidden, num_heads * head_dim, f"layer {i} o")
+            self._linear(L.gate_up, spec.gate_up, 2 * intermediate, hidden, f"layer {i} gate_up")
+            self._linear(L.down, spec.down, hidden, intermediate, f"layer {i} down")
+        self._pool_key: tuple | None = None
+        self._pool_arrays = None
+
+    @staticmethod
+    def supported(specs: list[LayerSpec]) -> bool:
+        """Whether the native library is available and every segment type has a qgemm."""
+        if not available():
+            return False
+        return all(supports_qgemm(t) for s in specs
+                   for segs in (s.qkv, s.o, s.gate_up, s.down) for t, _ in segs)
+
+    def _vec(self, t, n: int, name: str) -> int:
+        _f32(t, name, 1)
+        if t.shape[0] != n:
+            raise ValueError(f"{name} has {t.shape[0]} elements, not {n}")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _linear(self, dst: Linear, segments, n: int, k: int, name: str) -> None:
+        if not 1 <= len(segments) <= MAX_SEGMENTS:
+            raise ValueError(f"{name}: {len(segments)} segments (1-{MAX_SEGMENTS} allowed)")
+        dst.nseg, dst.k = len(segments), k
+        total = 0
+        for j, (t, w) in enumerate(segments):
+            t = int(t)
+            rows, ld = _weight(t, w, k, "qgemm")
+            if _caps[t].block_elems == 1 and k % 32:
+                raise ValueError(f"{name}: float weights need k % 32 == 0")
+            dst.seg[j] = Segment(t, rows, w.shape[1], ld, w.data_ptr())
+            self._keep.append(w)
+            total += rows
+        if total != n:
+            raise ValueError(f"{name}: segments have {total} rows, the layer needs {n}")
+
+    def _pool_ptrs(self, k_pools, v_pools, slots: int):
+        key = tuple(k_pools) + tuple(v_pools)
+        if self._pool_key is not None and len(key) == len(self._pool_key) \
+                and all(a is b for a, b in zip(key, self._pool_key)):
+            return self._pool_arrays
+        n = len(self._layers)
+        if len(k_pools) != n or len(v_pools) != n:
+            raise ValueError(f"{len(k_pools)} / {len(v_pools)} pools for {n} layers")
+        kvw = self.num_kv_heads * self.head_dim
+        for kp, vp in zip(k_pools, v_pools):
+            if _pools(kp, vp, self.head_dim) != self.num_kv_heads or kp.shape[0] != slots:
+                raise ValueError(f"pools must all be [{slots}, {kvw}]")
+        arrays = ((ctypes.c_void_p * n)(*[p.data_ptr() for p in k_pools]),
+                  (ctypes.c_void_p * n)(*[p.data_ptr() for p in v_pools]))
+        self._pool_key, self._pool_arrays = key, arrays
+        return arrays
+
+    def run(self, h, cos, sin, slot_mapping, tables, lens, window: int, block_size: int,
+            scale: float, k_pools, v_pools) -> torch.Tensor:
+        """h float32 contiguous [T, hidden] (updated in place and returned) through every
+        layer; cos/sin [T, head_dim]; slot_mapping int64 [T] (where each token's K/V goes);
+        tables int32 [T, max_blocks], lens int32 [T]; k_pools / v_pools one float32
+        [slots, kv_heads * head_dim] per layer."""
+        _f32(h, "h", 2)
+        T = h.shape[0]
+        if h.shape[1] != self.hidden:
+            raise ValueError(f"h has {h.shape[1]} columns, hidden is {self.hidden}")
+        _cos_sin(cos, sin, T, self.head_dim)
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 \
+                or slot_mapping.device.type != "cpu" or tuple(slot_mapping.shape) != (T,) \
+                or not slot_mapping.is_contiguous():
+            raise ValueError(f"slot_mapping must be a contiguous int64 CPU tensor [{T}]")
+        _tables(tables, lens, T)
+        if block_size <= 0 or window < 0:
+            raise ValueError(f"block_size {block_size} / window {window}")
+        if not k_pools:
+            raise ValueError("no KV pools")
+        slots = k_pools[0].shape[0]
+        kp, vp = self._pool_ptrs(k_pools, v_pools, slots)
+        if T == 0:
+            return h
+        _rc(self._fn(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(kp),
+                     ctypes.addressof(vp), slots, h.data_ptr(), T,
+                     self.hidden, self.num_heads, self.num_kv_heads, self.head_dim,
+                     self.intermediate, self.eps, cos.data_ptr(), sin.data_ptr(),
+                     slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
+                     lens.data_ptr(), window, block_size, scale, _threads()))
+        return h
+
+
+# --- legacy: the split layout of model/quant.py (delete with BlockQuantWeight) ---------------
+
+_SPLIT_KINDS = {"Q4_0": (0, 2, 16), "Q4_1": (1, 3, 16), "Q8_0": (2, 8, 32)}  # id, ggml, bytes
+
+
+@functools.cache
+def _legacy_split_qgemm():
+    fn = _lib().iterserve_qgemm_split
+
+    def split_qgemm(kind, x, M, K, qs, d, m, y, N, nthreads):
+        """BlockQuantWeight.matmul's old signature; the pointers come from its own tensors."""
+        if kind not in (0, 1, 2) or K <= 0 or K % 32 or M < 0 or N < 0 \
+                or not (x and qs and d and y) or (kind == 1 and not m):
+            raise ValueError("bad arguments for the split-layout qgemm")
+        fn(kind, x, M, K, qs, d, m, y, N, nthreads)
+    return split_qgemm
+
+
+def split_to_gguf_blocks(kind: str, qs: torch.Tensor, d: torch.Tensor,
+                         m: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """(ggml type, uint8 [N, row_bytes]) in GGUF's own block layout from a BlockQuantWeight's
+    split arrays (its float32 scales came from f16, so the round trip is exact). Legacy: the
+    loader on h-weights keeps the file's blocks and makes this unnecessary."""
+    if kind not in _SPLIT_KINDS:
+        raise ValueError(f"{kind} has no split layout")
+    _, ggml, qb = _SPLIT_KINDS[kind]
+    n, nb = d.shape
+    parts = [d.to(torch.float16).view(torch.uint8).view(n, nb, 2)]
+    if m is not None:
+        parts.append(m.to(torch.float16).view(torch.uint8).view(n, nb, 2))
+    parts.append(qs.view(n, nb, qb))
+    return ggml, torch.cat(parts, dim=-1).reshape(n, -1).contiguous()

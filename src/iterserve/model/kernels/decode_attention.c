@@ -25,6 +25,10 @@
  * It still runs at about half the memory speed a plain read of the same rows reaches (its
  * arithmetic and its cache misses overlap poorly); the prefetches measured within noise of
  * none, and a single-pass online-softmax variant was no faster.
+ *
+ * The block tables and lengths come from the caller: every length must lie in
+ * [1, max_blocks * bs] and every block a sequence uses must lie in the pool, else nothing is
+ * computed and ITERSERVE_ELEN / ITERSERVE_EBLOCK is returned (checked before any read).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,6 +37,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "iterserve.h"
 #include "simd.h"
 
 /* The 8 floats of the 8 vectors a[0..7], each summed: [sum a0, ..., sum a7]. */
@@ -131,14 +136,30 @@ static inline void prefetch_row(const float *r, long n, int hint_l2) {
     }
 }
 
-void iterserve_decode_attention(const float *q, const float *kpool, const float *vpool,
-                                const int32_t *tables, int max_blocks, const int32_t *lens,
-                                int window, int D, int H, int kvh, int d, int bs, float scale,
-                                float *out, int nthreads) {
+/* ITERSERVE_OK when every sequence's length and used blocks lie in the pool. */
+static int check_tables(const int32_t *tables, int max_blocks, const int32_t *lens, int D,
+                        int bs, int64_t pool_slots) {
+    const int64_t nblocks = pool_slots / bs;
+    for (int s = 0; s < D; s++) {
+        const int len = lens[s];
+        if (len < 1 || (int64_t)len > (int64_t)max_blocks * bs) return ITERSERVE_ELEN;
+        const int32_t *t = tables + (int64_t)s * max_blocks;
+        for (int b = 0; b < (len + bs - 1) / bs; b++)
+            if (t[b] < 0 || t[b] >= nblocks) return ITERSERVE_EBLOCK;
+    }
+    return ITERSERVE_OK;
+}
+
+int iterserve_decode_attention(const float *q, const float *kpool, const float *vpool,
+                               int64_t pool_slots, const int32_t *tables, int max_blocks,
+                               const int32_t *lens, int window, int D, int H, int kvh, int d,
+                               int bs, float scale, float *out, int nthreads) {
     const int G = H / kvh;                 /* query heads per KV head */
     const long row = (long)kvh * d;        /* floats per slot */
     if (nthreads < 1) nthreads = 1;
-    if (D < 1) return;
+    if (D < 1) return ITERSERVE_OK;
+    const int bad = check_tables(tables, max_blocks, lens, D, bs, pool_slots);
+    if (bad) return bad;
     /* Split contexts into runs of `run` positions so there are ~4 items per thread. */
     long total = 0;
     for (int s = 0; s < D; s++) {
@@ -266,4 +287,5 @@ void iterserve_decode_attention(const float *q, const float *kpool, const float 
     free(part);
     free(item_seq);
     free(first);
+    return ITERSERVE_OK;
 }

@@ -1,4 +1,4 @@
-/* Every decoder layer of a decode-only step in one call (Llama family, block-quantised weights).
+/* Every decoder layer of a decode-only step in one call (Llama family, GGUF-encoded weights).
  *
  * Why: with the GEMMs, attention and elementwise ops already native, a small-batch decode step
  * still paid ~4-5 ms of Python per step on this CPU: 30 layers x ~12 module calls, each with
@@ -8,7 +8,8 @@
  * that path (tests/model/test_decode_layers.py checks that):
  *
  *   x  = rmsnorm(h, ln1)              iterserve_rmsnorm
- *   qkv = x . Wqkv^T                   iterserve_qgemm
+ *   qkv = x . Wqkv^T (+ bias)          iterserve_qgemm per row segment (+ Qwen2's bias)
+ *   q/k RMSNorm per head, in place     iterserve_qk_norm (Qwen3 only)
  *   rope on q and k, in place          iterserve_rope
  *   K, V rows -> the paged pools at this step's slots
  *   a  = attention(q, pools)           iterserve_decode_attention
@@ -16,76 +17,82 @@
  *   x  = rmsnorm(h, ln2)
  *   h += silu_mul(x . Wgu^T) . Wdown^T iterserve_silu_mul
  *
- * The model's Python side (llama.py, `use_fused_decode`) builds the per-layer descriptors once;
- * it only takes this path for decode-only steps whose rows all go through the block kernel,
- * with no q/k/v bias and no q/k norm.
+ * Each weight is a list of 1-3 row segments (iterserve.h's iterserve_linear), possibly of
+ * different types (a Q4_K_M file's fused q/k/v), each written into its own column range of
+ * the output by the same iterserve_qgemm call the per-module path makes per segment.
+ * kernels.DecodeLayers (Python) builds the per-layer descriptors once and checks every shape;
+ * the pool addresses come per call (a cache's pools may be replaced). Slots, block tables
+ * and lengths are checked here before anything is written (ITERSERVE_ESLOT / EBLOCK / ELEN).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-void iterserve_qgemm(int kind, const float *x, long M, long K, const uint8_t *qs,
-                     const float *d, const float *m, float *y, long N, int nthreads);
-void iterserve_rmsnorm(const float *x, const float *w, float *y, long T, long D, float eps);
-void iterserve_silu_mul(const float *gu, float *y, long T, long I);
-void iterserve_rope(float *x, long T, long ldx, long heads, long d, const float *cos,
-                    const float *sin);
-void iterserve_decode_attention(const float *q, const float *kpool, const float *vpool,
-                                const int32_t *tables, int max_blocks, const int32_t *lens,
-                                int window, int D, int H, int kvh, int d, int bs, float scale,
-                                float *out, int nthreads);
+#include "iterserve.h"
 
-/* A block-quantised weight [N, K] (see quant.py); mirrors QWeight in llama.py. */
-typedef struct {
-    int64_t kind, n, k;
-    const uint8_t *qs;
-    const float *d, *m;
-} qweight;
-
-/* One decoder layer; mirrors DecodeLayer in llama.py. */
-typedef struct {
-    const float *ln1, *ln2;
-    float *kpool, *vpool;              /* [slots][kvh * d] */
-    qweight qkv, o, gate_up, down;
-} decode_layer;
-
-static void gemm(const qweight *w, const float *x, long T, float *y, int nthreads) {
-    iterserve_qgemm((int)w->kind, x, T, w->k, w->qs, w->d, w->m, y, w->n, nthreads);
+/* y[T][ldy] = x . W^T over the linear's segments, side by side in y's columns. */
+static void gemm(const iterserve_linear *w, const float *x, int64_t T, float *y, int64_t ldy,
+                 int nthreads) {
+    int64_t col = 0;
+    for (int s = 0; s < w->nseg; s++) {
+        const iterserve_segment *g = w->seg + s;
+        iterserve_qgemm(g->type, g->data, g->rows, g->row_stride, w->k, x, T, w->k, y + col, ldy,
+                        nthreads);
+        col += g->rows;
+    }
 }
 
-void iterserve_decode_layers(const decode_layer *layers, int nlayers, float *h, long T,
-                             long hidden, int H, int kvh, int d, long inter, float eps,
-                             const float *cos, const float *sin, const int64_t *slot_mapping,
-                             const int32_t *tables, int max_blocks, const int32_t *lens,
-                             int window, int bs, float scale, int nthreads) {
-    const long qsz = (long)H * d, kvsz = (long)kvh * d, qkvw = qsz + 2 * kvsz;
+int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *const *kpools,
+                            float *const *vpools, int64_t pool_slots, float *h, int64_t T,
+                            int64_t hidden, int H, int kvh, int d, int64_t inter, float eps,
+                            const float *cos, const float *sin, const int64_t *slot_mapping,
+                            const int32_t *tables, int max_blocks, const int32_t *lens,
+                            int window, int bs, float scale, int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= pool_slots) return ITERSERVE_ESLOT;
+    const int64_t nblocks = pool_slots / bs;
+    for (int64_t s = 0; s < T; s++) {             /* as decode_attention checks, before writing */
+        if (lens[s] < 1 || (int64_t)lens[s] > (int64_t)max_blocks * bs) return ITERSERVE_ELEN;
+        for (int b = 0; b < (lens[s] + bs - 1) / bs; b++) {
+            const int32_t blk = tables[s * max_blocks + b];
+            if (blk < 0 || blk >= nblocks) return ITERSERVE_EBLOCK;
+        }
+    }
+    const int64_t qsz = (int64_t)H * d, kvsz = (int64_t)kvh * d, qkvw = qsz + 2 * kvsz;
     /* scratch: x [T][hidden], qkv [T][qkvw], q [T][qsz], a [T][qsz], gu [T][2 inter],
      * act [T][inter], y [T][hidden] */
-    const long floats = T * (2 * hidden + qkvw + 2 * qsz + 3 * inter);
+    const int64_t floats = T * (2 * hidden + qkvw + 2 * qsz + 3 * inter);
     float *buf = malloc(sizeof(float) * (size_t)floats);
+    if (!buf) return ITERSERVE_ENOMEM;
     float *x = buf, *qkv = x + T * hidden, *q = qkv + T * qkvw, *a = q + T * qsz;
     float *gu = a + T * qsz, *act = gu + T * 2 * inter, *y = act + T * inter;
     for (int l = 0; l < nlayers; l++) {
-        const decode_layer *L = layers + l;
+        const iterserve_layer *L = layers + l;
+        float *kpool = kpools[l], *vpool = vpools[l];
         iterserve_rmsnorm(h, L->ln1, x, T, hidden, eps);
-        gemm(&L->qkv, x, T, qkv, nthreads);
+        gemm(&L->qkv, x, T, qkv, qkvw, nthreads);
+        if (L->qkv_bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < qkvw; i++) qkv[t * qkvw + i] = qkv[t * qkvw + i] + L->qkv_bias[i];
+        if (L->q_norm)
+            iterserve_qk_norm(qkv, T, qkvw, H, kvh, d, L->q_norm, L->k_norm, eps);
         iterserve_rope(qkv, T, qkvw, H + kvh, d, cos, sin);
-        for (long t = 0; t < T; t++) {
+        for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkvw;
             memcpy(q + t * qsz, row, sizeof(float) * (size_t)qsz);
-            memcpy(L->kpool + slot_mapping[t] * kvsz, row + qsz, sizeof(float) * (size_t)kvsz);
-            memcpy(L->vpool + slot_mapping[t] * kvsz, row + qsz + kvsz,
-                   sizeof(float) * (size_t)kvsz);
+            memcpy(kpool + slot_mapping[t] * kvsz, row + qsz, sizeof(float) * (size_t)kvsz);
+            memcpy(vpool + slot_mapping[t] * kvsz, row + qsz + kvsz, sizeof(float) * (size_t)kvsz);
         }
-        iterserve_decode_attention(q, L->kpool, L->vpool, tables, max_blocks, lens, window,
+        iterserve_decode_attention(q, kpool, vpool, pool_slots, tables, max_blocks, lens, window,
                                    (int)T, H, kvh, d, bs, scale, a, nthreads);
-        gemm(&L->o, a, T, y, nthreads);
-        for (long i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
+        gemm(&L->o, a, T, y, hidden, nthreads);
+        for (int64_t i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
         iterserve_rmsnorm(h, L->ln2, x, T, hidden, eps);
-        gemm(&L->gate_up, x, T, gu, nthreads);
+        gemm(&L->gate_up, x, T, gu, 2 * inter, nthreads);
         iterserve_silu_mul(gu, act, T, inter);
-        gemm(&L->down, act, T, y, nthreads);
-        for (long i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
+        gemm(&L->down, act, T, y, hidden, nthreads);
+        for (int64_t i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
     }
     free(buf);
+    return ITERSERVE_OK;
 }

@@ -7,34 +7,46 @@
  * rmsnorm:  y = (x * 1/sqrt(mean(x^2) + eps)) * w     (HF's order of the two products)
  * silu_mul: y = silu(g) * u with g, u the two halves of each row of gu (fused gate/up GEMM)
  * rope:     rotary embedding in place on the q/k heads of the qkv GEMM's output
+ * qk_norm:  Qwen3's per-head RMSNorm of q and k, in place on the qkv GEMM's output (the same
+ *           arithmetic as rmsnorm, one head of d floats at a time)
  */
 #include <immintrin.h>
 #include <math.h>
 
+#include "iterserve.h"
 #include "simd.h"
 
-void iterserve_rmsnorm(const float *x, const float *w, float *y, long T, long D, float eps) {
-    for (long t = 0; t < T; t++) {
-        const float *xr = x + t * D;
-        float *yr = y + t * D;
-        __m256 acc = _mm256_setzero_ps();
-        long i = 0;
-        for (; i + 8 <= D; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float ss = hsum8(acc);
-        for (; i < D; i++) ss += xr[i] * xr[i];
-        const float r = 1.0f / sqrtf(ss / (float)D + eps);
-        const __m256 vr = _mm256_set1_ps(r);
-        for (i = 0; i + 8 <= D; i += 8)
-            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vr),
-                                                   _mm256_loadu_ps(w + i)));
-        for (; i < D; i++) yr[i] = (xr[i] * r) * w[i];
+static inline void rmsnorm_row(const float *xr, const float *w, float *yr, int64_t D, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_loadu_ps(xr + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
     }
+    float ss = hsum8(acc);
+    for (; i < D; i++) ss += xr[i] * xr[i];
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);
+    const __m256 vr = _mm256_set1_ps(r);
+    for (i = 0; i + 8 <= D; i += 8)
+        _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vr),
+                                               _mm256_loadu_ps(w + i)));
+    for (; i < D; i++) yr[i] = (xr[i] * r) * w[i];
 }
 
-void iterserve_silu_mul(const float *gu, float *y, long T, long I) {
+void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps) {
+    for (int64_t t = 0; t < T; t++) rmsnorm_row(x + t * D, w, y + t * D, D, eps);
+}
+
+void iterserve_qk_norm(float *x, int64_t T, int64_t ldx, int64_t H, int64_t kvh, int64_t d,
+                       const float *qw, const float *kw, float eps) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < H + kvh; n++) {
+            float *row = x + t * ldx + n * d;
+            rmsnorm_row(row, n < H ? qw : kw, row, d, eps);
+        }
+}
+
+void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (long t = 0; t < T; t++) {
         const float *g = gu + t * 2 * I, *u = g + I;
@@ -54,8 +66,8 @@ void iterserve_silu_mul(const float *gu, float *y, long T, long I) {
  * heads of d floats, with h = d/2 and cos/sin [T][d]:
  *   x[i]   <- x[i]*cos[i]     - x[i+h]*sin[i]
  *   x[i+h] <- x[i+h]*cos[i+h] + x[i]*sin[i+h]      (products rounded, then added, as torch) */
-void iterserve_rope(float *x, long T, long ldx, long heads, long d, const float *cos,
-                    const float *sin) {
+void iterserve_rope(float *x, int64_t T, int64_t ldx, int64_t heads, int64_t d,
+                    const float *cos, const float *sin) {
     const long h = d / 2;
     for (long t = 0; t < T; t++) {
         const float *c = cos + t * d, *s = sin + t * d;

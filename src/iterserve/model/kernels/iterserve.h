@@ -1,0 +1,124 @@
+/* The one ABI of iterserve's native CPU kernels: every exported function and struct, once.
+ *
+ * Why one header: the prototypes used to be written three times (in each .c file, again in
+ * decode_layers.c, and as ctypes argtypes and Structure copies in Python), and nothing
+ * checked that the copies agreed. Every kernel source includes this file; kernels/__init__.py
+ * declares the same functions once (`_ARGTYPES`) and the same structs once (`Segment`,
+ * `Linear`, `Layer`), and refuses to use a library whose `iterserve_abi()` (struct sizes and
+ * field offsets, the ABI version, the block sizes of every type) differs from what ctypes
+ * computes. Python callers go through one checked wrapper per kernel (dtype, contiguity,
+ * shapes, strides -> ValueError); no raw pointer reaches these functions unchecked.
+ *
+ * Weights are GGUF's own encoding: each row of a weight matrix is the row's blocks exactly as
+ * they lie in the file (f16 scales inside the blocks); a matrix may be split into row
+ * segments of different types (fused q/k/v, gate/up), each written into its own column range
+ * of one output. Type ids are ggml's (gguf.GGMLQuantizationType).
+ *
+ * Functions that take indices from the caller (block tables, slots, lengths) check them and
+ * return a nonzero ITERSERVE_E* code instead of reading out of bounds.
+ */
+#ifndef ITERSERVE_H
+#define ITERSERVE_H
+#include <stdint.h>
+
+#define ITERSERVE_ABI_VERSION 2
+
+/* ggml type ids (gguf.GGMLQuantizationType) */
+enum {
+    GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7,
+    GGML_Q8_0 = 8, GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13,
+    GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_BF16 = 30,
+    GGML_TYPE_LIMIT = 40
+};
+
+/* error codes of the functions that return int */
+enum { ITERSERVE_OK = 0, ITERSERVE_EBLOCK = 1, ITERSERVE_ESLOT = 2, ITERSERVE_ELEN = 3,
+       ITERSERVE_ETYPE = 4, ITERSERVE_ENOMEM = 5 };
+
+/* One row segment of a weight: `rows` rows of `row_bytes` bytes each (row r at
+ * data + r * row_stride), every row `k` elements of ggml type `type`. */
+typedef struct {
+    int64_t type, rows, row_bytes, row_stride;
+    const uint8_t *data;
+} iterserve_segment;
+
+#define ITERSERVE_MAX_SEGMENTS 3
+/* A linear layer's weight [sum of rows, k] as 1-3 segments stacked in output order. */
+typedef struct {
+    int64_t nseg, k;
+    iterserve_segment seg[ITERSERVE_MAX_SEGMENTS];
+} iterserve_linear;
+
+/* One decoder layer of the Llama family for iterserve_decode_layers. The optional pointers
+ * are NULL when the architecture has no such tensor. */
+typedef struct {
+    const float *ln1, *ln2;            /* [hidden] input / post-attention RMSNorm weights */
+    const float *qkv_bias;             /* [(H + 2 kvh) d] or NULL (Qwen2) */
+    const float *q_norm, *k_norm;      /* [d] per-head RMSNorm weights or NULL (Qwen3) */
+    iterserve_linear qkv, o, gate_up, down;
+} iterserve_layer;
+
+/* --- ABI self-description (kernels/__init__.py compares it with ctypes) ----------------- */
+/* Writes up to cap int64s: version, sizeof + offsets of the structs, then per type id
+ * 0..GGML_TYPE_LIMIT-1 (block elements, block bytes, qgemm?, dequant?); returns the count. */
+int64_t iterserve_abi(int64_t *out, int64_t cap);
+/* CPU features as run-time detected bits (bit 0 avx2, 1 fma, 2 f16c, 3 avx512f, 4 avx512bw,
+ * 5 avx512vl, 6 avx512vnni, 7 avx512bf16, 8 avxvnni). */
+int64_t iterserve_cpu_features(void);
+
+/* --- GEMM and dequantisation over GGUF blocks (qgemm.c, dequant.c) ----------------------- */
+/* y[m][col] = sum_j x[m][j] * W[col][j] for the n rows of W (one segment), m < M; y row m at
+ * y + m * ldy (the caller offsets y by the segment's first output column). */
+void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                     int nthreads);
+/* out[r][0..k) = W[r] as float32, exactly as gguf-py's dequantize, for r < n. */
+void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                       int64_t k, float *out, int64_t ldo, int nthreads);
+
+/* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
+void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);
+void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I);
+/* RoPE in place on the first `heads` heads of d floats of T rows (row stride ldx). */
+void iterserve_rope(float *x, int64_t T, int64_t ldx, int64_t heads, int64_t d,
+                    const float *cos, const float *sin);
+/* In place: RMSNorm of each of the H q heads with qw and of the kvh k heads that follow
+ * with kw, over T rows of stride ldx (Qwen3's q/k norm). */
+void iterserve_qk_norm(float *x, int64_t T, int64_t ldx, int64_t H, int64_t kvh, int64_t d,
+                       const float *qw, const float *kw, float eps);
+
+/* --- attention over the paged KV pool (decode_attention.c) ------------------------------- */
+/* Returns ITERSERVE_OK, or ITERSERVE_EBLOCK / ELEN when a table entry or length is outside
+ * the pool (nothing is computed then). */
+int iterserve_decode_attention(const float *q, const float *kpool, const float *vpool,
+                               int64_t pool_slots, const int32_t *tables, int max_blocks,
+                               const int32_t *lens, int window, int D, int H, int kvh, int d,
+                               int bs, float scale, float *out, int nthreads);
+
+/* --- every decoder layer of a decode-only step in one call (decode_layers.c) ------------- */
+int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *const *kpools,
+                            float *const *vpools, int64_t pool_slots, float *h, int64_t T,
+                            int64_t hidden, int H, int kvh, int d, int64_t inter, float eps,
+                            const float *cos, const float *sin, const int64_t *slot_mapping,
+                            const int32_t *tables, int max_blocks, const int32_t *lens,
+                            int window, int bs, float scale, int nthreads);
+
+/* --- legacy: the split layout of model/quant.py's BlockQuantWeight (qgemm_split.c) --------
+ * qs [N][K/32][16|32] bytes, d and m [N][K/32] float32; kind 0 Q4_0, 1 Q4_1, 2 Q8_0. Kept
+ * only until the loader keeps GGUF blocks (delete with BlockQuantWeight). */
+void iterserve_qgemm_split(int kind, const float *x, long M, long K, const uint8_t *qs,
+                           const float *d, const float *m, float *y, long N, int nthreads);
+
+/* --- internal, shared between the kernel sources ---------------------------------------- */
+/* Block geometry of a ggml type (0 if unknown) and whether dequant.c decodes it. */
+int iterserve_block_elems(int64_t type);
+int iterserve_block_bytes(int64_t type);
+int iterserve_can_dequant(int64_t type);
+int iterserve_can_qgemm(int64_t type);
+/* qgemm for any type dequant.c decodes: each block decoded into an L1 buffer, then dotted
+ * with up to 8 activation rows (dequant.c). */
+void iterserve_qgemm_generic(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                             int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                             int64_t ldy, int nthreads);
+
+#endif
