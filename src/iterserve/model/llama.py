@@ -101,7 +101,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
+        # computed on CPU even when the model is built on the meta device: meta tensors run
+        # torch's Python reference kernels, whose first use imported for ~8 s (measured)
+        with torch.device("cpu"):
+            self.rotary = RotaryEmbedding(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
 

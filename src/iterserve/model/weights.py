@@ -163,7 +163,10 @@ def scratch(n: int, k: int) -> torch.Tensor:
     """A reusable float32 [n, k] buffer for this thread (the reference path's tile)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < n * k:
-        buf = _scratch.buf = torch.empty(n * k, dtype=torch.float32)
+        # a normal tensor even when first asked for inside inference_mode (the model's
+        # forward): an inference tensor could not be written outside it later
+        with torch.inference_mode(False):
+            buf = _scratch.buf = torch.empty(n * k, dtype=torch.float32)
     return buf[:n * k].view(n, k)
 
 
