@@ -35,7 +35,9 @@ _SERVE = textwrap.dedent("""
     for s in range(4):                    # a 62-row prefill (reference tiles), then decodes
         out = step(*[chunk(blocks, r) for r in reqs], step_no=s)
         advance(out, runner.execute(out))
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
     print(json.dumps({"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "status": {k: status[k].strip() for k in ("VmHWM", "RssAnon", "RssFile")},
                       "plan": runner.memory_plan,
                       "tokens": [r.output_token_ids for r in reqs]}))
 """)
@@ -57,7 +59,11 @@ def test_peak_rss_of_a_200m_parameter_gguf_is_within_the_budget(tmp_path):
     plan = out["plan"]
     kv = plan["kv_cache"]["bytes"]
     budget = 1.15 * size + kv + 400 * MB
-    assert out["maxrss"] <= budget, (out["maxrss"] / MB, budget / MB, size / MB)
+    # Peak RSS as VmHWM: getrusage's ru_maxrss survives fork + exec on Linux, so a child of a
+    # big pytest process reports its parent's peak (measured: 1.3-1.9 GB vs VmHWM 0.44 GB);
+    # VmHWM belongs to the child's own address space.
+    peak = int(out["status"]["VmHWM"].split()[0]) * 1024
+    assert peak <= budget, (peak / MB, budget / MB, size / MB, out["status"], plan)
     # the plan says what the model holds: the file's bytes, not float32's
     assert plan["weights"]["bytes"] <= size
     assert plan["weights"]["bytes_by_encoding"]["Q4_0"] > 0.95 * plan["weights"]["bytes"]
