@@ -1,8 +1,12 @@
-"""All decoder layers of a decode-only step in one native call (model/kernels/decode_layers.c).
+"""All decoder layers of a decode-only step in one native call (kernels.DecodeLayers,
+model/kernels/decode_layers.c).
 
-The fused call chains the same kernels in the same order as llama.py's per-module native path,
-so a model must give bit-identical logits with it on and off; it must only be taken for
-decode-only steps the block kernel covers, and must not be used where its preconditions fail.
+The fused call chains the same kernels in the same order as the per-module native path, so a
+model must give bit-identical logits with it on and off (llama, Qwen2's q/k/v bias, Qwen3's
+q/k norm); with weights split into row segments of different types it must equal the same
+per-module composition of the kernel wrappers bit for bit; it must only be taken for
+decode-only steps the block kernel covers, must not be used where its preconditions fail, and
+must reject bad specs and bad step tensors with ValueError before touching anything.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures.gguf_blocks import gguf_blocks
 from fixtures.tiny_gguf import load_all_quant_model, write_tiny_llama_gguf
 from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
 from iterserve.model import kernels, layers
@@ -17,9 +22,10 @@ from iterserve.model import kernels, layers
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
                                 reason="needs an x86-64 AVX2/FMA CPU and a C compiler")
 
-@pytest.fixture(scope="module")
-def quant_model(tmp_path_factory):
-    return load_all_quant_model(tmp_path_factory.mktemp("q") / "allquant.gguf", seed=5)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def quant_model(request, tmp_path_factory):
+    return load_all_quant_model(tmp_path_factory.mktemp("q") / "allquant.gguf", seed=5,
+                                arch=request.param)
 
 
 def _run(loaded, fused: bool, decode_steps: int = 9):

@@ -10,39 +10,15 @@ unavailable) rather than fail.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+from fixtures.gguf_blocks import TYPES, gguf_blocks
 from iterserve.model import kernels
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
                                 reason="needs an x86-64 AVX2/FMA/F16C CPU and a C compiler")
 
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-         "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
-# where the f16 scale(s) lie in a block of the types gguf-py cannot quantise: (offset, count)
-_SCALES = {"Q2_K": (80, 2), "Q3_K": (108, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1),
-           "IQ4_NL": (0, 1), "IQ4_XS": (0, 1)}
-
-
-def gguf_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(type id, uint8 [n, row_bytes] blocks, gguf-py's float32 dequantisation [n, k])."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
-    t = GGMLQuantizationType[name]
-    rng = np.random.default_rng(seed)
-    if name in _SCALES:
-        elems, nbytes = GGML_QUANT_SIZES[t]
-        nb = n * k // elems
-        raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
-        off, cnt = _SCALES[name]
-        raw[:, off:off + 2 * cnt] = rng.uniform(0.001, 0.01, size=(nb, cnt)) \
-            .astype(np.float16).view(np.uint8)
-    else:
-        raw = quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), t)
-    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
-    ref = quants.dequantize(raw, t).reshape(n, k)
-    return int(t), torch.from_numpy(raw.copy()), torch.from_numpy(np.ascontiguousarray(ref))
 
 
 def assert_fp32_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

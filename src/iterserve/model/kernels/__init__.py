@@ -2,9 +2,11 @@
 
 Kernels for where a CPU step spends its time, all over weights in their GGUF encoding (rows of
 blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
-- `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights, register kernels for
-  Q4_0 / Q4_1 / Q8_0, a decode-into-L1 kernel for every other type) and `dequant` (rows ->
-  float32, bit-exact with gguf-py) for tiles, prefill panels and embedding rows;
+- `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights: register kernels for
+  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, a decode-into-L1 kernel for every other type `dequant`
+  covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) for tiles, prefill panels and
+  embedding rows;
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
@@ -317,7 +319,7 @@ def _lib() -> ctypes.CDLL:
 def _f32(t, name: str, dims: int | None = None, contiguous: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    if t.dtype != torch.float32 or not t.is_cpu:
         raise ValueError(f"{name} must be float32 on the CPU, not {t.dtype} on {t.device}")
     if dims is not None and t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D, not of shape {tuple(t.shape)}")
@@ -327,11 +329,15 @@ def _f32(t, name: str, dims: int | None = None, contiguous: bool = True) -> None
 
 def _rows(t: torch.Tensor, name: str) -> int:
     """Row stride (elements) of a 2-D tensor whose rows are contiguous."""
-    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"{name} must be 2-D with contiguous rows (shape {tuple(t.shape)}, "
-                         f"strides {t.stride()})")
-    ld = t.stride(0) if t.shape[0] > 1 else t.shape[1]
-    if ld < t.shape[1]:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, not of shape {tuple(t.shape)}")
+    rows, cols = t.shape
+    s0, s1 = t.stride()
+    if cols > 1 and s1 != 1:
+        raise ValueError(f"{name} must have contiguous rows (shape {tuple(t.shape)}, "
+                         f"strides {(s0, s1)})")
+    ld = s0 if rows > 1 else cols
+    if ld < cols:
         raise ValueError(f"{name} rows overlap (row stride {ld} < {t.shape[1]})")
     return ld
 
@@ -341,12 +347,13 @@ def _weight(ggml_type: int, w, k: int, what: str) -> tuple[int, int]:
     caps = _caps.get(ggml_type)
     if caps is None or not getattr(caps, what):
         raise ValueError(f"ggml type {ggml_type} has no native {what}")
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.device.type != "cpu":
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or not w.is_cpu:
         raise ValueError("weight must be a uint8 CPU tensor of GGUF blocks")
-    if not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k must be a positive int, not {k!r}")
+    if not isinstance(k, int) or k <= 0 or k % caps.block_elems:
+        raise ValueError(f"k must be a positive multiple of the type's block "
+                         f"({caps.block_elems}), not {k!r}")
     ld = _rows(w, "weight")
-    rb = row_bytes(ggml_type, k)
+    rb = k // caps.block_elems * caps.block_bytes
     if w.shape[1] != rb:
         raise ValueError(f"weight rows are {w.shape[1]} bytes; {k} elements of type "
                          f"{ggml_type} take {rb}")

@@ -36,6 +36,29 @@ static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 
 typedef void (*decode_fn)(const uint8_t *b, float *y);
 
+/* y[0..32) = (float)q * ds - dm for 32 unsigned bytes q (products rounded, then subtracted,
+ * as numpy does; -ffp-contract=off keeps them unfused); dm may be 0 (then y = q * ds - 0,
+ * which is q * ds exactly). signed: q are int8. */
+static inline void store32(__m256i q, int is_signed, __m256 ds, __m256 dm, float *y) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256i v = is_signed ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]);
+        _mm256_storeu_ps(y + 8 * i, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), ds), dm));
+    }
+}
+
+/* 0xFF in byte i where bit i of the 32-bit word at x is set (llama.cpp's bytes_from_bits_32) */
+static inline __m256i bytes_from_bits_32(const uint8_t *x) {
+    uint32_t x32;
+    memcpy(&x32, x, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
 /* --- 32-element blocks ----------------------------------------------------------------- */
 static void dec_q4_0(const uint8_t *b, float *y) {
     const float d = f16(b);
@@ -56,16 +79,12 @@ static void dec_q4_1(const uint8_t *b, float *y) {
 }
 
 static void dec_q5_0(const uint8_t *b, float *y) {
-    const float d = f16(b);
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    const uint8_t *q = b + 6;
-    for (int i = 0; i < 16; i++) {
-        const int lo = (q[i] & 15) | (int)((qh >> i) & 1) << 4;
-        const int hi = (q[i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4;
-        y[i] = d * (float)(lo - 16);
-        y[i + 16] = d * (float)(hi - 16);
-    }
+    /* q = (nibble | high bit << 4) - 16 as int8; y = d * q (gguf-py: d * qs.astype(f32)) */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 6)), m4 = _mm_set1_epi8(15);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+    q = _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8(16)));
+    q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+    store32(q, 1, _mm256_set1_ps(f16(b)), _mm256_setzero_ps(), y);
 }
 
 static void dec_q5_1(const uint8_t *b, float *y) {
@@ -154,13 +173,17 @@ static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
 static void dec_q4_k(const uint8_t *b, float *y) {
     const float d = f16(b), dmin = f16(b + 2);
     const uint8_t *scales = b + 4, *qs = b + 16;
-    for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        scale_min_k4(scales, j, &sc, &mn);
-        const float ds = d * (float)sc, dm = dmin * (float)mn;
-        const uint8_t *q = qs + 32 * (j / 2);
-        const int shift = 4 * (j % 2);
-        for (int i = 0; i < 32; i++) y[32 * j + i] = ds * (float)((q[i] >> shift) & 15) - dm;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {                  /* 32 bytes: sub-blocks 2c (low), 2c+1 */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        const __m256i nib[2] = {_mm256_and_si256(raw, m4),
+                                _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)};
+        for (int a = 0; a < 2; a++) {
+            int sc, mn;
+            scale_min_k4(scales, 2 * c + a, &sc, &mn);
+            store32(nib[a], 0, _mm256_set1_ps(d * (float)sc), _mm256_set1_ps(dmin * (float)mn),
+                    y + 32 * (2 * c + a));
+        }
     }
 }
 
@@ -181,19 +204,28 @@ static void dec_q5_k(const uint8_t *b, float *y) {
 }
 
 static void dec_q6_k(const uint8_t *b, float *y) {
+    /* element e = 128 h + 32 g + i: low 4 bits (ql[64h + 32(g%2) + i] >> 4(g/2)) & 15, high 2
+     * bits (qh[32h + i] >> 2g) & 3; q = (low | high << 4) - 32; y = (d * sc[e/16]) * q */
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = f16(b + 208);
-    for (int s = 0; s < 16; s++) {
-        const float ds = d * (float)sc[s];
-        /* element e: half h = e/128; low 4 bits from ql[h*64 + e%64] >> 4*((e%128)/64),
-         * high 2 bits from qh[h*32 + e%32] >> 2*((e%128)/32) */
-        const int e0 = 16 * s, h = e0 / 128, r = e0 % 128;
-        const uint8_t *l = ql + h * 64 + r % 64, *hi = qh + h * 32 + r % 32;
-        const int sl = 4 * (r / 64), sh = 2 * (r / 32);
-        for (int i = 0; i < 16; i++) {
-            const int v = ((l[i] >> sl) & 15) | ((hi[i] >> sh) & 3) << 4;
-            y[e0 + i] = ds * (float)(v - 32);
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        for (int g = 0; g < 4; g++) {
+            __m256i lo = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (g % 2)));
+            if (g / 2) lo = _mm256_srli_epi16(lo, 4);
+            lo = _mm256_and_si256(lo, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), m2);
+            const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+            const int e0 = 128 * h + 32 * g;
+            const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+            const __m128i part[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
+            for (int i = 0; i < 4; i++) {
+                const __m256 ds = _mm256_set1_ps(d * (float)sc[(e0 + 8 * i) / 16]);
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[i]));
+                _mm256_storeu_ps(y + e0 + 8 * i, _mm256_mul_ps(ds, v));
+            }
         }
     }
 }

@@ -10,16 +10,24 @@
  * x in float32 FMAs, so the result equals a float32 GEMM over the dequantised weights up to
  * summation order.
  *
- * Q4_0, Q4_1 and Q8_0 have register kernels here (f16 scales converted per block with F16C:
- * one vcvtph2ps per block, measured level with the old layout's pre-widened float32 scales in
- * a same-process A/B, see the report of the change). Every other type dequant.c decodes runs
- * through iterserve_qgemm_generic: each block is decoded into an L1 buffer by the same code
- * as `dequant`, then dotted with the rows.
+ * Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have register kernels here; every other type dequant.c
+ * decodes runs through iterserve_qgemm_generic (each block decoded into an L1 buffer by the
+ * same code as `dequant`, then dotted with the rows): 1.1-1.8x faster than dequantise +
+ * F.linear on a 2048x2048 weight, but 1.5-2.5x slower than a register kernel.
+ *
+ * The f16 scales are converted per block with F16C, straight from the block (vcvtph2ps from
+ * memory). On the bundled model's Q4_1 shapes the kernel is 0-11% (typically ~5%) slower than
+ * the old split layout (scales pre-widened to float32 in separate arrays) in same-process
+ * single-thread A/Bs on a loaded machine (benchmarks/bench_qgemm.py layout): at these small
+ * shapes the loop is bound by instruction throughput and the conversion adds ~2 instructions
+ * per block; the layout reads 17% fewer bytes (Q4_1: 20 vs 24 per block) and needs no copy of
+ * the file's weights, which is what issue 12 is about.
  *
  * Threads split the n columns; compiled with -mavx2 -mfma -mf16c, and with -ffp-contract=off
- * so the dequantisation is not fused into an FMA. Float activations (not 8-bit ones with
- * integer dot products as llama.cpp does): results stay equal to the float reference up to
- * summation order, which the tests and the fused decode path's bit-identity rely on.
+ * so the dequantisation is not fused into an FMA. Activations stay float32 (not quantised to
+ * 8 bits for integer dot products, as llama.cpp does with VNNI): results equal a float32 GEMM
+ * over gguf-py's dequantised weights up to summation order, which the tests and the fused
+ * decode path's bit-identity rely on. An int8/VNNI variant was not measured yet (issue 13).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -32,16 +40,26 @@
 #define QK 32
 #define COL_CHUNK 64
 
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* One block of 32 weights -> w[0..3] (elements 0-7, 8-15, 16-23, 24-31). */
 static inline __attribute__((always_inline)) void dequant_block(
         int type, const uint8_t *blk, __m256 *w) {
-    const __m256 vd = _mm256_set1_ps(f16_at(blk));
+    if (type == GGML_Q4_1) {          /* d and m: one conversion for both */
+        /* 8 bytes from the block start (d, m and 4 quant bytes, all inside the block),
+         * converted from memory in one instruction; lanes 0 and 1 are d and m */
+        const __m256 s = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
+        const __m256 vd = _mm256_permutevar8x32_ps(s, _mm256_setzero_si256());
+        const __m256 vm = _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(1));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(raw, mask);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                        _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), vd), vm);
+        return;
+    }
+    const __m256 vd = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
     if (type == GGML_Q8_0) {
         const uint8_t *q = blk + 2;
         for (int i = 0; i < 4; i++) {
@@ -50,22 +68,16 @@ static inline __attribute__((always_inline)) void dequant_block(
         }
         return;
     }
-    const uint8_t *q = blk + (type == GGML_Q4_1 ? 4 : 2);
+    const uint8_t *q = blk + 2;
     const __m128i raw = _mm_loadu_si128((const __m128i *)q);
     const __m128i mask = _mm_set1_epi8(0x0F);
     __m128i lo = _mm_and_si128(raw, mask);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
     __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
                     _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    if (type == GGML_Q4_0) {
-        const __m256i eight = _mm256_set1_epi32(8);
-        for (int i = 0; i < 4; i++)
-            w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v[i], eight)), vd);
-    } else {
-        const __m256 vm = _mm256_set1_ps(f16_at(blk + 2));
-        for (int i = 0; i < 4; i++)
-            w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), vd), vm);
-    }
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v[i], eight)), vd);
 }
 
 /* Independent accumulators per row, so that enough FMA chains are in flight: an FMA has a
@@ -160,6 +172,134 @@ static void qgemm32(int type, const uint8_t *w, int64_t N, int64_t row_stride, i
     }
 }
 
+
+/* --- K-quants in registers: Q4_K and Q6_K (the bulk of a Q4_K_M file) -------------------- */
+/* Q4_K / Q5_K's 6-bit sub-block scale and min (gguf-py's Q4_K.get_scale_min) */
+static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[4 + j] & 63;
+    } else {
+        *sc = (s[8 + j - 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[8 + j - 4] >> 4) | ((s[4 + j - 4] >> 2) & 0x30);
+    }
+}
+
+/* Sub-block j (32 weights) of a 256-weight super-block -> w[0..3], the same values dequant.c
+ * computes: Q4_K (d*sc) * q - (dmin*m); Q6_K (d*sc) * (q - 32). */
+static inline __attribute__((always_inline)) void dequant_sub_k(
+        int type, const uint8_t *blk, int j, __m256 *w) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    if (type == GGML_Q4_K) {
+        uint16_t h[2];
+        memcpy(h, blk, 4);
+        int sc, mn;
+        scale_min_k4(blk + 4, j, &sc, &mn);
+        const __m256 ds = _mm256_set1_ps(_cvtsh_ss(h[0]) * (float)sc);
+        const __m256 dm = _mm256_set1_ps(_cvtsh_ss(h[1]) * (float)mn);
+        const uint8_t *q = blk + 16 + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < 4; i++) {
+            __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
+            v = _mm_and_si128(_mm_srli_epi16(v, shift), m4);
+            w[i] = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), ds), dm);
+        }
+    } else {                                         /* Q6_K */
+        uint16_t hd;
+        memcpy(&hd, blk + 208, 2);
+        const float d = _cvtsh_ss(hd);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const int h = j / 4, g = j % 4;
+        const uint8_t *ql = blk + 64 * h + 32 * (g % 2), *qh = blk + 128 + 32 * h;
+        const int sl = 4 * (g / 2), sh = 2 * g;
+        for (int i = 0; i < 4; i++) {
+            __m128i lo = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i *)(ql + 8 * i)), sl), m4);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i *)(qh + 8 * i)), sh),
+                                       _mm_set1_epi8(3));
+            __m128i q = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+            const __m256 ds = _mm256_set1_ps(d * (float)sc[8 * h + (32 * g + 8 * i) / 16]);
+            w[i] = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_by_col_k(
+        int R, int A, int type, const float *x, int64_t ldx, int b0, int b1,
+        const uint8_t *wrow, float *y, int64_t ldy, int add) {
+    const int bb = type == GGML_Q4_K ? 144 : 210;
+    __m256 acc[12];
+    for (int i = 0; i < R * A; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + (int64_t)b * bb;
+        for (int j = 0; j < 8; j++) {
+            __m256 w[4];
+            dequant_sub_k(type, blk, j, w);
+            const float *xb = x + (int64_t)b * 256 + 32 * j;
+            for (int r = 0; r < R; r++) {
+                const float *xr = xb + r * ldx;
+                for (int i = 0; i < 4; i++)
+                    acc[r * A + i % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * i), w[i],
+                                                         acc[r * A + i % A]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 s = acc[r * A];
+        for (int i = 1; i < A; i++) s = _mm256_add_ps(s, acc[r * A + i]);
+        const float v = hsum8(s);
+        y[r * ldy] = add ? y[r * ldy] + v : v;
+    }
+}
+
+#define ROWS_K(R, TYPE) \
+    rows_by_col_k(R, ACCS(R), TYPE, xt, ldx, b0, b1, wn, yt, ldy, b0 > 0)
+#define DISPATCH_K(TYPE)                                                                  \
+    switch (R) {                                                                          \
+    case 8: ROWS_K(8, TYPE); break;                                                       \
+    case 7: ROWS_K(7, TYPE); break;                                                       \
+    case 6: ROWS_K(6, TYPE); break;                                                       \
+    case 5: ROWS_K(5, TYPE); break;                                                       \
+    case 4: ROWS_K(4, TYPE); break;                                                       \
+    case 3: ROWS_K(3, TYPE); break;                                                       \
+    case 2: ROWS_K(2, TYPE); break;                                                       \
+    default: ROWS_K(1, TYPE); break;                                                      \
+    }
+
+static void qgemm_k(int type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                    int nthreads) {
+    const int nb = (int)(K / 256);
+    if (nthreads < 1) nthreads = 1;
+    if (N < 64 * nthreads) nthreads = 1;
+    const int64_t ntiles = (M + 7) / 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
+        for (int64_t c0 = n0; c0 < n1; c0 += COL_CHUNK) {
+            const int64_t c1 = c0 + COL_CHUNK < n1 ? c0 + COL_CHUNK : n1;
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
+                const int R = (int)(r1 - r0);
+                const float *xt = x + r0 * ldx;
+                int kc_max = X_TILE_BYTES / (R * 256 * (int)sizeof(float));
+                if (kc_max < 1) kc_max = 1;
+                const int nk = (nb + kc_max - 1) / kc_max;
+                for (int kchunk = 0; kchunk < nk; kchunk++) {
+                    const int b0 = (int)((int64_t)nb * kchunk / nk);
+                    const int b1 = (int)((int64_t)nb * (kchunk + 1) / nk);
+                    for (int64_t n = c0; n < c1; n++) {
+                        const uint8_t *wn = w + n * row_stride;
+                        float *yt = y + r0 * ldy + n;
+                        if (type == GGML_Q4_K) { DISPATCH_K(GGML_Q4_K) }
+                        else { DISPATCH_K(GGML_Q6_K) }
+                    }
+                }
+            }
+        }
+    }
+}
+
 int iterserve_can_qgemm(int64_t type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0
         || (iterserve_can_dequant(type) && (iterserve_block_elems(type) > 1
@@ -173,6 +313,8 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
     if (M < 1 || n < 1) return;
     if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0)
         qgemm32((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    else if (type == GGML_Q4_K || type == GGML_Q6_K)
+        qgemm_k((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     else
         iterserve_qgemm_generic(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
 }

@@ -2,7 +2,7 @@
  * split layout the old loader made (quants in one array, scales widened to float32 in two
  * others). qgemm.c reads GGUF's own blocks with the same loop structure and summation order,
  * so the two give bit-identical results (tests/model/test_quant_kernel.py checks); this file
- * is also the "before" of the same-process A/B in benchmarks (bench_qgemm_layout).
+ * is also the "before" of the same-process A/B in benchmarks (benchmarks/bench_qgemm.py).
  *
  * Block-quantised GEMM for CPU decode: y[M,N] = x[M,K] . W[N,K]^T with W kept in GGUF's
  * 32-element blocks (Q4_0, Q4_1, Q8_0) and x, y in float32.

@@ -1,0 +1,155 @@
+"""Same-process A/B of the decode GEMM kernels on real weight shapes (not in CI).
+
+1. `layout`: the old split layout (model/quant.py: quants in one array, f16 scales widened to
+   float32 in others; kernels/qgemm_split.c) against the GGUF-native layout (blocks as in the
+   file, f16 scales converted per block with F16C; kernels/qgemm.c), on the bundled model's
+   fused q/k/v, o, gate/up and down of every layer. Calls alternate A, B, A, B ... so load on
+   the machine hits both alike; the median of each is reported.
+2. `types`: the native qgemm of each type against the torch reference (dequantise the weight
+   with kernels.dequant, then F.linear) on a 1.7B-shaped weight (random blocks).
+
+    PYTHONPATH=src python benchmarks/bench_qgemm.py [layout|types] [--rows 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def _median_us(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def layout(rows_list: list[int], rounds: int) -> dict:
+    from gguf import GGUFReader
+    from iterserve.model import kernels
+    from iterserve.model.default_model import default_model_path
+    from iterserve.model.quant import BlockQuantWeight
+
+    reader = GGUFReader(default_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    split_fn = kernels.qgemm()
+    layers = []
+    i = 0
+    while f"blk.{i}.attn_q.weight" in tensors:
+        group = {"qkv": ["attn_q", "attn_k", "attn_v"], "o": ["attn_output"],
+                 "gate_up": ["ffn_gate", "ffn_up"], "down": ["ffn_down"]}
+        for name, parts in group.items():
+            ts = [tensors[f"blk.{i}.{p}.weight"] for p in parts]
+            kind = ts[0].tensor_type.name
+            raw = np.concatenate([np.asarray(t.data).reshape(int(t.shape[1]), -1) for t in ts])
+            n, k = raw.shape[0], int(ts[0].shape[0])
+            bq = BlockQuantWeight.from_gguf(kind, raw, (n, k))
+            layers.append((name, int(ts[0].tensor_type), torch.from_numpy(raw.copy()), bq, n, k))
+        i += 1
+    threads = torch.get_num_threads()
+    result = {"model": str(default_model_path()), "layers": i, "threads": threads,
+              "kinds": sorted({bq.kind for _, _, _, bq, _, _ in layers}), "rows": {}}
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for k in {L[5] for L in layers}}
+        outs = {n: torch.empty(rows, n) for n in {L[4] for L in layers}}
+
+        def old():
+            for _, _, _, bq, n, k in layers:
+                bq.matmul(xs[k], split_fn, threads)
+
+        def new():
+            for _, t, raw, _, n, k in layers:
+                kernels.qgemm(t, raw, k, xs[k], outs[n])
+        # the kernels alone (pointers prepared once), as the fused decode call runs them
+        lib = kernels._library()
+        raw_old = [(bq, n, k, (1 if bq.kind == "Q4_1" else 2 if bq.kind == "Q8_0" else 0),
+                    xs[k].data_ptr(), bq.qs.data_ptr(), bq.d.data_ptr(),
+                    0 if bq.m is None else bq.m.data_ptr(), outs[n].data_ptr())
+                   for _, _, _, bq, n, k in layers]
+        raw_new = [(t, raw.data_ptr(), n, raw.shape[1], k, xs[k].data_ptr(), outs[n].data_ptr())
+                   for _, t, raw, _, n, k in layers]
+
+        def old_c():
+            for _, n, k, kind, xp, qs, d, m, op in raw_old:
+                lib.iterserve_qgemm_split(kind, xp, rows, k, qs, d, m, op, n, threads)
+
+        def new_c():
+            for t, wp, n, rb, k, xp, op in raw_new:
+                lib.iterserve_qgemm(t, wp, n, rb, k, xp, rows, k, op, n, threads)
+        res = {}
+        for label, (fa, fb) in {"python": (old, new), "kernel": (old_c, new_c)}.items():
+            fa(), fb()
+            a, b = [], []
+            for _ in range(rounds):
+                a.append(_median_us(fa, 3))
+                b.append(_median_us(fb, 3))
+            ma, mb = statistics.median(a), statistics.median(b)
+            res[label] = {"split_layout_us_per_step": round(ma),
+                          "gguf_layout_us_per_step": round(mb), "gguf_over_split": round(mb / ma, 3)}
+            print(f"rows {rows:3d} {label:7s}: split {ma / 1e3:7.2f} ms  gguf {mb / 1e3:7.2f} ms  "
+                  f"(gguf/split {mb / ma:.3f}) per step of {len(layers)} GEMMs")
+        result["rows"][rows] = res
+    return result
+
+
+def types(rows_list: list[int], rounds: int) -> dict:
+    import sys
+    sys.path.insert(0, "tests")
+    from fixtures.gguf_blocks import gguf_blocks
+    from iterserve.model import kernels
+
+    n, k = 2048, 2048
+    result = {"shape": [n, k], "threads": torch.get_num_threads(), "types": {}}
+    for name in ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+                 "IQ4_NL", "IQ4_XS", "F16", "BF16"]:
+        t, raw, _ = gguf_blocks(name, n, k)
+        scratch = torch.empty(n, k)
+        row = {}
+        for rows in rows_list:
+            x, out = torch.randn(rows, k), torch.empty(rows, n)
+
+            def native():
+                kernels.qgemm(t, raw, k, x, out)
+
+            def reference():
+                F.linear(x, kernels.dequant(t, raw, k, scratch))
+            a = statistics.median(_median_us(native, 5) for _ in range(rounds))
+            b = statistics.median(_median_us(reference, 3) for _ in range(max(2, rounds // 3)))
+            gbs = raw.numel() / a / 1e3
+            row[rows] = {"native_us": round(a), "dequant_linear_us": round(b),
+                         "native_weight_GB_s": round(gbs, 2)}
+            print(f"{name:7s} rows {rows:3d}: native {a:8.0f} us ({gbs:5.1f} GB/s of blocks)  "
+                  f"dequant+linear {b:8.0f} us  ({b / a:.1f}x)")
+        result["types"][name] = row
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types"])
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, help="torch/kernel threads (default: torch's); 1 is "
+                    "far less noisy on a loaded machine (a descheduled OpenMP thread stalls "
+                    "the other at the barrier for a whole time slice)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows = [int(r) for r in a.rows.split(",")]
+    res = layout(rows, a.rounds) if a.what == "layout" else types(rows, a.rounds)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
