@@ -29,6 +29,10 @@ import time
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# What `setup` needs in the running venv on a fresh machine: `pip download --no-binary
+# --no-build-isolation` asks the sdist's build backend (scikit-build-core) for its metadata,
+# and llama.cpp's convert_hf_to_gguf.py (benchmarks/models.py) imports sentencepiece.
+SETUP_REQUIREMENTS = ("scikit-build-core==1.1.2", "sentencepiece==0.2.3")
 CACHE = Path(os.environ.get("ITERSERVE_PEERS_CACHE", Path.home() / ".cache" / "iterserve-peers"))
 SRC_DIR = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
 BUILD_DIR = CACHE / "llama.cpp-build"
@@ -57,11 +61,28 @@ def _run(cmd: list[str], **kw) -> None:
         raise PeerSetupError(f"command failed ({res.returncode}): {' '.join(map(str, cmd))}")
 
 
+def ensure_requirements() -> None:
+    """pip-install SETUP_REQUIREMENTS that the venv lacks (pinned)."""
+    from importlib.metadata import PackageNotFoundError, version
+    missing = []
+    for req in SETUP_REQUIREMENTS:
+        name, want = req.split("==")
+        try:
+            if version(name) == want:
+                continue
+        except PackageNotFoundError:
+            pass
+        missing.append(req)
+    if missing:
+        _run([sys.executable, "-m", "pip", "install", "-q", *missing])
+
+
 def fetch_source() -> Path:
     """Download and unpack the sdist; return the vendored llama.cpp directory."""
     vendor = SRC_DIR / "vendor" / "llama.cpp"
     if (vendor / "CMakeLists.txt").exists():
         return vendor
+    ensure_requirements()
     CACHE.mkdir(parents=True, exist_ok=True)
     dl = CACHE / "sdist"
     dl.mkdir(exist_ok=True)
@@ -89,7 +110,7 @@ def build(jobs: int = 2) -> Path:
           "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF",
           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
           "-DGGML_NATIVE=ON"])
-    _run(["nice", "cmake", "--build", BUILD_DIR, "--target", "llama-server", "llama-quantize",
+    _run(["nice", "-n", "19", "cmake", "--build", BUILD_DIR, "--target", "llama-server", "llama-quantize",
           "-j", str(jobs)])
     if not server.exists():
         raise PeerSetupError(f"build finished but {server} is missing")
@@ -117,6 +138,7 @@ def model_path(quant: str) -> Path:
 
 
 def setup() -> None:
+    ensure_requirements()
     build()
     f16_gguf()
     print("llama-server ready:", BIN_DIR / "llama-server")

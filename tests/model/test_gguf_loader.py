@@ -1,4 +1,5 @@
-"""GGUF loading: config, dequantised weights, llama Q/K un-permuting, tokenizer, errors."""
+"""GGUF loading: config, tensor references (decoded here to compare), llama Q/K
+un-permuting, tokenizer, errors."""
 
 import os
 
@@ -9,7 +10,7 @@ import torch
 from fixtures.tiny_gguf import TINY_LLAMA, write_tiny_llama_gguf
 from fixtures.tiny_tokenizer import write_tiny_tokenizer
 from iterserve.model.default_model import DefaultModelMissing, default_model_path
-from iterserve.model.gguf_loader import GGUFLoadError, load_gguf
+from iterserve.model.gguf_loader import GGUFLoadError, dequantize_state, load_gguf
 from iterserve.model.tokenizer import Tokenizer
 
 
@@ -20,9 +21,14 @@ def tiny_file(tmp_path_factory):
     return path, info
 
 
+def _decoded(path):
+    config, refs, tok = load_gguf(path)
+    return config, dequantize_state(refs), tok
+
+
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_file):
-    return load_gguf(tiny_file[0])
+    return _decoded(tiny_file[0])
 
 
 def test_config_has_the_hf_keys_and_values(tiny_loaded):
@@ -76,9 +82,14 @@ def test_k_quant_blocks_dequantise_like_the_gguf_package(tiny_loaded, tiny_file,
     assert torch.isfinite(state[name]).all() and state[name].abs().max() > 0
 
 
-def test_bfloat16_dtype_option(tiny_file):
-    _, state, _ = load_gguf(tiny_file[0], dtype=torch.bfloat16)
-    assert all(t.dtype == torch.bfloat16 for t in state.values())
+def test_tensors_are_references_into_the_mapping_not_copies(tiny_file):
+    _, refs, _ = load_gguf(tiny_file[0])
+    size = os.path.getsize(tiny_file[0])
+    v = refs["model.layers.0.self_attn.v_proj.weight"]            # Q4_0, not permuted
+    assert v.row_perm is None and v.view().data_ptr() == v.mapping.data_ptr()
+    q = refs["model.layers.0.self_attn.q_proj.weight"]            # permuted: a row gather
+    assert q.row_perm is not None and sorted(q.row_perm) == list(range(q.rows))
+    assert all(0 < r.offset and r.offset + r.nbytes <= size for r in refs.values())
 
 
 def test_tokenizer_from_gguf_matches_the_same_vocab_from_an_hf_dir(tiny_loaded, tmp_path):
@@ -157,9 +168,9 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_quant_type_is_a_clear_error(tmp_path):
-    _minimal_gguf(tmp_path / "iq.gguf", tensor_type="IQ4_NL")
-    with pytest.raises(GGUFLoadError, match="IQ4_NL, which is not supported"):
-        load_gguf(tmp_path / "iq.gguf")
+    _minimal_gguf(tmp_path / "q81.gguf", tensor_type="Q8_1")
+    with pytest.raises(GGUFLoadError, match="Q8_1, which is not supported"):
+        load_gguf(tmp_path / "q81.gguf")
 
 
 # --- the bundled default model ----------------------------------------------------------
@@ -169,7 +180,7 @@ def default_model():
         path = default_model_path()
     except DefaultModelMissing as exc:
         pytest.skip(f"default model not installed: {exc}")
-    return path, load_gguf(path)
+    return path, _decoded(path)
 
 
 def test_default_model_path_points_at_the_bundled_gguf():
@@ -219,7 +230,7 @@ def test_default_model_state_dict_equals_transformers_tensor_for_tensor(default_
 def test_qwen_files_load_without_unpermuting_and_match_transformers(tmp_path, arch, extra):
     path = tmp_path / f"{arch}.gguf"
     info = write_tiny_llama_gguf(path, arch=arch)
-    config, state, _ = load_gguf(path)
+    config, state, _ = _decoded(path)
     assert config["model_type"] == arch and config["head_dim"] == 16
     assert config["attention_bias"] is (arch == "qwen2")
     assert set(state) == set(info["weights"])

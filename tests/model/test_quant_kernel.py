@@ -136,12 +136,13 @@ def test_disabling_native_kernels_falls_back_to_float_weights(quant_model, monke
         kernels.clear_cache()
 
 
-def test_mixed_type_fused_layers_keep_float_weights(tmp_path):
-    """The default tiny GGUF stores q/k/v in three different types: qkv stays float."""
+def test_mixed_type_fused_layers_keep_one_segment_per_type(tmp_path):
+    """The default tiny GGUF stores q/k/v in three different types: qkv is three segments
+    (weights engineer: row segments since issue 12)."""
+    from gguf import GGMLQuantizationType as Q
     from iterserve.model.loader import load_model
     path = tmp_path / "mixed.gguf"
     write_tiny_llama_gguf(path)
     model = load_model(str(path)).model
-    assert model.layers[0].self_attn.qkv_proj.quant is None
-    assert model.layers[0].self_attn.o_proj.quant is not None           # Q4_1 alone
-    assert model.layers[0].self_attn.o_proj.quant.kind == "Q4_1"
+    assert model.layers[0].self_attn.qkv_proj.quant.types == [Q.F32, Q.F16, Q.Q4_0]
+    assert model.layers[0].self_attn.o_proj.quant.types == [Q.Q4_1]      # Q4_1 alone

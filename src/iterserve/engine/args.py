@@ -50,7 +50,7 @@ _DERIVED_HELP = {
 class EngineArgs:
     model: str | None = None                 # HF directory or .gguf file; None: bundled default
     served_model_name: str | None = None     # the name clients send as "model"
-    dtype: str = "float32"
+    dtype: str = "auto"                      # auto: the checkpoint's weights as stored
     device: str = "cpu"
     seed: int = 0                            # torch seed for unseeded sampling
     # scheduler
@@ -73,6 +73,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: float = 1.0             # GiB, used when num_kv_blocks is None
+    kv_cache_dtype: str = "auto"             # auto: the compute dtype (float32 on CPU)
     swap_space: float | None = None          # GiB of host swap pool
     num_swap_blocks: int | None = None       # overrides swap_space (tests, the lab)
     enable_prefix_caching: bool = False
@@ -139,7 +140,10 @@ class EngineArgs:
                             "SmolLM2-135M-Instruct)")
         g.add_argument("--served-model-name", default=d.served_model_name,
                        help="model name clients use (default: derived from --model)")
-        g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--dtype", default=d.dtype,
+                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                       help="compute dtype; auto (default) keeps the weights as the checkpoint "
+                            "stores them and computes in float32 on CPU")
         g.add_argument("--device", default=d.device, help="torch device (default: cpu)")
         g.add_argument("--seed", type=int, default=d.seed)
 
@@ -156,6 +160,10 @@ class EngineArgs:
         g = groups["KV cache"]
         g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                        help=f"GiB for the KV cache (default {d.kv_cache_memory})")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                       choices=["auto", "float32", "float16", "bfloat16"],
+                       help="KV cache dtype (default auto: the compute dtype, float32 on CPU); "
+                            "float16/bfloat16 halve KV memory")
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of host memory for swapped-out KV blocks")
         return parser

@@ -40,7 +40,7 @@ def kv_cache_config(args: Any, loaded: Any) -> CacheConfig:
     from iterserve.model.runner import ModelRunner
 
     cfg = loaded.config
-    bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size, cfg.dtype)
+    bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size)
     return args.create_cache_config(bytes_per_block)
 
 
@@ -51,7 +51,8 @@ def build_engine_parts(args: Any) -> EngineParts:
     from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device,
+                        kv_cache_dtype=args.kv_cache_dtype)
     cfg = loaded.config
     sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
     cache_cfg = kv_cache_config(args, loaded)

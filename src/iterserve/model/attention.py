@@ -126,8 +126,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     context (cached prefix + this step's tokens) from one place.
     """
     T, kvh, d = k.shape
-    k_slots.index_copy_(0, meta.slot_mapping, k.reshape(T, kvh * d))
-    v_slots.index_copy_(0, meta.slot_mapping, v.reshape(T, kvh * d))
+    # The pools may be narrower than the activations (--kv-cache-dtype float16/bfloat16):
+    # K/V are rounded when written and widened back to q's dtype when read.
+    k_slots.index_copy_(0, meta.slot_mapping, k.reshape(T, kvh * d).to(k_slots.dtype))
+    v_slots.index_copy_(0, meta.slot_mapping, v.reshape(T, kvh * d).to(v_slots.dtype))
     D = meta.num_decodes
     if D == T:                                  # decode-only step: nothing to assemble
         return _decode_attention(q, k_slots, v_slots, meta, scale, kvh, d)
@@ -136,8 +138,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:D] = _decode_attention(q[:D], k_slots, v_slots, meta, scale, kvh, d)
     for p in meta.prefills:
         L = p.context_slots.shape[0]
-        kc = k_slots.index_select(0, p.context_slots).view(L, kvh, d).transpose(0, 1).unsqueeze(0)
-        vc = v_slots.index_select(0, p.context_slots).view(L, kvh, d).transpose(0, 1).unsqueeze(0)
+        kc = k_slots.index_select(0, p.context_slots).to(q.dtype).view(L, kvh, d) \
+            .transpose(0, 1).unsqueeze(0)
+        vc = v_slots.index_select(0, p.context_slots).to(q.dtype).view(L, kvh, d) \
+            .transpose(0, 1).unsqueeze(0)
         qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)     # [1, H, C, d]
         o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=p.mask,
                                            is_causal=p.mask is None, scale=scale, enable_gqa=True)
@@ -154,7 +158,7 @@ def _decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Ten
         return kernels.decode_attention(q, k_slots, v_slots, meta.decode_tables, meta.decode_lens,
                                         meta.sliding_window, meta.block_size, scale,
                                         torch.empty_like(q))
-    kc = k_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
-    vc = v_slots.index_select(0, meta.decode_slots).view(D, L, kvh, d).transpose(1, 2)
+    kc = k_slots.index_select(0, meta.decode_slots).to(q.dtype).view(D, L, kvh, d).transpose(1, 2)
+    vc = v_slots.index_select(0, meta.decode_slots).to(q.dtype).view(D, L, kvh, d).transpose(1, 2)
     return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.decode_mask,
                                           scale=scale, enable_gqa=True).squeeze(2)

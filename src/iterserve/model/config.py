@@ -18,6 +18,10 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's spellings: "auto" keeps the checkpoint's dtype, "half" / "float" are aliases.
+DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+_ALIASES = {"half": "float16", "float": "float32"}
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 
 
 class ModelLoadError(ServerError, ValueError):
@@ -28,13 +32,29 @@ class UnsupportedModelError(ModelLoadError):
     """The config names an architecture iterserve does not implement."""
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A torch dtype for an explicit choice, None for "auto" (keep the checkpoint's)."""
+    if dtype is None or dtype == "auto":
+        return None
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
-        raise ModelLoadError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}")
+        raise ModelLoadError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPE_CHOICES)}")
+    dtype = _ALIASES.get(dtype, dtype)
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[dtype]
+
+
+def parse_kv_cache_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """`--kv-cache-dtype`: None for "auto" (the compute dtype, float32 on CPU)."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported kv_cache_dtype {dtype!r}; use one of "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
     return DTYPES[dtype]
 
 
@@ -59,8 +79,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32           # compute dtype: activations, norms
     architectures: list[str] = field(default_factory=list)
+    kv_cache_dtype: torch.dtype | None = None    # None: the compute dtype
 
     @property
     def num_groups(self) -> int:

@@ -6,11 +6,11 @@ llama.cpp's names, many of them block-quantised. The rest of iterserve speaks HF
 translates at the border and the model code has one format to know:
 
 - metadata -> config.json keys (what `transformers` builds from the same file);
-- tensors dequantised to float at load with `gguf.quants.dequantize` (numpy), the reference
-  path every kernel is tested against; Q4_0/Q4_1/Q8_0 tensors are also kept as blocks on
-  request (model/quant.py), which the native decode kernel reads instead of the floats;
+- tensors are not read at all here: each is a `weights.TensorRef` into the file's mapping,
+  in its own encoding (model/weights.py says how they are fused and computed);
 - llama's Q/K rows un-permuted: llama.cpp's converter reorders them for its interleaved
-  ("normal") RoPE, transformers' loader reverses that, and we match transformers.
+  ("normal") RoPE, transformers' loader reverses that, and we match transformers. A GGUF row
+  is whole blocks, so the un-permutation is a row gather on the encoded rows.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import re
 import numpy as np
 import torch
 
-from iterserve.model.quant import BLOCK as QUANT_BLOCK, KINDS as QUANT_KINDS, BlockQuantWeight
 from iterserve.model.tokenizer import Tokenizer
+from iterserve.model.weights import SUPPORTED_TYPES, TensorRef, type_name
 
-__all__ = ["load_gguf", "open_gguf", "read_gguf_config", "GGUFLoadError"]
+__all__ = ["load_gguf", "open_gguf", "read_gguf_config", "dequantize_state", "GGUFLoadError"]
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,6 @@ _ARCHITECTURES = {
 
 # llama.cpp stores llama (and mistral) Q/K permuted for its rope; Qwen's use NEOX rope as is.
 _PERMUTED_QK = {"llama", "mistral"}
-
-_SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -109,7 +106,9 @@ def open_gguf(path) -> "gguf.GGUFReader":  # noqa: F821
     if magic != b"GGUF":
         raise GGUFLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        return _reader_class()(path)
+        # "c": a private copy-on-write mapping, so tensor views are writable numpy arrays
+        # (torch.from_numpy takes them without a copy); nothing is ever written to them.
+        return _reader_class()(path, "c")
     except Exception as exc:   # truncated or corrupt files raise assorted errors in the reader
         raise GGUFLoadError(f"{path}: cannot be parsed as GGUF: {exc}") from exc
 
@@ -201,66 +200,64 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _dequantize(tensor) -> np.ndarray:
-    from gguf import quants
-
-    qtype = tensor.tensor_type.name
-    if qtype not in _SUPPORTED_QUANTS:
-        raise GGUFLoadError(f"tensor {tensor.name!r} has quantisation type {qtype}, which is "
-                            f"not supported (supported: {', '.join(sorted(_SUPPORTED_QUANTS))})")
-    if qtype == "F32":
-        data = np.array(tensor.data, dtype=np.float32)   # a copy: the mapping is read-only
-    elif qtype == "F16":
-        data = np.asarray(tensor.data).astype(np.float32)
-    else:
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
+def _ref(path: str, reader, tensor) -> TensorRef:
+    qtype = tensor.tensor_type
+    if int(qtype) not in SUPPORTED_TYPES:
+        names = sorted(type_name(t) for t in SUPPORTED_TYPES)
+        raise GGUFLoadError(f"tensor {tensor.name!r} has quantisation type {qtype.name}, which "
+                            f"is not supported (supported: {', '.join(names)})")
     # The reader gives GGUF's dims reversed (numpy order): [out, in] like HF's Linear weights.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return data.reshape(shape)
+    start, n = int(tensor.data_offset), int(tensor.n_bytes)
+    if start + n > reader.data.shape[0]:
+        raise GGUFLoadError(f"{path}: tensor {tensor.name!r} ends past the end of the file "
+                            f"(truncated download?)")
+    mapping = torch.from_numpy(reader.data[start:start + n])
+    return TensorRef(tensor.name, int(qtype), shape, path, start, n, mapping)
 
 
-def load_gguf(path, dtype: torch.dtype = torch.float32, quantized: dict | None = None
-              ) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
-    """(config dict, HF-named state dict, tokenizer) of a GGUF file; weights dequantised.
+def load_gguf(path) -> tuple[dict, dict[str, TensorRef], Tokenizer]:
+    """(config dict, HF-named tensor references, tokenizer) of a GGUF file.
 
-    With a `quantized` dict, the 2-D Q4_0/Q4_1/Q8_0 tensors are also put there as
-    `quant.BlockQuantWeight` under the same HF names (rows un-permuted like the floats), for
-    the native decode kernel.
-    """
+    Nothing is decoded: every tensor stays a `TensorRef` into the file's mapping. llama's Q/K
+    references carry the row permutation that undoes llama.cpp's (applied by whoever reads
+    them, on whole rows of blocks)."""
+    path = os.fspath(path)
     reader = open_gguf(path)
     config = read_gguf_config(reader)
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     permuted = _value(reader, "general.architecture") in _PERMUTED_QK
-    state: dict[str, torch.Tensor] = {}
+    refs: dict[str, TensorRef] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             if tensor.name in _IGNORED_TENSORS:
                 continue
-            raise GGUFLoadError(f"{os.fspath(path)}: tensor {tensor.name!r} has no counterpart "
+            raise GGUFLoadError(f"{path}: tensor {tensor.name!r} has no counterpart "
                                 f"in a {config['model_type']} model")
-        w = _dequantize(tensor)
-        if permuted and name.endswith("q_proj.weight"):
-            w = _unpermute_qk(w, config["num_attention_heads"])
-        elif permuted and name.endswith("k_proj.weight"):
-            w = _unpermute_qk(w, config["num_key_value_heads"])
-        state[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
-        if quantized is not None and tensor.tensor_type.name in QUANT_KINDS and w.ndim == 2 \
-                and w.shape[1] % QUANT_BLOCK == 0:
-            blocks = BlockQuantWeight.from_gguf(tensor.tensor_type.name, tensor.data, w.shape)
-            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config["num_attention_heads" if name.endswith("q_proj.weight")
-                               else "num_key_value_heads"]
-                blocks = blocks.rows(_unpermute_qk(np.arange(w.shape[0]), heads))
-            quantized[name] = blocks
-    _check_shapes(config, state)
+        ref = _ref(path, reader, tensor)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if name.endswith("q_proj.weight")
+                           else "num_key_value_heads"]
+            if ref.rows % (2 * heads):
+                raise GGUFLoadError(f"{name} has {ref.rows} rows, not a multiple of 2 x {heads} "
+                                    f"heads")
+            ref = ref.with_row_perm(_unpermute_qk(np.arange(ref.rows), heads))
+        refs[name] = ref
     tokenizer = Tokenizer.from_gguf_metadata(reader)
     if config["vocab_size"] is None:
         config["vocab_size"] = tokenizer.vocab_size
-    return config, state, tokenizer
+    _check_shapes(config, {n: r.shape for n, r in refs.items()})
+    config["torch_dtype"] = "float32"   # activations; the weights keep their own encodings
+    return config, refs, tokenizer
 
 
-def _check_shapes(config: dict, state: dict[str, torch.Tensor]) -> None:
+def dequantize_state(refs: dict[str, TensorRef]) -> dict[str, torch.Tensor]:
+    """Every tensor as float32 in HF layout (Q/K un-permuted): the reference tests compare
+    against transformers' own GGUF loader. Never used to serve."""
+    return {name: ref.to_float() for name, ref in refs.items()}
+
+
+def _check_shapes(config: dict, shapes: dict[str, tuple[int, ...]]) -> None:
     """Fail at load, naming the tensor, rather than deep inside the first forward pass."""
     h, d = config["hidden_size"], config["head_dim"]
     q, kv, ffn = config["num_attention_heads"] * d, config["num_key_value_heads"] * d, \
@@ -278,8 +275,8 @@ def _check_shapes(config: dict, state: dict[str, torch.Tensor]) -> None:
             p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
             p + "mlp.down_proj.weight": (h, ffn)})
     for name, shape in expected.items():
-        if name not in state:
+        if name not in shapes:
             raise GGUFLoadError(f"GGUF lacks the tensor for {name}")
-        if shape[0] is not None and tuple(state[name].shape) != shape:
-            raise GGUFLoadError(f"{name} has shape {tuple(state[name].shape)}, "
+        if shape[0] is not None and tuple(shapes[name]) != shape:
+            raise GGUFLoadError(f"{name} has shape {tuple(shapes[name])}, "
                                 f"the config implies {shape}")

@@ -1,4 +1,5 @@
-"""Building blocks shared by the architectures: RMSNorm, rotary embeddings, packed linear.
+"""Building blocks shared by the architectures: RMSNorm, rotary embeddings, Linear and
+Embedding over weights kept in their file's encoding (model/weights.py).
 
 RoPE follows HF's "rotate_half" convention (weights are stored HF-style; the GGUF loader
 un-permutes q/k), and the inverse frequencies are computed exactly as transformers does for
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.config import ModelConfig, UnsupportedModelError
-from iterserve.model.quant import BlockQuantWeight
+from iterserve.model.weights import EncodedWeight, decode_rows, scratch, tile_rows
 
 
 class RMSNorm(nn.Module):
@@ -135,61 +136,109 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# --- linear with prepacked weights ----------------------------------------------------------
+# --- linear over encoded or dense weights --------------------------------------------------
 
-# Row count up to which decode steps use the quantised kernel (and, with it, the fused decode
-# layers of llama.py). On the default model the kernel is faster than oneDNN's float GEMM up to
-# ~16 rows and level with it up to ~48 (both near this CPU's FMA peak there); at 24-32 rows the
-# fused call's saved Python still made steps 3-10% faster in same-process A/B runs, at 48
-# slower, hence 32.
+# Row count up to which calls use the native GEMM over encoded blocks (and, with it, the fused
+# decode layers of llama.py). On the default model the Q4 kernel is faster than oneDNN's float
+# GEMM up to ~16 rows and level with it up to ~48; at 24-32 rows the fused call's saved Python
+# still made steps 3-10% faster in same-process A/B runs, at 48 slower, hence 32.
 QUANT_MAX_ROWS = 32
 
 
+def _kernels():
+    """The native kernels module when it has the GGUF-native API (qgemm over file blocks)."""
+    from iterserve.model import kernels
+    if not hasattr(kernels, "supports_qgemm") or not kernels.available():
+        return None
+    return kernels
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b), optionally through a prepacked-weight GEMM on CPU float32.
+    """y = x W^T (+ b) over a weight that is either dense (a float tensor) or encoded.
 
-    A decode step multiplies 1-64 rows by every weight. Plain sgemm is inefficient there: it
-    re-packs the whole weight on every call. Two CPU libraries take a weight packed once:
-    - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`, what inductor
-      uses for frozen weights). oneDNN picks its kernels by the CPU's ISA at run time, so it
-      is fast on AMD as well as Intel CPUs; one packed copy serves any row count.
-    - "mkl": MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`). torch only takes the packed
-      path when the row count equals its `prepack_batch_size` argument, but the buffer does not
-      depend on that count (checked in tests), so we pass the actual row count.
-    benchmarks/bench_decode.py measures all three side by side; see PACKING_DEFAULT in runner.py.
-
-    A Linear loaded from a GGUF Q4_0/Q4_1/Q8_0 tensor also keeps those blocks (`quant`, see
-    model/quant.py). With `use_quant` on (the runner's default on CPU), calls with at most
-    QUANT_MAX_ROWS rows (decode steps, short prefill chunks) go through the native kernel,
-    which streams ~0.6-1 byte per weight instead of 4; bigger calls (prefill chunks) keep the
-    float GEMM, which is as fast once the row count amortises the weight reads.
+    Encoded (`encoded`, a weights.EncodedWeight: GGUF blocks or bf16/fp16 rows, row segments
+    in their file's encoding): each segment computes its slice of the output columns.
+    - native: `kernels.qgemm` reads the blocks directly (dequantising in registers) when the
+      segment's type has a kernel and the call has at most QUANT_MAX_ROWS rows (decode steps):
+      there a step is bound by the bytes of weights it streams.
+    - reference: otherwise (prefill, large batches, types without a kernel) a tile of rows
+      is widened to float32 into a few-MB scratch (weights.TILE_BYTES) and multiplied with a
+      float GEMM into the output slice, tile after tile: never a float copy of the matrix.
+    Dense (`weight`): float checkpoints in their own dtype (fp32 rows of a GGUF or an HF
+    directory, a dtype the user asked for, CUDA). Plain sgemm re-packs the weight on every
+    call, so on CPU float32 it may be prepacked once (`pack`): oneDNN's blocked layout
+    (`torch.ops.mkldnn._linear_pointwise`, what inductor uses for frozen weights) or MKL's
+    packed sgemm; benchmarks/bench_decode.py measures them. Packing is a copy of the weight,
+    so it is only done for weights that are float32 in the checkpoint itself.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.encoded: EncodedWeight | None = None
         self._packed: torch.Tensor | None = None
         self._packing: str | None = None
-        self.quant: BlockQuantWeight | None = None   # set by the model's GGUF weight loading
-        self._qgemm = None                            # the native kernel when in use
+        self._native: frozenset[int] = frozenset()   # segment types run by kernels.qgemm
+
+    @property
+    def quant(self) -> EncodedWeight | None:
+        """The encoded weight (None for a dense one)."""
+        return self.encoded
+
+    @property
+    def _qgemm(self):
+        """Truthy when some segment runs on the native kernel."""
+        return self._native or None
+
+    def set_weight(self, w: "EncodedWeight | torch.Tensor") -> None:
+        """Install the weight: an EncodedWeight (one F32 segment becomes a dense zero-copy
+        view of it) or a dense tensor."""
+        if isinstance(w, EncodedWeight):
+            if w.shape != (self.out_features, self.in_features):
+                raise ValueError(f"weight {w.names} has shape {w.shape}, the layer "
+                                 f"{(self.out_features, self.in_features)}")
+            dense = w.dense_f32()
+            if dense is None:
+                self.weight, self.encoded = None, w
+                self._packed = self._packing = None
+                self._native = frozenset()
+                return
+            w = dense
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight has shape {tuple(w.shape)}, the layer "
+                             f"{(self.out_features, self.in_features)}")
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.encoded = None
+        self._native = frozenset()
 
     def use_quant(self, on: bool = True) -> bool:
-        """Route small-row calls through the native block-quantised kernel; returns whether
-        it is in use (it needs `quant`, float32 CPU weights and a built kernel)."""
-        self._qgemm = None
-        if on and self.quant is not None and self.weight.device.type == "cpu" \
-                and self.weight.dtype == torch.float32:
-            from iterserve.model import kernels
-            self._qgemm = kernels.qgemm()
-        return self._qgemm is not None
+        """Route small-row calls of encoded segments through the native GEMM where their
+        type has one; returns whether any segment of this Linear uses it."""
+        self._native = frozenset()
+        if on and self.encoded is not None and self.encoded.segments[0][1].device.type == "cpu":
+            k = _kernels()
+            if k is not None:
+                self._native = frozenset(t for t in self.encoded.types if k.supports_qgemm(t)
+                                         and self.in_features % 32 == 0)
+        return bool(self._native)
+
+    def compute_path(self) -> str:
+        """'native' (every segment on the native GEMM at decode row counts), 'mixed',
+        'reference' (tiles widened to float32) or 'dense'."""
+        if self.encoded is None:
+            return "dense"
+        n = sum(t in self._native for t in self.encoded.types)
+        return "native" if n == len(self.encoded.segments) else ("mixed" if n else "reference")
 
     def pack(self, mode: str | bool | None = "onednn") -> bool:
         """Make (or drop, with None/False) the packed copy; returns whether it is in use."""
         if mode is True:
             mode = "mkl"
         self._packed, self._packing = None, None
-        if not mode or self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
+        if not mode or self.weight is None or self.weight.device.type != "cpu" \
+                or self.weight.dtype != torch.float32:
             return False
         if mode not in packing_modes_available():
             return False
@@ -202,10 +251,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._qgemm is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS \
-                and x.dtype == torch.float32:
-            y = self.quant.matmul(x, self._qgemm, torch.get_num_threads())
-            return y if self.bias is None else y.add_(self.bias)
+        if self.encoded is not None:
+            return self._encoded_forward(x)
         if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32:
             if self._packing == "onednn":
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias,
@@ -214,8 +261,86 @@ class Linear(nn.Module):
                                              self.bias, x.shape[0])
         return F.linear(x, self.weight, self.bias)
 
+    def _encoded_forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], self.in_features
+        xf = x.reshape(-1, k)
+        if xf.dtype != torch.float32 or not xf.is_contiguous():
+            xf = xf.float().contiguous()
+        m = xf.shape[0]
+        native = bool(self._native) and m <= QUANT_MAX_ROWS
+        segments = self.encoded.segments
+        if len(segments) == 1 and not (native and segments[0][0] in self._native) \
+                and self.out_features <= tile_rows(k):
+            t, w = segments[0]                      # one tile: the GEMM's result is the output
+            out = _float_mm(xf, decode_rows(t, w, k, scratch(w.shape[0], k)))
+        else:
+            out = torch.empty(m, self.out_features, dtype=torch.float32, device=xf.device)
+            kern = _kernels() if native else None
+            col = 0
+            for t, w in segments:
+                if native and t in self._native:
+                    kern.qgemm(t, w, k, xf, out, col)
+                else:
+                    self._reference(t, w, xf, out, col)
+                col += w.shape[0]
+        if self.bias is not None:
+            out.add_(self.bias)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out.view(*lead, self.out_features)
+
+    def _reference(self, t: int, w: torch.Tensor, xf: torch.Tensor, out: torch.Tensor,
+                   col: int) -> None:
+        """out[:, col:col+n] = xf @ W_seg^T, one bounded float32 tile of rows at a time."""
+        n, k = w.shape[0], self.in_features
+        step = tile_rows(k)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            tile = decode_rows(t, w[r0:r1], k, scratch(r1 - r0, k))
+            out[:, col + r0:col + r1] = _float_mm(xf, tile)
+
+
+def _float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T for float32 CPU tensors. oneDNN takes a plain (unpacked) weight too and was
+    ~2x faster than torch.mm (MKL sgemm) at 64-256 rows on this AMD CPU (same process, best
+    of 30, under load), so the reference path's tiles go through it where torch has it."""
+    if _ONEDNN_PLAIN and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return torch.mm(x, w.t())
+
+
+class Embedding(nn.Module):
+    """Token embedding over a dense or an encoded table: a lookup decodes only the rows it
+    looks up, and a tied LM head shares the same table (no second copy)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        self.encoded: EncodedWeight | None = None
+
+    def set_weight(self, w: "EncodedWeight | torch.Tensor") -> None:
+        if isinstance(w, EncodedWeight):
+            if w.shape != (self.num_embeddings, self.embedding_dim):
+                raise ValueError(f"embedding {w.names} has shape {w.shape}, the model "
+                                 f"{(self.num_embeddings, self.embedding_dim)}")
+            dense = w.dense_f32()
+            if dense is None:
+                self.weight, self.encoded = None, w
+                return
+            w = dense
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.encoded = None
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.encoded is None:
+            return F.embedding(ids, self.weight)
+        out = self.encoded.lookup(ids.cpu())
+        return out.to(dtype).view(*ids.shape, self.embedding_dim)
+
 
 def packing_modes_available() -> set[str]:
+    """The prepacked-weight GEMMs this torch build offers ("mkl", "onednn")."""
     modes = set()
     if mkl_packing_available():
         modes.add("mkl")
@@ -235,3 +360,6 @@ def mkl_packing_available() -> bool:
                 and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
+
+
+_ONEDNN_PLAIN = "onednn" in packing_modes_available()

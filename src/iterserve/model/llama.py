@@ -2,7 +2,8 @@
 
 One module covers the family because the members differ only in small switches read from
 ModelConfig: q/k/v bias (qwen2), per-head q/k RMSNorm (qwen3), sliding window (mistral), tied
-embeddings, RoPE scaling. q/k/v and gate/up are fused into one GEMM each at load time.
+embeddings, RoPE scaling. q/k/v and gate/up are fused into one GEMM each at load time, by
+stacking their rows in the file's encoding (model/weights.py).
 
 forward() takes a flattened step (token ids + positions of all chunks, no padding) and returns
 final hidden states; the runner applies `lm_head` only to the rows that sample.
@@ -20,7 +21,7 @@ from iterserve.model.attention import AttentionMetadata, paged_attention
 from iterserve.model.config import ModelConfig, ModelLoadError
 from iterserve.model import layers as layers_mod
 from iterserve.model.kv_cache import PagedKVCache
-from iterserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from iterserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
@@ -97,22 +98,28 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
+        # computed on CPU even when the model is built on the meta device: meta tensors run
+        # torch's Python reference kernels, whose first use imported for ~8 s (measured)
+        with torch.device("cpu"):
+            self.rotary = RotaryEmbedding(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            if self.embed_tokens.encoded is not None:
+                self.lm_head.set_weight(self.embed_tokens.encoded)   # the same blocks
+            else:
+                self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of a flattened step."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids, self.config.dtype)
         cos, sin = self.rotary(positions, max_position, h.dtype)
         T = h.shape[0]
         if self._fused is not None and meta.num_decodes == T and T <= layers_mod.QUANT_MAX_ROWS \
@@ -133,46 +140,49 @@ class LlamaForCausalLM(nn.Module):
                         meta.decode_tables, meta.decode_lens, meta.sliding_window,
                         meta.block_size, a.scale, kv_cache.k_slots, kv_cache.v_slots)
 
+    def decode_layer_specs(self) -> list | None:
+        """One `kernels.LayerSpec` per layer from the Linears' encoded segments (None when
+        the kernels are missing or a layer's weights are not all encoded)."""
+        from iterserve.model import kernels
+        if not hasattr(kernels, "LayerSpec"):
+            return None
+        specs = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(m.encoded is None for m in linears) or a.o_proj.bias is not None:
+                return None
+            qkv, o, gu, down = (list(m.encoded.segments) for m in linears)
+            specs.append(kernels.LayerSpec(
+                ln1=layer.input_layernorm.weight.detach(),
+                ln2=layer.post_attention_layernorm.weight.detach(),
+                qkv=qkv, o=o, gate_up=gu, down=down,
+                qkv_bias=None if a.qkv_proj.bias is None else a.qkv_proj.bias.detach(),
+                q_norm=None if a.q_norm is None else a.q_norm.weight.detach(),
+                k_norm=None if a.k_norm is None else a.k_norm.weight.detach()))
+        return specs
+
     def use_fused_decode(self, on: bool = True) -> bool:
-        """Run small decode-only steps through kernels.DecodeLayers (every layer in one call)
-        or not; returns whether it is in use. It needs what that call chains: every layer
-        Linear on the block kernel (use_quant), the native elementwise ops, and no bias but
-        q/k/v's (Qwen2); q/k norm (Qwen3) is chained too. Anything else keeps the per-module
-        path."""
+        """Run small decode-only steps through `kernels.DecodeLayers` (every layer in one
+        call) or not; returns whether it is in use. It needs every layer Linear on the
+        native GEMM (use_quant), the native elementwise ops, and a spec the kernels accept
+        (`DecodeLayers.supported`); anything else keeps the per-module path."""
         self._fused = None
         c = self.config
         attn = [layer.self_attn for layer in self.layers]
         linears = [m for layer in self.layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
-        if not on or self.norm._native is None or any(m._qgemm is None for m in linears) \
-                or any(m.bias is not None for m in linears if m not in
-                       [x.qkv_proj for x in attn]):
+        if not on or self.norm._native is None or c.dtype != torch.float32 \
+                or any(m.compute_path() != "native" for m in linears):
             return False
         from iterserve.model import kernels
-
-        def segments(linear: Linear) -> list[tuple[int, torch.Tensor]]:
-            # legacy: BlockQuantWeight's split arrays back into GGUF blocks (a copy), until
-            # the loader keeps the file's blocks and hands them over as segments
-            w = linear.quant
-            return [kernels.split_to_gguf_blocks(w.kind, w.qs, w.d, w.m)]
-
-        specs = [kernels.LayerSpec(
-            ln1=layer.input_layernorm.weight.detach(),
-            ln2=layer.post_attention_layernorm.weight.detach(),
-            qkv=segments(layer.self_attn.qkv_proj), o=segments(layer.self_attn.o_proj),
-            gate_up=segments(layer.mlp.gate_up_proj), down=segments(layer.mlp.down_proj),
-            qkv_bias=None if layer.self_attn.qkv_proj.bias is None
-            else layer.self_attn.qkv_proj.bias.detach(),
-            q_norm=None if layer.self_attn.q_norm is None
-            else layer.self_attn.q_norm.weight.detach(),
-            k_norm=None if layer.self_attn.k_norm is None
-            else layer.self_attn.k_norm.weight.detach()) for layer in self.layers]
-        if not kernels.DecodeLayers.supported(specs):
+        specs = self.decode_layer_specs()
+        if specs is None or not hasattr(kernels, "DecodeLayers") \
+                or not kernels.DecodeLayers.supported(specs):
             return False
-        a = attn[0]
-        self._fused = kernels.DecodeLayers(specs, c.hidden_size, a.num_heads, a.num_kv_heads,
-                                           a.head_dim, c.intermediate_size, c.rms_norm_eps)
+        self._fused = kernels.DecodeLayers(specs, c.hidden_size, c.num_heads, c.num_kv_heads,
+                                           c.head_dim, c.intermediate_size, c.rms_norm_eps)
         return True
 
     _fused = None          # kernels.DecodeLayers when in use
@@ -182,79 +192,69 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # --- weights ---------------------------------------------------------------------------
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights, fusing q/k/v and gate/up. Missing or surplus tensors raise."""
+    def load_weights(self, refs: dict, place) -> None:
+        """Install HF-named tensors (`weights.TensorRef`s) through `place` (loader.Placement:
+        encoded on CPU, dense on CUDA or when a dtype was asked for), fusing q/k/v and
+        gate/up by stacking their rows. Missing or surplus tensors raise ModelLoadError."""
         c = self.config
-        sd = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+        refs = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in refs.items()}
         used: set[str] = set()
 
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
+        def take(name: str):
+            if name not in refs:
                 raise ModelLoadError(f"weights lack tensor {name!r}")
             used.add(name)
-            return sd[name]
+            return refs[name]
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ModelLoadError(f"tensor {name!r} has shape {tuple(value.shape)}, "
-                                     f"the config implies {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(value.to(param.dtype))
+        def vector(module: nn.Module, attr: str, name: str, size: int) -> None:
+            ref = take(name)
+            if tuple(ref.shape) != (size,):
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(ref.shape)}, "
+                                     f"the config implies {(size,)}")
+            setattr(module, attr, nn.Parameter(place.vector(ref), requires_grad=False))
 
-        put(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
-        put(self.norm.weight, take("norm.weight"), "norm.weight")
-        if not c.tie_word_embeddings:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
-        else:
+        def matrix(module, names: list[str], what: str) -> None:
+            parts = [take(n) for n in names]
+            try:
+                module.set_weight(place.matrix(parts))
+            except ValueError as e:
+                raise ModelLoadError(f"{what}: {e}") from None
+
+        matrix(self.embed_tokens, ["embed_tokens.weight"], "embed_tokens")
+        vector(self.norm, "weight", "norm.weight", c.hidden_size)
+        if c.tie_word_embeddings:
             used.add("lm_head.weight")
+            self.tie_weights()
+        else:
+            matrix(self.lm_head, ["lm_head.weight"], "lm_head")
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             a = layer.self_attn
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm")
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            put(a.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
+            vector(layer.input_layernorm, "weight", p + "input_layernorm.weight", c.hidden_size)
+            vector(layer.post_attention_layernorm, "weight",
+                   p + "post_attention_layernorm.weight", c.hidden_size)
+            matrix(a.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], p + "qkv_proj")
             if c.attention_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                put(a.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
-            put(a.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+                bias = torch.cat([place.vector(take(p + f"self_attn.{n}_proj.bias")) for n in "qkv"])
+                if bias.shape != (a.q_size + 2 * a.kv_size,):
+                    raise ModelLoadError(f"{p}self_attn q/k/v biases have {bias.shape[0]} "
+                                         f"values, the config implies {a.q_size + 2 * a.kv_size}")
+                a.qkv_proj.bias = nn.Parameter(bias, requires_grad=False)
+            matrix(a.o_proj, [p + "self_attn.o_proj.weight"], p + "o_proj")
             if c.qk_norm:
-                put(a.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
-                put(a.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-        surplus = [k for k in sd if k not in used and not re.search(r"rotary_emb|inv_freq", k)]
+                vector(a.q_norm, "weight", p + "self_attn.q_norm.weight", c.head_dim)
+                vector(a.k_norm, "weight", p + "self_attn.k_norm.weight", c.head_dim)
+            matrix(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                   p + "gate_up_proj")
+            matrix(layer.mlp.down_proj, [p + "mlp.down_proj.weight"], p + "down_proj")
+        surplus = [k for k in refs if k not in used and not re.search(r"rotary_emb|inv_freq", k)]
         if surplus:
             raise ModelLoadError(f"weights have tensors the {c.model_type} model does not use: "
                                  f"{surplus[:5]}{' ...' if len(surplus) > 5 else ''}")
 
-    def attach_quantized(self, quantized: dict[str, "BlockQuantWeight"]) -> None:  # noqa: F821
-        """Give each Linear the GGUF blocks of its weight (fused the way load_hf_state_dict
-        fuses the floats); a fused Linear gets them only if all its parts have the same
-        kind. `use_quant` turns them on."""
-        from iterserve.model.quant import BlockQuantWeight
-        q = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in quantized.items()}
-
-        def attach(linear: Linear, names: list[str]) -> None:
-            linear.quant = BlockQuantWeight.cat([q.get(n) for n in names])
-            if linear.quant is not None and linear.quant.shape != tuple(linear.weight.shape):
-                raise ModelLoadError(f"quantised {names} have shape {linear.quant.shape}, "
-                                     f"the layer {tuple(linear.weight.shape)}")
-
-        attach(self.lm_head, ["embed_tokens.weight" if self.config.tie_word_embeddings
-                              else "lm_head.weight"])
-        for i, layer in enumerate(self.layers):
-            p = f"layers.{i}."
-            attach(layer.self_attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
-            attach(layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"])
-            attach(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            attach(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
-
     def use_quant(self, on: bool = True) -> bool:
-        """Turn the native quantised kernel on (or off) for every Linear that has blocks;
-        returns whether any uses it."""
+        """Turn the native GEMM over encoded blocks on (or off) for every Linear whose
+        segment types have one; returns whether any uses it."""
         return any([m.use_quant(on) for m in self.modules() if isinstance(m, Linear)])
 
     def use_native_ops(self, on: bool = True) -> bool:

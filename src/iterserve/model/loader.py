@@ -1,20 +1,32 @@
 """load_model(): one entry point for the default model, an HF directory or a GGUF file.
 
-Every source is turned into (HF config dict, HF-named state dict, Tokenizer) first, so one
-architecture class and one weight-mapping function serve all of them.
+Every source is turned into (HF config dict, HF-named `weights.TensorRef`s, Tokenizer) first,
+so one architecture class and one weight-mapping function serve all of them. The tensors are
+references into memory-mapped files; `Placement` decides what each becomes in the model:
+
+- CPU, `--dtype auto` (the default, as in vLLM): every weight stays in its file's encoding
+  (GGUF blocks, bf16 / fp16 / fp32 rows), fused by stacking rows; activations are float32.
+- CPU with an explicit `--dtype`: float-typed weights (F32/F16/BF16) that differ from it are
+  converted to dense tensors of that dtype (the user asked for it); block-quantised ones
+  stay encoded (there is nothing to convert them to but floats).
+- CUDA: dense tensors of the compute dtype on the device (no GPU kernels over GGUF blocks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from iterserve.model.config import ModelConfig, ModelLoadError, parse_dtype
+from iterserve.model.config import ModelConfig, ModelLoadError, parse_dtype, parse_kv_cache_dtype
 from iterserve.model.hf_loader import read_hf_config, read_hf_weights
 from iterserve.model.gpt2 import GPT2ForCausalLM
 from iterserve.model.llama import LlamaForCausalLM
+from iterserve.model.weights import FLOAT_TYPES, EncodedWeight, TensorRef
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                  "qwen3": LlamaForCausalLM, "gpt2": GPT2ForCausalLM}
@@ -26,15 +38,51 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: "Tokenizer"  # noqa: F821 - iterserve.model.tokenizer.Tokenizer
     name: str
+    path: str | None = None
+    file_bytes: int = 0          # bytes of the weight files (what the memory plan maps)
+    refs: dict = field(default_factory=dict, repr=False)
 
 
-def load_model(path: str | None = None, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+@dataclass
+class Placement:
+    """What a tensor reference becomes in the model (see the module docstring)."""
+    device: torch.device
+    dtype: torch.dtype               # compute dtype (activations, norms, biases)
+    cast: torch.dtype | None = None  # explicit --dtype: float-typed weights converted to it
+
+    def vector(self, ref: TensorRef) -> torch.Tensor:
+        return ref.to_float().to(self.dtype).to(self.device)
+
+    def matrix(self, parts: list[TensorRef]) -> "EncodedWeight | torch.Tensor":
+        if self.device.type != "cpu":
+            return torch.cat([p.to_float().to(self.dtype) for p in parts]).to(self.device)
+        if self.cast is not None and all(p.ggml_type in FLOAT_TYPES for p in parts) \
+                and any(FLOAT_TYPES[p.ggml_type] != self.cast for p in parts):
+            return torch.cat([p.view().view(FLOAT_TYPES[p.ggml_type]).to(self.cast)
+                              .view(p.shape) for p in parts])
+        return EncodedWeight.fuse(parts)
+
+
+def _checkpoint_float_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
+    """The float dtype most weight bytes are stored in (float32 for block-quantised files)."""
+    by: dict[torch.dtype, int] = {}
+    for r in refs.values():
+        dt = FLOAT_TYPES.get(r.ggml_type, torch.float32)
+        by[dt] = by.get(dt, 0) + r.nbytes
+    return max(by, key=by.get) if by else torch.float32
+
+
+def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "cpu",
+               kv_cache_dtype: str = "auto") -> LoadedModel:
     """Load a model for serving.
 
     path None -> the bundled default GGUF; a directory -> HF layout; a *.gguf file -> GGUF.
+    dtype "auto" keeps the checkpoint's weights as stored and computes in float32 on CPU
+    (the checkpoint's float dtype on CUDA); kv_cache_dtype "auto" is the compute dtype.
     Raises ModelLoadError (a ValueError) for a missing path, unsupported architecture or dtype.
     """
-    torch_dtype = parse_dtype(dtype)
+    explicit = parse_dtype(dtype)            # None for "auto"
+    kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
     try:
         dev = torch.device(device)
     except RuntimeError as e:
@@ -47,38 +95,56 @@ def load_model(path: str | None = None, *, dtype: str = "float32", device: str =
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist")
-    quantized = None
     if p.is_dir():
         from iterserve.model.tokenizer import Tokenizer
+        from iterserve.model.hf_loader import weight_files
         hf_config = read_hf_config(p)
-        config = ModelConfig.from_hf(hf_config, torch_dtype)   # fail on the arch before reading weights
-        state = read_hf_weights(p)
+        ModelConfig.from_hf(hf_config)                 # fail on the arch before mapping weights
+        refs = read_hf_weights(p)
         tokenizer = Tokenizer.from_hf_dir(p)
         name = p.name
+        file_bytes = sum(f.stat().st_size for f in weight_files(p))
     elif p.suffix.lower() == ".gguf":
         from iterserve.model.gguf_loader import load_gguf
-        quantized = {} if dev.type == "cpu" and torch_dtype == torch.float32 else None
-        hf_config, state, tokenizer = load_gguf(p, dtype=torch.float32, quantized=quantized)
-        config = ModelConfig.from_hf(hf_config, torch_dtype)
+        hf_config, refs, tokenizer = load_gguf(p)
         name = p.stem
+        file_bytes = p.stat().st_size
     else:
         raise ModelLoadError(f"{str(p)!r} is neither an HF model directory nor a .gguf file")
+    if explicit is not None:
+        compute = explicit
+    elif dev.type == "cpu":
+        compute = torch.float32
+    else:
+        compute = _checkpoint_float_dtype(refs)
+    config = ModelConfig.from_hf(hf_config, compute)
+    config.kv_cache_dtype = kv_dtype or compute
     if not config.eos_token_ids and getattr(tokenizer, "eos_token_ids", None):
         config.eos_token_ids = sorted(tokenizer.eos_token_ids)
-    model = build_model(config, state, dev)
-    if quantized and hasattr(model, "attach_quantized"):
-        model.attach_quantized(quantized)
-    return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name)
+    model = build_model(config, refs, dev, cast=explicit)
+    return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name,
+                       path=str(p), file_bytes=file_bytes, refs=refs)
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor],
-                device: torch.device | str = "cpu") -> torch.nn.Module:
+def build_model(config: ModelConfig, refs: dict[str, TensorRef],
+                device: torch.device | str = "cpu", cast: torch.dtype | None = None
+                ) -> torch.nn.Module:
+    device = torch.device(device)
     cls = ARCHITECTURES[config.model_type]
     with torch.device("meta"):
         model = cls(config)
-    model = model.to_empty(device=device).to(config.dtype)
+    if hasattr(model, "load_weights"):
+        model.load_weights(refs, Placement(device, config.dtype, cast))
+    else:
+        # gpt2: HF stores its projections as Conv1D [in, out], transposed at load, so its
+        # weights are dense float tensors (converted once from the mapped file).
+        model = model.to_empty(device=device).to(config.dtype)
+        model.tie_weights()                                    # to_empty unties shared weights
+        model.load_hf_state_dict({n: r.to_float() for n, r in refs.items()})
     if hasattr(model, "rotary"):
         model.rotary = type(model.rotary)(config).to(device)   # buffers are computed, not loaded
-    model.tie_weights()                                        # to_empty unties shared weights
-    model.load_hf_state_dict(state)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelLoadError(f"the {config.model_type} model has tensors no weight filled: "
+                             f"{left[:5]}")
     return model.eval()

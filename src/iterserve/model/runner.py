@@ -23,6 +23,7 @@ from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
+from iterserve.model.memory import compute_paths
 
 SamplerFn = Callable[[torch.Tensor, Sequence["RequestState"]], list[SampleResult]]
 
@@ -46,13 +47,14 @@ class RequestState:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
-# Prepacked weights (layers.Linear) on CPU float32 cost one extra copy of the weights.
+# Prepacked weights (layers.Linear) cost one extra copy of a weight, so only dense float32
+# weights (a float32 checkpoint's own dtype) are packed; encoded ones never are.
 # "onednn" by default: measured side by side by benchmarks/bench_decode.py on this machine
 # (an AMD EPYC VM, where MKL's sgemm is slow at decode row counts).
 # None means plain F.linear (always the case on CUDA and for non-float32 weights).
 PACKING_DEFAULT: str | None = "onednn"
-# Decode steps through the native kernel over GGUF blocks where the model has them
-# (layers.Linear.use_quant, model/quant.py); False keeps every GEMM on the float weights.
+# Decode steps through the native GEMM over encoded blocks where the type has one
+# (layers.Linear.use_quant); False sends every encoded GEMM through the reference tiles.
 QUANT_DEFAULT = True
 # Decode attention and the elementwise ops (RMSNorm, SiLU x up, RoPE) through the native kernels
 # (kernels/decode_attention.c, elementwise.c) on CPU float32; with the block kernel also on,
@@ -71,8 +73,14 @@ class ModelRunner:
         self.config: ModelConfig = loaded.config
         self.device = next(self.model.parameters()).device
         self.block_size = block_size
+        kv_dtype = self.config.kv_cache_dtype or self.config.dtype
+        # Say what this process will hold and refuse, before allocating, what cannot fit.
+        from iterserve.model.memory import check_memory_plan, log_memory_plan, plan_memory
+        self.memory_plan = plan_memory(loaded, num_blocks=num_blocks, block_size=block_size,
+                                       num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype)
+        check_memory_plan(self.memory_plan)
         self.kv_cache = PagedKVCache(self.config, num_blocks=num_blocks, block_size=block_size,
-                                     num_swap_blocks=num_swap_blocks, dtype=self.config.dtype,
+                                     num_swap_blocks=num_swap_blocks, dtype=kv_dtype,
                                      device=self.device)
         if sampler is None:
             from iterserve.model.sampler import Sampler
@@ -90,17 +98,21 @@ class ModelRunner:
             else False
         self.decode_kernel = None
         if on and self.device.type == "cpu" and self.config.dtype == torch.float32 \
-                and self.config.head_dim % 8 == 0:
+                and kv_dtype == torch.float32 and self.config.head_dim % 8 == 0:
             from iterserve.model import kernels
             self.decode_kernel = kernels.decode_attention()
         # Small decode-only steps: every layer in one native call (llama.use_fused_decode).
         # The model checks the rest (block kernel and native ops in use, architecture).
         self.fused_decode = self.model.use_fused_decode(self.decode_kernel is not None) \
             if hasattr(self.model, "use_fused_decode") else False
+        self.memory_plan.update(compute_paths(self.model), fused_decode=bool(self.fused_decode))
+        log_memory_plan(self.memory_plan)
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
-        return PagedKVCache.bytes_per_block(config, block_size, dtype or config.dtype)
+        """Bytes of one KV block in `dtype`, else the KV cache's dtype (`--kv-cache-dtype`)."""
+        return PagedKVCache.bytes_per_block(config, block_size,
+                                            dtype or config.kv_cache_dtype or config.dtype)
 
     # --- one step ------------------------------------------------------------------------
     def update_states(self, output: SchedulerOutput) -> None:
