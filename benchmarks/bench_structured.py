@@ -3,8 +3,9 @@ apply on [16, V] logits, and the 8 accepts, walking a JSON document token by tok
 
 Printed for the bundled SmolLM2 vocabulary (49,152): `python benchmarks/bench_structured.py`.
 A benchmark, not a test: timings on a shared machine are not assertions.
-Open question (2026-12-01): inside the full pytest run of the integrated tree the batched
-apply measured ~95 ms median against ~0.3 ms standalone; not yet explained.
+Seen on 2026-12-01: with other processes busy on both cores the batched apply's median went
+from ~0.3 ms to ~95 ms (torch's 2-thread ops waiting for a descheduled thread), so run it on
+an idle machine or with torch.set_num_threads(1).
 """
 
 import json
