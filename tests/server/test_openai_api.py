@@ -306,3 +306,13 @@ def test_non_streaming_client_that_gives_up_gets_its_request_aborted(long_server
     aborted = 'iterserve:request_success_total{finished_reason="abort"'
     assert wait_until(lambda: aborted in httpx.get(s.base_url + "/metrics").text)
     assert wait_until(lambda: metric(s, "iterserve:kv_cache_usage_perc") == 0.0)
+
+
+def test_engine_stats_report_the_memory_plan(server):
+    """Issue 12: what the server planned to use is visible over HTTP, not only in the log."""
+    plan = httpx.get(server.v1 + "/engine/stats").json()["memory"]
+    assert plan["fits"] is True
+    assert plan["weights"]["bytes"] > 0 and plan["weights"]["bytes_by_encoding"]
+    assert plan["kv_cache"]["num_blocks"] == 128       # the fixture's num_kv_blocks
+    assert plan["kv_cache"]["bytes"] > 0
+    assert plan["planned_peak_bytes"] >= plan["weights"]["bytes"] + plan["kv_cache"]["bytes"]

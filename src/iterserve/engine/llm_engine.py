@@ -275,5 +275,11 @@ class LLMEngine:
         return self.scheduler.stats()
 
     def stats(self) -> dict[str, Any]:
-        """The live view's snapshot (GET /v1/engine/stats)."""
-        return self.tracer.snapshot(self.scheduler.stats(), self.output_processor.requests)
+        """The live view's snapshot (GET /v1/engine/stats), with the runner's memory plan
+        (weights by encoding, native vs reference linears, KV size, planned peak) when the
+        executor has one."""
+        snap = self.tracer.snapshot(self.scheduler.stats(), self.output_processor.requests)
+        plan = getattr(self.executor, "memory_plan", None)
+        if plan is not None:
+            snap["memory"] = plan
+        return snap
