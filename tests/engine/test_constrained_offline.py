@@ -89,6 +89,9 @@ def test_choice_is_one_of_the_choices(llm):
               structured_outputs=StructuredOutputsParams(choice=CHOICES)).outputs[0]
     assert out.text in CHOICES
     assert out.finish_reason == "stop"
+    # ended as soon as the grammar was complete: no EOS step after it
+    assert not set(out.token_ids) & set(llm.engine.eos_token_ids)
+    assert llm.get_tokenizer().decode(out.token_ids) == out.text
     assert gen(llm, "Pick one:", max_tokens=30, temperature=0.0).outputs[0].text not in CHOICES
 
 
@@ -215,3 +218,23 @@ def test_bad_constraints_are_refused_naming_the_field(llm, params, exc, param):
     assert info.value.param == param
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.stats().num_running == 0
+
+
+def test_a_bad_constraint_in_a_batch_queues_nothing(llm):
+    good = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=REGEX))
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(x"))
+    with pytest.raises(StructuredOutputsError):
+        llm.generate(["Hello", "World"], [good, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.stats().num_waiting == 0
+
+
+def test_constrained_request_with_chunked_prefill(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256,
+              max_num_batched_tokens=8, enable_chunked_prefill=True)
+    prompt = "A long prompt that takes several chunks to prefill, " * 2
+    outs = llm.generate([prompt, "Short"], SamplingParams(
+        max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+        use_tqdm=False)
+    for o in outs:
+        assert re.fullmatch(REGEX, o.outputs[0].text), o.outputs[0].text
