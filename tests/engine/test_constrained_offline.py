@@ -238,3 +238,33 @@ def test_constrained_request_with_chunked_prefill(tiny_model_dir):
         use_tqdm=False)
     for o in outs:
         assert re.fullmatch(REGEX, o.outputs[0].text), o.outputs[0].text
+
+
+def test_the_step_carries_masks_only_for_constrained_rows_that_sample(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256,
+              max_num_batched_tokens=8, enable_chunked_prefill=True)
+    runner = llm.engine.executor
+    seen = []
+    real_execute = runner.execute
+
+    def execute(out):
+        bm = out.grammar_bitmask
+        seen.append((dict(out.num_scheduled_tokens), None if bm is None else dict(bm.row_of)))
+        return real_execute(out)
+
+    runner.execute = execute
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.generate(["Hello", "World"], free, use_tqdm=False)
+    assert seen and all(bm is None for _, bm in seen), "unconstrained steps build no mask"
+    seen.clear()
+    prompt = "A long prompt that takes several chunks to prefill, " * 2
+    con = SamplingParams(max_tokens=30, temperature=0.0,
+                         structured_outputs=StructuredOutputsParams(regex=REGEX))
+    out = llm.generate([prompt, "Hello"], [con, free], use_tqdm=False)
+    assert re.fullmatch(REGEX, out[0].outputs[0].text)
+    cid = out[0].request_id
+    prefill_steps = [bm for sched, bm in seen if sched.get(cid, 0) > 1]
+    assert len(prefill_steps) > 1 and prefill_steps[0] is None, "a mid-prompt chunk samples nothing"
+    masked = [bm for _, bm in seen if bm is not None]
+    assert masked and all(set(bm) == {cid} for bm in masked)
+    assert len(masked) == len(out[0].outputs[0].token_ids)

@@ -22,6 +22,7 @@ the ProcessedRequest: the output processor gives every sequence its own matcher.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -58,15 +59,24 @@ class InputProcessor:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.clock = clock
         self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
 
     @property
     def structured_compiler(self) -> Any:
         """The grammar compiler for this tokenizer (built on first use; the server may call
         `compile_async` on it before add_request, which then finds the grammar cached)."""
         if self._compiler is None:
-            from iterserve.structured.backend import StructuredOutputCompiler
-            self._compiler = StructuredOutputCompiler(
-                self.tokenizer, self.vocab_size, eos_token_ids=self.eos_token_ids or None)
+            with self._compiler_lock:     # the server's event loop may ask first
+                if self._compiler is None:
+                    from iterserve.structured.backend import StructuredOutputCompiler
+                    try:
+                        self._compiler = StructuredOutputCompiler(
+                            self.tokenizer, self.vocab_size,
+                            eos_token_ids=self.eos_token_ids or None)
+                    except (ValueError, TypeError, AttributeError) as e:
+                        raise InvalidRequestError(
+                            f"structured outputs are not available for this model's "
+                            f"tokenizer: {e}", "structured_outputs") from e
         return self._compiler
 
     # --- checks --------------------------------------------------------------------------
