@@ -268,3 +268,28 @@ def test_the_step_carries_masks_only_for_constrained_rows_that_sample(tiny_model
     masked = [bm for _, bm in seen if bm is not None]
     assert masked and all(set(bm) == {cid} for bm in masked)
     assert len(masked) == len(out[0].outputs[0].token_ids)
+
+
+def test_a_compile_timeout_is_a_400_naming_the_field(tiny_model_dir):
+    from iterserve.structured.backend import GrammarCompileTimeout
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256)
+    llm.engine.structured_compiler.compile_timeout = 1e-9
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(40)}}
+    with pytest.raises(GrammarCompileTimeout) as info:
+        llm.generate(["Hello"], SamplingParams(
+            structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    assert info.value.param == "structured_outputs.json"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_constrained_requests_with_prefix_cache_hits(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256, block_size=4,
+              enable_prefix_caching=True)
+    prompt = "The same long prompt is sent twice so the second one hits the cache"
+    p = SamplingParams(max_tokens=30, temperature=0.0,
+                       structured_outputs=StructuredOutputsParams(regex=REGEX))
+    first = llm.generate([prompt], p, use_tqdm=False)[0]
+    second = llm.generate([prompt], p, use_tqdm=False)[0]
+    assert second.num_cached_tokens > 0
+    assert re.fullmatch(REGEX, second.outputs[0].text)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
