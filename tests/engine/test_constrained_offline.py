@@ -49,6 +49,17 @@ def parses_and_validates(text: str) -> bool:
     return True
 
 
+def test_structured_outputs_params_at_the_top_level_and_torch_free():
+    import subprocess
+    import sys
+    code = ("import sys\nfrom iterserve import SamplingParams, StructuredOutputsParams\n"
+            "p = SamplingParams(structured_outputs=StructuredOutputsParams(regex='a+'),\n"
+            "    logit_bias={1: 2.0}, allowed_token_ids=[1], bad_words=['x'], min_tokens=1)\n"
+            "p.validate()\nassert 'torch' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_json_schema_output_parses_and_validates(llm):
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     out = gen(llm, "Give me a person as JSON:", max_tokens=120, temperature=0.0,
