@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "iterserve.engine.llm",
     "SamplingParams": "iterserve.core.request",
+    "StructuredOutputsParams": "iterserve.structured.params",
     "RequestOutput": "iterserve.engine.outputs",
     "CompletionOutput": "iterserve.engine.outputs",
     "EngineArgs": "iterserve.engine.args",

@@ -66,6 +66,25 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None    # number of top logprobs per token (0 = sampled token only)
     skip_special_tokens: bool = True
+    # Constrained and edited sampling (vLLM's fields). `structured_outputs` is a
+    # structured.params.StructuredOutputsParams (plain data; the engine compiles it).
+    structured_outputs: Any = None
+    logit_bias: dict[int, float] | None = None      # token id -> bias, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None     # sample only among these ids
+    bad_words: list[str] | None = None             # words never completed in the output
+    min_tokens: int = 0                            # no EOS / stop token before this many
+    include_stop_str_in_output: bool = False       # keep the matched stop string in the text
+    # Filled by the engine's input processor from the fields above (vLLM keeps the same
+    # derived state on its SamplingParams): bad_words as token sequences, and the ids that
+    # min_tokens holds back (EOS unless ignore_eos, plus stop_token_ids).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    all_stop_token_ids: tuple[int, ...] | None = field(default=None, repr=False)
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Any of the per-row logits edits the sampler applies (model/logits_processors)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -103,7 +122,49 @@ class SamplingParams:
             bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings", "stop")
+        self._validate_constraints(bad)
         return self
+
+    def _validate_constraints(self, bad) -> None:
+        """Shapes of the constrained-sampling fields (the vocabulary checks need the model:
+        the engine's input processor does them)."""
+        so = self.structured_outputs
+        if so is not None:
+            from iterserve.structured.params import StructuredOutputsParams
+            if isinstance(so, dict):
+                self.structured_outputs = so = StructuredOutputsParams.from_structured_outputs(so)
+            if not isinstance(so, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(so).__name__}", "structured_outputs")
+            so.validate()                    # a StructuredOutputsError (400) naming the field
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias must be a map of token id to bias", "logit_bias")
+            for k, v in self.logit_bias.items():
+                if isinstance(k, bool) or not isinstance(k, (int, str)):
+                    bad(f"logit_bias keys must be token ids, got {k!r}", "logit_bias")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                        or not math.isfinite(v):
+                    bad(f"logit_bias[{k!r}] must be a finite number, got {v!r}", "logit_bias")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                bad("allowed_token_ids must be a non-empty list of token ids",
+                    "allowed_token_ids")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                bad("bad_words must be a list of non-empty strings", "bad_words")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or self.min_tokens < 0:
+            bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}",
+                "min_tokens")
+        if self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_tokens})", "min_tokens")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output must be a boolean", "include_stop_str_in_output")
 
 
 _FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type in ("float", float))

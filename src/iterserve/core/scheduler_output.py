@@ -22,6 +22,10 @@ ranks, replicas) and receive it as a message.
   token: the engine reports those. `preempted_req_ids` (recompute: the request will come
   back as new data) and `swapped_out_req_ids` / `swapped_in_req_ids` are informational.
 - Swap copies (`blocks_to_swap_out/in`) are done before the forward pass.
+- `grammar_bitmask` is not the scheduler's: the engine sets it after schedule() when some
+  sequences sampling in this step are constrained (structured outputs). It is data too (a
+  structured.bitmask.GrammarBitmask: an int32 bit-per-token tensor and the sequence id of
+  each row); the executor applies it to those sequences' logits before sampling.
 
 One SampleResult per sampling request comes back through `Scheduler.update_from_output`.
 """
@@ -29,7 +33,7 @@ One SampleResult per sampling request comes back through `Scheduler.update_from_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from iterserve.core.request import SamplingParams
 
@@ -72,6 +76,8 @@ class SchedulerOutput:
     # Block copies the executor must do before the forward pass: (device, host) / (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Set by the engine, not the scheduler: the constrained rows' token masks (see above).
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

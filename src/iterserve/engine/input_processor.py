@@ -9,11 +9,20 @@ precise ValueErrors of engine/errors.py (HTTP 400 in the server). The fan-out ru
 vLLM: sequence i of a request with `n > 1` is its own scheduler request `<id>-n<i>` with
 n = 1 and, when the request is seeded, seed + i, so it samples exactly what a single request
 with that seed would.
+
+Constrained sampling is resolved here too, once per request: `structured_outputs` is
+compiled (`structured.backend.StructuredOutputCompiler`, built on the first constrained
+request: ~0.15 s) and a bad schema or a compile timeout is a StructuredOutputsError naming
+the field; `bad_words` are tokenised, `logit_bias` and `allowed_token_ids` checked against
+the vocabulary (model.logits_processors), and the ids min_tokens holds back are worked out.
+The results ride on each sequence's SamplingParams (plain data) and, for the grammar, on
+the ProcessedRequest: the output processor gives every sequence its own matcher.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -36,6 +45,7 @@ class ProcessedRequest:
     arrival_time: float
     arrival_wall_time: float
     requests: list[Request]          # one per sequence, by index, with per-sequence params
+    grammar: Any = None              # structured.backend.CompiledGrammar, when constrained
 
 
 class InputProcessor:
@@ -48,6 +58,26 @@ class InputProcessor:
         # The scheduler's Request carries one eos id; the model's others become stop tokens.
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.clock = clock
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+
+    @property
+    def structured_compiler(self) -> Any:
+        """The grammar compiler for this tokenizer (built on first use; the server may call
+        `compile_async` on it before add_request, which then finds the grammar cached)."""
+        if self._compiler is None:
+            with self._compiler_lock:     # the server's event loop may ask first
+                if self._compiler is None:
+                    from iterserve.structured.backend import StructuredOutputCompiler
+                    try:
+                        self._compiler = StructuredOutputCompiler(
+                            self.tokenizer, self.vocab_size,
+                            eos_token_ids=self.eos_token_ids or None)
+                    except (ValueError, TypeError, AttributeError) as e:
+                        raise InvalidRequestError(
+                            f"structured outputs are not available for this model's "
+                            f"tokenizer: {e}", "structured_outputs") from e
+        return self._compiler
 
     # --- checks --------------------------------------------------------------------------
     @staticmethod
@@ -114,6 +144,7 @@ class InputProcessor:
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
         prompt_ids = self.tokenize_prompt(prompt)
         self.check_lengths(len(prompt_ids), params.max_tokens)
+        params, grammar = self.resolve_constraints(params)
         now = self.clock() if arrival_time is None else arrival_time
         deadline = now + timeout if timeout is not None else None
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
@@ -124,7 +155,36 @@ class InputProcessor:
                     eos_token_id=eos, deadline=deadline, user_data=request_id)
             for i in range(n)]
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else prompt_text,
-                                prompt_ids, params, priority, now, time.time(), requests)
+                                prompt_ids, params, priority, now, time.time(), requests,
+                                grammar)
+
+    def resolve_constraints(self, params: SamplingParams) -> tuple[SamplingParams, Any]:
+        """(params with the derived constraint data filled in, compiled grammar or None).
+        A request that uses none of the constrained-sampling fields passes untouched."""
+        if not (params.structured_outputs is not None or params.logit_bias
+                or params.allowed_token_ids or params.bad_words or params.min_tokens):
+            return params, None
+        from iterserve.model.logits_processors import (
+            LogitsParamError, bad_words_token_ids, validate_logit_bias, validate_token_ids)
+        changes: dict[str, Any] = {}
+        try:
+            if params.logit_bias:
+                changes["logit_bias"] = validate_logit_bias(params.logit_bias, self.vocab_size)
+            if params.allowed_token_ids:
+                changes["allowed_token_ids"] = validate_token_ids(
+                    params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
+            if params.bad_words:
+                changes["bad_words_token_ids"] = bad_words_token_ids(
+                    self.tokenizer, params.bad_words) or None
+        except LogitsParamError as e:
+            raise InvalidRequestError(str(e), e.param) from None
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            changes["all_stop_token_ids"] = tuple(sorted(set(eos) | set(params.stop_token_ids)))
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_compiler.compile(params.structured_outputs)
+        return (dataclasses.replace(params, **changes) if changes else params), grammar
 
     def sequence_params(self, params: SamplingParams, i: int) -> SamplingParams:
         """Sequence i's own params: n = 1, seed + i, every eos id of the model as a stop."""

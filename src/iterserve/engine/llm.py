@@ -84,6 +84,8 @@ class LLM:
         token_ids = []
         for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
             self.engine.input_processor.check_params(sp)
+            # compiles the grammar (cached for add_request) and checks the vocabulary fields
+            self.engine.input_processor.resolve_constraints(sp)
             try:
                 ids = self.engine.tokenize_prompt(p.value)
                 self.engine.check_lengths(len(ids), sp.max_tokens)

@@ -111,6 +111,13 @@ class LLMEngine:
         return self.input_processor.vocab_size
 
     @property
+    def structured_compiler(self) -> Any:
+        """The grammar compiler (structured.backend; built on first use). The server can
+        `await engine.structured_compiler.compile_async(params)` before add_request so the
+        compile happens off the engine thread; add_request then finds it cached."""
+        return self.input_processor.structured_compiler
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return self.input_processor.eos_token_ids
 
@@ -189,6 +196,8 @@ class LLMEngine:
         # Ended outside a forward pass (timeouts, aborts done by the scheduler).
         self.output_processor.end_by_scheduler(sched_out.ended_req_ids, FinishReason.ABORT)
 
+        if self.output_processor.has_constrained and sched_out.num_scheduled_tokens:
+            sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
         results = self._execute(sched_out)
         sampled = self.output_processor.live_tokens(results)
         # Always called, even for an empty or failed step: it advances the step counter, and
@@ -207,6 +216,17 @@ class LLMEngine:
                                             or sched_out.ended_req_ids))
         self.num_steps += 1
         return outputs
+
+    def _grammar_bitmask(self, sched_out: SchedulerOutput) -> Any:
+        """The constrained rows' masks; a failure ends those sequences, not the step."""
+        try:
+            return self.output_processor.grammar_bitmask(sched_out)
+        except Exception as e:
+            logger.exception("filling the grammar bitmask failed in step %d", sched_out.step)
+            rids = [rid for rid in sched_out.num_scheduled_tokens
+                    if self.output_processor.is_constrained(rid)]
+            self._end_in_scheduler(self.output_processor.fail(rids, f"grammar error: {e}"))
+            return None
 
     def _execute(self, sched_out: SchedulerOutput) -> dict[str, SampleResult]:
         """The executor's tokens; on failure, the step's sequences end with "error" (in the

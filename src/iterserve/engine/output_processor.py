@@ -12,6 +12,13 @@ lists all n, by index, and carries the whole request's metrics. With n = 1 the t
 same thing; before this, every step rebuilt all n sequences' outputs and metrics, so a
 request with n = 1000 and max_tokens 1 cost O(n^2 / max_num_seqs).
 
+Structured outputs: a constrained sequence has its own GrammarMatcher (SequenceState.matcher),
+advanced by every token it samples; `grammar_bitmask(sched_out)` fills the masks of the
+constrained sequences that sample in a step (the engine hands them to the executor on the
+SchedulerOutput), and a sequence whose grammar is complete ends with "stop" at once. A
+preempted sequence keeps its output tokens (recompute and swap alike), so its matcher,
+which has seen exactly those tokens, needs nothing.
+
 Failure isolation: an exception while handling one sequence's token ends that sequence
 (finish reason "error", the message in RequestOutput.error) and nothing else.
 """
@@ -46,6 +53,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}                       # live, by request id
         self._seqs: dict[str, tuple[RequestState, SequenceState]] = {}    # by scheduler id
         self._changed: dict[str, RequestState] = {}      # requests with something to emit
+        self._matchers: dict[str, Any] = {}              # scheduler id -> GrammarMatcher (live)
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, req: ProcessedRequest) -> RequestState:
@@ -57,11 +65,43 @@ class OutputProcessor:
             detok = self.detokenizer_factory(self.tokenizer, req.prompt_token_ids,
                                              skip_special_tokens=sp.skip_special_tokens,
                                              stop=tuple(sp.stop))
-            state.seqs.append(SequenceState(i, r, detok, [] if sp.logprobs is not None else None))
+            matcher = req.grammar.matcher(sp.stop_token_ids) if req.grammar is not None else None
+            state.seqs.append(SequenceState(i, r, detok, [] if sp.logprobs is not None else None,
+                                            matcher=matcher))
         self.requests[state.request_id] = state
         for seq in state.seqs:
             self._seqs[seq.request.request_id] = (state, seq)
+            if seq.matcher is not None:
+                self._matchers[seq.request.request_id] = seq.matcher
         return state
+
+    @property
+    def has_constrained(self) -> bool:
+        return bool(self._matchers)
+
+    def is_constrained(self, request_id: str) -> bool:
+        """A live sequence (scheduler id) with a grammar matcher."""
+        return request_id in self._matchers
+
+    def grammar_bitmask(self, sched_out: Any) -> Any:
+        """The step's GrammarBitmask (structured.bitmask) for the live constrained sequences
+        that sample in it (their chunk reaches their last token), or None."""
+        matchers = self._matchers
+        starts = {d.req_id: d.num_computed_tokens for d in sched_out.scheduled_new_reqs
+                  if d.req_id in matchers}
+        for d in sched_out.scheduled_cached_reqs:
+            if d.req_id in matchers:
+                starts[d.req_id] = d.num_computed_tokens
+        sampling = {}
+        for rid, start in starts.items():
+            state, seq = self._seqs[rid]
+            if not seq.finished and \
+                    start + sched_out.num_scheduled_tokens.get(rid, 0) >= seq.request.num_tokens:
+                sampling[rid] = matchers[rid]
+        if not sampling:
+            return None
+        from iterserve.structured.bitmask import GrammarBitmask
+        return GrammarBitmask.fill(sampling)
 
     def discard(self, request_id: str) -> None:
         """Forget a request that never reached the scheduler (its add failed)."""
@@ -69,6 +109,7 @@ class OutputProcessor:
         if state is not None:
             for seq in state.seqs:
                 self._seqs.pop(seq.request.request_id, None)
+                self._matchers.pop(seq.request.request_id, None)
             self._changed.pop(request_id, None)
 
     def has_request(self, request_id: str) -> bool:
@@ -161,13 +202,27 @@ class OutputProcessor:
             lp = TokenLogprob(token_id, result.logprob, result.top_logprobs)
             seq.logprobs.append(lp)
             seq.delta_logprobs.append(lp)
+        if seq.matcher is not None and not seq.matcher.accept(token_id):
+            # The step's mask allowed only tokens the grammar takes: a token it refuses
+            # means the mask was not applied (a broken executor), so the output is invalid.
+            raise RuntimeError(f"sampled token {token_id} violates the request's "
+                               f"{seq.matcher.grammar.kind} constraint")
         delta = seq.detokenizer.add(token_id)
         if delta.text:
             seq.text += delta.text
             seq.delta_text += delta.text
         if delta.stopped:
             seq.stop_reason = getattr(delta, "stop_string", None)
+            if req.sampling_params.include_stop_str_in_output and seq.stop_reason:
+                seq.text += seq.stop_reason
+                seq.delta_text += seq.stop_reason
             state.end(seq, FinishReason.STOP)      # a stop string wins over "length"
+            return True
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            if token_id in req.sampling_params.stop_token_ids:
+                seq.stop_reason = token_id
+            state.end(seq, FinishReason.STOP)      # the grammar is complete: nothing may follow
+            self._flush_text(state, seq)
             return True
         return False
 
@@ -182,6 +237,8 @@ class OutputProcessor:
             state.end(seq, FinishReason.STOP)   # the held-back tail completed a stop string
 
     def _mark(self, state: RequestState, seq: SequenceState) -> None:
+        if seq.finished and seq.matcher is not None:
+            self._matchers.pop(seq.request.request_id, None)
         state.mark(seq)
         self._changed[state.request_id] = state
 
@@ -242,3 +299,4 @@ class OutputProcessor:
         self.requests.pop(state.request_id, None)
         for seq in state.seqs:
             self._seqs.pop(seq.request.request_id, None)
+            self._matchers.pop(seq.request.request_id, None)

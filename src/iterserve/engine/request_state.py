@@ -30,6 +30,7 @@ class SequenceState:
     request: Request
     detokenizer: Any                         # model.detokenizer.IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None      # None unless the request asked for logprobs
+    matcher: Any = None                      # structured.backend.GrammarMatcher, if constrained
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

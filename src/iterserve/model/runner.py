@@ -9,7 +9,10 @@ The step's chunks are flattened into one token batch with no padding: decodes fi
 attention can batch them), then each prefill chunk. The K/V of every computed token is
 written to the paged pool at the slots its request's block table names; logits are computed
 only for the rows that sample (the last token of a chunk that reaches the request's end),
-then one batched Sampler call picks the tokens from the runner's own rows.
+then one batched Sampler call picks the tokens from the runner's own rows. A step with
+constrained sequences carries their token masks (`SchedulerOutput.grammar_bitmask`), applied
+to those rows' logits before the sampler (which applies logit_bias, allowed_token_ids,
+bad_words and min_tokens itself, from each row's params).
 """
 
 from __future__ import annotations
@@ -140,6 +143,9 @@ class ModelRunner:
         logits, sampling = self._run(output)
         if not sampling:
             return {}
+        if output.grammar_bitmask is not None:     # structured outputs: forbidden ids -> -inf
+            with torch.inference_mode():           # the logits are inference tensors
+                output.grammar_bitmask.apply(logits, [st.req_id for st in sampling])
         results = self.sampler(logits, sampling)
         for st, res in zip(sampling, results):
             st.append(res.token_id)

@@ -79,15 +79,20 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                         or p.frequency_penalty != 0.0 for p in params)
-        if all(greedy) and not penalised and not want_logprobs:
+        processed = any(p.uses_logits_processors for p in params)
+        if all(greedy) and not penalised and not want_logprobs and not processed:
             return [SampleResult(int(t)) for t in logits.argmax(dim=-1).tolist()]
 
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if processed:
+            logits = logits.clone()
+            _apply_processors(logits, requests, params)
         if penalised:
             logits = apply_penalties(logits, requests)
+        owned = penalised or processed
         if not any(greedy):
-            tokens = self._sample_random(logits, requests, owned=penalised)
+            tokens = self._sample_random(logits, requests, owned=owned)
         else:
             tokens = logits.argmax(dim=-1)
             random_rows = [i for i, g in enumerate(greedy) if not g]
@@ -197,6 +202,23 @@ def _padded_ids(lists: list[list[int]], device: torch.device) -> tuple[torch.Ten
     valid = [[True] * len(x) + [False] * (width - len(x)) for x in lists]
     return (torch.tensor(rows, dtype=torch.long, device=device),
             torch.tensor(valid, dtype=torch.bool, device=device))
+
+
+def _apply_processors(logits: torch.Tensor, requests: Sequence[SamplingRow], params) -> None:
+    """logit_bias, allowed_token_ids, bad_words and min_tokens (model/logits_processors), in
+    place, batched over the rows that use them; after the raw logprobs, before penalties
+    (vLLM's order)."""
+    from iterserve.model.logits_processors import apply_logits_processors
+
+    outputs = [r.output_token_ids for r in requests]
+    apply_logits_processors(
+        logits,
+        logit_bias=[p.logit_bias for p in params],
+        allowed_token_ids=[p.allowed_token_ids for p in params],
+        bad_words=[p.bad_words_token_ids for p in params],
+        min_tokens=[p.min_tokens for p in params],
+        output_token_ids=outputs,
+        stop_token_ids=[p.all_stop_token_ids or () for p in params])
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
