@@ -89,8 +89,8 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(server):
         "Unrecognized request argument supplied: some_future_field"
     assert r.json()["error"]["param"] == "some_future_field"
     r = httpx.post(server.base_url + COMPLETIONS, timeout=30, json={
-        "prompt": "x", "max_tokens": 1, "logit_bias": {"5": 1}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        "prompt": "x", "max_tokens": 1, "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", r.text
 
 
 def test_unknown_route_and_method_get_error_bodies(server):

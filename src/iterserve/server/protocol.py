@@ -23,9 +23,13 @@ Fields fall in three groups:
 * not implemented yet (NOT_IMPLEMENTED_FIELDS): accepted at their neutral value (null, false,
   empty, `response_format` {"type": "text"}, `tool_choice` "none", `best_of` == n, ...), any
   other value is a 400 whose `param` names the field and whose `code` is
-  "unsupported_parameter". Structured outputs and tool calling replace the `_not_implemented`
-  annotations of `response_format`, `tools` and `tool_choice` (and the guided_* /
-  structured_outputs fields) below with their real models.
+  "unsupported_parameter". Tool calling will replace the `_not_implemented` annotations of
+  `tools` and `tool_choice` with their real models.
+
+Structured outputs (`response_format`, `structured_outputs`, `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`) and `logit_bias`, `min_tokens`, `bad_words`,
+`allowed_token_ids`, `include_stop_str_in_output` are implemented: they become SamplingParams
+fields, compiled / checked by the engine's input processor (a bad schema is a 400 naming it).
 """
 
 from __future__ import annotations
@@ -149,22 +153,21 @@ class _SamplingFields(_Model):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
 
+    # constrained and edited sampling (vLLM's fields; model/logits_processors.py)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=1024, description="token id (as a string) -> bias in [-100, 100]")
+    min_tokens: int | None = Field(None, ge=0, description="no EOS / stop token before this "
+                                                           "many output tokens")
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[NonEmptyText] | None = Field(None, max_length=256)
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=200_000)
     # not implemented yet: a 400 naming the field unless neutral
-    logit_bias: Annotated[dict[str, float] | None,
-                          _not_implemented("logit_bias", _falsy, "only empty")] = None
-    min_tokens: Annotated[int | None, _not_implemented("min_tokens", _falsy, "only 0")] = None
-    include_stop_str_in_output: Annotated[
-        bool | None, _not_implemented("include_stop_str_in_output", _falsy, "only false")] = None
     use_beam_search: Annotated[
         bool | None, _not_implemented("use_beam_search", _falsy, "only false")] = None
     length_penalty: Annotated[
         float | None, _not_implemented("length_penalty", lambda v: v == 1.0, "only 1.0")] = None
     prompt_logprobs: Annotated[
         int | None, _not_implemented("prompt_logprobs", _nothing, "only null")] = None
-    bad_words: Annotated[list[str] | None,
-                         _not_implemented("bad_words", _falsy, "only empty")] = None
-    allowed_token_ids: Annotated[
-        list[int] | None, _not_implemented("allowed_token_ids", _nothing, "only null")] = None
     truncate_prompt_tokens: Annotated[
         int | None, _not_implemented("truncate_prompt_tokens", _nothing, "only null")] = None
     return_tokens_as_token_ids: Annotated[
@@ -172,18 +175,17 @@ class _SamplingFields(_Model):
     spaces_between_special_tokens: Annotated[
         bool | None, _not_implemented("spaces_between_special_tokens", bool,
                                       "only true")] = None
-    response_format: Annotated[
-        dict[str, Any] | None,
-        _not_implemented("response_format", lambda v: v == {"type": "text"},
-                         'only {"type": "text"}')] = None
-    guided_json: Annotated[Any, _not_implemented("guided_json", _nothing, "only null")] = None
-    guided_regex: Annotated[Any, _not_implemented("guided_regex", _nothing, "only null")] = None
-    guided_choice: Annotated[Any, _not_implemented("guided_choice", _nothing,
-                                                   "only null")] = None
-    guided_grammar: Annotated[Any, _not_implemented("guided_grammar", _nothing,
-                                                    "only null")] = None
-    structured_outputs: Annotated[Any, _not_implemented("structured_outputs", _nothing,
-                                                        "only null")] = None
+    # structured outputs (structured/params.py): OpenAI's response_format, vLLM's
+    # structured_outputs extra and its older guided_* names; at most one of them
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}}')
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM: exactly one of json, json_object, regex, choice, grammar")
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: Text | None = None
     logits_processors: Annotated[Any, _not_implemented("logits_processors", _nothing,
                                                        "only null")] = None
     request_id: Annotated[Any, _not_implemented("request_id", _nothing, "only null")] = None
@@ -214,7 +216,23 @@ class _SamplingFields(_Model):
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens is not False,
+            structured_outputs=self.structured_outputs_params(),
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
+            bad_words=list(self.bad_words) if self.bad_words else None,
+            min_tokens=self.min_tokens or 0,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         ).validate()
+
+    def structured_outputs_params(self):
+        """The one structured-output constraint the request asks for, or None (raises
+        StructuredOutputsError naming the field: a 400)."""
+        from iterserve.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams.from_request(
+            response_format=self.response_format, structured_outputs=self.structured_outputs,
+            guided_json=self.guided_json, guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice, guided_grammar=self.guided_grammar)
 
 
 PromptField = (NonEmptyText

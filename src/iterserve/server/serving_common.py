@@ -16,6 +16,7 @@ request has no body generator yet while it waits, so `collect_final` polls
 from __future__ import annotations
 
 import asyncio
+import math
 import json
 import time
 import uuid
@@ -51,8 +52,22 @@ def to_api_error(exc: BaseException) -> APIError | None:
     from iterserve.core.scheduler import QueueFullError
     from iterserve.model.chat_template import ChatTemplateError
 
+    from iterserve.core.slo_policy import SLOUnattainableError
+    from iterserve.model.logits_processors import LogitsParamError
+    from iterserve.structured import StructuredOutputsError
+
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, SLOUnattainableError):
+        # Issue 18: refused early because its TTFT target cannot be met. With a retry-after
+        # estimate it is a 429 (come back later); without one (the prompt alone prefills too
+        # slowly) retrying cannot help, so it is the request's own 400.
+        if exc.retry_after_s is None:
+            return APIError(400, str(exc), param="ttft_slo_ms", code="slo_unattainable")
+        return APIError(429, str(exc), type="rate_limit_exceeded", code="slo_unattainable",
+                        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+    if isinstance(exc, (StructuredOutputsError, LogitsParamError)):
+        return APIError(400, str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, QueueFullError):
         return APIError(503, f"the server is busy: {exc}", type="service_unavailable",
                         headers={"Retry-After": "1"})
