@@ -281,10 +281,20 @@ def test_the_step_carries_masks_only_for_constrained_rows_that_sample(tiny_model
     assert len(masked) == len(out[0].outputs[0].token_ids)
 
 
-def test_a_compile_timeout_is_a_400_naming_the_field(tiny_model_dir):
+def test_a_compile_timeout_is_a_400_naming_the_field(tiny_model_dir, monkeypatch):
+    import time
+
     from iterserve.structured.backend import GrammarCompileTimeout
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256)
-    llm.engine.structured_compiler.compile_timeout = 1e-9
+    compiler = llm.engine.structured_compiler
+    compiler.compile_timeout = 0.05
+    build = compiler._build
+
+    def slow_build(*args, **kw):            # a compile that takes longer than the bound,
+        time.sleep(0.5)                     # however fast or loaded the machine is
+        return build(*args, **kw)
+
+    monkeypatch.setattr(compiler, "_build", slow_build)
     schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(40)}}
     with pytest.raises(GrammarCompileTimeout) as info:
         llm.generate(["Hello"], SamplingParams(
