@@ -6,8 +6,9 @@ help), so the lab checks a knob exactly as the engine does; the workload fields 
 draw, how to time it) are the lab's own. Validation is strict (no "8" for 8, no 1 for true)
 and every error is turned into a `LabOptionsError` whose message names the option.
 
-Three lab options still carry the lab's older names for engine knobs (`LAB_NAMES`: slots,
-policy, chunked_prefill); everything else uses the engine's name.
+Every engine knob carries the engine's own name. The lab's former spellings (`RENAMED`:
+slots, policy, chunked_prefill) are refused with a message naming the new one, so an old
+script fails loudly instead of silently running the defaults.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ MAX_SLOTS = 4096
 MAX_REQUESTS = 1_000_000
 MAX_LENGTH = 100_000
 
-# lab option name -> engine knob name, for the knobs the lab spelled its own way.
-LAB_NAMES = {"slots": "max_num_seqs", "policy": "scheduling_policy",
-             "chunked_prefill": "enable_chunked_prefill"}
+# Former lab option name -> its engine name; refused with a pointer to the new name.
+RENAMED = {"slots": "max_num_seqs", "policy": "scheduling_policy",
+           "chunked_prefill": "enable_chunked_prefill"}
 # The engine knobs the lab exposes, with lab defaults (None: derived from the workload,
 # see lab/api.py) and lab-only upper bounds that keep a run interactive.
 _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
@@ -71,8 +72,7 @@ def _field(k: Knob, default: Any, maximum: float | None) -> tuple[Any, Any]:
 
 def _knob_fields() -> dict[str, tuple[Any, Any]]:
     schema = {name: k for cls in (SchedulerConfig, CacheConfig) for name, _, k in knob_fields(cls)}
-    engine_to_lab = {v: k for k, v in LAB_NAMES.items()}
-    return {engine_to_lab.get(name, name): _field(schema[name], default, hi)
+    return {name: _field(schema[name], default, hi)
             for name, (default, hi) in _LAB_KNOBS.items()}
 
 
@@ -129,6 +129,9 @@ def parse_options(options: Any) -> Any:
         options = {}
     if not isinstance(options, dict):
         raise LabOptionsError(f"options must be an object, got {type(options).__name__}")
+    for old, new in RENAMED.items():
+        if old in options:
+            raise LabOptionsError(f"{old}: renamed to {new}", old)
     unknown = sorted(set(options) - set(LabOptions.model_fields))
     if unknown:
         raise LabOptionsError(
