@@ -108,6 +108,11 @@ def plan_lab(options: dict | None) -> LabPlan:
     if arrival_rate_s is not None and requests / arrival_rate_s > MAX_ARRIVAL_SPAN:
         raise _bad("arrival_rate_s", f"{requests} requests at {arrival_rate_s:g} per second "
                    f"would arrive over more than {MAX_ARRIVAL_SPAN:,} seconds")
+    if arrival_rate_s is not None:
+        for name in ("request_timeout", "queue_timeout"):
+            if getattr(o, name) is not None:
+                raise _bad(name, "is in simulated steps; use it with arrival_rate (per "
+                           "step), not arrival_rate_s")
     prompt_len = _range(o.prompt_len, "prompt_len")
     long_prompt_frac, long_prompt = 0.0, None
     if o.mix == "longprompt":
@@ -163,6 +168,8 @@ def plan_lab(options: dict | None) -> LabPlan:
                 long_prefill_token_threshold=o.long_prefill_token_threshold,
                 max_num_partial_prefills=o.max_num_partial_prefills,
                 slo_ttft_ms=o.slo_ttft_ms, slo_tpot_ms=o.slo_tpot_ms,
+                max_queued_requests=o.max_queued_requests,
+                request_timeout=o.request_timeout, queue_timeout=o.queue_timeout,
             ).validate(default_max_num_batched_tokens=default_budget)
             cc = CacheConfig(
                 block_size=block_size, num_kv_blocks=num_kv_blocks,

@@ -69,6 +69,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     for old, new in RENAMED.items():
         p.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,
                        action=_Renamed, new="--" + new.replace("_", "-"))
+    s.add_argument("--max-queued-requests", type=int, metavar="N",
+                   help="bound on the waiting queue; a full queue refuses the arrival "
+                        "(counted as refused; default 0: none)")
+    s.add_argument("--request-timeout", type=float, metavar="STEPS",
+                   help="in simulated steps from arrival: a request still running (or "
+                        "waiting) then ends with finish_reason timeout (default: none)")
+    s.add_argument("--queue-timeout", type=float, metavar="STEPS",
+                   help="in simulated steps: a request not admitted by then ends with "
+                        "finish_reason timeout (default: none)")
     s.add_argument("--arrival-rate-s", type=float, metavar="R",
                    help="Poisson arrivals, requests per simulated second (instead of per "
                         "step; for SLO experiments)")
@@ -116,7 +125,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
                  "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
                  "enable_chunked_prefill", "scheduling_policy", "priority_frac", "mix", "enable_prefix_caching",
                  "long_prefill_token_threshold", "max_num_partial_prefills",
-                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
+                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms", "max_queued_requests",
+                 "request_timeout", "queue_timeout"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -199,6 +209,8 @@ ROWS = [  # (label, key, format)
     ("simulated time (s)", "time_s", "s"),
     ("throughput (tokens/s)", "throughput_tokens_per_s", "f"),
     ("refused (SLO)", "refused", "int"),
+    ("refused (queue full)", "refused_queue_full", "int"),
+    ("timed out", "timed_out", "int"),
     ("met both SLOs", "slo_met", "int"),
     ("goodput (requests/s)", "goodput_rps", "s"),
 ]

@@ -39,6 +39,9 @@ _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
     "num_kv_blocks": (None, 100_000_000),
     "block_size": (16, 4096),
     "enable_prefix_caching": (False, None),
+    "max_queued_requests": (0, MAX_REQUESTS),  # a full queue refuses the arrival
+    "request_timeout": (None, None),      # in simulated steps here (the scheduler's clock)
+    "queue_timeout": (None, None),
     "slo_ttft_ms": (None, None),          # SLO targets (issue 18): goodput is reported
     "slo_tpot_ms": (None, None),          # whenever one is set; policy slo admits by them
 }
@@ -52,7 +55,17 @@ class LabOptionsError(ValueError):
         self.option = option
 
 
-def _field(k: Knob, default: Any, maximum: float | None) -> tuple[Any, Any]:
+# The lab's clock counts steps, so its timeouts do too (the engine's are in seconds).
+LAB_HELP = {
+    "request_timeout": "simulated steps from arrival after which a request ends with "
+                       "finish_reason 'timeout' (fewer output tokens than drawn)",
+    "queue_timeout": "simulated steps a request may wait before admission, else it ends "
+                     "with finish_reason 'timeout'",
+}
+
+
+def _field(k: Knob, default: Any, maximum: float | None,
+           help: str | None = None) -> tuple[Any, Any]:
     """(annotation, FieldInfo) for one knob, from its metadata."""
     if k.choices:
         kind: Any = Literal[k.choices]          # strict: the plain string, not the Enum
@@ -67,12 +80,12 @@ def _field(k: Knob, default: Any, maximum: float | None) -> tuple[Any, Any]:
     if k.kind is float:
         bounds["allow_inf_nan"] = False
     ann = Optional[kind] if default is None else kind
-    return ann, Field(default, description=k.help, **bounds)
+    return ann, Field(default, description=help or k.help, **bounds)
 
 
 def _knob_fields() -> dict[str, tuple[Any, Any]]:
     schema = {name: k for cls in (SchedulerConfig, CacheConfig) for name, _, k in knob_fields(cls)}
-    return {name: _field(schema[name], default, hi)
+    return {name: _field(schema[name], default, hi, LAB_HELP.get(name))
             for name, (default, hi) in _LAB_KNOBS.items()}
 
 
