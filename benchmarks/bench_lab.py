@@ -29,8 +29,8 @@ import time
 from iterserve.core import scheduler as scheduler_module
 from iterserve.lab.api import run_lab
 
-POISSON = {"batching": "continuous", "slots": 128, "arrival_rate": 0.9,
-           "prompt_len": [32, 512], "chunked_prefill": True, "max_num_batched_tokens": 2048}
+POISSON = {"batching": "continuous", "max_num_seqs": 128, "arrival_rate": 0.9,
+           "prompt_len": [32, 512], "enable_chunked_prefill": True, "max_num_batched_tokens": 2048}
 
 
 def timed_scheduler():

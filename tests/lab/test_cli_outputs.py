@@ -15,17 +15,17 @@ def test_default_run_prints_both_modes_side_by_side_and_the_speed_up(capsys):
 
 
 def test_json_output_is_the_run_lab_result(capsys):
-    assert main(["lab", "--json", "--requests", "12", "--slots", "4", "--short", "5-20",
+    assert main(["lab", "--json", "--requests", "12", "--max-num-seqs", "4", "--short", "5-20",
                  "--long", "30-40", "--seed", "3"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got == run_lab({"requests": 12, "slots": 4, "short": [5, 20], "long": [30, 40],
+    assert got == run_lab({"requests": 12, "max_num_seqs": 4, "short": [5, 20], "long": [30, 40],
                            "seed": 3})
 
 
 def test_per_request_flag_adds_records_and_timeline(capsys, tmp_path):
     f = tmp_path / "lengths.txt"
     f.write_text("3\n1  # a one-token answer\n2\n")
-    assert main(["lab", "--per-request", "--lengths", str(f), "--slots", "2",
+    assert main(["lab", "--per-request", "--lengths", str(f), "--max-num-seqs", "2",
                  "--batching", "continuous"]) == 0
     got = json.loads(capsys.readouterr().out)["continuous"]
     assert [p["finish"] for p in got["per_request"]] == [3, 1, 3]
@@ -35,8 +35,8 @@ def test_per_request_flag_adds_records_and_timeline(capsys, tmp_path):
 def test_prefill_options_reach_the_scheduler(capsys):
     assert main(["lab", "--json", "--batching", "continuous", "--requests", "30",
                  "--prompt-len", "50-100", "--num-kv-blocks", "60", "--block-size", "16",
-                 "--preemption-mode", "swap", "--chunked-prefill", "off",
-                 "--max-num-batched-tokens", "1024", "--policy", "priority",
+                 "--preemption-mode", "swap", "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens", "1024", "--scheduling-policy", "priority",
                  "--priority-frac", "0.5", "--arrival-rate", "2"]) == 0
     got = json.loads(capsys.readouterr().out)["continuous"]
     assert got["preemptions"] > 0 and "p99_ttft" in got
@@ -44,7 +44,7 @@ def test_prefill_options_reach_the_scheduler(capsys):
 
 def test_trace_file_is_a_valid_chrome_trace_following_each_request(capsys, tmp_path):
     path = tmp_path / "trace.json"
-    assert main(["lab", "--lengths", str(_lengths(tmp_path)), "--slots", "2",
+    assert main(["lab", "--lengths", str(_lengths(tmp_path)), "--max-num-seqs", "2",
                  "--trace", str(path)]) == 0
     trace = json.loads(path.read_text())
     events = trace["traceEvents"]
@@ -98,7 +98,7 @@ def test_trace_shows_prefill_phases_and_preempted_waits(tmp_path):
     from iterserve.lab.api import plan_lab, simulate_plan
     from iterserve.lab.trace import chrome_trace
 
-    plan = plan_lab({"batching": "continuous", "requests": 40, "slots": 8,
+    plan = plan_lab({"batching": "continuous", "requests": 40, "max_num_seqs": 8,
                      "prompt_len": [50, 100], "num_kv_blocks": 60})
     results = simulate_plan(plan, record=True)
     events = chrome_trace(results)["traceEvents"]

@@ -19,7 +19,7 @@ def test_batching_selects_the_modes_run():
 
 
 def test_slots_bound_the_running_requests():
-    r = per_request(batching="continuous", slots=3, requests=20)["continuous"]
+    r = per_request(batching="continuous", max_num_seqs=3, requests=20)["continuous"]
     assert r["slots"] == 3 and max(r["timeline"]["running"]) == 3
     assert {s["slot"] for p in r["per_request"] for s in p["segments"]} == {0, 1, 2}
 
@@ -82,12 +82,12 @@ def test_a_small_token_budget_with_chunked_prefill_splits_prompts_into_chunks():
 
 def test_without_chunked_prefill_a_prompt_is_computed_in_one_step():
     r = per_request(batching="continuous", lengths=[2], prompt_len=[100, 100],
-                    chunked_prefill=False)["continuous"]
+                    enable_chunked_prefill=False)["continuous"]
     assert r["per_request"][0]["ttft"] == 1 and r["steps"] == 2
 
 
 def test_a_small_kv_pool_forces_preemptions():
-    opts = dict(batching="continuous", requests=40, slots=8, prompt_len=[50, 100])
+    opts = dict(batching="continuous", requests=40, max_num_seqs=8, prompt_len=[50, 100])
     assert lab(**opts)["continuous"]["preemptions"] == 0
     tight = per_request(**opts, num_kv_blocks=60, block_size=16)["continuous"]
     assert tight["preemptions"] > 0
@@ -99,7 +99,7 @@ def test_a_small_kv_pool_forces_preemptions():
 
 
 def test_swap_preemption_recomputes_nothing():
-    opts = dict(batching="continuous", requests=40, slots=8, prompt_len=[50, 100],
+    opts = dict(batching="continuous", requests=40, max_num_seqs=8, prompt_len=[50, 100],
                 num_kv_blocks=60)
     recompute = lab(**opts, preemption_mode="recompute")["continuous"]
     swap = lab(**opts, preemption_mode="swap")["continuous"]
@@ -115,8 +115,8 @@ def test_block_size_sets_the_kv_granularity():
 
 
 def test_priority_policy_serves_the_urgent_class_first():
-    opts = dict(batching="continuous", requests=200, slots=4, prompt_len=[10, 20],
-                arrival_rate=0.2, policy="priority", priority_frac=0.3)
+    opts = dict(batching="continuous", requests=200, max_num_seqs=4, prompt_len=[10, 20],
+                arrival_rate=0.2, scheduling_policy="priority", priority_frac=0.3)
     r = per_request(**opts)["continuous"]
     urgent = [p["latency"] for p in r["per_request"] if p["priority"] == 0]
     normal = [p["latency"] for p in r["per_request"] if p["priority"] == 1]
@@ -126,14 +126,14 @@ def test_priority_policy_serves_the_urgent_class_first():
 
 def test_cost_model_gives_seconds_from_the_linear_formula():
     cost = {"c0": 0.5, "c_tok": 0.1, "c_seq": 0.01, "c_kv": 0.001}
-    r = lab(batching="continuous", lengths=[3, 1, 2], slots=2, cost_model=cost)["continuous"]
+    r = lab(batching="continuous", lengths=[3, 1, 2], max_num_seqs=2, cost_model=cost)["continuous"]
     # Steps 0-2 each compute 2 sequences x 1 token; K/V read: 1+1, 2+1, 3+2 positions.
     assert r["time_s"] == pytest.approx(3 * 0.5 + 6 * 0.1 + 6 * 0.01 + 10 * 0.001)
     assert r["throughput_tokens_per_s"] == pytest.approx(6 / r["time_s"])
 
 
 def test_per_request_records_carry_events_and_segments():
-    r = per_request(batching="static", lengths=[2, 1], slots=1)["static"]
+    r = per_request(batching="static", lengths=[2, 1], max_num_seqs=1)["static"]
     first, second = r["per_request"]
     assert set(first) >= {"id", "arrival", "first_scheduled", "first_token", "finish",
                           "prompt_len", "output_len", "long", "priority", "latency", "ttft",

@@ -43,7 +43,7 @@ def test_slo_goodput_is_at_least_1_5x_fcfs_above_capacity(comparison):
 
 def test_goodput_is_reported_for_any_policy_with_targets():
     r = run_lab({**PRESET, "requests": 40, "arrival_rate_s": 1.0, "cost_model": None,
-                 "policy": "priority"})["continuous"]
+                 "scheduling_policy": "priority"})["continuous"]
     assert {"goodput_rps", "slo_met", "refused", "slo_attainment"} <= set(r)
     assert r["refused"] == 0 and 0 <= r["slo_met"] <= 40
     r = run_lab({"batching": "continuous", "requests": 8})["continuous"]
@@ -55,7 +55,7 @@ def test_goodput_is_reported_for_any_policy_with_targets():
     ({"arrival_rate_s": 0.0}, "arrival_rate_s"),
     ({"slo_ttft_ms": -5}, "slo_ttft_ms"),
     ({"slo_tpot_ms": float("nan")}, "slo_tpot_ms"),
-    ({"policy": "edf"}, "policy"),
+    ({"scheduling_policy": "edf"}, "scheduling_policy"),
 ])
 def test_bad_slo_options_name_the_option(options, option):
     with pytest.raises(LabOptionsError) as exc:
@@ -65,9 +65,9 @@ def test_bad_slo_options_name_the_option(options, option):
 
 def test_cli_runs_the_slo_policy():
     cmd = [sys.executable, "-m", "iterserve.cli", "lab", "--batching", "continuous",
-           "--slots", "64", "--requests", "60", "--prompt-len", "8-40", "--arrival-rate-s",
-           "4", "--cost-model", "smollm2-cpu", "--slo-ttft-ms", "1000", "--slo-tpot-ms",
-           "100", "--policy", "slo"]
+           "--max-num-seqs", "64", "--requests", "60", "--prompt-len", "8-40",
+           "--arrival-rate-s", "4", "--cost-model", "smollm2-cpu", "--slo-ttft-ms", "1000",
+           "--slo-tpot-ms", "100", "--scheduling-policy", "slo"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "goodput (requests/s)" in proc.stdout and "refused (SLO)" in proc.stdout
@@ -82,5 +82,6 @@ def test_lab_slo_command_prints_the_comparison():
     out = json.loads(proc.stdout)
     assert [row["load"] for row in out["rows"]] == [0.8, 1.5, 2.0]
     assert out["capacity_rps"] > 0
-    bad = subprocess.run(cmd[:-3] + ["--slots", "0"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "slots" in bad.stderr
+    bad = subprocess.run(cmd[:-3] + ["--max-num-seqs", "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "max_num_seqs" in bad.stderr

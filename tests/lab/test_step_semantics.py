@@ -15,7 +15,7 @@ from iterserve.lab.api import run_lab
 
 
 def run(lengths, slots, batching, **extra):
-    return run_lab({"lengths": lengths, "slots": slots, "batching": batching,
+    return run_lab({"lengths": lengths, "max_num_seqs": slots, "batching": batching,
                     "per_request": True, **extra})[batching]
 
 
@@ -105,7 +105,7 @@ def oracle_continuous(lengths, slots):
 @given(st.lists(st.integers(1, 12), min_size=1, max_size=14), st.integers(1, 5))
 def test_finish_steps_match_the_rules_on_random_length_lists(lengths, slots):
     for mode, oracle in (("static", oracle_static), ("continuous", oracle_continuous)):
-        r = run_lab({"lengths": lengths, "slots": slots, "batching": mode,
+        r = run_lab({"lengths": lengths, "max_num_seqs": slots, "batching": mode,
                      "per_request": True})[mode]
         expected = oracle(lengths, slots)
         assert [p["finish"] for p in r["per_request"]] == expected

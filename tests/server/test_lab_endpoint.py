@@ -45,7 +45,7 @@ def test_empty_body_runs_the_reference_case_like_run_lab(client):
 
 
 def test_options_are_run_lab_options_and_the_result_is_its_json(client):
-    options = {"batching": "continuous", "slots": 4, "requests": 12, "seed": 3,
+    options = {"batching": "continuous", "max_num_seqs": 4, "requests": 12, "seed": 3,
                "per_request": True}
     resp = client.post("/v1/lab/run", json=options)
     assert resp.status_code == 200
@@ -57,7 +57,7 @@ def test_options_are_run_lab_options_and_the_result_is_its_json(client):
 
 def test_a_knob_changes_the_figures(client):
     ref = client.post("/v1/lab/run", json={}).json()
-    fewer_slots = client.post("/v1/lab/run", json={"slots": 4}).json()
+    fewer_slots = client.post("/v1/lab/run", json={"max_num_seqs": 4}).json()
     for mode in ("static", "continuous"):
         assert fewer_slots[mode]["slots"] == 4
         assert fewer_slots[mode]["steps"] > ref[mode]["steps"]
@@ -66,7 +66,7 @@ def test_a_knob_changes_the_figures(client):
 # --- bad input -----------------------------------------------------------------------
 
 def test_malformed_json_is_a_400(client):
-    resp = client.post("/v1/lab/run", content=b'{"slots": 8,',
+    resp = client.post("/v1/lab/run", content=b'{"max_num_seqs": 8,',
                        headers={"Content-Type": "application/json"})
     assert_error(resp, says="not valid JSON")
 
@@ -85,16 +85,24 @@ def test_an_unknown_option_is_a_400_naming_it(client):
     assert err["code"] == "invalid_lab_option"
 
 
+@pytest.mark.parametrize("old, new", [("slots", "max_num_seqs"), ("policy", "scheduling_policy"),
+                                      ("chunked_prefill", "enable_chunked_prefill")])
+def test_a_former_option_name_is_a_400_naming_the_new_one(client, old, new):
+    err = assert_error(client.post("/v1/lab/run", json={old: 4}), param=old,
+                       says=f"renamed to {new}")
+    assert err["code"] == "invalid_lab_option"
+
+
 @pytest.mark.parametrize("options, param", [
-    ({"slots": 0}, "slots"),
-    ({"slots": "eight"}, "slots"),
-    ({"slots": 2.5}, "slots"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_seqs": "eight"}, "max_num_seqs"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs"),
     ({"batching": "dynamic"}, "batching"),
     ({"short_frac": 1.5}, "short_frac"),
     ({"short": [100, 10]}, "short"),
     ({"arrival_rate": -1}, "arrival_rate"),
     ({"preemption_mode": "drop"}, "preemption_mode"),
-    ({"chunked_prefill": "yes"}, "chunked_prefill"),
+    ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
 ])
 def test_a_bad_value_is_a_400_naming_the_option(client, options, param):
     assert_error(client.post("/v1/lab/run", json=options), param=param, says=param)

@@ -136,8 +136,9 @@ def test_reference_case_shows_both_modes_as_the_json_endpoint_computes_them(page
 
 def test_changing_a_knob_reruns_and_updates_the_figures_in_place(page, base_url):
     before = shown(page, "static", "steps")
-    rerun(page, lambda: (page.fill("#opt-slots", "4"), page.press("#opt-slots", "Enter")))
-    expected = lab_run(base_url, {"slots": 4})
+    rerun(page, lambda: (page.fill("#opt-max_num_seqs", "4"),
+                         page.press("#opt-max_num_seqs", "Enter")))
+    expected = lab_run(base_url, {"max_num_seqs": 4})
     for mode in ("static", "continuous"):
         assert shown(page, mode, "steps") == expected[mode]["steps"]
         assert shown(page, mode, "utilization") == pytest.approx(expected[mode]["utilization"])
@@ -145,11 +146,11 @@ def test_changing_a_knob_reruns_and_updates_the_figures_in_place(page, base_url)
     assert shown(page, "static", "steps") != before
     # Another seed draws another workload.
     rerun(page, lambda: (page.fill("#opt-seed", "7"), page.press("#opt-seed", "Enter")))
-    expected = lab_run(base_url, {"slots": 4, "seed": 7})
+    expected = lab_run(base_url, {"max_num_seqs": 4, "seed": 7})
     assert shown(page, "continuous", "steps") == expected["continuous"]["steps"]
     # "Reference case" puts every knob back.
     rerun(page, lambda: page.click("#reference-case"))
-    assert page.input_value("#opt-slots") == "8"
+    assert page.input_value("#opt-max_num_seqs") == "8"
     assert shown(page, "static", "steps") == before
 
 

@@ -1,6 +1,6 @@
 """The lab's programmatic entry point, shared by `iterserve lab`, `POST /v1/lab/run` and /lab.
 
-    run_lab({"batching": "both", "slots": 8, "requests": 48}) ->
+    run_lab({"batching": "both", "max_num_seqs": 8, "requests": 48}) ->
         {"static": ModeResult, "continuous": ModeResult}
 
 `options` keys are the CLI option names with '-' -> '_' (all optional): the fields of the
@@ -11,9 +11,9 @@ names the option and what is wrong (fit for an HTTP 400 body or a CLI error line
 Defaults that depend on the workload, chosen so the reference case has no memory or budget
 pressure (each slot can hold the longest request, every running request decodes each step):
 - max_model_len = the longest prompt + output in the workload;
-- max_num_batched_tokens = slots + max_model_len with prefill ignored (all decodes plus one
+- max_num_batched_tokens = max_num_seqs + max_model_len with prefill ignored (all decodes plus one
   whole recompute), 2048 with prefill on (at least max_model_len without chunked prefill);
-- num_kv_blocks = slots x ceil(max_model_len / block_size); the swap pool, with
+- num_kv_blocks = max_num_seqs x ceil(max_model_len / block_size); the swap pool, with
   preemption_mode "swap", is as large as the device pool;
 - priority_frac = 0.2 under the priority policy (a minority urgent class), else 0.
 """
@@ -28,7 +28,7 @@ from iterserve.lab.cost_model import CostModel, CostModelError, default_cost_mod
 from iterserve.lab.metrics import summarize
 from iterserve.lab.simulator import SimResult, SimSettings, simulate
 from iterserve.lab.options import (  # noqa: F401  (re-exported for callers)
-    LAB_NAMES, MAX_REQUESTS, MAX_SLOTS, OPTION_DEFAULTS, LabOptions, LabOptionsError,
+    MAX_REQUESTS, MAX_SLOTS, OPTION_DEFAULTS, LabOptions, LabOptionsError,
     parse_options)
 from iterserve.lab.workload import (
     RequestSpec, WorkloadError, WorkloadSpec, check_lengths, check_range, draw_workload)
@@ -78,7 +78,7 @@ def plan_lab(options: dict | None) -> LabPlan:
     o = parse_options(options)
     given = options or {}
     modes = MODES if o.batching == "both" else (o.batching,)
-    slots = o.slots
+    slots = o.max_num_seqs
     seed = DEFAULT_SEED if o.seed is None else o.seed
     short = _range(o.short, "short")
     long_ = _range(o.long, "long")
@@ -108,14 +108,19 @@ def plan_lab(options: dict | None) -> LabPlan:
     if arrival_rate_s is not None and requests / arrival_rate_s > MAX_ARRIVAL_SPAN:
         raise _bad("arrival_rate_s", f"{requests} requests at {arrival_rate_s:g} per second "
                    f"would arrive over more than {MAX_ARRIVAL_SPAN:,} seconds")
+    if arrival_rate_s is not None:
+        for name in ("request_timeout", "queue_timeout"):
+            if getattr(o, name) is not None:
+                raise _bad(name, "is in simulated steps; use it with arrival_rate (per "
+                           "step), not arrival_rate_s")
     prompt_len = _range(o.prompt_len, "prompt_len")
     long_prompt_frac, long_prompt = 0.0, None
     if o.mix == "longprompt":
         prompt_len = prompt_len or LONGPROMPT_SHORT
         long_prompt_frac, long_prompt = LONGPROMPT_FRAC, LONGPROMPT_LEN
-    chunked = o.chunked_prefill
+    chunked = o.enable_chunked_prefill
     block_size = o.block_size
-    policy = o.policy
+    policy = o.scheduling_policy
     priority_frac = o.priority_frac
     if priority_frac is None:
         priority_frac = DEFAULT_PRIORITY_FRAC if policy == "priority" else 0.0
@@ -163,6 +168,8 @@ def plan_lab(options: dict | None) -> LabPlan:
                 long_prefill_token_threshold=o.long_prefill_token_threshold,
                 max_num_partial_prefills=o.max_num_partial_prefills,
                 slo_ttft_ms=o.slo_ttft_ms, slo_tpot_ms=o.slo_tpot_ms,
+                max_queued_requests=o.max_queued_requests,
+                request_timeout=o.request_timeout, queue_timeout=o.queue_timeout,
             ).validate(default_max_num_batched_tokens=default_budget)
             cc = CacheConfig(
                 block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -171,8 +178,7 @@ def plan_lab(options: dict | None) -> LabPlan:
                 num_swap_blocks=num_kv_blocks if o.preemption_mode == "swap" else 0,
                 enable_prefix_caching=o.enable_prefix_caching).validate()
         except ConfigError as e:
-            option = {v: k for k, v in LAB_NAMES.items()}.get(e.knob, e.knob)
-            raise LabOptionsError(str(e), option) from e
+            raise LabOptionsError(str(e), e.knob) from e
         settings[mode] = SimSettings(sc, cc, prefill_ignored)
     return LabPlan(modes=modes, workload=workload, specs=specs, settings=settings, cost=cost,
                    per_request=o.per_request)

@@ -5,7 +5,7 @@ short / 20% long answers, prefill ignored) and prints both modes side by side. E
 maps to a `run_lab` option (see iterserve.lab.api); `--json` prints the same dict the HTTP
 endpoint returns. `--serve` serves the /lab page without a model.
 
-Bad input (an unknown choice, a malformed range or lengths file, zero slots, ...) prints
+Bad input (an unknown choice, a malformed range or lengths file, --max-num-seqs 0, ...) prints
 one clear line on stderr and exits with status 2, like argparse's own errors.
 """
 
@@ -29,7 +29,6 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "static and continuous batching (steps, utilisation, latency).")
     w = p.add_argument_group("workload")
     w.add_argument("--batching", choices=("static", "continuous", "both"), default="both")
-    w.add_argument("--slots", type=int, help="max_num_seqs (default 8)")
     w.add_argument("--requests", type=int, help="number of requests (default 48)")
     w.add_argument("--seed", type=int, help="random seed of the draw (default: the reference seed)")
     w.add_argument("--short-frac", type=float, help="share of short answers (default 0.8)")
@@ -43,26 +42,42 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--prompt-len", metavar="MIN-MAX",
                    help="prompt lengths; turns prefill on (default: prefill ignored)")
     s.add_argument("--max-num-batched-tokens", type=int)
-    s.add_argument("--chunked-prefill", choices=("on", "off"))
     s.add_argument("--num-kv-blocks", type=int)
     s.add_argument("--block-size", type=int)
     s.add_argument("--preemption-mode", choices=("recompute", "swap"))
-    s.add_argument("--policy", choices=("fcfs", "priority", "slo"))
     s.add_argument("--priority-frac", type=float,
-                   help="share of urgent requests under --policy priority (default 0.2)")
+                   help="share of urgent requests under --scheduling-policy priority "
+                        "(default 0.2)")
     s.add_argument("--mix", choices=("reference", "longprompt"),
                    help="longprompt: 10%% of the prompts 1500-2000 tokens among short chats "
                         "(--prompt-len, default 20-100); turns prefill on")
-    # The engine's own knobs, flags and help generated from core/config.py.
+    # The engine's own knobs, flags and help generated from core/config.py (the same
+    # spellings as `iterserve serve`); the help gives the lab's default where it differs.
     from iterserve.core.config import (
         CacheConfig, SchedulerConfig, add_knob_argument, knob_fields)
-    for cls, names in ((CacheConfig, ("enable_prefix_caching",)),
-                       (SchedulerConfig, ("long_prefill_token_threshold",
-                                          "max_num_partial_prefills", "slo_ttft_ms",
-                                          "slo_tpot_ms"))):
-        for name, default, k in knob_fields(cls):
+    from iterserve.lab.options import OPTION_DEFAULTS, RENAMED
+    for cls, group, names in (
+            (SchedulerConfig, w, ("max_num_seqs",)),
+            (SchedulerConfig, s, ("enable_chunked_prefill", "scheduling_policy",
+                                  "long_prefill_token_threshold", "max_num_partial_prefills",
+                                  "slo_ttft_ms", "slo_tpot_ms")),
+            (CacheConfig, s, ("enable_prefix_caching",))):
+        for name, _default, k in knob_fields(cls):
             if name in names:
-                add_knob_argument(s, name, k, None, f"default {default}")
+                add_knob_argument(group, name, k, None, f"default {OPTION_DEFAULTS[name]}")
+    # The lab's former flags: hidden, and an error that names the new flag.
+    for old, new in RENAMED.items():
+        p.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,
+                       action=_Renamed, new="--" + new.replace("_", "-"))
+    s.add_argument("--max-queued-requests", type=int, metavar="N",
+                   help="bound on the waiting queue; a full queue refuses the arrival "
+                        "(counted as refused; default 0: none)")
+    s.add_argument("--request-timeout", type=float, metavar="STEPS",
+                   help="in simulated steps from arrival: a request still running (or "
+                        "waiting) then ends with finish_reason timeout (default: none)")
+    s.add_argument("--queue-timeout", type=float, metavar="STEPS",
+                   help="in simulated steps: a request not admitted by then ends with "
+                        "finish_reason timeout (default: none)")
     s.add_argument("--arrival-rate-s", type=float, metavar="R",
                    help="Poisson arrivals, requests per simulated second (instead of per "
                         "step; for SLO experiments)")
@@ -89,17 +104,29 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+class _Renamed(argparse.Action):
+    """A removed flag: exit 2 with "--slots: renamed to --max-num-seqs"."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: renamed to {self.new}")
+
+
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """CLI flags -> run_lab options (files are read here; values are checked by run_lab)."""
     from iterserve.lab.cost_model import load_cost_model
     from iterserve.lab.workload import parse_range, read_lengths_file
 
     opts: dict[str, Any] = {"batching": args.batching}
-    for name in ("slots", "requests", "seed", "short_frac", "arrival_rate",
+    for name in ("max_num_seqs", "requests", "seed", "short_frac", "arrival_rate",
                  "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
-                 "policy", "priority_frac", "mix", "enable_prefix_caching",
+                 "enable_chunked_prefill", "scheduling_policy", "priority_frac", "mix", "enable_prefix_caching",
                  "long_prefill_token_threshold", "max_num_partial_prefills",
-                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
+                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms", "max_queued_requests",
+                 "request_timeout", "queue_timeout"):
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -109,8 +136,6 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             opts[name] = list(parse_range(value, "--" + name.replace("_", "-")))
     if args.lengths is not None:
         opts["lengths"] = list(read_lengths_file(args.lengths))
-    if args.chunked_prefill is not None:
-        opts["chunked_prefill"] = args.chunked_prefill == "on"
     if args.cost_model is not None:
         opts["cost_model"] = load_cost_model(args.cost_model)
     if args.per_request:
@@ -184,6 +209,8 @@ ROWS = [  # (label, key, format)
     ("simulated time (s)", "time_s", "s"),
     ("throughput (tokens/s)", "throughput_tokens_per_s", "f"),
     ("refused (SLO)", "refused", "int"),
+    ("refused (queue full)", "refused_queue_full", "int"),
+    ("timed out", "timed_out", "int"),
     ("met both SLOs", "slo_met", "int"),
     ("goodput (requests/s)", "goodput_rps", "s"),
 ]

@@ -7,7 +7,11 @@ cost model):
 - latency = finish - arrival; ttft = first token - arrival (a token of step s counts at the
   end of the step, s + 1); itl = the gaps between consecutive tokens of a request, over all
   requests' tokens;
-- percentiles interpolate linearly between order statistics (numpy's default).
+- percentiles interpolate linearly between order statistics (numpy's default);
+- requests refused at arrival (slo policy, a full queue under max_queued_requests) are
+  counted (`refused`, `refused_queue_full`) and left out of every other statistic; requests
+  that ended by timeout (request_timeout / queue_timeout) are counted in `timed_out`, their
+  tokens count in `tokens` and the ITL, and latency / TTFT are over the completed requests.
 """
 
 from __future__ import annotations
@@ -36,13 +40,23 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
     S = res.step_start_s
     slo = _slo_block(res, arrival, output_len)      # before refused requests are dropped
     num_requests = len(specs)
+    counts: dict[str, int] = {}
+    if res.queue_full is not None:
+        counts["refused_queue_full"] = int(res.queue_full.sum())
     if res.refused is not None and res.refused.any():
         served = ~res.refused
         res = _served_only(res, served)
         specs = res.specs
         arrival, output_len = arrival[served], output_len[served]
-    latency = res.finish - arrival
-    tokens = int(output_len.sum())
+    if res.timed_out is not None:
+        counts["timed_out"] = int(res.timed_out.sum())
+        tokens = int(res.output_tokens.sum())
+        done = ~res.timed_out                       # latency / TTFT: completed requests
+        finish, first_token, arrival = res.finish[done], res.first_token[done], arrival[done]
+    else:
+        tokens = int(output_len.sum())
+        finish, first_token = res.finish, res.first_token
+    latency = finish - arrival
     slots = res.settings.slots
     time_s = float(S[-1])
     out: dict[str, Any] = {
@@ -57,13 +71,13 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         "time_s": time_s,
         "throughput_tokens_per_s": tokens / time_s if time_s > 0 else 0.0,
     }
-    latency_s = S[res.finish] - S[arrival]
+    latency_s = S[finish] - S[arrival]
     out["mean_latency_s"] = _mean(latency_s)
     out["p99_latency_s"] = _pct(latency_s, 99)
 
     if not res.settings.prefill_ignored:
-        ttft = res.first_token - arrival
-        ttft_s = S[res.first_token] - S[arrival]
+        ttft = first_token - arrival
+        ttft_s = S[first_token] - S[arrival]
         out.update(mean_ttft=_mean(ttft), p50_ttft=_pct(ttft, 50), p99_ttft=_pct(ttft, 99),
                    mean_ttft_s=_mean(ttft_s), p99_ttft_s=_pct(ttft_s, 99))
         if res.itl_prev is not None:
@@ -75,6 +89,7 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         out["prompt_tokens"] = int(sum(s.prompt_len for s in specs))
         out["computed_tokens"] = res.computed_tokens
 
+    out.update(counts)
     if slo:
         out.update(slo)
     if per_request:
@@ -96,7 +111,10 @@ def _served_only(res: SimResult, served: np.ndarray) -> SimResult:
                    segments=None if res.segments is None else [res.segments[i] for i in idx],
                    events=None if res.events is None else [res.events[i] for i in idx],
                    arrival_step=None if res.arrival_step is None else res.arrival_step[served],
-                   refused=None)
+                   refused=None, queue_full=None,
+                   timed_out=None if res.timed_out is None else res.timed_out[served],
+                   output_tokens=(None if res.output_tokens is None
+                                  else res.output_tokens[served]))
 
 
 def _slo_block(res: SimResult, arrival_step: np.ndarray,
@@ -117,6 +135,8 @@ def _slo_block(res: SimResult, arrival_step: np.ndarray,
     ttft_s = S[res.first_token] - arrival_s
     tpot_s = (S[res.finish] - S[res.first_token]) / np.maximum(output_len - 1, 1)
     ok = ~refused
+    if res.timed_out is not None:
+        ok &= ~res.timed_out                      # a timed-out request meets no target
     if st.slo_ttft_ms is not None:
         ok &= ttft_s <= st.slo_ttft_ms / 1000.0
     if st.slo_tpot_ms is not None:
@@ -162,4 +182,7 @@ def per_request_records(res: SimResult) -> list[dict[str, Any]]:
             "segments": res.segments[i],
             "events": events,
         })
+        if res.timed_out is not None:
+            records[-1].update(finish_reason="timeout" if res.timed_out[i] else "length",
+                               output_tokens=int(res.output_tokens[i]))
     return records

@@ -6,8 +6,9 @@ help), so the lab checks a knob exactly as the engine does; the workload fields 
 draw, how to time it) are the lab's own. Validation is strict (no "8" for 8, no 1 for true)
 and every error is turned into a `LabOptionsError` whose message names the option.
 
-Three lab options still carry the lab's older names for engine knobs (`LAB_NAMES`: slots,
-policy, chunked_prefill); everything else uses the engine's name.
+Every engine knob carries the engine's own name. The lab's former spellings (`RENAMED`:
+slots, policy, chunked_prefill) are refused with a message naming the new one, so an old
+script fails loudly instead of silently running the defaults.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ MAX_SLOTS = 4096
 MAX_REQUESTS = 1_000_000
 MAX_LENGTH = 100_000
 
-# lab option name -> engine knob name, for the knobs the lab spelled its own way.
-LAB_NAMES = {"slots": "max_num_seqs", "policy": "scheduling_policy",
-             "chunked_prefill": "enable_chunked_prefill"}
+# Former lab option name -> its engine name; refused with a pointer to the new name.
+RENAMED = {"slots": "max_num_seqs", "policy": "scheduling_policy",
+           "chunked_prefill": "enable_chunked_prefill"}
 # The engine knobs the lab exposes, with lab defaults (None: derived from the workload,
 # see lab/api.py) and lab-only upper bounds that keep a run interactive.
 _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
@@ -38,6 +39,9 @@ _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
     "num_kv_blocks": (None, 100_000_000),
     "block_size": (16, 4096),
     "enable_prefix_caching": (False, None),
+    "max_queued_requests": (0, MAX_REQUESTS),  # a full queue refuses the arrival
+    "request_timeout": (None, None),      # in simulated steps here (the scheduler's clock)
+    "queue_timeout": (None, None),
     "slo_ttft_ms": (None, None),          # SLO targets (issue 18): goodput is reported
     "slo_tpot_ms": (None, None),          # whenever one is set; policy slo admits by them
 }
@@ -51,7 +55,17 @@ class LabOptionsError(ValueError):
         self.option = option
 
 
-def _field(k: Knob, default: Any, maximum: float | None) -> tuple[Any, Any]:
+# The lab's clock counts steps, so its timeouts do too (the engine's are in seconds).
+LAB_HELP = {
+    "request_timeout": "simulated steps from arrival after which a request ends with "
+                       "finish_reason 'timeout' (fewer output tokens than drawn)",
+    "queue_timeout": "simulated steps a request may wait before admission, else it ends "
+                     "with finish_reason 'timeout'",
+}
+
+
+def _field(k: Knob, default: Any, maximum: float | None,
+           help: str | None = None) -> tuple[Any, Any]:
     """(annotation, FieldInfo) for one knob, from its metadata."""
     if k.choices:
         kind: Any = Literal[k.choices]          # strict: the plain string, not the Enum
@@ -66,13 +80,12 @@ def _field(k: Knob, default: Any, maximum: float | None) -> tuple[Any, Any]:
     if k.kind is float:
         bounds["allow_inf_nan"] = False
     ann = Optional[kind] if default is None else kind
-    return ann, Field(default, description=k.help, **bounds)
+    return ann, Field(default, description=help or k.help, **bounds)
 
 
 def _knob_fields() -> dict[str, tuple[Any, Any]]:
     schema = {name: k for cls in (SchedulerConfig, CacheConfig) for name, _, k in knob_fields(cls)}
-    engine_to_lab = {v: k for k, v in LAB_NAMES.items()}
-    return {engine_to_lab.get(name, name): _field(schema[name], default, hi)
+    return {name: _field(schema[name], default, hi, LAB_HELP.get(name))
             for name, (default, hi) in _LAB_KNOBS.items()}
 
 
@@ -129,6 +142,9 @@ def parse_options(options: Any) -> Any:
         options = {}
     if not isinstance(options, dict):
         raise LabOptionsError(f"options must be an object, got {type(options).__name__}")
+    for old, new in RENAMED.items():
+        if old in options:
+            raise LabOptionsError(f"{old}: renamed to {new}", old)
     unknown = sorted(set(options) - set(LabOptions.model_fields))
     if unknown:
         raise LabOptionsError(

@@ -34,6 +34,7 @@ from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.scheduler import QueueFullError, Scheduler
 from iterserve.core.scheduler_output import SchedulerOutput
+from iterserve.core.slo_policy import SLOUnattainableError
 from iterserve.lab.cost_model import CostModel
 from iterserve.lab.workload import RequestSpec
 
@@ -242,6 +243,11 @@ class SimResult:
     # and which ones add_request refused (their finish / first_token entries are 0).
     arrival_step: np.ndarray | None = None
     refused: np.ndarray | None = None
+    # Runs with max_queued_requests / request_timeout / queue_timeout: which requests a full
+    # queue refused, which ended by timeout, and how many output tokens each got.
+    queue_full: np.ndarray | None = None
+    timed_out: np.ndarray | None = None
+    output_tokens: np.ndarray | None = None
     # Recorded only when asked (per-request output, trace, plot):
     segments: list[list[dict[str, Any]]] | None = None
     events: list[list[dict[str, Any]]] | None = None
@@ -269,7 +275,15 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     if sched.slo is not None:
         sched.slo.use_clock(lambda: now_s)
     arrival_step = np.zeros(n, dtype=np.int64) if seconds_arrivals else None
-    refused = np.zeros(n, dtype=bool) if (seconds_arrivals or sched.slo is not None) else None
+    cfg = settings.scheduler
+    bounded = bool(cfg.max_queued_requests)
+    refused = (np.zeros(n, dtype=bool)
+               if (seconds_arrivals or sched.slo is not None or bounded) else None)
+    queue_full = np.zeros(n, dtype=bool) if bounded else None
+    timeouts = cfg.request_timeout is not None or cfg.queue_timeout is not None
+    timed_out = np.zeros(n, dtype=bool) if timeouts else None
+    output_tokens = np.zeros(n, dtype=np.int64) if timeouts else None
+    live: dict[str, Request] = {}           # with timeouts: added, not yet finished
     idle_s = cost.idle_step_s if cost.idle_step_s > 0 else 1e-3
 
     def arrives_later(spec: RequestSpec) -> bool:
@@ -330,8 +344,10 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 now_s = spec.arrival_s        # the policy sees it arrive when it arrived
             try:
                 sched.add_request(req)
-            except QueueFullError:            # policy slo: refused early (a 429 in the server)
+            except QueueFullError as e:       # policy slo or a full queue (429 / 503)
                 refused[spec.index] = True
+                if queue_full is not None and not isinstance(e, SLOUnattainableError):
+                    queue_full[spec.index] = True
                 done += 1
                 idx += 1
                 continue
@@ -339,6 +355,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 now_s = step_start[-1]
             if rec is not None:
                 rec.arrive(req.request_id, tr)
+            if timeouts:
+                live[req.request_id] = req
             idx += 1
 
         out = sched.schedule()
@@ -354,6 +372,33 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 tr.evicted = True
                 if rec is not None:
                     rec.evict(tr, step, first)
+
+        if timeouts and out.finished_req_ids:
+            # Ended by schedule() itself (a passed deadline): done at this step, with the
+            # tokens made so far.
+            for rid in out.finished_req_ids:
+                req = live.pop(rid, None)
+                if req is None:
+                    continue
+                tr = req.user_data
+                i = tr.spec.index
+                timed_out[i] = True
+                output_tokens[i] = req.num_output_tokens
+                finish[i] = step
+                first_token[i] = (step if req.first_token_time is None
+                                  else int(req.first_token_time))
+                first_scheduled[i] = tr.first_scheduled
+                preemptions[i] = tr.preemptions
+                if token_gaps and req.num_output_tokens > 1:
+                    times = np.asarray(req.token_times, dtype=np.int64)
+                    gaps_prev.append(times[:-1])
+                    gaps_next.append(times[1:])
+                if rec is not None:
+                    rec.finish(rid, tr, step)
+                    segments[i] = tr.segments
+                    events[i] = [e.to_dict() for e in req.events]
+                req.user_data = None
+                done += 1
 
         sampled = execute(out)
         nseq = len(out.num_scheduled_tokens)
@@ -382,6 +427,9 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
                 raise SimulationError(
                     f"{req.request_id} finished with {req.num_output_tokens} tokens, "
                     f"expected {tr.spec.output_len} (max_tokens, ignore_eos)")
+            if timeouts:
+                live.pop(req.request_id, None)
+                output_tokens[i] = req.num_output_tokens
             finish[i] = step + 1
             first_token[i] = int(req.first_token_time)
             first_scheduled[i] = tr.first_scheduled
@@ -412,7 +460,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         computed_tokens=computed, step_start_s=np.frombuffer(step_start, dtype=np.float64),
         specs=specs, finish=finish, first_token=first_token, first_scheduled=first_scheduled,
         preemptions=preemptions, segments=segments, events=events, timeline=timeline,
-        arrival_step=arrival_step, refused=refused)
+        arrival_step=arrival_step, refused=refused, queue_full=queue_full,
+        timed_out=timed_out, output_tokens=output_tokens)
     if token_gaps:
         empty = np.zeros(0, dtype=np.int64)
         result.itl_prev = np.concatenate(gaps_prev) if gaps_prev else empty

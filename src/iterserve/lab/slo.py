@@ -22,7 +22,7 @@ from iterserve.lab.api import run_lab
 from iterserve.lab.cost_model import load_cost_model
 
 PRESET: dict[str, Any] = {
-    "batching": "continuous", "slots": 64, "requests": 300, "prompt_len": [8, 40],
+    "batching": "continuous", "max_num_seqs": 64, "requests": 300, "prompt_len": [8, 40],
     "short_frac": 0.8, "short": [10, 100], "long": [250, 500],
     "slo_ttft_ms": 1000.0, "slo_tpot_ms": 100.0, "cost_model": "smollm2-cpu",
 }
@@ -41,7 +41,7 @@ def capacity_rps(options: dict[str, Any] | None = None) -> float:
     opts = _options({**PRESET, **(options or {})})
     for key in ("arrival_rate", "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms"):
         opts.pop(key, None)
-    opts["policy"] = "fcfs"
+    opts["scheduling_policy"] = "fcfs"
     r = run_lab(opts)["continuous"]
     return r["requests"] / r["time_s"]
 
@@ -55,7 +55,7 @@ def goodput_comparison(options: dict[str, Any] | None = None,
     for f in load_factors:
         row: dict[str, Any] = {"load": f, "arrival_rate_s": f * cap}
         for policy in ("fcfs", "slo"):
-            r = run_lab(_options({**base, "policy": policy,
+            r = run_lab(_options({**base, "scheduling_policy": policy,
                                   "arrival_rate_s": f * cap}))["continuous"]
             row[policy] = {k: r[k] for k in (
                 "goodput_rps", "slo_met", "refused", "requests", "time_s", "p99_ttft_s",
@@ -80,7 +80,7 @@ def register(subparsers):
     p.add_argument("--requests", type=int, default=PRESET["requests"])
     p.add_argument("--slo-ttft-ms", type=float, default=PRESET["slo_ttft_ms"])
     p.add_argument("--slo-tpot-ms", type=float, default=PRESET["slo_tpot_ms"])
-    p.add_argument("--slots", type=int, default=PRESET["slots"])
+    p.add_argument("--max-num-seqs", type=int, default=PRESET["max_num_seqs"])
     p.add_argument("--cost-model", default=PRESET["cost_model"], metavar="FILE|NAME")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -95,7 +95,8 @@ def run(args) -> int:
     from iterserve.lab.cost_model import CostModelError
 
     opts = {"requests": args.requests, "slo_ttft_ms": args.slo_ttft_ms,
-            "slo_tpot_ms": args.slo_tpot_ms, "slots": args.slots, "cost_model": args.cost_model}
+            "slo_tpot_ms": args.slo_tpot_ms, "max_num_seqs": args.max_num_seqs,
+            "cost_model": args.cost_model}
     if args.seed is not None:
         opts["seed"] = args.seed
     try:

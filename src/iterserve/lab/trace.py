@@ -57,7 +57,7 @@ def chrome_trace(results: dict[str, SimResult]) -> dict[str, Any]:
                              "output_len": spec.output_len, "long": spec.long},
                 })
             if res.refused is not None and res.refused[i]:
-                continue                    # refused by the slo policy: never queued
+                continue                    # refused at arrival (slo policy, full queue)
             arrival = spec.arrival if res.arrival_step is None else int(res.arrival_step[i])
             finish = int(res.finish[i])
             aid = f"{mode}:{rid}"
