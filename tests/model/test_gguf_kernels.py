@@ -138,31 +138,12 @@ def test_decode_attention_rejects_tables_outside_the_pool():
         kernels.decode_attention(q, pool, pool, good.long(), lens, 0, 4, 0.25, out)
 
 
-def test_legacy_split_layout_kernel_and_gguf_blocks_agree_bit_for_bit():
-    """The compatibility path (model/quant.py's split arrays, until the loader keeps GGUF
-    blocks): the GGUF-layout kernel gives exactly the split-layout kernel's results, so the
-    fused decode (GGUF layout) stays bit-identical to the per-module path (split layout)."""
-    from iterserve.model.quant import BlockQuantWeight
-    from gguf import GGMLQuantizationType as Q
-    fn = kernels.qgemm()
-    for name in ("Q4_0", "Q4_1", "Q8_0"):
-        t, raw, _ = gguf_blocks(name, 130, 1600, seed=2)
-        bq = BlockQuantWeight.from_gguf(name, raw.numpy(), (130, 1600))
-        t2, blocks = kernels.split_to_gguf_blocks(name, bq.qs, bq.d, bq.m)
-        assert t2 == Q[name] and torch.equal(blocks, raw)
-        for rows in (1, 3, 8, 13):
-            x = torch.randn(rows, 1600)
-            out = torch.empty(rows, 130)
-            kernels.qgemm(t, raw, 1600, x, out)
-            assert torch.equal(out, bq.matmul(x, fn, torch.get_num_threads()))
-
-
 def test_disabled_kernels_report_unavailable_and_wrappers_raise(monkeypatch):
     monkeypatch.setenv("ITERSERVE_NATIVE_KERNELS", "0")
     kernels.clear_cache()
     try:
         assert not kernels.available() and "ITERSERVE_NATIVE_KERNELS" in kernels.unavailable
-        assert not kernels.supports_qgemm(2) and kernels.qgemm() is None
+        assert not kernels.supports_qgemm(2)
         assert kernels.decode_attention() is None
         assert "avx2" in kernels.features()          # still detected, from /proc/cpuinfo
         t, raw, _ = gguf_blocks("Q4_0", 8, 64)

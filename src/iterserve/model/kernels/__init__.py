@@ -109,8 +109,6 @@ _ARGTYPES = {
     "iterserve_decode_layers": (_i32, [_p, _i32, _p, _p, _i64, _p, _i64, _i64, _i32, _i32,
                                        _i32, _i64, _f32, _p, _p, _p, _p, _i32, _p, _i32, _i32,
                                        _f32, _i32]),
-    "iterserve_qgemm_split": (None, [_i32, _p, ctypes.c_long, ctypes.c_long, _p, _p, _p, _p,
-                                     ctypes.c_long, _i32]),
 }
 _ERRORS = {1: "a block table entry lies outside the KV pool",
            2: "a slot lies outside the KV pool",
@@ -366,15 +364,11 @@ def _threads() -> int:
 
 # --- the kernels -------------------------------------------------------------------------
 
-def qgemm(ggml_type=None, w=None, k=None, x=None, out=None, col0: int = 0):
+def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+          col0: int = 0) -> None:
     """out[:, col0:col0+N] = x @ W^T for an encoded weight W (uint8 [N, row_bytes], GGUF
     blocks of `ggml_type`, k elements per row), x float32 [M, k] with contiguous rows, out
-    float32 2-D [M, >= col0 + N] with contiguous rows (its row stride may exceed N).
-
-    Called with no arguments (legacy, until the loader keeps GGUF blocks): the split-layout
-    kernel for model/quant.py's BlockQuantWeight.matmul, or None."""
-    if ggml_type is None and w is None:
-        return _legacy_split_qgemm() if available() else None
+    float32 2-D [M, >= col0 + N] with contiguous rows (its row stride may exceed N)."""
     lib = _lib()
     t = int(ggml_type)
     n, ldw = _weight(t, w, k, "qgemm")
@@ -670,37 +664,3 @@ class DecodeLayers:
                      slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
                      lens.data_ptr(), window, block_size, scale, _threads()))
         return h
-
-
-# --- legacy: the split layout of model/quant.py (delete with BlockQuantWeight) ---------------
-
-_SPLIT_KINDS = {"Q4_0": (0, 2, 16), "Q4_1": (1, 3, 16), "Q8_0": (2, 8, 32)}  # id, ggml, bytes
-
-
-@functools.cache
-def _legacy_split_qgemm():
-    fn = _lib().iterserve_qgemm_split
-
-    def split_qgemm(kind, x, M, K, qs, d, m, y, N, nthreads):
-        """BlockQuantWeight.matmul's old signature; the pointers come from its own tensors."""
-        if kind not in (0, 1, 2) or K <= 0 or K % 32 or M < 0 or N < 0 \
-                or not (x and qs and d and y) or (kind == 1 and not m):
-            raise ValueError("bad arguments for the split-layout qgemm")
-        fn(kind, x, M, K, qs, d, m, y, N, nthreads)
-    return split_qgemm
-
-
-def split_to_gguf_blocks(kind: str, qs: torch.Tensor, d: torch.Tensor,
-                         m: torch.Tensor | None) -> tuple[int, torch.Tensor]:
-    """(ggml type, uint8 [N, row_bytes]) in GGUF's own block layout from a BlockQuantWeight's
-    split arrays (its float32 scales came from f16, so the round trip is exact). Legacy: the
-    loader on h-weights keeps the file's blocks and makes this unnecessary."""
-    if kind not in _SPLIT_KINDS:
-        raise ValueError(f"{kind} has no split layout")
-    _, ggml, qb = _SPLIT_KINDS[kind]
-    n, nb = d.shape
-    parts = [d.to(torch.float16).view(torch.uint8).view(n, nb, 2)]
-    if m is not None:
-        parts.append(m.to(torch.float16).view(torch.uint8).view(n, nb, 2))
-    parts.append(qs.view(n, nb, qb))
-    return ggml, torch.cat(parts, dim=-1).reshape(n, -1).contiguous()

@@ -103,12 +103,6 @@ int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *c
                             const int32_t *tables, int max_blocks, const int32_t *lens,
                             int window, int bs, float scale, int nthreads);
 
-/* --- legacy: the split layout of model/quant.py's BlockQuantWeight (qgemm_split.c) --------
- * qs [N][K/32][16|32] bytes, d and m [N][K/32] float32; kind 0 Q4_0, 1 Q4_1, 2 Q8_0. Kept
- * only until the loader keeps GGUF blocks (delete with BlockQuantWeight). */
-void iterserve_qgemm_split(int kind, const float *x, long M, long K, const uint8_t *qs,
-                           const float *d, const float *m, float *y, long N, int nthreads);
-
 /* --- internal, shared between the kernel sources ---------------------------------------- */
 /* Block geometry of a ggml type (0 if unknown) and whether dequant.c decodes it. */
 int iterserve_block_elems(int64_t type);
