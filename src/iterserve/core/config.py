@@ -50,6 +50,13 @@ class PreemptionMode(enum.StrEnum):
     SWAP = "swap"
 
 
+class RouterPolicy(enum.StrEnum):
+    """How requests are spread over data-parallel replicas (core/router.py)."""
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX_AWARE = "prefix_aware"
+
+
 @dataclass(frozen=True, slots=True)
 class Knob:
     """Metadata of one knob: enough to validate it, document it and make a flag for it."""
@@ -61,7 +68,8 @@ class Knob:
     exclusive_minimum: bool = False   # minimum itself is not allowed (timeouts: > 0)
     nullable: bool = False            # None is a value (no limit / derived)
     flag: str | None = None           # CLI flag; default --name-with-dashes
-    group: str = "scheduler"          # CLI argument group: "scheduler" or "KV cache"
+    group: str = "scheduler"          # CLI argument group: "scheduler", "KV cache", "parallel"
+    short: str | None = None          # an extra short flag (-tp), vLLM's spelling
 
     @property
     def choices(self) -> tuple[str, ...] | None:
@@ -140,17 +148,18 @@ def add_knob_argument(group: Any, name: str, k: Knob, default: Any,
     argparse checks itself.
     """
     flag = k.flag or "--" + name.replace("_", "-")
+    flags = [flag] + ([k.short] if k.short else [])
     extra = derived_help or ("" if default is None else f"default {default}")
     bounds = k.bounds_text()
     text = k.help + (f" ({extra})" if extra else "") + (f" [{bounds}]" if bounds else "")
     if k.kind is bool:
-        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+        group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                            default=default, help=text)
     elif k.choices:
-        group.add_argument(flag, dest=name, default=default, choices=list(k.choices),
+        group.add_argument(*flags, dest=name, default=default, choices=list(k.choices),
                            help=text)
     else:
-        group.add_argument(flag, dest=name, type=k.kind, default=default, help=text)
+        group.add_argument(*flags, dest=name, type=k.kind, default=default, help=text)
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
@@ -225,4 +234,28 @@ class SchedulerConfig:
                 f"max_model_len ({self.max_model_len}) without chunked prefill, or a long "
                 "prompt could never be scheduled; raise it, leave it unset or turn chunked "
                 "prefill on", "max_num_batched_tokens")
+        return self
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """How one served model is spread over processes (issue 16). Data parallel: N whole
+    engine replicas behind one endpoint (Ray Serve), a request goes to one of them by
+    `router`. Tensor parallel: one engine whose weights are split over N ranks
+    (torch.distributed), the scheduler on rank 0."""
+
+    data_parallel_size: int = knob(1, "engine replicas behind the one endpoint (Ray Serve)",
+                                   int, minimum=1, group="parallel", short="-dp")
+    tensor_parallel_size: int = knob(1, "ranks one model's weights are split over "
+                                     "(torch.distributed)", int, minimum=1,
+                                     group="parallel", short="-tp")
+    router: RouterPolicy = knob(RouterPolicy.LEAST_LOADED,
+                                "how requests are spread over replicas", RouterPolicy,
+                                group="parallel")
+    threads_per_replica: int | None = knob(
+        None, "OpenMP threads of each replica or rank (default: the cores / replicas)", int,
+        minimum=1, nullable=True, group="parallel")
+
+    def validate(self) -> "ParallelConfig":
+        _check_fields(self)
         return self

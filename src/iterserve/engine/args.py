@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.config import (
-    CacheConfig, ConfigError, SchedulerConfig, add_knob_argument, check_knob, knob_fields)
+    CacheConfig, ConfigError, ParallelConfig, SchedulerConfig, add_knob_argument, check_knob, knob_fields)
 
 GiB = 1 << 30
 DEFAULT_MAX_MODEL_LEN_CAP = 2048
@@ -77,6 +77,11 @@ class EngineArgs:
     swap_space: float | None = None          # GiB of host swap pool
     num_swap_blocks: int | None = None       # overrides swap_space (tests, the lab)
     enable_prefix_caching: bool = False
+    # parallel (core/config.py ParallelConfig)
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    router: str = "least_loaded"
+    threads_per_replica: int | None = None
     # observability
     max_finished_requests: int = 1000        # finished requests kept for /trace
     step_history_len: int = 300              # steps kept for the live view
@@ -130,6 +135,10 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
         ).validate()
 
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(**{name: getattr(self, name)
+                                 for name, _, _ in knob_fields(ParallelConfig)}).validate()
+
     # --- command line -------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -148,8 +157,9 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=d.seed)
 
         groups = {"scheduler": parser.add_argument_group("scheduler"),
-                  "KV cache": parser.add_argument_group("KV cache")}
-        for cls in (SchedulerConfig, CacheConfig):
+                  "KV cache": parser.add_argument_group("KV cache"),
+                  "parallel": parser.add_argument_group("parallel")}
+        for cls in (SchedulerConfig, CacheConfig, ParallelConfig):
             for name, _, k in knob_fields(cls):
                 add_knob_argument(groups[k.group], name, k, getattr(d, name),
                                   _DERIVED_HELP.get(name))
