@@ -73,9 +73,8 @@ class AsyncEngine:
         self._counter = 0
         self._counter_lock = threading.Lock()
         if scheduling_policy is None:
-            cfg = getattr(engine, "scheduler_config", None)
-            scheduling_policy = (getattr(cfg, "scheduling_policy", None)
-                                 or getattr(cfg, "policy", None) or "fcfs")
+            cfg = engine.scheduler_config
+            scheduling_policy = cfg.scheduling_policy if cfg is not None else "fcfs"
         self.scheduling_policy = str(getattr(scheduling_policy, "value", scheduling_policy))
         self.debug_check_consistency = debug_check_consistency
         self.num_health_checks = 0
@@ -152,10 +151,7 @@ class AsyncEngine:
 
     async def scheduler_stats(self) -> Any:
         """The scheduler's SchedulerStats snapshot, read on the engine thread."""
-        fn = getattr(self.engine, "scheduler_stats", None)
-        if fn is None:          # until h-engine's LLMEngine.scheduler_stats() is merged
-            fn = self.engine.scheduler.stats
-        return await self.run_in_engine(fn)
+        return await self.run_in_engine(self.engine.scheduler_stats)
 
     async def stats(self) -> dict[str, Any]:
         return await self.run_in_engine(self.engine.stats)
@@ -231,9 +227,7 @@ class AsyncEngine:
 
     def _check_health(self) -> list[str]:
         """On the engine thread: LLMEngine.check_health(), logged (never raises)."""
-        fn = getattr(self.engine, "check_health", None)   # h-engine adds it; until then: none
-        if fn is None:
-            return []
+        fn = self.engine.check_health
         self.num_health_checks += 1
         try:
             problems = list(fn() or [])
