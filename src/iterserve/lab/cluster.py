@@ -53,7 +53,7 @@ from iterserve.core.router import ReplicaLoad, Router
 from iterserve.core.scheduler import QueueFullError, Scheduler
 from iterserve.core.slo_policy import SLOUnattainableError
 from iterserve.lab.api import LabPlan, plan_lab
-from iterserve.lab.cost_model import CostModel
+from iterserve.lab.cost_model import CostModel, shipped_cost_models
 from iterserve.lab.options import LabOptions, LabOptionsError, _field, _message
 from iterserve.lab.simulator import STALL_LIMIT, SimExecutor, SimSettings, SimulationError
 from iterserve.lab.workload import MAX_LENGTH, SharedPrefixSpec, prompt_token_ids
@@ -105,6 +105,16 @@ _REFUSED = {
 }
 
 
+def _shipped(name: str) -> CostModel:
+    """A shipped cost model by name, read from the package's lab/data (never a path)."""
+    import json
+    from importlib import resources
+
+    text = resources.files("iterserve.lab").joinpath(f"data/{name}.json").read_text(
+        encoding="utf-8")
+    return CostModel.from_dict(json.loads(text))
+
+
 def _bad(option: str, message: str) -> LabOptionsError:
     return LabOptionsError(f"{option}: {message}", option)
 
@@ -149,6 +159,13 @@ def plan_cluster(options: dict | None) -> ClusterPlan:
         name = str(err["loc"][0]) if err["loc"] else None
         raise LabOptionsError(f"{name}: {_message(err)}", name) from None
     lab = {k: v for k, v in options.items() if k in LabOptions.model_fields}
+    if isinstance(lab.get("cost_model"), str):
+        # A shipped cost model by name (the page's picker); never a path (HTTP callers).
+        name = lab["cost_model"]
+        if name not in shipped_cost_models():
+            raise _bad("cost_model", f"no shipped cost model named {name!r} (shipped: "
+                       f"{', '.join(shipped_cost_models())}); or give the model's JSON object")
+        lab["cost_model"] = _shipped(name)
     batching = lab.get("batching") or "continuous"
     if batching == "both":
         raise _bad("batching", "a cluster run simulates one mode: continuous or static")
