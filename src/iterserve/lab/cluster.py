@@ -352,6 +352,8 @@ def simulate_cluster(plan: ClusterPlan, *, replicas: int | None = None,
     push, pop = heapq.heappush, heapq.heappop
     route = rt.route
 
+    dirty: set[int] = set()        # replicas that stepped since the last routing
+
     for k, spec in enumerate(specs):
         t_a = spec.arrival_s if spec.arrival_s is not None else 0.0
         while heap and heap[0][0] < t_a:
@@ -360,7 +362,10 @@ def simulate_cluster(plan: ClusterPlan, *, replicas: int | None = None,
             rep.step()
             if rep.sched.requests:
                 push(heap, (rep.t, i))
-            rep.load(loads[i])
+            dirty.add(i)
+        for i in dirty:                # each replica reports its load at the arrival
+            reps[i].load(loads[i])
+        dirty.clear()
         prompt = prompt_token_ids(spec, groups[k] if groups is not None else -1, prefix_len)
         i = route(prompt, loads)
         rep = reps[i]
