@@ -111,6 +111,20 @@ def test_round_robin_is_fair(n, calls):
     assert sum(counts) == calls
 
 
+def test_round_robin_goes_round_whatever_order_the_replicas_are_listed_in():
+    import random
+
+    rng = random.Random(1)
+    r = Router("round_robin", block_size=16)
+    counts: dict[str, int] = {}
+    for _ in range(60):
+        ld = loads(5)
+        rng.shuffle(ld)
+        rid = ld[r.route([1], ld)].replica_id
+        counts[rid] = counts.get(rid, 0) + 1
+    assert counts == {f"r{i}": 12 for i in range(5)}
+
+
 def test_round_robin_skips_unhealthy_and_stays_fair_among_the_rest():
     r = Router("round_robin", block_size=16)
     picks = [r.route([1], loads(4, unhealthy={1})) for _ in range(9)]

@@ -7,9 +7,9 @@ replica reports about itself.
 
 Policies (`RouterPolicy` in core/config.py, the `--router` knob):
 
-- round_robin: the next healthy replica in turn (a counter over the positions in `loads`;
-  unhealthy ones are skipped, so with a fixed healthy set every replica gets its share
-  within one request).
+- round_robin: the next healthy replica in turn, by replica id (so the order in which the
+  caller lists them does not matter); unhealthy ones are skipped, so with a fixed healthy
+  set every replica's count is within one of every other's.
 - least_loaded: the fewest running + waiting requests, then the lowest KV usage; exact ties
   are broken at random (seeded), so idle replicas share a burst instead of the first one
   taking it all.
@@ -163,7 +163,7 @@ class Router:
         self.block_size = block_size
         self.cache_capacity_blocks = cap
         self._rng = random.Random(seed)
-        self._rr = 0
+        self._rr_last: str | None = None
         self._index = _PrefixIndex(cap)
         self._lock = threading.Lock()
         # Counters (what the lab and /metrics may report).
@@ -184,7 +184,7 @@ class Router:
         with self._lock:
             self.num_routed += 1
             if self.policy is RouterPolicy.ROUND_ROBIN:
-                return self._round_robin(loads)
+                return self._round_robin(loads, healthy)
             if self.policy is RouterPolicy.LEAST_LOADED:
                 return self._least_loaded(loads, healthy)
             return self._prefix_aware(prompt_token_ids, loads, healthy)
@@ -199,14 +199,19 @@ class Router:
         return self._index.size(replica_id)
 
     # --- policies -------------------------------------------------------------------------
-    def _round_robin(self, loads: Sequence[ReplicaLoad]) -> int:
-        n = len(loads)
-        for k in range(n):
-            i = (self._rr + k) % n
-            if loads[i].healthy:
-                self._rr = i + 1
-                return i
-        raise AssertionError("unreachable: a healthy replica was checked for")
+    def _round_robin(self, loads: Sequence[ReplicaLoad], healthy: list[int]) -> int:
+        # By replica id, not position: the caller's list may come in another order each
+        # call (Ray Serve's candidates do), and the turn must still go round.
+        ids = sorted((loads[i].replica_id, i) for i in healthy)
+        last = self._rr_last
+        pick = ids[0]
+        if last is not None:
+            for entry in ids:
+                if entry[0] > last:
+                    pick = entry
+                    break
+        self._rr_last = pick[0]
+        return pick[1]
 
     def _least_loaded(self, loads: Sequence[ReplicaLoad], candidates: list[int],
                       prefer_small_index: bool = False) -> int:
