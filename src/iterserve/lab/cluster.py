@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import numpy as np
 from pydantic import ConfigDict, Field, ValidationError, create_model
@@ -56,7 +56,8 @@ from iterserve.lab.api import LabPlan, plan_lab
 from iterserve.lab.cost_model import CostModel, shipped_cost_models
 from iterserve.lab.options import LabOptions, LabOptionsError, _field, _message
 from iterserve.lab.simulator import STALL_LIMIT, SimExecutor, SimSettings, SimulationError
-from iterserve.lab.workload import MAX_LENGTH, SharedPrefixSpec, prompt_token_ids
+from iterserve.lab.workload import (
+    MAX_LENGTH, RequestSpec, SharedPrefixSpec, prompt_token_ids)
 
 MAX_REPLICAS = 1024
 DEFAULT_REPLICAS = 2            # the lab's default (the schema's is 1: one engine)
@@ -304,7 +305,9 @@ class _Sink:
 
 @dataclass
 class ClusterResult:
-    plan: ClusterPlan
+    plan: ClusterPlan | None     # None: simulate_replicas on given specs
+    settings: SimSettings
+    specs: tuple[RequestSpec, ...]
     replicas: int
     router: str
     arrival_s: np.ndarray
@@ -326,17 +329,35 @@ class ClusterResult:
 def simulate_cluster(plan: ClusterPlan, *, replicas: int | None = None,
                      router: str | None = None) -> ClusterResult:
     """Run the plan's workload over `replicas` (default the plan's) behind the Router."""
-    n_rep = plan.replicas if replicas is None else replicas
-    policy = plan.router if router is None else router
     lab = plan.lab
-    settings = plan.settings
-    cost = lab.cost
-    specs = lab.specs
-    n = len(specs)
     groups = lab.prefix_groups
     prefix_len = lab.shared_prefix.prefix_len if lab.shared_prefix is not None else 0
-    output_len = np.fromiter((s.output_len for s in specs), dtype=np.int64, count=n)
-    # output_len by spec index (specs are in arrival order, indices are a permutation)
+
+    def prompt(k: int, spec: RequestSpec) -> list[int]:
+        return prompt_token_ids(spec, groups[k] if groups is not None else -1, prefix_len)
+
+    res = simulate_replicas(lab.specs, plan.settings, lab.cost,
+                            replicas=plan.replicas if replicas is None else replicas,
+                            router=plan.router if router is None else router,
+                            seed=lab.workload.seed, prompt=prompt)
+    res.plan = plan
+    return res
+
+
+def simulate_replicas(specs: Sequence[RequestSpec], settings: SimSettings, cost: CostModel,
+                      *, replicas: int, router: str, seed: int = 0,
+                      prompt: Callable[[int, RequestSpec], list[int]] | None = None
+                      ) -> ClusterResult:
+    """The cluster loop on given requests: `specs` in arrival order with `arrival_s` set
+    (None: t = 0), indices 0..n-1; `prompt(k, spec)` gives the k-th request's token ids
+    (default: distinct per request), which the router and the prefix cache see."""
+    n_rep = replicas
+    policy = router
+    specs = tuple(specs)
+    n = len(specs)
+    if prompt is None:
+        def prompt(k: int, spec: RequestSpec) -> list[int]:
+            return prompt_token_ids(spec, -1, 0)
     by_index = np.zeros(n, dtype=np.int64)
     for s in specs:
         by_index[s.index] = s.output_len
@@ -344,7 +365,7 @@ def simulate_cluster(plan: ClusterPlan, *, replicas: int | None = None,
     reps = [_Replica(i, settings, cost, sink) for i in range(n_rep)]
     loads = [ReplicaLoad(f"replica-{i}", 0, 0, 0.0, settings.slots) for i in range(n_rep)]
     rt = Router(policy, block_size=settings.cache.block_size,
-                cache_capacity_blocks=settings.cache.num_kv_blocks, seed=lab.workload.seed)
+                cache_capacity_blocks=settings.cache.num_kv_blocks, seed=seed)
     arrival_s = np.zeros(n)
     refused = np.zeros(n, dtype=bool)
     queue_full = np.zeros(n, dtype=bool)
@@ -366,11 +387,11 @@ def simulate_cluster(plan: ClusterPlan, *, replicas: int | None = None,
         for i in dirty:                # each replica reports its load at the arrival
             reps[i].load(loads[i])
         dirty.clear()
-        prompt = prompt_token_ids(spec, groups[k] if groups is not None else -1, prefix_len)
-        i = route(prompt, loads)
+        ids = prompt(k, spec)
+        i = route(ids, loads)
         rep = reps[i]
         idle = not rep.sched.requests
-        req = Request(f"req-{spec.index:06d}", prompt,
+        req = Request(f"req-{spec.index:06d}", ids,
                       SamplingParams(max_tokens=spec.output_len, ignore_eos=True,
                                      temperature=0.0),
                       priority=spec.priority, arrival_time=t_a, user_data=spec.index)
@@ -411,7 +432,7 @@ def simulate_cluster(plan: ClusterPlan, *, replicas: int | None = None,
         })
     itl = np.concatenate(sink.gaps) if sink.gaps else np.zeros(0)
     return ClusterResult(
-        plan=plan, replicas=n_rep, router=str(policy), arrival_s=arrival_s,
+        plan=None, settings=settings, specs=specs, replicas=n_rep, router=str(policy), arrival_s=arrival_s,
         first_token_s=sink.first_token_s, finish_s=sink.finish_s, replica=sink.replica,
         refused=refused, queue_full=queue_full, preemptions=sink.preempted, itl_s=itl,
         per_replica=per_replica,
@@ -431,13 +452,13 @@ def _mean(values: np.ndarray) -> float:
 def summarize_cluster(res: ClusterResult) -> dict[str, Any]:
     """The cluster report: JSON-ready, latencies in simulated seconds."""
     plan = res.plan
-    settings = plan.settings
+    settings = res.settings
     served = ~res.refused
     arrival = res.arrival_s[served]
     ttft = res.first_token_s[served] - arrival
     latency = res.finish_s[served] - arrival
     specs_out = np.zeros(len(res.arrival_s), dtype=np.int64)
-    for s in plan.lab.specs:
+    for s in res.specs:
         specs_out[s.index] = s.output_len
     tokens = int(specs_out[served].sum())
     time_s = res.makespan_s
@@ -482,6 +503,8 @@ def summarize_cluster(res: ClusterResult) -> dict[str, Any]:
         out.update(slo_ttft_ms=st.slo_ttft_ms, slo_tpot_ms=st.slo_tpot_ms, slo_met=good,
                    slo_attainment=good / len(ok) if len(ok) else 0.0,
                    goodput_rps=good / time_s if time_s > 0 else 0.0)
+    if plan is None:
+        return out
     wl = plan.lab.workload
     out["workload"] = {
         "seed": wl.seed, "arrival_rate_s": wl.arrival_rate_s,
