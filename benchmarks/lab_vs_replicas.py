@@ -4,7 +4,9 @@ Real: `iterserve serve --data-parallel-size N --threads-per-replica 1 --router R
 replicas of the bundled SmolLM2, or --model) in a subprocess on 127.0.0.1, driven over HTTP
 by iterserve's own benchmark client (`iterserve.bench.client.run_workload`: open loop, every
 request sent at its arrival time, streamed, timed on the client's clock). A warm-up of two
-requests per replica runs first and is not counted.
+requests per replica runs first and is not counted. This is how benchmarks/bench_replicas.py
+(the replicas' own benchmark) drives the server, with the same workloads
+(bench/workloads.py), so its figures and these are comparable.
 
 Lab: `lab.cluster.simulate_replicas` on the same requests (the prompt lengths the server
 reported in its usage blocks, the same output lengths, the same arrival times) with the
