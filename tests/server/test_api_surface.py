@@ -87,7 +87,8 @@ def test_a_field_not_implemented_yet_is_a_400_naming_it(server, endpoint, field,
 def test_every_not_implemented_field_is_in_the_published_schema(server):
     spec = httpx.get(server.base_url + "/openapi.json").json()["components"]["schemas"]
     props = set(spec["CompletionRequest"]["properties"]) | \
-        set(spec["ChatCompletionRequest"]["properties"])
+        set(spec["ChatCompletionRequest"]["properties"]) | \
+        set(spec["ResponsesRequest"]["properties"])
     for name in NOT_IMPLEMENTED_FIELDS:
         if "." not in name and "[" not in name:
             assert name in props, name
@@ -220,7 +221,15 @@ def test_completions_echo_prefixes_the_prompt(server, client):
     assert e.value.body["param"] == "echo"
 
 
-def test_per_request_chat_template_and_its_kwargs(server, client):
+def test_per_request_chat_template_and_its_kwargs(server, client, start_server):
+    with pytest.raises(openai.BadRequestError) as e:          # not trusted by default
+        client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"chat_template": "{{ messages }}"})
+    assert e.value.body["param"] == "chat_template"
+    assert "--trust-request-chat-template" in e.value.body["message"]
+    from iterserve.server.serving_config import ServingConfig
+    server = start_server(serving_config=ServingConfig(trust_request_chat_template=True))
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=60)
     tok = server.engine.tokenizer
     template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     r = client.chat.completions.create(

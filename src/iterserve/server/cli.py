@@ -62,6 +62,9 @@ def add_openai_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE|STRING",
                    help="a Jinja chat template (a file, or the template itself) used instead "
                         "of the model's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (off: such requests get a 400; "
+                        "a template is a program the server runs)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs '
                         "--tool-call-parser")
@@ -114,6 +117,7 @@ def serving_config_from_args(args: argparse.Namespace, model: str | None):
 
     return ServingConfig(
         chat_template=load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
         tools=ToolServerConfig(enable_auto_tool_choice=args.enable_auto_tool_choice,
                                tool_call_parser=args.tool_call_parser),
         sampling_defaults=load_generation_defaults(args.generation_config, model),

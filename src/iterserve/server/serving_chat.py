@@ -113,10 +113,16 @@ async def render_chat_prompt(engine: AsyncEngine, messages: list[dict[str, Any]]
 
 def request_template(body: Any, config: ServingConfig) -> str | None:
     """The template this request renders with (None: the model's own); a per-request one
-    that does not compile is a 400 naming `chat_template`."""
+    on a server that does not trust them, or one that does not compile, is a 400 naming
+    `chat_template`."""
     if body.chat_template is None:
         return config.chat_template
+    from iterserve.engine.errors import InvalidRequestError
     from iterserve.model.chat_template import ChatTemplateError, compile_template
+    if not config.trust_request_chat_template:
+        raise InvalidRequestError(
+            "a request's own chat_template is refused unless the server is started with "
+            "--trust-request-chat-template", "chat_template")
     try:
         compile_template(body.chat_template)
     except ChatTemplateError as e:

@@ -2,7 +2,9 @@
 in one frozen object that `create_app` hands to every endpoint.
 
 - `chat_template` (`--chat-template FILE|STRING`): replaces the model's template; a
-  request's own `chat_template` replaces both.
+  request's own `chat_template` replaces both, only on a server started with
+  `--trust-request-chat-template` (as vLLM: a template is a program, and a sandboxed one can
+  still loop for hours).
 - `tools` (`--enable-auto-tool-choice`, `--tool-call-parser NAME`): serving_tools.py.
 - `sampling_defaults` (`--generation-config auto|vllm|DIR`): the model's
   generation_config.json sampling values (temperature, top_p, top_k, min_p,
@@ -34,6 +36,7 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
 @dataclass(frozen=True)
 class ServingConfig:
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
     tools: ToolServerConfig = field(default_factory=ToolServerConfig)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     log_requests: bool = False
