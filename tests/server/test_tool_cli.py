@@ -109,7 +109,9 @@ def test_request_logging_and_max_log_len(tiny_model_dir, caplog):
 
 
 def test_a_pasted_vllm_command_line_serves_tool_calls(tiny_model_dir, tmp_path):
-    """`iterserve serve MODEL` with vLLM's flags, as a process, then a tool call."""
+    """`iterserve serve MODEL` with vLLM's flags, as a process, then a tool call. A real
+    process because the positional MODEL, --uvicorn-log-level and the flag set only meet in
+    `iterserve serve`'s own startup: ~5 s on a quiet machine (19 s at load average 21)."""
     import os
     import socket
     import subprocess
