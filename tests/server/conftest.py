@@ -44,7 +44,7 @@ class RunningServer:
         assert not self.thread.is_alive(), "server did not shut down"
 
 
-_APP_KW = ("api_key", "metrics_require_auth", "max_request_body_bytes")
+_APP_KW = ("api_key", "metrics_require_auth", "max_request_body_bytes", "serving_config")
 
 
 def _start(model_dir, *, debug_check_consistency: bool = False, **kw) -> RunningServer:

@@ -49,22 +49,14 @@ def test_no_op_fields_are_accepted(client, server):
 
 # (endpoint, field, a value that would matter, a neutral value that is accepted or None)
 NOT_IMPLEMENTED = [
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("chat", "tool_choice", "auto", "none"),
-    ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}, None),
     ("cmpl", "best_of", 2, 1),
     ("both", "use_beam_search", True, False),
     ("both", "prompt_logprobs", 1, None),
-    ("chat", "continue_final_message", True, False),
-    ("chat", "chat_template", "{{ messages }}", None),
-    ("chat", "chat_template_kwargs", {"enable_thinking": False}, {}),
-    ("chat", "echo", True, False),
-    ("cmpl", "echo", True, False),
     ("cmpl", "suffix", "tail", None),
-    ("both", "truncate_prompt_tokens", 5, None),
-    ("both", "return_tokens_as_token_ids", True, False),
     ("both", "length_penalty", 2.0, 1.0),
     ("chat", "reasoning_effort", "low", None),
+    ("chat", "functions", [{"name": "f"}], None),
+    ("chat", "function_call", "auto", "none"),
 ]
 
 
@@ -90,18 +82,13 @@ def test_a_field_not_implemented_yet_is_a_400_naming_it(server, endpoint, field,
             assert r.status_code == 200, (ep, field, neutral, r.text)
 
 
-def test_stream_options_continuous_usage_stats_is_refused_by_name(server):
-    r = httpx.post(server.v1 + "/completions", timeout=30, json={
-        "prompt": "x", "max_tokens": 1, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
 
 
 def test_every_not_implemented_field_is_in_the_published_schema(server):
     spec = httpx.get(server.base_url + "/openapi.json").json()["components"]["schemas"]
     props = set(spec["CompletionRequest"]["properties"]) | \
-        set(spec["ChatCompletionRequest"]["properties"])
+        set(spec["ChatCompletionRequest"]["properties"]) | \
+        set(spec["ResponsesRequest"]["properties"])
     for name in NOT_IMPLEMENTED_FIELDS:
         if "." not in name and "[" not in name:
             assert name in props, name
@@ -155,3 +142,167 @@ def test_tokenize_and_detokenize_with_vllms_bodies(server):
     assert bad.status_code == 404
     bad = httpx.post(server.base_url + "/tokenize", json={"prompt": "x", "extra": 1})
     assert bad.status_code == 400
+
+
+# --- request fields that work now (each test fails if the server drops its field) ----------
+
+STORY = [{"role": "user", "content": "Tell a story."},
+         {"role": "assistant", "content": "Once upon a"}]
+
+
+def _tokenize(server, **body) -> dict:
+    r = httpx.post(server.base_url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_continue_final_message_leaves_the_last_message_open(server, client):
+    tok = server.engine.tokenizer
+    open_ = _tokenize(server, messages=STORY, add_generation_prompt=False,
+                      continue_final_message=True)
+    closed = _tokenize(server, messages=STORY, add_generation_prompt=False)
+    text = tok.decode(open_["tokens"], skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\nOnce upon a"), text
+    assert tok.decode(closed["tokens"], skip_special_tokens=False).endswith(
+        "Once upon a<|im_end|>\n")
+    r = client.chat.completions.create(
+        model=server.model, messages=STORY, max_tokens=2, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.prompt_tokens == open_["count"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=server.model, messages=STORY, max_tokens=2,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
+def test_add_generation_prompt_false_drops_the_assistant_opening(server, client):
+    kw = dict(model=server.model, messages=MESSAGES, max_tokens=1)
+    with_prompt = client.chat.completions.create(**kw).usage.prompt_tokens
+    without = client.chat.completions.create(
+        **kw, extra_body={"add_generation_prompt": False}).usage.prompt_tokens
+    tok = server.engine.tokenizer
+    assert with_prompt - without == len(tok.encode("<|im_start|>assistant\n",
+                                                   add_special_tokens=False))
+
+
+def test_chat_echo_prefixes_the_final_assistant_message(server, client):
+    kw = dict(model=server.model, messages=STORY, max_tokens=4, temperature=0)
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**kw, extra_body=cont).choices[0].message.content
+    echoed = client.chat.completions.create(
+        **kw, extra_body={**cont, "echo": True}).choices[0].message.content
+    assert echoed == "Once upon a" + plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **kw, stream=True, extra_body={**cont, "echo": True}) if c.choices)
+    assert streamed == echoed
+    # the last message is the user's: nothing to echo
+    r = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=3,
+                                       temperature=0, extra_body={"echo": True})
+    assert r.choices[0].message.content == client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=3,
+        temperature=0).choices[0].message.content
+
+
+def test_completions_echo_prefixes_the_prompt(server, client):
+    kw = dict(model=server.model, max_tokens=3, temperature=0)
+    plain = client.completions.create(prompt="Once upon a", **kw).choices[0].text
+    r = client.completions.create(prompt=["Once upon a", "Hello"], echo=True, **kw)
+    assert r.choices[0].text == "Once upon a" + plain
+    assert r.choices[1].text.startswith("Hello")
+    ids = server.engine.tokenizer.encode("Once upon a")
+    assert client.completions.create(prompt=ids, echo=True, **kw).choices[0].text == \
+        server.engine.tokenizer.decode(ids, skip_special_tokens=False) + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        prompt="Once upon a", echo=True, stream=True, **kw))
+    assert streamed == "Once upon a" + plain
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="x", echo=True, logprobs=1, **kw)
+    assert e.value.body["param"] == "echo"
+
+
+def test_per_request_chat_template_and_its_kwargs(server, client, start_server):
+    with pytest.raises(openai.BadRequestError) as e:          # not trusted by default
+        client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"chat_template": "{{ messages }}"})
+    assert e.value.body["param"] == "chat_template"
+    assert "--trust-request-chat-template" in e.value.body["message"]
+    from iterserve.server.serving_config import ServingConfig
+    server = start_server(serving_config=ServingConfig(trust_request_chat_template=True))
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=60)
+    tok = server.engine.tokenizer
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    r = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=1,
+        extra_body={"chat_template": template,
+                    "chat_template_kwargs": {"greeting": "Hello world! "}})
+    assert r.usage.prompt_tokens == len(tok.encode("Hello world! Hi", add_special_tokens=False))
+    got = _tokenize(server, messages=MESSAGES, chat_template=template,
+                    chat_template_kwargs={"greeting": "Once "})
+    assert got["tokens"] == tok.encode("Once Hi", add_special_tokens=False)
+    for extra, param in (({"chat_template": "{% for %}"}, "chat_template"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=server.model, messages=MESSAGES,
+                                           max_tokens=1, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(server, client):
+    tok = server.engine.tokenizer
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(prompt)
+    kw = dict(model=server.model, max_tokens=4, temperature=0)
+    r = client.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": 3}, **kw)
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].text == client.completions.create(prompt=ids[-3:], **kw).choices[0].text
+    c = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"truncate_prompt_tokens": 2})
+    assert c.usage.prompt_tokens == 2
+    long_prompt = "fox " * 400                      # over max_model_len (256) untruncated
+    r = client.completions.create(prompt=long_prompt, extra_body={"truncate_prompt_tokens": 8},
+                                  **kw)
+    assert r.usage.prompt_tokens == 8
+    for bad in (0, -2):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": bad},
+                                      **kw)
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_return_tokens_as_token_ids(server, client):
+    tok = server.engine.tokenizer
+    r = client.completions.create(model=server.model, prompt="Hello", max_tokens=4,
+                                  temperature=0, logprobs=2,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens), lp.tokens
+    ids = [int(t.split(":")[1]) for t in lp.tokens]
+    assert tok.decode(ids) == r.choices[0].text
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top)
+    c = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    content = c.choices[0].logprobs.content
+    assert content and all(e.token.startswith("token_id:") for e in content)
+    plain = client.completions.create(model=server.model, prompt="Hello", max_tokens=4,
+                                      temperature=0, logprobs=2)
+    assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(server, client):
+    for create, kw in ((client.completions.create, {"prompt": "Hello"}),
+                       (client.chat.completions.create, {"messages": MESSAGES})):
+        chunks = list(create(model=server.model, max_tokens=4, stream=True,
+                             extra_body={"ignore_eos": True},
+                             stream_options={"include_usage": True,
+                                             "continuous_usage_stats": True}, **kw))
+        with_choices = [c for c in chunks if c.choices]
+        counts = [c.usage.completion_tokens for c in with_choices]
+        assert all(c.usage is not None and c.usage.prompt_tokens > 0 or
+                   c.usage.completion_tokens == 0 for c in with_choices)
+        assert counts == sorted(counts) and counts[-1] == 4, counts
+        assert chunks[-1].usage.completion_tokens == 4 and not chunks[-1].choices
+        plain = list(create(model=server.model, max_tokens=4, stream=True,
+                            stream_options={"include_usage": True}, **kw))
+        assert all(c.usage is None for c in plain if c.choices)

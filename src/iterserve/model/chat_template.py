@@ -8,6 +8,12 @@ the text their template produces, so the environment must match HF's
 the `raise_exception` and `strftime_now` globals, and `bos_token` / `eos_token` /
 `add_generation_prompt` variables. Any difference (a stray newline, a missing system prompt)
 changes the prompt the model sees.
+
+What HF's `apply_chat_template` takes besides the messages is taken the same way: `tools`
+(the list of OpenAI tool objects, a template variable; templates that know tools render them,
+others ignore them), extra variables (`chat_template_kwargs`, e.g. `enable_thinking`), and
+`continue_final_message`, which cuts the rendered text right after the final message's
+content so the model continues that message instead of starting a new one.
 """
 
 from __future__ import annotations
@@ -98,10 +104,30 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _continue_final(rendered: str, msgs: list[dict[str, Any]]) -> str:
+    """HF's `continue_final_message`: everything up to the end of the final message's
+    content (its end-of-turn tokens and what follows are cut)."""
+    final = msgs[-1]["content"]
+    stripped = final.strip()
+    if not stripped or stripped not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message is set, but the final message's content does not appear "
+            "in the rendered prompt (an empty final message, or a template that rewrites it)")
+    loc = rendered.rindex(stripped)
+    if rendered[loc:loc + len(final.lstrip())] == final.lstrip():
+        return rendered[:loc + len(final.lstrip())]
+    return rendered[:loc + len(stripped)]
+
+
 def render_chat_template(source: str | None, messages: Any, *, add_generation_prompt: bool = True,
                          special_tokens: dict[str, str | None] | None = None,
+                         continue_final_message: bool = False,
                          **extra: Any) -> str:
-    """Render `messages` with the template `source`; `special_tokens` gives bos_token etc."""
+    """Render `messages` with the template `source`; `special_tokens` gives bos_token etc.,
+    `extra` the other template variables (`tools`, chat_template_kwargs)."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both "
+                                "be true")
     if not source:
         raise ChatTemplateError(
             "this model has no chat template; send a plain completion prompt instead")
@@ -112,9 +138,10 @@ def render_chat_template(source: str | None, messages: Any, *, add_generation_pr
     variables = {k: v for k, v in (special_tokens or {}).items()}
     variables.update(extra)
     try:
-        return template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                               **variables)
+        rendered = template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                   **variables)
     except ChatTemplateError:
         raise
     except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
+    return _continue_final(rendered, msgs) if continue_final_message else rendered

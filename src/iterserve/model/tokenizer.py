@@ -234,10 +234,11 @@ class Tokenizer:
 
     # --- chat -----------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_vars: Any) -> str:
+                            chat_template: str | None = None, **template_vars: Any) -> str:
         """The prompt text for `messages`; encode it with `add_special_tokens=False` (the
-        template writes BOS itself when the model wants one), or use `encode_chat`."""
-        return render_chat_template(self.chat_template, messages,
+        template writes BOS itself when the model wants one), or use `encode_chat`.
+        `chat_template` replaces the model's template (HF's argument of that name)."""
+        return render_chat_template(chat_template or self.chat_template, messages,
                                     add_generation_prompt=add_generation_prompt,
                                     special_tokens=self._special_tokens, **template_vars)
 

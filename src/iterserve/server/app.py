@@ -7,6 +7,7 @@ flight, so SIGINT/SIGTERM under uvicorn never leaves a request hanging.
 
 Routes:
   POST /v1/completions, POST /v1/chat/completions    (SSE when "stream": true)
+  POST /v1/responses                                 OpenAI's Responses API, stateless
   POST /tokenize, POST /detokenize                   vLLM's bodies (prompt or chat messages)
   GET  /v1/models (with `root`), /version, /health, /ping (GET or POST), /metrics
   GET  /v1/requests/{id}/trace                       lifecycle events of one request
@@ -44,7 +45,9 @@ from iterserve.server.openapi import install_openapi
 from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeChatRequest,
                                        TokenizeCompletionRequest)
-from iterserve.server.serving_chat import create_chat_completion, render_chat_prompt
+from iterserve.server.serving_chat import create_chat_completion, render_request
+from iterserve.server.serving_config import ServingConfig
+from iterserve.server.serving_responses import ResponsesRequest, create_response
 from iterserve.server.serving_common import check_model, to_api_error
 from iterserve.server.serving_completions import create_completion
 
@@ -152,7 +155,9 @@ class BodySizeLimitMiddleware:
 def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = None,
                api_key: str | None = None, shutdown_drain_timeout: float = 0.0,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               metrics_require_auth: bool = False, model_root: str | None = None) -> FastAPI:
+               metrics_require_auth: bool = False, model_root: str | None = None,
+               serving_config: ServingConfig | None = None) -> FastAPI:
+    serving_config = serving_config or ServingConfig()         # --chat-template, tool flags
     model_name = served_model_name or (engine.model_name if engine is not None else None)
     prom: PrometheusStatLogger | None = None
     if engine is not None:
@@ -189,11 +194,17 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        return await create_completion(body, raw, require_engine(), model_name)
+        return await create_completion(body, raw, require_engine(), model_name,
+                                       serving_config)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await create_chat_completion(body, raw, require_engine(), model_name)
+        return await create_chat_completion(body, raw, require_engine(), model_name,
+                                            serving_config)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request):
+        return await create_response(body, raw, require_engine(), model_name, serving_config)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
@@ -201,10 +212,8 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
         try:
             check_model(body.model, model_name)
             if isinstance(body, TokenizeChatRequest):
-                _, ids = await render_chat_prompt(
-                    e, [m.to_template_dict() for m in body.messages],
-                    add_generation_prompt=body.add_generation_prompt,
-                    add_special_tokens=body.add_special_tokens)
+                _, ids = await render_request(e, body, serving_config,
+                                              add_special_tokens=body.add_special_tokens)
             else:
                 ids = await e.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         except Exception as exc:

@@ -46,8 +46,82 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "checked when the engine goes idle)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    add_openai_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
+
+
+def add_openai_cli_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's spellings of the frontend flags (server/serving_config.py says what each does),
+    so a pasted `vllm serve MODEL ...` command line works."""
+    from iterserve.tools import TOOL_PARSERS
+
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
+    g = p.add_argument_group("OpenAI frontend (vLLM's flags)")
+    g.add_argument("--chat-template", default=None, metavar="FILE|STRING",
+                   help="a Jinja chat template (a file, or the template itself) used instead "
+                        "of the model's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (off: such requests get a 400; "
+                        "a template is a program the server runs)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs '
+                        "--tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, "
+                        "SmolLM3), llama3_json (Llama 3.x), mistral; also the format forced "
+                        'for tool_choice "required" / named (default hermes)')
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="only the model's own tokenizer is supported: this must be the model "
+                        "path (a different tokenizer is refused)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="auto (default): the model's generation_config.json supplies default "
+                        "temperature / top_p / top_k / min_p / repetition_penalty / max_tokens "
+                        "for requests that leave them unset; vllm: ignore it; DIR: read "
+                        "DIR/generation_config.json")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+    logs = g.add_mutually_exclusive_group()
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                      default=False, help="log each request's prompt and sampling params")
+    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                      help="do not log requests (the default, as in current vLLM)")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="with --enable-log-requests: at most N prompt characters and token ids "
+                        "per logged request (default: all)")
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """The positional MODEL and --model are one setting; --tokenizer must agree with it."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: positional {tag!r} and --model "
+                             f"{args.model!r}")
+        args.model = tag
+    tok = getattr(args, "tokenizer", None)
+    if tok is not None and os.path.realpath(tok) != os.path.realpath(args.model or ""):
+        raise ValueError(f"--tokenizer {tok!r}: iterserve reads the tokenizer from the model "
+                         f"({args.model or 'the bundled default'}); a separate tokenizer is not "
+                         "supported")
+    if getattr(args, "max_log_len", None) is not None and args.max_log_len < 0:
+        raise ValueError("--max-log-len must be at least 0")
+
+
+def serving_config_from_args(args: argparse.Namespace, model: str | None):
+    from iterserve.server.serving_config import (
+        ServingConfig, load_chat_template, load_generation_defaults)
+    from iterserve.server.serving_tools import ToolServerConfig
+
+    return ServingConfig(
+        chat_template=load_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        tools=ToolServerConfig(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                               tool_call_parser=args.tool_call_parser),
+        sampling_defaults=load_generation_defaults(args.generation_config, model),
+        log_requests=args.log_requests, max_log_len=args.max_log_len)
 
 
 def build_app(args: argparse.Namespace):
@@ -55,7 +129,9 @@ def build_app(args: argparse.Namespace):
     from iterserve.engine.async_engine import AsyncEngine
     from iterserve.server.app import create_app
 
+    resolve_model_args(args)
     engine_args = EngineArgs.from_cli_args(args)
+    serving_config = serving_config_from_args(args, engine_args.model)
     if args.max_request_body_bytes < 1:
         raise ValueError("--max-request-body-bytes must be at least 1")
     if args.metrics_require_auth and not args.api_key:
@@ -65,7 +141,7 @@ def build_app(args: argparse.Namespace):
     return create_app(engine, served_model_name=engine_args.served_model_name,
                       api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
                       max_request_body_bytes=args.max_request_body_bytes,
-                      model_root=engine_args.model), engine
+                      model_root=engine_args.model, serving_config=serving_config), engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
           f"(max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
     # After the drain (DrainingServer) every stream ends within a step or two; uvicorn's own
     # graceful wait only covers responses still being written.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=0.5)
     server = DrainingServer(config, engine, drain_timeout=args.shutdown_timeout)
 

@@ -18,23 +18,32 @@ Fields fall in three groups:
 * implemented, as OpenAI / vLLM define them;
 * accepted no-ops, OpenAI fields that mean nothing for a local server (NO_OP_FIELDS):
   `user`, `store`, `metadata`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
-  `parallel_tool_calls` (there are no tools yet), `stream_options.include_obfuscation`, and in
-  chat messages `refusal` / `annotations` (what the client echoes back);
+  `stream_options.include_obfuscation`, and in chat messages `refusal` / `annotations` (what
+  the client echoes back);
 * not implemented yet (NOT_IMPLEMENTED_FIELDS): accepted at their neutral value (null, false,
   empty, `response_format` {"type": "text"}, `tool_choice` "none", `best_of` == n, ...), any
   other value is a 400 whose `param` names the field and whose `code` is
-  "unsupported_parameter". Tool calling will replace the `_not_implemented` annotations of
-  `tools` and `tool_choice` with their real models.
+  "unsupported_parameter".
+
+Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, assistant messages with
+`tool_calls`, `tool` messages with `tool_call_id`) is typed here (`ChatTool`,
+`NamedToolChoice`, `MessageToolCall`), so a bad tool definition is a 400 naming the field
+(`tools.0.function.name`); what the server does with them is server/serving_tools.py.
 
 Structured outputs (`response_format`, `structured_outputs`, `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar`) and `logit_bias`, `min_tokens`, `bad_words`,
 `allowed_token_ids`, `include_stop_str_in_output` are implemented: they become SamplingParams
 fields, compiled / checked by the engine's input processor (a bad schema is a 400 naming it).
+So are vLLM's `echo`, `truncate_prompt_tokens`, `return_tokens_as_token_ids`,
+`stream_options.continuous_usage_stats` (the server's response writers) and the chat
+template's inputs `add_generation_prompt`, `continue_final_message`, `chat_template` (on a
+server with --trust-request-chat-template) and `chat_template_kwargs`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal
+import json
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
@@ -53,8 +62,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PRIORITY = 2**31 - 1
 
 NO_OP_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier",
-                "prompt_cache_key", "parallel_tool_calls", "stream_options.include_obfuscation",
+                "prompt_cache_key", "stream_options.include_obfuscation",
                 "messages[].refusal", "messages[].annotations")
+MAX_TOOLS = 128         # OpenAI's cap on tools per request
 NOT_IMPLEMENTED_FIELDS: list[str] = []      # filled by _not_implemented below
 
 
@@ -105,9 +115,8 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool | None = False
-    continuous_usage_stats: Annotated[
-        bool | None, _not_implemented("stream_options.continuous_usage_stats", _falsy,
-                                      "only false")] = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="every chunk carries the usage so far (vLLM)")
     include_obfuscation: bool | None = None                  # no-op
 
 
@@ -168,10 +177,11 @@ class _SamplingFields(_Model):
         float | None, _not_implemented("length_penalty", lambda v: v == 1.0, "only 1.0")] = None
     prompt_logprobs: Annotated[
         int | None, _not_implemented("prompt_logprobs", _nothing, "only null")] = None
-    truncate_prompt_tokens: Annotated[
-        int | None, _not_implemented("truncate_prompt_tokens", _nothing, "only null")] = None
-    return_tokens_as_token_ids: Annotated[
-        bool | None, _not_implemented("return_tokens_as_token_ids", _falsy, "only false")] = None
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=MAX_TOKEN_ID, description="keep only the prompt's last k tokens (-1: "
+                                                  "the model's max_model_len)")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description='logprobs name tokens as "token_id:<id>" (vLLM)')
     spaces_between_special_tokens: Annotated[
         bool | None, _not_implemented("spaces_between_special_tokens", bool,
                                       "only true")] = None
@@ -194,21 +204,50 @@ class _SamplingFields(_Model):
                                                         "only null")] = None
     vllm_xargs: Annotated[Any, _not_implemented("vllm_xargs", _nothing, "only null")] = None
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise PydanticCustomError("truncate_prompt_tokens", "truncate_prompt_tokens must "
+                                      "be -1 or at least 1, got 0", {})
+        return v
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
+    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last k tokens (left truncation)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        k = max_model_len if k == -1 else k
+        return prompt_ids[-k:]
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the server's sampling defaults (the model's generation_config) for
+        the fields the request leaves unset; then OpenAI's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        d = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            v = getattr(self, name)
+            return v if v is not None else d.get(name, fallback)
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=int(pick("top_k", 0)),
+            min_p=float(pick("min_p", 0.0)),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
             seed=self.seed,
             n=1 if self.n is None else self.n,
             stop=stop,
@@ -246,7 +285,8 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptField = Field(description="a string, a list of strings, a list of token ids "
                                             "or a list of token-id lists")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Annotated[bool | None, _not_implemented("echo", _falsy, "only false")] = False
+    echo: bool | None = Field(False, description="prefix each choice's text with its prompt "
+                                                 "(not with logprobs: no prompt logprobs)")
     suffix: Annotated[Text | None, _not_implemented("suffix", _falsy, "only empty")] = None
     best_of: int | None = Field(None, ge=1, le=MAX_N,
                                 description="only equal to n (best_of > n is not supported)")
@@ -264,6 +304,15 @@ class CompletionRequest(_SamplingFields):
                 "(best_of {best_of}, n {n})", {"n": n, "best_of": best_of})
         return best_of
 
+    @field_validator("echo")
+    @classmethod
+    def _echo_logprobs(cls, echo: bool | None, info: ValidationInfo) -> bool | None:
+        if echo and info.data.get("logprobs") is not None:
+            raise PydanticCustomError(
+                "unsupported_parameter", "echo with logprobs needs the prompt's logprobs, "
+                "which iterserve does not compute yet (prompt_logprobs)", {})
+        return echo
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
@@ -274,14 +323,65 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self) -> SamplingParams:
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = int((defaults or {}).get("max_tokens", 16))
+        return self._sampling_params(max_tokens, self.logprobs, defaults)
 
 
 class TextPart(_Model):
     type: Literal["text"]
     text: Text
+
+
+# --- tool calling (OpenAI's shapes) ------------------------------------------------------
+
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                                    description="letters, digits, _ . - (at most 64)")]
+
+
+class FunctionDefinition(_Model):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON schema for the arguments object (absent: no arguments)")
+    strict: bool | None = None          # the schema is enforced when the call is forced
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise PydanticCustomError(
+                "tool_parameters", "a function's parameters must be a JSON schema of type "
+                "'object', got type '{t}'", {"t": v.get("type")})
+        return v
+
+
+class ChatTool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: FunctionName
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Model):
+    name: NonEmptyText
+    arguments: Text = Field(description="the arguments as JSON text")
+
+
+class MessageToolCall(_Model):
+    """A call the assistant made earlier in the conversation (what the client echoes back)."""
+    id: NonEmptyText
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Model):
@@ -291,54 +391,117 @@ class ChatMessage(_Model):
     tool_call_id: Text | None = None
     refusal: Text | None = None                        # no-op (echoed back by clients)
     annotations: list[Any] | None = None               # no-op
-    tool_calls: Annotated[list[Any] | None,
-                          _not_implemented("messages[].tool_calls", _falsy, "only empty")] = None
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)
     function_call: Annotated[Any, _not_implemented("messages[].function_call", _nothing,
                                                    "only null")] = None
     audio: Annotated[Any, _not_implemented("messages[].audio", _nothing, "only null")] = None
 
     @model_validator(mode="after")
     def _needs_content(self) -> "ChatMessage":
-        if self.content is None:
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError(
+                "tool_calls_role", "only assistant messages carry tool_calls (this one is "
+                "{role})", {"role": self.role})
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError(
+                "missing_tool_call_id", "a tool message needs 'tool_call_id' (the id of the "
+                "call it answers)", {})
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise PydanticCustomError(
                 "missing_content", "a {role} message needs 'content' (a string or a list of "
                 "text parts)", {"role": self.role})
         return self
 
-    def to_template_dict(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        d: dict[str, Any] = {"role": self.role, "content": content or ""}
+        return content or ""
+
+    def to_template_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name:
             d["name"] = self.name
         if self.tool_call_id:
             d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates write the arguments with `tojson` (Qwen, Llama 3, Hermes): they want
+            # the object, not its JSON text, as HF's and vLLM's chat paths give them.
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
         return d
 
 
-class ChatCompletionRequest(_SamplingFields):
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+# Template variables chat_template_kwargs may not set: the server passes them itself.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt",
+                                    "continue_final_message", "documents", "bos_token",
+                                    "eos_token"})
+
+
+def _template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    clash = sorted(set(v or ()) & RESERVED_TEMPLATE_VARS)
+    if clash:
+        raise PydanticCustomError(
+            "reserved_template_var", "chat_template_kwargs may not set {names} (the server "
+            "sets them from the request)", {"names": ", ".join(clash)})
+    return v
+
+
+class _ChatTemplateFields(_Model):
+    """What chooses the chat template's output (shared by chat completions and /tokenize)."""
+    add_generation_prompt: bool | None = Field(
+        None, description="end the prompt with the assistant turn's opening (default true)")
+    continue_final_message: bool | None = Field(
+        False, description="leave the final (assistant) message open for the model to "
+                           "continue; needs add_generation_prompt false")
+    chat_template: Text | None = Field(
+        None, description="a Jinja chat template used instead of the server's")
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = \
+        Field(None, description="extra variables for the template (e.g. enable_thinking)")
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _generation_prompt(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if v and info.data.get("add_generation_prompt"):
+            raise PydanticCustomError(
+                "continue_final_message", "continue_final_message and add_generation_prompt "
+                "cannot both be true (set add_generation_prompt false)", {})
+        return v
+
+    @property
+    def wants_generation_prompt(self) -> bool:
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description=_sum_rule())
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool | None = True
-    # no-op while there are no tools
-    parallel_tool_calls: bool | None = None
-    # not implemented yet (tool calling, templates, the rest of vLLM's chat extras)
-    tools: Annotated[list[Any] | None, _not_implemented("tools", _falsy, "only empty")] = None
-    tool_choice: Annotated[Any, _not_implemented("tool_choice", lambda v: v == "none",
-                                                 'only "none"')] = None
+    echo: bool | None = Field(False, description="prefix the reply with the last message's "
+                                                 "content when that message is the "
+                                                 "assistant's (vLLM)")
+    # tool calling (server/serving_tools.py)
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='default "auto" when tools are given, else "none"; "auto" needs a '
+                          "server started with --enable-auto-tool-choice --tool-call-parser")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call per reply (default true)")
+    # not implemented (the rest of vLLM's chat extras, OpenAI's deprecated functions)
     functions: Annotated[Any, _not_implemented("functions", _falsy, "only empty")] = None
     function_call: Annotated[Any, _not_implemented("function_call", lambda v: v == "none",
                                                    'only "none"')] = None
-    echo: Annotated[bool | None, _not_implemented("echo", _falsy, "only false")] = None
-    continue_final_message: Annotated[
-        bool | None, _not_implemented("continue_final_message", _falsy, "only false")] = None
-    chat_template: Annotated[Any, _not_implemented("chat_template", _nothing,
-                                                   "only null")] = None
-    chat_template_kwargs: Annotated[Any, _not_implemented("chat_template_kwargs", _falsy,
-                                                          "only empty")] = None
     documents: Annotated[Any, _not_implemented("documents", _nothing, "only null")] = None
     mm_processor_kwargs: Annotated[Any, _not_implemented("mm_processor_kwargs", _nothing,
                                                          "only null")] = None
@@ -359,12 +522,44 @@ class ChatCompletionRequest(_SamplingFields):
                                       "true", {})
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_needs_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if choice is None or choice == "none" or "tools" not in info.data:
+            return choice                       # (a bad tools list is reported by itself)
+        tools = info.data["tools"]
+        if not tools:
+            raise PydanticCustomError("tool_choice", "tool_choice '{c}' needs a non-empty "
+                                      "'tools' list", {"c": choice if isinstance(choice, str)
+                                                       else "function"})
+        if isinstance(choice, NamedToolChoice) and \
+                choice.function.name not in {t.function.name for t in tools}:
+            raise PydanticCustomError("tool_choice", "tool_choice names the function '{name}', "
+                                      "which is not in 'tools'", {"name": choice.function.name})
+        return choice
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template receives them (HF's `tools=` argument)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def to_sampling_params(self, default_max_tokens: int,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
-        return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens,
-                                     logprobs)
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens,
+                             int((defaults or {}).get("max_tokens", default_max_tokens)))
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 # --- /tokenize and /detokenize (vLLM's bodies) ---------------------------------------------
@@ -376,19 +571,15 @@ class TokenizeCompletionRequest(_Model):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Model):
+class TokenizeChatRequest(_ChatTemplateFields):
     model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
-    continue_final_message: Annotated[
-        bool | None, _not_implemented("continue_final_message", _falsy, "only false")] = None
-    chat_template: Annotated[Any, _not_implemented("chat_template", _nothing,
-                                                   "only null")] = None
-    chat_template_kwargs: Annotated[Any, _not_implemented("chat_template_kwargs", _falsy,
-                                                          "only empty")] = None
-    tools: Annotated[list[Any] | None, _not_implemented("tools", _falsy, "only empty")] = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Model):

@@ -215,9 +215,16 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+def token_name(tokenizer: Any, token_id: int, as_id: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's "token_id:<id>" with
+    return_tokens_as_token_ids (a token that is not whole UTF-8 stays identifiable)."""
+    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+
+
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], *, token_ids_as_text: bool = False
+                  ) -> dict[str, Any]:
     def entry(tid: int, lp: float | None) -> dict[str, Any]:
-        tok = token_text(tokenizer, tid)
+        tok = token_name(tokenizer, tid, token_ids_as_text)
         return {"token": tok, "logprob": lp if lp is not None else 0.0,
                 "bytes": list(tok.encode("utf-8"))}
 
@@ -229,15 +236,16 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], text_offset: int
-                        ) -> dict[str, Any]:
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], text_offset: int, *,
+                        token_ids_as_text: bool = False) -> dict[str, Any]:
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_offset
     for lp in lps:
         tok = token_text(tokenizer, lp.token_id)
-        tokens.append(tok)
+        tokens.append(token_name(tokenizer, lp.token_id, token_ids_as_text))
         token_lps.append(lp.logprob)
-        tops.append({token_text(tokenizer, t): v for t, v in (lp.top_logprobs or [])}
+        tops.append({token_name(tokenizer, t, token_ids_as_text): v
+                     for t, v in (lp.top_logprobs or [])}
                     if lp.top_logprobs is not None else None)
         offsets.append(off)
         off += len(tok)
@@ -296,11 +304,19 @@ class ChoiceFormat:
         """A streamed choice without finish_reason; `co` None: an empty one."""
         raise NotImplementedError
 
+    def finish_reason(self, index: int, co: CompletionOutput) -> str | None:
+        """The choice's finish_reason, asked after its final / last delta choice was made
+        (chat's tool calls turn "stop" into "tool_calls")."""
+        return co.finish_reason
+
 
 async def respond(*, request_id: str, served_model: str, streams: list[Any], n: int,
-                  fmt: ChoiceFormat, stream: bool, include_usage: bool, raw: Request):
+                  fmt: ChoiceFormat, stream: bool, include_usage: bool, raw: Request,
+                  continuous_usage: bool = False):
     """The response of a completions or chat request: JSON, or SSE when `stream`.
-    Prompt i's sequence j is choice `i * n + j` (OpenAI's indexes)."""
+    Prompt i's sequence j is choice `i * n + j` (OpenAI's indexes). `continuous_usage`
+    (vLLM's stream_options.continuous_usage_stats) puts the usage so far into every chunk:
+    its prompt's tokens and the tokens its choice has generated, as vLLM counts them."""
     created = now_s()
 
     def base(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -320,7 +336,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
             for co in out.outputs:
                 completion_tokens += len(co.token_ids)
                 choice = fmt.final_choice(i * n + co.index, co)
-                choice["finish_reason"] = co.finish_reason
+                choice["finish_reason"] = fmt.finish_reason(i * n + co.index, co)
                 choice["stop_reason"] = co.stop_reason
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
@@ -330,16 +346,21 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
 
     num_choices = len(streams) * n
 
+    prompt_tokens: dict[int, int] = {}
+    choice_tokens: dict[int, int] = {}
+
     def chunk(choices: list[dict[str, Any]]) -> str:
         c = base(fmt.object_chunk, choices)
-        if include_usage:
+        if continuous_usage and len(choices) == 1:
+            idx = choices[0]["index"]
+            c["usage"] = usage(prompt_tokens.get(idx // n, 0), choice_tokens.get(idx, 0))
+        elif include_usage:
             c["usage"] = None
         return sse(c)
 
     async def events() -> AsyncIterator[str]:
         for choice in fmt.opening_choices(num_choices):
             yield chunk([choice])
-        prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         unfinished = set(range(num_choices))
         try:
@@ -350,9 +371,10 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                         continue
                     idx = i * n + co.index
                     completion_tokens += len(co.delta_token_ids)
+                    choice_tokens[idx] = choice_tokens.get(idx, 0) + len(co.delta_token_ids)
                     choice = fmt.delta_choice(idx, co)
-                    choice["finish_reason"] = co.finish_reason if co.finished_in_this_step \
-                        else None
+                    choice["finish_reason"] = fmt.finish_reason(idx, co) \
+                        if co.finished_in_this_step else None
                     if co.finished_in_this_step:
                         choice["stop_reason"] = co.stop_reason
                         unfinished.discard(idx)

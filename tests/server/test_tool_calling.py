@@ -1,0 +1,429 @@
+"""Tool calling over HTTP with the official `openai` client (issue 14): tools in the chat
+template, tool_choice none / auto / required / named, parallel_tool_calls, streamed deltas
+that the client's own accumulator reassembles into the non-streamed call, an agent loop
+(call -> tool result -> next turn), and 400s naming the field for bad definitions.
+
+The model is the tiny random-weight llama: "required" and named choices are forced by the
+grammar, so its calls are valid; "auto" is shown parsing an output forced by a regex (a
+random model never writes a call by itself)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from iterserve.server.serving_config import ServingConfig
+from iterserve.server.serving_tools import ToolServerConfig
+
+# Qwen2.5's template (hermes format; its instructions shortened to fit the tiny model's
+# 1024-token context with the tiny tokenizer): tools in the system turn, assistant tool calls with
+# their arguments through `tojson`, tool results as <tool_response> in a user turn.
+QWEN_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\nCall a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object",
+                   "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                  "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is 2 + 3, and the weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(start_server):
+    return start_server(max_model_len=1024, num_kv_blocks=256, serving_config=ServingConfig(
+        chat_template=QWEN_TEMPLATE,
+        tools=ToolServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")))
+
+
+@pytest.fixture(scope="module")
+def client(tool_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tool_server.v1, api_key="x", max_retries=0, timeout=120)
+
+
+def _check_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_"), call
+    assert call.function.name in SCHEMAS, call
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def test_required_gives_one_valid_call(client, tool_server):
+    r = client.chat.completions.create(
+        model=tool_server.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=100, temperature=1.0, seed=1)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    _check_call(call)
+
+
+def test_required_with_parallel_calls_gives_valid_calls(client, tool_server):
+    r = client.chat.completions.create(
+        model=tool_server.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        max_tokens=120, temperature=1.0, seed=3)
+    choice = r.choices[0]
+    calls = choice.message.tool_calls
+    assert calls, choice
+    if choice.finish_reason == "length":     # the model may keep adding calls: the last may
+        calls = calls[:-1]                   # be cut, every one before it is whole
+    else:
+        assert choice.finish_reason == "tool_calls"
+    for call in calls:
+        _check_call(call)
+    assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+
+def test_named_tool_choice_calls_that_function(client, tool_server):
+    for seed in (0, 1):
+        r = client.chat.completions.create(
+            model=tool_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=100,
+            tool_choice={"type": "function", "function": {"name": "add"}}, seed=seed)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice       # OpenAI: a named call "stop"s
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "add"
+        _check_call(call)
+
+
+def test_streamed_deltas_reassemble_to_the_non_streamed_call(client, tool_server):
+    kw = dict(model=tool_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=100,
+              temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    # the official client's own accumulator
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    got = final.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in got] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    assert got[0].id.startswith("call_")
+    # and the raw deltas have OpenAI's shape: index, id, type and name first, then fragments
+    pieces = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                pieces.append(tc)
+            last_finish = c.finish_reason
+    assert last_finish == "stop"
+    first, rest = pieces[0], pieces[1:]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather"
+    assert rest and all(p.id is None and p.function.name is None for p in rest)
+    assert "".join((p.function.arguments or "") for p in pieces) == whole[0].function.arguments
+
+
+def test_streamed_required_finishes_with_tool_calls(client, tool_server):
+    chunks = list(client.chat.completions.create(
+        model=tool_server.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=100, seed=5, stream=True))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "tool_calls" and finishes.count("tool_calls") == 1
+    args = "".join(tc.function.arguments or "" for c in chunks for tc in
+                   (c.choices[0].delta.tool_calls or []))
+    names = [tc.function.name for c in chunks for tc in (c.choices[0].delta.tool_calls or [])
+             if tc.function.name]
+    assert len(names) == 1
+    jsonschema.validate(json.loads(args), SCHEMAS[names[0]])
+
+
+def test_tool_choice_none_gives_text_but_the_template_saw_the_tools(client, tool_server):
+    with_tools = client.chat.completions.create(
+        model=tool_server.model, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+        max_tokens=5, temperature=0)
+    choice = with_tools.choices[0]
+    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    plain = client.chat.completions.create(model=tool_server.model, messages=MESSAGES,
+                                           max_tokens=5, temperature=0)
+    tools_json = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in TOOLS)
+    tok = tool_server.engine.tokenizer
+    # the prompt grew by exactly the tools section of the template
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + len(
+        tok.encode(tools_json, add_special_tokens=False)) // 2
+
+
+def _forced_call_regex(prefix: str, call: str) -> str:
+    def esc(text: str) -> str:
+        return "".join("\\" + ch if ch in "{}[]().*+?|^$\\" else ch for ch in text)
+    return esc(prefix) + "\n<tool_call>\n" + esc(call) + "\n</tool_call>"
+
+
+AUTO_CALL = '{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}'
+
+
+def test_auto_parses_what_the_model_writes(client, tool_server):
+    """The parser path of "auto": the (random) model's output is forced by a regex to be
+    content followed by a hermes call."""
+    regex = _forced_call_regex("Let me check.", AUTO_CALL)
+    kw = dict(model=tool_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+              extra_body={"guided_regex": regex})
+    r = client.chat.completions.create(**kw)               # tool_choice defaults to "auto"
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Rome", "days": 2}
+    with client.chat.completions.stream(tool_choice="auto", **kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert final.message.content == "Let me check."
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+
+
+def test_auto_without_a_call_is_plain_content(client, tool_server):
+    r = client.chat.completions.create(model=tool_server.model, messages=MESSAGES, tools=TOOLS,
+                                       tool_choice="auto", max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(model=tool_server.model, messages=MESSAGES,
+                                           tools=TOOLS, tool_choice="none", max_tokens=8,
+                                           temperature=0)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert r.choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call(client, tool_server):
+    two = AUTO_CALL + "\n</tool_call>\n<tool_call>\n" + AUTO_CALL.replace("Rome", "Oslo")
+    r = client.chat.completions.create(
+        model=tool_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=160,
+        extra_body={"guided_regex": _forced_call_regex("", two).lstrip("\n")})
+    assert len(r.choices[0].message.tool_calls) == 2
+    r = client.chat.completions.create(
+        model=tool_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=160,
+        parallel_tool_calls=False,
+        extra_body={"guided_regex": _forced_call_regex("", two).lstrip("\n")})
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["city"] == "Rome"
+
+
+def test_agent_loop_call_result_next_turn(client, tool_server):
+    messages = list(MESSAGES)
+    r = client.chat.completions.create(
+        model=tool_server.model, messages=messages, tools=TOOLS, max_tokens=100, seed=2,
+        tool_choice={"type": "function", "function": {"name": "add"}})
+    msg = r.choices[0].message
+    (call,) = msg.tool_calls
+    args = _check_call(call)
+    result = str(args["a"] + args["b"])                     # run the tool
+    messages.append(msg.model_dump(exclude_none=True))       # as agent SDKs send it back
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    final = client.chat.completions.create(model=tool_server.model, messages=messages,
+                                           tools=TOOLS, tool_choice="none", max_tokens=6,
+                                           temperature=0)
+    assert isinstance(final.choices[0].message.content, str)
+    assert final.choices[0].message.tool_calls is None
+    # the server rendered the call and its result into the prompt the model saw
+    tok = httpx.post(tool_server.base_url + "/tokenize", timeout=30,
+                     json={"messages": messages, "tools": TOOLS}).json()
+    assert tok["count"] == final.usage.prompt_tokens
+    text = tool_server.engine.tokenizer.decode(tok["tokens"], skip_special_tokens=False)
+    assert f'<tool_call>\n{{"name": "add", "arguments": {json.dumps(args)}}}\n</tool_call>' \
+        in text                                             # arguments as an object
+    assert f"<tool_response>\n{result}\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_auto_needs_the_server_flags(server):
+    c = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+    for extra in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=server.model, messages=MESSAGES, tools=TOOLS,
+                                      max_tokens=2, **extra)
+        assert e.value.body["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in e.value.body["message"]
+    # forced choices need no flags (the format defaults to hermes)
+    r = c.chat.completions.create(model=server.model, messages=MESSAGES, tools=TOOLS,
+                                  max_tokens=100, tool_choice="required",
+                                  parallel_tool_calls=False)
+    _check_call(r.choices[0].message.tool_calls[0])
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+     "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
+     "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "colour": 1}}]},
+     "tools.0.function.colour"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "frobnicate"}}}}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"},
+                   {"role": "tool", "content": "42"}]}, "messages.1"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.0"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD, ids=[p for _, p in BAD])
+def test_bad_tool_requests_are_400_naming_the_field(tool_server, extra, param):
+    body = {"messages": MESSAGES, "max_tokens": 2, **extra}
+    r = httpx.post(tool_server.v1 + "/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+# --- /v1/responses: the Responses API over the same chat path --------------------------------
+
+RESP_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_text_input_and_instructions(client, tool_server):
+    kw = dict(max_tokens=4, temperature=0)
+    chat = client.chat.completions.create(
+        model=tool_server.model, messages=[{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Hi"}], **kw)
+    r = client.responses.create(model=tool_server.model, input="Hi", instructions="Be brief.",
+                                max_output_tokens=4, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert (r.status, r.incomplete_details and r.incomplete_details.reason) in (
+        ("incomplete", "max_output_tokens"), ("completed", None))
+    # streamed: the official client's accumulator gives the same text
+    with client.responses.stream(model=tool_server.model, input="Hi", instructions="Be brief.",
+                                 max_output_tokens=4, temperature=0) as stream:
+        types = [ev.type for ev in stream]
+        final = stream.get_final_response() if r.status == "completed" else None
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in types
+    assert types[-1] == ("response.completed" if r.status == "completed"
+                         else "response.incomplete")
+    if final is not None:
+        assert final.output_text == r.output_text
+
+
+def test_responses_function_call_and_agent_loop(client, tool_server):
+    kw = dict(model=tool_server.model, tools=RESP_TOOLS, temperature=0,
+              max_output_tokens=100, tool_choice={"type": "function", "name": "add"})
+    r = client.responses.create(input="What is 2 + 3?", **kw)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and call.name == "add" and call.call_id.startswith("call_")
+    args = json.loads(call.arguments)
+    jsonschema.validate(args, SCHEMAS["add"])
+    with client.responses.stream(input="What is 2 + 3?", **kw) as stream:
+        types = [ev.type for ev in stream]
+        final = stream.get_final_response()
+    (scall,) = [o for o in final.output if o.type == "function_call"]
+    assert (scall.name, scall.arguments) == (call.name, call.arguments)
+    assert "response.function_call_arguments.delta" in types
+    assert types[-1] == "response.completed"
+    # the loop: the call and its result go back as input items
+    items = [{"role": "user", "content": "What is 2 + 3?"},
+             call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id,
+              "output": str(args["a"] + args["b"])}]
+    nxt = client.responses.create(model=tool_server.model, input=items, tools=RESP_TOOLS,
+                                  tool_choice="none", max_output_tokens=4, temperature=0)
+    assert isinstance(nxt.output_text, str)
+    assert not [o for o in nxt.output if o.type == "function_call"]
+    chat_messages = [items[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function",
+         "function": {"name": "add", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": items[2]["output"]}]
+    tok = httpx.post(tool_server.base_url + "/tokenize", timeout=30,
+                     json={"messages": chat_messages, "tools": TOOLS}).json()
+    assert nxt.usage.input_tokens == tok["count"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.name"),
+    ({"tool_choice": "required"}, "input"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+])
+def test_responses_bad_requests_are_400_naming_the_field(tool_server, extra, param):
+    r = httpx.post(tool_server.v1 + "/responses", timeout=30,
+                   json={"input": "Hi", "max_output_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
