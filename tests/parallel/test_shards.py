@@ -115,3 +115,17 @@ def test_all_quant_file_splits_on_block_boundaries(tmp_path):
     assert sum(isinstance(r, KShardRef) for r in out.values()) == 2 * TINY_LLAMA["num_hidden_layers"]
     perm = out["model.layers.0.self_attn.q_proj.weight"].row_perm
     assert perm is not None and sorted(np.asarray(perm).tolist()) == list(range(len(perm)))
+
+
+def test_the_engine_refuses_before_starting_any_rank(tmp_path):
+    """-tp 4 on 2 KV heads: refused from the config, with the reason, and no process spawned."""
+    import multiprocessing
+
+    from iterserve import LLM
+
+    path = tmp_path / "q.gguf"
+    write_tiny_llama_gguf(path, seed=3, tensor_types=ALL_QUANT)
+    with pytest.raises(ModelLoadError, match=r"does not divide the model's "
+                                             r"num_key_value_heads \(2\)"):
+        LLM(str(path), tensor_parallel_size=4, num_kv_blocks=16)
+    assert not multiprocessing.active_children()

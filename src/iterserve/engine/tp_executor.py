@@ -207,6 +207,8 @@ class TPExecutor:
         if str(args.device).startswith("cuda") and torch.cuda.device_count() < world:
             raise ConfigError(f"tensor_parallel_size {world} on CUDA needs {world} GPUs, this "
                               f"machine has {torch.cuda.device_count()}", "tensor_parallel_size")
+        from iterserve.model.parallel import check_model
+        check_model(args.model, world)          # a split the model cannot take: no spawn
         self.world_size = world
         self.threads = rank_threads(args, world)
         self._prev_threads = torch.get_num_threads()

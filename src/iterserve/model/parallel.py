@@ -146,6 +146,26 @@ class Shard:
         return model
 
 
+def check_model(path: str | None, world: int) -> None:
+    """Refuse a model that cannot be split over `world` ranks from its config alone, before
+    any rank process starts (load_model reports a path that is neither kind of model)."""
+    from pathlib import Path
+
+    from iterserve.model.hf_loader import read_hf_config
+    if path is None:
+        from iterserve.model.default_model import default_model_path
+        path = default_model_path()
+    p = Path(path).expanduser()
+    if p.is_dir():
+        hf = read_hf_config(p)
+    elif p.is_file() and p.suffix.lower() == ".gguf":
+        from iterserve.model.gguf_loader import open_gguf, read_gguf_config
+        hf = read_gguf_config(open_gguf(p))
+    else:
+        return
+    Shard(0, world).check(ModelConfig.from_hf(hf))
+
+
 def _no_fused_decode(self, on: bool = True) -> bool:
     """Tensor parallel: the fused decode layers cannot all-reduce mid-layer (module docstring)."""
     self._fused = None
