@@ -177,3 +177,20 @@ def test_stats_name_the_ranks_and_the_per_op_decode_path(engines):
         assert mem["linears"]["native"] >= 8 and mem["linears"]["reference"] == 0
     if form == "gguf-mixed":      # the Q4_K / Q6_K down slices are dequantised (dense)
         assert mem["linears"]["dense"] >= 2
+
+
+def test_structured_outputs_mask_on_rank_0(engines):
+    """The grammar bitmask stays on rank 0 (it applies it to the gathered logits)."""
+    import re
+
+    from iterserve.structured.params import StructuredOutputsParams
+    _, ref, tp = engines
+    sps = [SamplingParams(temperature=0.0, max_tokens=20,
+                          structured_outputs=StructuredOutputsParams(regex="[a-z]{3,8}")),
+           SamplingParams(temperature=0.0, max_tokens=10,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    prompts = [[1, 5, 9, 33], [1, 7, 8]]
+    r1 = [o.outputs[0].text for o in ref.generate(prompts, sps, use_tqdm=False)]
+    r2 = [o.outputs[0].text for o in tp.generate(prompts, sps, use_tqdm=False)]
+    assert r2 == r1
+    assert re.fullmatch("[a-z]{3,8}", r2[0]) and r2[1] in ("yes", "no")
