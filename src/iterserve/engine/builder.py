@@ -51,6 +51,8 @@ def build_engine_parts(args: Any) -> EngineParts:
     from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
+    if args.create_parallel_config().tensor_parallel_size > 1:
+        return _build_tensor_parallel(args)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device,
                         kv_cache_dtype=args.kv_cache_dtype)
     cfg = loaded.config
@@ -59,6 +61,25 @@ def build_engine_parts(args: Any) -> EngineParts:
     runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
                          block_size=cache_cfg.block_size,
                          num_swap_blocks=cache_cfg.num_swap_blocks)
+    return _parts(args, loaded, runner, sched_cfg, cache_cfg)
+
+
+def _build_tensor_parallel(args: Any) -> EngineParts:
+    """-tp N: engine/tp_executor.py loads rank 0's slice here and spawns the other ranks."""
+    from iterserve.engine.tp_executor import TPExecutor
+
+    executor = TPExecutor(args, kv_cache_config)
+    try:
+        sched_cfg = args.create_scheduler_config(executor.config.max_position_embeddings)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return _parts(args, executor.loaded, executor, sched_cfg, executor.cache_config)
+
+
+def _parts(args: Any, loaded: Any, runner: Any, sched_cfg: SchedulerConfig,
+           cache_cfg: CacheConfig) -> EngineParts:
+    cfg = loaded.config
     clock = time.monotonic
     scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
     eos = set(cfg.eos_token_ids or ()) | set(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())

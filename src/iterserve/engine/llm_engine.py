@@ -276,6 +276,12 @@ class LLMEngine:
                 logger.exception("could not end request %s after a consistency violation", rid)
         return messages
 
+    def shutdown(self) -> None:
+        """Stop the executor's processes, if it has any (tensor-parallel ranks)."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
+
     # --- observability -------------------------------------------------------------------
     def get_trace(self, request_id: str) -> dict[str, Any] | None:
         """Lifecycle events of a live or recently finished request (None if unknown)."""

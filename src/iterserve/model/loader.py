@@ -73,13 +73,14 @@ def _checkpoint_float_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
 
 
 def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "cpu",
-               kv_cache_dtype: str = "auto") -> LoadedModel:
+               kv_cache_dtype: str = "auto", shard=None) -> LoadedModel:
     """Load a model for serving.
 
     path None -> the bundled default GGUF; a directory -> HF layout; a *.gguf file -> GGUF.
     dtype "auto" keeps the checkpoint's weights as stored and computes in float32 on CPU
     (the checkpoint's float dtype on CUDA); kv_cache_dtype "auto" is the compute dtype.
     Raises ModelLoadError (a ValueError) for a missing path, unsupported architecture or dtype.
+    `shard` (model.parallel.Shard): load only this tensor-parallel rank's slice.
     """
     explicit = parse_dtype(dtype)            # None for "auto"
     kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
@@ -121,18 +122,23 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
     config.kv_cache_dtype = kv_dtype or compute
     if not config.eos_token_ids and getattr(tokenizer, "eos_token_ids", None):
         config.eos_token_ids = sorted(tokenizer.eos_token_ids)
-    model = build_model(config, refs, dev, cast=explicit)
+    if shard is not None:             # tensor parallel: this rank's slice (model/parallel.py)
+        refs, config = shard.refs(refs, config), shard.config(config)
+    model = build_model(config, refs, dev, cast=explicit,
+                        prepare=None if shard is None else shard.prepare_model)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name,
                        path=str(p), file_bytes=file_bytes, refs=refs)
 
 
 def build_model(config: ModelConfig, refs: dict[str, TensorRef],
-                device: torch.device | str = "cpu", cast: torch.dtype | None = None
-                ) -> torch.nn.Module:
+                device: torch.device | str = "cpu", cast: torch.dtype | None = None,
+                prepare=None) -> torch.nn.Module:
     device = torch.device(device)
     cls = ARCHITECTURES[config.model_type]
     with torch.device("meta"):
         model = cls(config)
+    if prepare is not None:           # tensor parallel: swap in the modules that communicate
+        model = prepare(model)
     if hasattr(model, "load_weights"):
         model.load_weights(refs, Placement(device, config.dtype, cast))
     else:
