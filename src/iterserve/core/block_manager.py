@@ -41,6 +41,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_hashes(token_ids, block_size: int) -> list[int]:
+    """The chained hash of each full block of `token_ids`: entry i is `hash(key_i)` with
+    key_i = (entry i-1 or None, the block's tokens), exactly the parent hash the prefix
+    cache chains its keys with (`BlockManager._keys_for`), so a router that hashes a prompt
+    this way names the same prefixes as the engine's cache. Ints and tuples of ints hash
+    the same in every process (no PYTHONHASHSEED salt), so replicas and router agree."""
+    out: list[int] = []
+    parent = None
+    tokens = tuple(token_ids)
+    for i in range(len(tokens) // block_size):
+        parent = hash((parent, tokens[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
     """The block manager's answer to the scheduler: block ids, as an immutable value.

@@ -31,7 +31,8 @@ from iterserve.lab.options import (  # noqa: F401  (re-exported for callers)
     MAX_REQUESTS, MAX_SLOTS, OPTION_DEFAULTS, LabOptions, LabOptionsError,
     parse_options)
 from iterserve.lab.workload import (
-    RequestSpec, WorkloadError, WorkloadSpec, check_lengths, check_range, draw_workload)
+    RequestSpec, SharedPrefixSpec, WorkloadError, WorkloadSpec, check_lengths, check_range,
+    draw_workload, with_shared_prefix)
 
 # The seed of the reference case: its draw lands near the mission's figures
 # (static ~2,100 steps at ~35%, continuous ~950 at ~78%).
@@ -57,6 +58,10 @@ class LabPlan:
     settings: dict[str, SimSettings]
     cost: CostModel
     per_request: bool
+    # Shared-prefix workloads (the cluster lab): each request's prefix group (by index) and
+    # the prefix length already counted in its prompt_len; None without one.
+    prefix_groups: tuple[int, ...] | None = None
+    shared_prefix: SharedPrefixSpec | None = None
 
 
 def _bad(option: str, message: str) -> LabOptionsError:
@@ -72,9 +77,14 @@ def _range(value: Any, name: str) -> tuple[int, int] | None:
         raise LabOptionsError(str(e), name) from e
 
 
-def plan_lab(options: dict | None) -> LabPlan:
+def plan_lab(options: dict | None, *, shared_prefix: SharedPrefixSpec | None = None
+             ) -> LabPlan:
     """Validate `options` (the LabOptions model, lab/options.py) and resolve the
-    workload-dependent defaults and the rules that need the drawn workload."""
+    workload-dependent defaults and the rules that need the drawn workload.
+
+    `shared_prefix` (the cluster lab, lab/cluster.py) puts one of a few shared prefixes in
+    front of every prompt before the defaults are derived, so max_model_len and the KV
+    pool are sized for the longer prompts."""
     o = parse_options(options)
     given = options or {}
     modes = MODES if o.batching == "both" else (o.batching,)
@@ -142,6 +152,10 @@ def plan_lab(options: dict | None) -> LabPlan:
         priority_frac=priority_frac, long_prompt_frac=long_prompt_frac, long_prompt=long_prompt,
         arrival_rate_s=arrival_rate_s)
     specs = tuple(sorted(draw_workload(workload), key=lambda s: (s.arrival, s.index)))
+    prefix_groups = None
+    if shared_prefix is not None:
+        shifted, groups = with_shared_prefix(list(specs), shared_prefix, seed)
+        specs, prefix_groups = tuple(shifted), tuple(groups)
 
     max_model_len = max(2, max(s.prompt_len + s.output_len for s in specs))
     prefill_ignored = prompt_len is None
@@ -181,7 +195,8 @@ def plan_lab(options: dict | None) -> LabPlan:
             raise LabOptionsError(str(e), e.knob) from e
         settings[mode] = SimSettings(sc, cc, prefill_ignored)
     return LabPlan(modes=modes, workload=workload, specs=specs, settings=settings, cost=cost,
-                   per_request=o.per_request)
+                   per_request=o.per_request, prefix_groups=prefix_groups,
+                   shared_prefix=shared_prefix)
 
 
 def simulate_plan(plan: LabPlan, *, record: bool = False) -> dict[str, SimResult]:

@@ -81,6 +81,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--arrival-rate-s", type=float, metavar="R",
                    help="Poisson arrivals, requests per simulated second (instead of per "
                         "step; for SLO experiments)")
+    _add_cluster_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--cost-model", metavar="FILE|NAME",
                    help="step-time model: a JSON file, or a shipped name (smollm2-cpu: fitted to the "
@@ -102,6 +103,42 @@ def register(subparsers) -> argparse.ArgumentParser:
             importlib.import_module(module).register(sub)
     p.set_defaults(func=run)
     return p
+
+
+# Cluster flags (lab/cluster.py): any of them makes the run a cluster run.
+CLUSTER_ARGS = ("data_parallel_size", "router", "prefix_groups", "prefix_len", "prefix_zipf",
+                "search", "search_p99_ttft_ms", "search_max_replicas")
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """`--replicas N --router POLICY ...`: the knobs' flags generated from ParallelConfig
+    (`--replicas` is the lab's spelling of --data-parallel-size / -dp, which work too)."""
+    from dataclasses import replace
+
+    from iterserve.core.config import ParallelConfig, add_knob_argument, knob_fields
+    from iterserve.lab.cluster import CLUSTER_FIELDS, DEFAULT_REPLICAS
+
+    c = p.add_argument_group(
+        "cluster (N replicas behind the server's router; any of these makes a cluster run)")
+    for name, _default, k in knob_fields(ParallelConfig):
+        if name == "data_parallel_size":
+            add_knob_argument(c, name, replace(k, flag="--replicas"), None,
+                              f"default {DEFAULT_REPLICAS}")
+            c.add_argument("--data-parallel-size", dest=name, type=int, help=argparse.SUPPRESS)
+        elif name == "router":
+            add_knob_argument(c, name, k, None, f"default {k.kind.LEAST_LOADED.value}")
+
+    def desc(name: str) -> str:
+        return CLUSTER_FIELDS[name][1].description
+
+    c.add_argument("--prefix-groups", type=int, metavar="G", help=desc("prefix_groups"))
+    c.add_argument("--prefix-len", type=int, metavar="TOKENS", help=desc("prefix_len"))
+    c.add_argument("--prefix-zipf", type=float, metavar="S", help=desc("prefix_zipf"))
+    c.add_argument("--search", choices=("rate", "replicas"), help=desc("search"))
+    c.add_argument("--search-p99-ttft-ms", type=float, metavar="MS",
+                   help=desc("search_p99_ttft_ms"))
+    c.add_argument("--search-max-replicas", type=int, metavar="N",
+                   help=desc("search_max_replicas") + " (default 64)")
 
 
 class _Renamed(argparse.Action):
@@ -149,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.lab.api import LabOptionsError, plan_lab, simulate_plan
     from iterserve.lab.metrics import summarize
 
+    if any(getattr(args, name, None) is not None for name in CLUSTER_ARGS):
+        return run_cluster(args)
     try:
         plan = plan_lab(options_from_args(args))
     except (LabOptionsError, ValueError) as e:     # WorkloadError, CostModelError too
@@ -174,6 +213,94 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(plan, summaries))
     return 0
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """`iterserve lab --replicas N --router POLICY ...`: the cluster lab (lab/cluster.py)."""
+    from iterserve.lab.cluster import run_cluster_lab
+    from iterserve.lab.options import LabOptionsError
+
+    for flag, value in (("--trace", args.trace), ("--plot", args.plot),
+                        ("--per-request", args.per_request or None)):
+        if value is not None:
+            print(f"iterserve lab: error: {flag} is not available in cluster runs "
+                  "(--replicas / --router)", file=sys.stderr)
+            return 2
+    try:
+        opts = options_from_args(args)
+        if opts.get("batching") == "both":           # the lab's CLI default: one mode here
+            opts["batching"] = "continuous"
+        for name in CLUSTER_ARGS:
+            value = getattr(args, name)
+            if value is not None:
+                opts[name] = value
+        result = run_cluster_lab(opts)
+    except (LabOptionsError, ValueError) as e:
+        print(f"iterserve lab: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_cluster_report(result))
+    return 0
+
+
+def format_cluster_report(r: dict[str, Any]) -> str:
+    """The cluster run as text: the cluster's figures, one row per replica, the search."""
+    wl = r["workload"]
+    rate = (f"Poisson {wl['arrival_rate_s']:g} requests/s" if wl["arrival_rate_s"]
+            else "all at t=0")
+    prefix = (f", {wl['prefix_groups']} shared prefixes of {wl['prefix_len']} tokens"
+              if wl["prefix_groups"] else "")
+    lines = [f"{r['requests']:,} requests ({rate}{prefix}) over {r['replicas']} replicas of "
+             f"{r['slots']} slots, router {r['router']}", ""]
+    rows = [("simulated time (s)", "time_s", "{:,.2f}"),
+            ("throughput (tokens/s)", "throughput_tokens_per_s", "{:,.1f}"),
+            ("requests/s", "requests_per_s", "{:,.2f}"),
+            ("p50 / p99 TTFT (s)", ("p50_ttft_s", "p99_ttft_s"), "{:.3f}"),
+            ("p50 / p99 ITL (s)", ("p50_itl_s", "p99_itl_s"), "{:.4f}"),
+            ("p50 / p99 latency (s)", ("p50_latency_s", "p99_latency_s"), "{:.2f}"),
+            ("prefix-cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),
+            ("load imbalance (max/mean)", "load_imbalance", "{:.2f}"),
+            ("refused", "refused", "{:,}"), ("preemptions", "preemptions", "{:,}"),
+            ("goodput (requests/s)", "goodput_rps", "{:,.2f}")]
+    for label, key, fmt in rows:
+        keys = key if isinstance(key, tuple) else (key,)
+        if all(k in r for k in keys):
+            lines.append(f"{label:28}" + " / ".join(fmt.format(r[k]) for k in keys))
+    rs = r["router_stats"]
+    if r["router"] == "prefix_aware":
+        lines.append(f"{'router':28}{rs['prefix_routed']:,} to their prefix's replica, "
+                     f"{rs['fallbacks']:,} fell back to load")
+    lines += ["", f"{'replica':>8}{'requests':>10}{'busy':>8}{'slot util':>11}"
+                  f"{'hit rate':>10}{'preempt':>9}"]
+    for p in r["per_replica"]:
+        lines.append(f"{p['replica']:>8}{p['requests']:>10,}{p['busy_frac']:>8.1%}"
+                     f"{p['slot_utilization']:>11.1%}{p['prefix_cache_hit_rate']:>10.1%}"
+                     f"{p['preemptions']:>9,}")
+    s = r.get("search")
+    if s:
+        lines.append("")
+        if s["kind"] == "rate":
+            best = s["max_rate_rps"]
+            lines.append(
+                f"highest rate with p99 TTFT <= {s['p99_ttft_ms']:g} ms on {r['replicas']} "
+                f"replicas: " + (f"{best:,.2f} requests/s" if best else "none (even a "
+                                 "trickle misses it)")
+                + ("" if s["bounded"] else " (or more: the search stopped widening)")
+                + f"; burst capacity {s['capacity_rps']:,.2f} requests/s")
+        else:
+            n = s["replicas"]
+            lines.append(f"replicas for {wl['arrival_rate_s']:g} requests/s at p99 TTFT <= "
+                         f"{s['p99_ttft_ms']:g} ms: " + (str(n) if n else
+                                                          f"more than {s['max_replicas']}"))
+        for row in s["runs"]:
+            what = (f"rate {row['arrival_rate_s']:8.2f}" if "arrival_rate_s" in row
+                    else f"replicas {row['replicas']:4}")
+            lines.append(f"  {what}: p99 TTFT {row.get('p99_ttft_s', 0):.3f} s, refused "
+                         f"{row['refused']}, {'meets' if row['meets'] else 'misses'}")
+    return "\n".join(lines)
 
 
 def serve(host: str, port: int) -> int:

@@ -195,3 +195,53 @@ def mean_length(spec: WorkloadSpec) -> float:
 
 __all__ = ["RequestSpec", "WorkloadSpec", "WorkloadError", "draw_workload", "parse_range",
            "check_range", "check_lengths", "read_lengths_file", "MAX_LENGTH"]
+
+
+# --- Shared-prefix workloads (the cluster lab, issue 16) -----------------------------------
+# Many requests open with one of a few long system prompts (a chat product's instructions, a
+# RAG template, few-shot examples), then a question of their own. That is the workload a
+# prefix-aware router is for: sending a group's requests to the replica that already holds
+# its prefix in the KV cache saves the prefill. Token ids are made up but distinct: group
+# g's prefix is PREFIX_TOKEN_BASE + g repeated, request i's own tokens are
+# UNIQUE_TOKEN_BASE + i, so two prompts share exactly their group's prefix blocks.
+PREFIX_TOKEN_BASE = 1_000
+UNIQUE_TOKEN_BASE = 10_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixSpec:
+    groups: int             # distinct shared prefixes (system prompts)
+    prefix_len: int         # tokens in each, added in front of the drawn prompt
+    zipf: float = 0.0       # 0: groups equally likely; s > 0: weight 1 / (g + 1)^s
+
+
+def draw_prefix_groups(n: int, shared: SharedPrefixSpec, seed: int) -> list[int]:
+    """Each request's prefix group (its own random stream, so lengths and arrivals stay
+    those of the same seed without prefixes)."""
+    rng = _rng(seed, "prefix_groups")
+    if shared.zipf > 0:
+        weights = [1.0 / (g + 1) ** shared.zipf for g in range(shared.groups)]
+        return rng.choices(range(shared.groups), weights=weights, k=n)
+    return [rng.randrange(shared.groups) for _ in range(n)]
+
+
+def with_shared_prefix(specs: list[RequestSpec], shared: SharedPrefixSpec,
+                       seed: int) -> tuple[list[RequestSpec], list[int]]:
+    """`specs` with each prompt lengthened by its group's prefix, and the groups (by index)."""
+    from dataclasses import replace
+
+    groups = draw_prefix_groups(len(specs), shared, seed)
+    out = [replace(s, prompt_len=s.prompt_len + shared.prefix_len) for s in specs]
+    return out, [groups[s.index] for s in specs]
+
+
+def prompt_token_ids(spec: RequestSpec, group: int, prefix_len: int) -> list[int]:
+    """The prompt of one request: its group's prefix (group >= 0), then its own tokens."""
+    if group < 0 or prefix_len <= 0:
+        return [UNIQUE_TOKEN_BASE + spec.index] * spec.prompt_len
+    return ([PREFIX_TOKEN_BASE + group] * prefix_len
+            + [UNIQUE_TOKEN_BASE + spec.index] * (spec.prompt_len - prefix_len))
+
+
+__all__ += ["SharedPrefixSpec", "draw_prefix_groups", "with_shared_prefix", "prompt_token_ids",
+            "PREFIX_TOKEN_BASE", "UNIQUE_TOKEN_BASE"]

@@ -34,6 +34,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 # folder) so that nothing but these is ever served and no path can escape the folder.
 _STATIC_FILES: dict[str, str] = {
     "lab.js": "text/javascript; charset=utf-8",
+    "lab_cluster.js": "text/javascript; charset=utf-8",
     "lab.css": "text/css; charset=utf-8",
 }
 
@@ -140,6 +141,70 @@ async def lab_run(request: Request) -> Response:
         result = await run_in_threadpool(run_lab, options)
     except LabOptionsError as exc:
         # `option` lets the page mark the field; the message names it in any case.
+        return _error(400, str(exc), param=getattr(exc, "option", None),
+                      code="invalid_lab_option")
+    return JSONResponse(result)
+
+
+# --- the cluster view (lab/cluster.py) ---------------------------------------------------
+# A cluster run simulates every replica's steps, so its work is the same requests x output
+# tokens as a single run, spread over replicas; a search repeats the run (up to
+# CLUSTER_SEARCH_RUNS times), so its bound counts every repeat.
+MAX_HTTP_CLUSTER_TOKENS = 2_000_000
+CLUSTER_SEARCH_RUNS = 14
+
+
+def _cluster_work_bound_error(options: dict[str, Any]) -> JSONResponse | None:
+    def opt(name: str, default: Any) -> Any:
+        v = options.get(name)
+        return default if v is None else v
+
+    requests = opt("requests", OPTION_DEFAULTS["requests"])
+    if not _is_int(requests):
+        return None
+    longest = 0
+    for name in ("short", "long"):
+        rng = opt(name, OPTION_DEFAULTS[name])
+        if isinstance(rng, (list, tuple)) and len(rng) == 2 and _is_int(rng[1]):
+            longest = max(longest, rng[1])
+    runs = CLUSTER_SEARCH_RUNS if options.get("search") is not None else 1
+    total = requests * longest * runs
+    if total > MAX_HTTP_CLUSTER_TOKENS:
+        return _error(400, f"requests: this cluster run could simulate up to {total:,} output "
+                           f"tokens{' over its search' if runs > 1 else ''}; the HTTP endpoint "
+                           f"runs at most {MAX_HTTP_CLUSTER_TOKENS:,} (fewer requests or "
+                           "shorter outputs; `iterserve lab --replicas N` has no such limit)",
+                      param="requests", code="lab_run_too_large")
+    return None
+
+
+@router.post("/v1/lab/cluster")
+async def lab_cluster(request: Request) -> Response:
+    """The cluster lab (N replicas behind the server's router) with the JSON body as
+    options: `run_cluster_lab`'s result. Same body rules and error shape as /v1/lab/run;
+    `cost_model` may also be the name of a shipped cost model (never a file path)."""
+    from iterserve.lab.cluster import run_cluster_lab
+
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        return _error(400, f"request body is {len(raw)} bytes; the lab accepts at most "
+                           f"{MAX_BODY_BYTES}")
+    if raw.strip():
+        try:
+            options: Any = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"request body is not valid JSON: {exc}")
+    else:
+        options = {}
+    if not isinstance(options, dict):
+        return _error(400, "request body must be a JSON object of lab options, got "
+                           + _JSON_TYPE_NAMES.get(type(options), type(options).__name__))
+    too_big = _cluster_work_bound_error(options)
+    if too_big is not None:
+        return too_big
+    try:
+        result = await run_in_threadpool(run_cluster_lab, options)
+    except LabOptionsError as exc:
         return _error(400, str(exc), param=getattr(exc, "option", None),
                       code="invalid_lab_option")
     return JSONResponse(result)
