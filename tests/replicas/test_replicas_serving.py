@@ -180,3 +180,70 @@ def test_data_parallel_flag_needs_ray(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(RayNotInstalledError, match=r"iterserve\[ray\]"):
         require_ray()
+
+
+def test_a_replica_killed_mid_run_fails_its_requests_cleanly(pool_server):
+    """ray.kill one replica while 8 streams run on both: every stream ends (finished, or an
+    SSE error chunk then [DONE]) within the timeout, never a hang; the endpoint keeps
+    serving at once, and Ray Serve brings the replica back."""
+    import json
+    import threading
+
+    import ray
+
+    pool = pool_server.engine
+    names = pool.router.replica_actor_names()
+    assert len(names) == 2
+    results: list[tuple[str, int]] = []
+    started = threading.Barrier(9)
+
+    def one(i: int) -> None:
+        body = {"model": "tiny-llama", "prompt": f"fault {i}", "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+        outcome, n = "none", 0
+        try:
+            with httpx.stream("POST", pool_server.v1 + "/completions", json=body,
+                              timeout=60) as r:
+                if r.status_code != 200:
+                    outcome = f"http {r.status_code}"
+                    started.wait(timeout=30)
+                else:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            outcome = outcome if outcome != "none" else "done-unfinished"
+                            break
+                        ev = json.loads(line[6:])
+                        if "error" in ev:
+                            outcome = "error"
+                            continue
+                        n += 1
+                        if n == 2:
+                            started.wait(timeout=30)
+                        if ev["choices"] and ev["choices"][0].get("finish_reason"):
+                            outcome = ev["choices"][0]["finish_reason"]
+        except Exception as e:      # a reset connection or a hang (timeout) fails the test
+            outcome = f"exception {type(e).__name__}"
+        results.append((outcome, n))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=30)                 # every stream has its first tokens
+    victim = sorted(names)[0]
+    ray.kill(ray.get_actor(names[victim], namespace="serve"), no_restart=False)
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    outcomes = [o for o, _ in results]
+    assert all(o in ("length", "error") for o in outcomes), results
+    assert "error" in outcomes and "length" in outcomes, results    # both replicas had some
+    # Serving at once, on the survivor (or the restarted one).
+    c = client(pool_server)
+    for _ in range(4):
+        assert c.completions.create(model="tiny-llama", prompt="after", max_tokens=3
+                                    ).usage.completion_tokens == 3
+    assert wait_until(lambda: len(pool.replica_ids()) == 2 and victim not in pool.replica_ids(),
+                      timeout=90), pool.replica_ids()
+    assert pool.num_in_flight == 0

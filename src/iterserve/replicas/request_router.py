@@ -31,24 +31,9 @@ ROUTERS: Dict[str, "IterserveRequestRouter"] = {}
 """The live router of each pool, by the registry key the pool passed in its kwargs."""
 
 
-class _RoundRobinUntilMerged:          # TEMPORARY: until h-cluster's core/router.py lands
-    def __init__(self, policy: Any, **_: Any) -> None:
-        self.n = 0
-
-    def route(self, prompt_token_ids: Any, loads: Any) -> int:
-        self.n += 1
-        return (self.n - 1) % len(loads)
-
-    def remove_replica(self, replica_id: str) -> None:
-        pass
-
-
 def make_router(policy: str, *, block_size: int, cache_capacity_blocks: int | None,
                 seed: int) -> Any:
-    try:
-        from iterserve.core.router import Router
-    except ImportError:
-        return _RoundRobinUntilMerged(policy)
+    from iterserve.core.router import Router
     return Router(policy, block_size=block_size, cache_capacity_blocks=cache_capacity_blocks,
                   seed=seed)
 
@@ -56,10 +41,7 @@ def make_router(policy: str, *, block_size: int, cache_capacity_blocks: int | No
 def replica_load(replica_id: str, stats: dict[str, Any], in_flight: int) -> Any:
     """A ReplicaLoad from a replica's routing stats, with at least `in_flight` requests
     (those this router sent that have not completed) counted as running or waiting."""
-    try:
-        from iterserve.core.router import ReplicaLoad
-    except ImportError:
-        from types import SimpleNamespace as ReplicaLoad
+    from iterserve.core.router import ReplicaLoad
 
     running = int(stats.get("num_running", 0))
     waiting = int(stats.get("num_waiting", 0))
@@ -139,6 +121,11 @@ class IterserveRequestRouter(FIFOMixin, RequestRouter):
     def replica_ids(self) -> List[str]:
         """The replicas Serve currently routes to (running, not dead)."""
         return sorted(r.unique_id for r in self.curr_replicas)
+
+    def replica_actor_names(self) -> Dict[str, str]:
+        """{replica id: its Ray actor's name} (namespace "serve"), e.g. to kill one in a
+        fault test."""
+        return {r.unique_id: r.to_full_id_str() for r in self.curr_replicas}
 
     def _forget(self, replica: str) -> None:
         self._in_flight.pop(replica, None)
