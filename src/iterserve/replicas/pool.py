@@ -253,6 +253,8 @@ class ReplicaPool(AsyncEngine):
         out["recent_requests"] = [t for r in reps for t in r.get("recent_requests", [])][:20]
         out["num_replicas"] = len(reps)
         out["router"] = getattr(self.router, "policy", None)
+        out["router_decision"] = self.router.overhead() if self.router is not None else None
+        out["threads_per_replica"] = getattr(self, "threads_per_replica", None)
         out["replicas"] = reps
         return out
 
