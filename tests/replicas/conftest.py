@@ -1,4 +1,4 @@
-"""Replica tests: one local Ray cluster for the whole package (starting Ray costs ~5-10 s on
+"""Replica tests: one local Ray cluster for the package (starting Ray costs ~5-10 s on
 2 cores), one Serve application per module (~10-20 s: two replica processes import torch and
 load the tiny model), and iterserve's own FastAPI app in a uvicorn thread in front of it.
 
@@ -60,9 +60,10 @@ def serve_engine(engine: Any, **app_kw: Any) -> Served:
     return Served(f"http://127.0.0.1:{port}", engine, server, thread)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster():
-    """A local Ray for the whole session (stopped at the end)."""
+    """A local Ray for this package's tests (stopped after its last test, so the rest of
+    the suite runs without Ray's processes)."""
     from iterserve.replicas.launch import init_ray
 
     t0 = time.monotonic()

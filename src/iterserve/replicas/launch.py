@@ -117,6 +117,9 @@ def close_pool(pool: Any, *, shutdown_ray: bool | None = None) -> None:
     import ray
     from ray import serve
 
+    from iterserve.replicas.request_router import ROUTERS
+
+    ROUTERS.pop(pool.router_key, None)
     try:
         serve.delete(pool.app_name)
     except Exception:
