@@ -16,8 +16,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def limited(start_pool):
+    # max_model_len 1024: the running requests (1000 tokens) outlast the queued ones' 0.5 s
+    # queue timeout by seconds, whatever the machine's load.
     return start_pool(max_num_seqs=1, max_queued_requests=1, scheduling_policy="priority",
-                      queue_timeout=0.5)
+                      queue_timeout=0.5, max_model_len=1024)
 
 
 class Stream(threading.Thread):
@@ -58,8 +60,8 @@ def test_503_only_when_every_replica_queue_is_full_and_queued_requests_time_out(
     def running() -> int:
         return httpx.get(s.base_url + "/v1/engine/stats").json()["num_running"]
 
-    a = Stream(s, "first")
-    b = Stream(s, "second")
+    a = Stream(s, "first", max_tokens=1000)
+    b = Stream(s, "second", max_tokens=1000)
     deadline = time.monotonic() + 30
     while running() < 2 and time.monotonic() < deadline:     # one running on each replica
         time.sleep(0.05)
