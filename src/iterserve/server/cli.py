@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    choices=["critical", "error", "warning", "info", "debug"])
     add_openai_cli_args(p)
     EngineArgs.add_cli_args(p)
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="with --data-parallel-size > 1: join this Ray cluster ('auto', "
+                        "'HOST:PORT') instead of starting a local one")
     p.set_defaults(func=run)
 
 
@@ -136,8 +139,13 @@ def build_app(args: argparse.Namespace):
         raise ValueError("--max-request-body-bytes must be at least 1")
     if args.metrics_require_auth and not args.api_key:
         raise ValueError("--metrics-require-auth needs --api-key")
-    engine = AsyncEngine.from_engine_args(
-        engine_args, debug_check_consistency=args.debug_check_consistency)
+    if engine_args.data_parallel_size > 1:          # replicas on Ray Serve (replicas/)
+        from iterserve.replicas import start_pool
+        engine = start_pool(engine_args, ray_address=getattr(args, "ray_address", None),
+                            debug_check_consistency=args.debug_check_consistency)
+    else:
+        engine = AsyncEngine.from_engine_args(
+            engine_args, debug_check_consistency=args.debug_check_consistency)
     return create_app(engine, served_model_name=engine_args.served_model_name,
                       api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
                       max_request_body_bytes=args.max_request_body_bytes,
@@ -151,9 +159,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from iterserve.replicas.launch import RayNotInstalledError
+
     try:
         app, engine = build_app(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, RayNotInstalledError) as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
     print(f"iterserve: serving {engine.model_name!r} on http://{args.host}:{args.port} "
@@ -180,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
         code = int(e.code or 0)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if getattr(engine, "app_name", None):          # a replica pool: stop its replicas
+            from iterserve.replicas import close_pool
+            close_pool(engine)
     # Everything is shut down (streams ended, engine stopped, aborts flushed). Interpreter
     # teardown with torch loaded took ~0.9 s more, which would break the promise that the
     # process is gone within --shutdown-timeout + 1 s; so leave without it.

@@ -27,20 +27,27 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1
 class PrometheusStatLogger:
     """Owns the metric objects of one app; `log(StepStats)` is the engine's hook."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 extra_labels: dict[str, str] | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        labels = ["model_name"]
+        # Replicas (replicas/pool.py): one logger per replica with extra_labels={"replica":
+        # id}; its registry goes into the server logger's extra_registries, whose samples
+        # render() merges into the same metric families as the server's own (the sums).
+        self.extra_registries: list[CollectorRegistry] = []
+        extra = dict(extra_labels or {})
+        labels = ["model_name", *extra]
+        values = [model_name, *extra.values()]
         r = self.registry
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"iterserve:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(f"iterserve:{name}", doc, labels, registry=r).labels(*values)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(f"iterserve:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(f"iterserve:{name}", doc, labels, registry=r).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(f"iterserve:{name}", doc, labels, buckets=buckets,
-                             registry=r).labels(model_name)
+                             registry=r).labels(*values)
 
         self.num_requests_running = gauge("num_requests_running",
                                           "Requests holding KV blocks (scheduled each step).")
@@ -63,8 +70,9 @@ class PrometheusStatLogger:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first admission.", _LATENCY_BUCKETS)
         self._success = Counter("iterserve:request_success", "Finished requests by reason.",
-                                ["model_name", "finished_reason"], registry=r)
+                                ["model_name", *extra, "finished_reason"], registry=r)
         self._model_name = model_name
+        self._extra_values = list(extra.values())
 
     def log(self, stats: StepStats) -> None:
         if stats.num_preemptions:
@@ -83,7 +91,7 @@ class PrometheusStatLogger:
             if m.queue_time is not None:
                 self.queue_time.observe(m.queue_time)
         for reason in stats.finish_reasons:
-            self._success.labels(self._model_name, reason).inc()
+            self._success.labels(self._model_name, *self._extra_values, reason).inc()
         self.set_gauges(num_running=stats.num_running, num_waiting=stats.num_waiting,
                         num_swapped=stats.num_swapped, kv_cache_usage=stats.kv_cache_usage)
 
@@ -97,4 +105,24 @@ class PrometheusStatLogger:
             self.num_free_blocks.set(num_free_blocks)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.extra_registries:
+            return generate_latest(self.registry)
+        return generate_latest(_MergedFamilies([self.registry, *self.extra_registries]))
+
+
+class _MergedFamilies:
+    """Several registries as one: samples of same-named families go into one family (one
+    HELP/TYPE header), as the exposition format requires."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Any:
+        merged: dict[str, Any] = {}
+        for reg in self.registries:
+            for fam in reg.collect():
+                if fam.name in merged:
+                    merged[fam.name].samples.extend(fam.samples)
+                else:
+                    merged[fam.name] = fam
+        return list(merged.values())

@@ -1,0 +1,77 @@
+"""`iterserve serve --data-parallel-size 2` as a user runs it: the CLI in a subprocess,
+joining the test session's Ray cluster through `--ray-address`, with
+`--threads-per-replica 1`; SIGTERM stops it cleanly and removes its Serve application. A bad
+model path is refused before any replica starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from .conftest import free_port
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def cli(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "iterserve.cli", "serve", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_serve_dp2_joins_a_cluster_and_stops_cleanly(ray_cluster, tiny_model_dir):
+    import ray
+    from ray import serve
+
+    address = ray.get_runtime_context().gcs_address
+    before = set(serve.status().applications) if serve.context._global_client else set()
+    port = free_port()
+    proc = cli("--model", str(tiny_model_dir), "--port", str(port), "--num-kv-blocks", "64",
+               "--max-model-len", "256", "-dp", "2", "--threads-per-replica", "1",
+               "--router", "prefix_aware", "--ray-address", address, "--log-level", "warning")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model="tiny-llama", prompt="hi", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+        stats = httpx.get(base + "/v1/engine/stats").json()
+        assert stats["num_replicas"] == 2 and stats["router"] == "prefix_aware"
+        assert [x["threads"] for x in stats["replicas"]] == [1, 1]
+        apps = set(serve.status().applications) - before
+        assert len(apps) == 1 and apps.pop().startswith("iterserve-")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    # Its application is gone; the cluster (not its own) is left running.
+    deadline = time.monotonic() + 30
+    while set(serve.status().applications) - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not set(serve.status().applications) - before
+    assert ray.is_initialized()
+
+
+def test_serve_dp2_with_a_missing_model_is_refused_quickly():
+    t0 = time.monotonic()
+    proc = cli("--model", "/nonexistent/model", "-dp", "2")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-2000:]
+    assert "no model at '/nonexistent/model'" in err
+    assert time.monotonic() - t0 < 60
