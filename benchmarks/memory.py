@@ -95,15 +95,15 @@ class RssSampler(threading.Thread):
     def __init__(self, pid: int, interval: float = 0.1) -> None:
         super().__init__(daemon=True)
         self.pid, self.interval, self.peak = pid, interval, 0
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             self.peak = max(self.peak, tree_rss(self.pid))
-            self._stop.wait(self.interval)
+            self._done.wait(self.interval)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=5)
         return self.peak
 
@@ -246,8 +246,10 @@ def run_engine(engine: str, model: Path, name: str, *, port: int, slots: int, ct
         info["vm_hwm_bytes"] = _status_kb(proc.pid, "VmHWM") * 1024
         info["ok"] = all(d["ok"] for d in info["decode"])
     finally:
-        info["peak_rss_bytes"] = sampler.stop()
-        _stop(proc)
+        try:
+            info["peak_rss_bytes"] = sampler.stop()
+        finally:
+            _stop(proc)
     return info
 
 
