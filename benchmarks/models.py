@@ -30,6 +30,11 @@ Recipes, per shape:
     python benchmarks/models.py make smollm2-1.7b --recipe blocks --types Q4_0 Q4_K_M
     python benchmarks/models.py make smollm2-1.7b --recipe hf
     python benchmarks/models.py make smollm2-1.7b --recipe convert --types F16 Q4_K_M Q4_0 Q8_0
+    python benchmarks/models.py check ~/.cache/iterserve-models/smollm2-1.7b/*.Q4_K_M.gguf
+
+`check` runs one prompt's ids through llama-server (greedy, top-10 pre-sampling logprobs)
+and through iterserve (native kernels, then the reference path for 3 steps), one model
+loaded at a time, and reports greedy agreement and logprob gaps on the shared top-10 tokens.
 """
 
 from __future__ import annotations
@@ -462,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {k:34s} greedy equal {r[k]['greedy_tokens_equal']:2d}/{r['n']}  "
                       f"max |dlogprob| {max(x['max_abs_logprob_diff'] or 0 for x in st):.4f}  "
                       f"min top-10 overlap {min(x['topk_overlap'] for x in st):.1f}", flush=True)
-        if args.out:
-            args.out.write_text(json.dumps({"prompt": CHECK_PROMPT, "rows": rows}, indent=1))
+            if args.out:      # after every file: a long run keeps what it has measured
+                args.out.write_text(json.dumps({"prompt": CHECK_PROMPT, "rows": rows}, indent=1))
         return 0
     if args.cmd == "list":
         for n in SHAPES:

@@ -115,7 +115,7 @@ def server_command(model: Path, port: int, slots: int, max_model_len: int = 1024
     return [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(slots),
             "--max-model-len", str(max_model_len), "--dtype", dtype,
-            "--served-model-name", served_name, "--disable-log-requests"]
+            "--served-model-name", served_name]
 
 
 def start_server(model: Path, port: int, slots: int, kv_gib: float, *, max_model_len: int = 1024,
