@@ -9,9 +9,16 @@ converter accepts it).
 Recipes, per shape:
 - `hf`: an HF directory in bf16 safetensors (config.json, tokenizer files, one
   model.safetensors written tensor by tensor, so making an 8B one needs no 16 GB of RAM).
-- `gguf`: llama.cpp's own `convert_hf_to_gguf.py` (F16) then `llama-quantize` (Q8_0, Q4_0,
-  Q4_K_M, Q5_K_M, Q6_K), from the peer build in benchmarks/peers/llama_server.py; needs the
-  `hf` directory and the built llama.cpp tree.
+- `convert` (alias `gguf`): what a user's downloaded GGUF is made with: llama.cpp's own
+  `convert_hf_to_gguf.py` on the `hf` directory (F16), then `llama-quantize` (Q8_0, Q4_0,
+  Q4_K_M, Q5_K_M, Q6_K: llama.cpp chooses each tensor's type, e.g. Q4_K_M's Q4_K/Q6_K mix),
+  from the peer build in benchmarks/peers/llama_server.py (`setup` builds llama-quantize).
+  The converter runs in a Python that has its requirements (torch, transformers, numpy,
+  sentencepiece): this one if it has them, else a venv of its own under the peers cache
+  (`converter_python()`), so the shared venv never gets new packages from here. The gguf-py
+  it uses is the llama.cpp tree's own. Files: `<name>.<TYPE>.gguf`; each step is skipped
+  when its output exists (written to .tmp, renamed when complete). The 1.7B shape: convert
+  ~35 s / 1 GB RSS, Q4_K_M ~2 min, Q4_0 ~15 s on 2 cores.
 - `blocks`: a GGUF written directly with random codes under small valid scales in the block
   types llama-quantize would choose (Q4_0; or Q4_K_M's mix: Q4_K with Q6_K for output and for
   attn_v / ffn_down in the layers llama.cpp gives more bits), streamed tensor by tensor. It
@@ -22,7 +29,12 @@ Recipes, per shape:
     python benchmarks/models.py list
     python benchmarks/models.py make smollm2-1.7b --recipe blocks --types Q4_0 Q4_K_M
     python benchmarks/models.py make smollm2-1.7b --recipe hf
-    python benchmarks/models.py make smollm2-1.7b --recipe gguf --types F16 Q4_0 Q4_K_M
+    python benchmarks/models.py make smollm2-1.7b --recipe convert --types F16 Q4_K_M Q4_0 Q8_0
+    python benchmarks/models.py check ~/.cache/iterserve-models/smollm2-1.7b/*.Q4_K_M.gguf
+
+`check` runs one prompt's ids through llama-server (greedy, top-10 pre-sampling logprobs)
+and through iterserve (native kernels, then the reference path for 3 steps), one model
+loaded at a time, and reports greedy agreement and logprob gaps on the shared top-10 tokens.
 """
 
 from __future__ import annotations
@@ -244,20 +256,40 @@ def make_blocks_gguf(name: str, qtype: str, seed: int = 0) -> Path:
 
 # --- GGUF through llama.cpp's own tools --------------------------------------------------------
 
+CONVERTER_REQUIREMENTS = ("torch==2.13.0", "transformers==5.24.0", "numpy==2.4.6",
+                          "sentencepiece==0.2.3", "protobuf==7.36.2", "safetensors==0.8.0")
+
+
+def converter_python() -> str:
+    """A Python that can run convert_hf_to_gguf.py: this interpreter when it already has the
+    converter's imports, else `~/.cache/iterserve-peers/convert-venv` (made once, pinned)."""
+    probe = "import torch, transformers, numpy, sentencepiece, safetensors"
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
+        return sys.executable
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+    import llama_server as peer
+    venv = peer.CACHE / "convert-venv"
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *CONVERTER_REQUIREMENTS],
+                       check=True)   # torch pinned first in the list: pip takes the CPU wheel
+    return str(py)
+
+
 def make_llama_cpp_gguf(name: str, types: list[str]) -> list[Path]:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
     import llama_server as peer
-    peer.ensure_requirements()
     hf = make_hf(name)
     vendor = peer.fetch_source()
     quantize = peer.BIN_DIR / "llama-quantize"
     f16 = model_dir(name) / f"{name}.F16.gguf"
     if not f16.exists():
-        subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf),
-                        "--outtype", "f16", "--outfile", str(f16) + ".tmp"], check=True,
+        subprocess.run(["nice", converter_python(), str(vendor / "convert_hf_to_gguf.py"),
+                        str(hf), "--outtype", "f16", "--outfile", str(f16) + ".tmp"], check=True,
                        env={**os.environ, "PYTHONPATH": str(vendor / "gguf-py")})
         os.replace(str(f16) + ".tmp", f16)
-    outs = [f16]
+    outs = [f16] if "F16" in types else []
     for t in types:
         if t == "F16":
             continue
@@ -271,15 +303,173 @@ def make_llama_cpp_gguf(name: str, types: list[str]) -> list[Path]:
     return outs
 
 
+def type_census(path: Path) -> dict[str, int]:
+    """How many tensors of each GGML type a GGUF holds (what llama-quantize chose)."""
+    import gguf
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+# --- does iterserve compute what llama.cpp computes on the same file? ----------------------
+
+CHECK_PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def free_port(lo: int = 18800, hi: int = 18900) -> int:
+    """A port in the models engineer's range that nothing listens on now."""
+    import socket
+    for port in range(lo, hi):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port in {lo}..{hi}")
+
+
+def _llama_server_logprobs(path: Path, ids: list[int], n: int, top: int, port: int | None) -> list[dict]:
+    """Greedy continuation with the top-`top` logprobs per step (pre-sampling, full softmax)."""
+    import httpx
+    port = port or free_port()
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+    import llama_server as peer
+    cmd = [str(peer.BIN_DIR / "llama-server"), "-m", str(path), "--host", "127.0.0.1",
+           "--port", str(port), "-np", "1", "-t", "2", "-c", "512", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        import time
+        while True:
+            if proc.poll() is not None:
+                sys.exit(f"llama-server exited {proc.returncode}: {cmd}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/completion", timeout=600, json={
+            "prompt": ids, "n_predict": n, "temperature": 0, "n_probs": top,
+            "cache_prompt": False, "ignore_eos": True, "return_tokens": True})
+        r.raise_for_status()
+        doc = r.json()
+        assert doc["tokens_evaluated"] == len(ids), (doc["tokens_evaluated"], len(ids))
+        return [{"id": c["id"], "top": [(t["id"], t["logprob"]) for t in c["top_logprobs"]]}
+                for c in doc["completion_probabilities"]]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _iterserve_logprobs(path: Path, ids: list[int], n: int, top: int, native: bool = True) -> list[dict]:
+    """iterserve's greedy continuation + top logprobs, in a fresh process (so only one model
+    is ever loaded); native=False sets ITERSERVE_NATIVE_KERNELS=0: every linear then takes the
+    reference path (gguf-style dequantisation of bounded tiles + a float32 GEMM)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+           "ITERSERVE_NATIVE_KERNELS": "1" if native else "0"}
+    p = subprocess.run([sys.executable, __file__, "logprobs", str(path), json.dumps(ids),
+                        str(n), str(top)], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"iterserve on {path} failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _logprobs_here(path: Path, ids: list[int], n: int, top: int) -> list[dict]:
+    from iterserve import LLM, SamplingParams
+    llm = LLM(str(path), kv_cache_memory=0.25, max_num_seqs=1)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        temperature=0.0, max_tokens=n, logprobs=top, ignore_eos=True), use_tqdm=False)[0]
+    return [{"id": lp.token_id, "top": [list(t) for t in lp.top_logprobs]}
+            for lp in out.outputs[0].logprobs]
+
+
+def _compare(ref: list[dict], got: list[dict], top: int) -> dict:
+    """Greedy tokens equal before the first divergence, and per step (up to and including
+    it: after it the contexts differ) the top-k overlap and the largest logprob gap on the
+    shared top-k tokens."""
+    steps, same = [], 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        ra, rb = {t: v for t, v in a["top"]}, {t: v for t, v in b["top"]}
+        shared = set(ra) & set(rb)
+        steps.append({"step": i, "ref_token": a["id"], "token": b["id"],
+                      "topk_overlap": len(shared) / top,
+                      "max_abs_logprob_diff": max((abs(ra[t] - rb[t]) for t in shared), default=None),
+                      "ref_top1_margin": (a["top"][0][1] - a["top"][1][1]) if len(a["top"]) > 1 else None})
+        if a["id"] != b["id"]:
+            break
+        same += 1
+    return {"greedy_tokens_equal": same, "steps": steps}
+
+
+def check_against_llama_cpp(path: Path, n: int = 8, top: int = 10, port: int | None = None,
+                            ref_steps: int = 3) -> dict:
+    """Same prompt ids through llama-server and iterserve (one after the other, never both
+    loaded): greedy tokens, top-k overlap and the logprob gap on shared top-k tokens at each
+    step up to the first divergence (after it the two contexts differ)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir_of(path) / "hf-bf16"))
+    ids = tok.encode(CHECK_PROMPT, add_special_tokens=False)
+    llama = _llama_server_logprobs(path, ids, n, top, port)
+    native = _iterserve_logprobs(path, ids, n, top, native=True)
+    # The reference path dequantises every weight tile per step: a few steps are enough to
+    # tell whose arithmetic the native kernels follow.
+    reference = _iterserve_logprobs(path, ids, min(n, ref_steps), top, native=False)
+    return {"file": path.name, "types": type_census(path), "prompt_tokens": len(ids),
+            "n": n, "top": top,
+            "iterserve_vs_llama_cpp": _compare(llama, native, top),
+            "iterserve_reference_vs_llama_cpp": _compare(llama, reference, top),
+            "iterserve_native_vs_reference": _compare(reference, native, top),
+            "tokens": {"llama_cpp": [a["id"] for a in llama],
+                       "iterserve": [b["id"] for b in native],
+                       "iterserve_reference": [b["id"] for b in reference]}}
+
+
+def model_dir_of(path: Path) -> Path:
+    return path.parent
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list")
     m = sub.add_parser("make")
     m.add_argument("names", nargs="+", choices=sorted(SHAPES) + ["all"])
-    m.add_argument("--recipe", choices=["hf", "gguf", "blocks"], default="blocks")
+    m.add_argument("--recipe", choices=["hf", "convert", "gguf", "blocks"], default="blocks")
     m.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K_M"])
+    c = sub.add_parser("check", help="iterserve vs llama-server logprobs on the same GGUF")
+    c.add_argument("files", nargs="+", type=Path)
+    c.add_argument("-n", type=int, default=8)
+    c.add_argument("--out", type=Path, default=None)
+    lp = sub.add_parser("logprobs", help=argparse.SUPPRESS)   # check's iterserve side
+    lp.add_argument("file", type=Path)
+    lp.add_argument("ids")
+    lp.add_argument("n", type=int)
+    lp.add_argument("top", type=int)
     args = ap.parse_args(argv)
+    if args.cmd == "logprobs":
+        print(json.dumps(_logprobs_here(args.file, json.loads(args.ids), args.n, args.top)))
+        return 0
+    if args.cmd == "check":
+        rows = []
+        for f in args.files:
+            r = check_against_llama_cpp(f, n=args.n)
+            rows.append(r)
+            print(json.dumps({"file": r["file"], "types": r["types"], "n": r["n"]}))
+            for k in ("iterserve_vs_llama_cpp", "iterserve_reference_vs_llama_cpp",
+                      "iterserve_native_vs_reference"):
+                st = r[k]["steps"]
+                print(f"  {k:34s} greedy equal {r[k]['greedy_tokens_equal']:2d}/{r['n']}  "
+                      f"max |dlogprob| {max(x['max_abs_logprob_diff'] or 0 for x in st):.4f}  "
+                      f"min top-10 overlap {min(x['topk_overlap'] for x in st):.1f}", flush=True)
+            if args.out:      # after every file: a long run keeps what it has measured
+                args.out.write_text(json.dumps({"prompt": CHECK_PROMPT, "rows": rows}, indent=1))
+        return 0
     if args.cmd == "list":
         for n in SHAPES:
             params = sum(int(np.prod(s)) for s in tensor_shapes(n).values())
@@ -290,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in names:
         if args.recipe == "hf":
             print(make_hf(n))
-        elif args.recipe == "gguf":
-            print(*make_llama_cpp_gguf(n, args.types), sep="\n")
+        elif args.recipe in ("convert", "gguf"):
+            for p in make_llama_cpp_gguf(n, args.types):
+                print(p, p.stat().st_size, type_census(p))
         else:
             for t in args.types:
                 print(make_blocks_gguf(n, t))

@@ -245,3 +245,44 @@ def test_qwen_files_load_without_unpermuting_and_match_transformers(tmp_path, ar
     assert set(hf_state) == set(state)
     for name in state:
         assert torch.equal(state[name], hf_state[name]), name
+
+
+def test_fast_string_array_parse_gives_the_readers_own_fields(default_model):
+    """open_gguf's reader builds vocabulary string arrays on a fast path; every field (parts,
+    indices, types, contents) must be what gguf-py's generic parser builds."""
+    import gguf
+
+    from iterserve.model.gguf_loader import _reader_class, open_gguf
+
+    class Generic(_reader_class()):
+        def _get_field_parts(self, offs, raw_type):
+            return gguf.GGUFReader._get_field_parts(self, offs, raw_type)
+
+    path = default_model[0]
+    fast, ref = open_gguf(path), Generic(path, "c")
+    assert list(fast.fields) == list(ref.fields)
+    assert fast.data_offset == ref.data_offset
+    assert len(fast.fields["tokenizer.ggml.tokens"].data) > 40000   # the fast path ran
+    for key, a in fast.fields.items():
+        b = ref.fields[key]
+        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
+        assert [(p.dtype, p.tobytes()) for p in a.parts] == \
+            [(p.dtype, p.tobytes()) for p in b.parts], key
+        assert a.contents() == b.contents(), key
+
+
+def test_truncated_string_array_is_a_clear_error(tmp_path):
+    path = tmp_path / "vocab.gguf"
+    import gguf
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_token_list([f"tok{i}" for i in range(200)])
+    w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:data.index(b"tok150")])
+    with pytest.raises(GGUFLoadError):
+        load_gguf(cut)
