@@ -124,6 +124,42 @@ def measure_capacity(args: argparse.Namespace, port: int) -> float:
     return cap
 
 
+def write(args, loads, cap, runs, t_start, load_before, *, final: bool) -> None:
+    """The result JSON (rewritten after every run, so a cut-short session keeps its runs)."""
+    summary = {}
+    for f in loads:
+        g = {p: [r["goodput"] for r in runs if r["policy"] == p and r["load"] == f]
+             for p in POLICIES}
+        if not (g["fcfs"] and g["slo"]):
+            continue
+        ratios = [s / fc if fc > 0 else float("inf")
+                  for fc, s in zip(g["fcfs"], g["slo"])]
+        summary[f"{f:g}x"] = {
+            "fcfs_goodput_rps_median": statistics.median(g["fcfs"]),
+            "slo_goodput_rps_median": statistics.median(g["slo"]),
+            "ratio_per_repeat": ratios}
+        if final:
+            s = summary[f"{f:g}x"]
+            print(f"{f:g}x capacity: goodput fcfs {s['fcfs_goodput_rps_median']:.3f}, slo "
+                  f"{s['slo_goodput_rps_median']:.3f} req/s (median); slo/fcfs per repeat "
+                  f"{', '.join(f'{x:.2f}x' for x in ratios)}", flush=True)
+    with open("/proc/loadavg") as f:
+        load_now = f.read().split()[:3]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "slo_engine", "complete": final, "started_at": t_start,
+        "machine": machine_info(), "loadavg_before": load_before, "loadavg_after": load_now,
+        "capacity_rps": cap, "capacity_measured": not args.capacity,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "options": {"requests": args.requests, "max_num_seqs": args.max_num_seqs,
+                    "seed": args.seed, "loads": loads, "repeats": args.repeats,
+                    "workload": "poisson (bench mix, ignore_eos)", "model": args.model or "bundled"},
+        "summary": summary, "runs": runs, "wall_s": time.time() - t_start}, indent=2) + "\n")
+    if final:
+        print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="1.5,2", help="load factors x capacity (default 1.5,2)")
@@ -161,6 +197,7 @@ def main() -> None:
                     runs.append({"repeat": rep, "policy": policy, "load": f,
                                  "rate_rps": f * cap, **r,
                                  "engine_slo": (st or {}).get("slo")})
+                    write(args, loads, cap, runs, t_start, load_before, final=False)
                     print(f"repeat {rep} {policy:4s} {f:g}x ({f * cap:.2f} req/s): goodput "
                           f"{r['goodput']:.3f} req/s ({r['good_requests']}/{r['num_requests']}"
                           f" met both), 429 {r['refused_429']}, other failures "
@@ -168,34 +205,7 @@ def main() -> None:
                           f"median TPOT {r['tpot']['median_ms']} ms", flush=True)
             finally:
                 srv.stop()
-    summary = {}
-    for f in loads:
-        g = {p: [r["goodput"] for r in runs if r["policy"] == p and r["load"] == f]
-             for p in POLICIES}
-        ratios = [s / fc if fc > 0 else float("inf")
-                  for fc, s in zip(g["fcfs"], g["slo"])]
-        summary[f"{f:g}x"] = {
-            "fcfs_goodput_rps_median": statistics.median(g["fcfs"]),
-            "slo_goodput_rps_median": statistics.median(g["slo"]),
-            "ratio_per_repeat": ratios}
-        s = summary[f"{f:g}x"]
-        print(f"{f:g}x capacity: goodput fcfs {s['fcfs_goodput_rps_median']:.3f}, slo "
-              f"{s['slo_goodput_rps_median']:.3f} req/s (median); slo/fcfs per repeat "
-              f"{', '.join(f'{x:.2f}x' for x in ratios)}", flush=True)
-    with open("/proc/loadavg") as f:
-        load_after = f.read().split()[:3]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "slo_engine", "started_at": t_start, "machine": machine_info(),
-        "loadavg_before": load_before, "loadavg_after": load_after,
-        "capacity_rps": cap, "capacity_measured": not args.capacity,
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-        "options": {"requests": args.requests, "max_num_seqs": args.max_num_seqs,
-                    "seed": args.seed, "loads": loads, "repeats": args.repeats,
-                    "workload": "poisson (bench mix, ignore_eos)", "model": args.model or "bundled"},
-        "summary": summary, "runs": runs, "wall_s": time.time() - t_start}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write(args, loads, cap, runs, t_start, load_before, final=True)
 
 
 if __name__ == "__main__":
