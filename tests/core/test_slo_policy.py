@@ -246,3 +246,34 @@ def test_random_overload_keeps_the_books_and_drains(reqs, mode, max_seqs):
     for r in accepted:
         assert r.status is RequestStatus.FINISHED
         assert r.num_output_tokens == r.sampling_params.max_tokens
+
+
+def test_per_request_targets_come_from_the_sampling_params_and_override_the_defaults():
+    # The HTTP fields ride on SamplingParams; the Request takes them, add_request fills only
+    # what is still unset from the server defaults.
+    e = Engine(slo_ttft_ms=5000.0, slo_tpot_ms=500.0)
+    own = Request("own", [1] * 4, SamplingParams(max_tokens=4, ttft_slo_ms=250.0),
+                  arrival_time=e.t)
+    e.s.add_request(own)
+    assert (own.ttft_slo_ms, own.tpot_slo_ms) == (250.0, 500.0)
+    dflt = e.add("dflt")
+    assert (dflt.ttft_slo_ms, dflt.tpot_slo_ms) == (5000.0, 500.0)
+    # The tighter target is served first (slack order), whatever the arrival order.
+    assert [r.request_id for r in e.s.waiting] == ["own", "dflt"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("field", ["ttft_slo_ms", "tpot_slo_ms"])
+def test_targets_under_another_policy_are_refused_naming_the_field(policy, field):
+    from iterserve.core.request import SamplingParamsError
+
+    s = Scheduler(SchedulerConfig(scheduling_policy=policy, max_num_seqs=4,
+                                  max_num_batched_tokens=64, max_model_len=64),
+                  CacheConfig(block_size=16, num_kv_blocks=64))
+    r = Request("r", [1, 2], SamplingParams(max_tokens=2, **{field: 100.0}))
+    with pytest.raises(SamplingParamsError) as exc:
+        s.add_request(r)
+    assert exc.value.param == field and "--scheduling-policy slo" in str(exc.value)
+    assert policy in str(exc.value)
+    assert not s.requests and s.num_waiting == 0
+    s.add_request(Request("ok", [1, 2], SamplingParams(max_tokens=2)))   # the rest still works

@@ -74,6 +74,11 @@ class SamplingParams:
     bad_words: list[str] | None = None             # words never completed in the output
     min_tokens: int = 0                            # no EOS / stop token before this many
     include_stop_str_in_output: bool = False       # keep the matched stop string in the text
+    # Latency targets (issue 18; extension fields, as vLLM-style extra body): the `slo`
+    # scheduling policy orders, admits and refuses by them; None takes the server's
+    # --slo-ttft-ms / --slo-tpot-ms. Any other policy refuses a request that sets them.
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     # Filled by the engine's input processor from the fields above (vLLM keeps the same
     # derived state on its SamplingParams): bad_words as token sequences, and the ids that
     # min_tokens holds back (EOS unless ignore_eos, plus stop_token_ids).
@@ -122,6 +127,12 @@ class SamplingParams:
             bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings", "stop")
+        for f in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or not 0 < v <= MAX_SLO_MS):
+                bad(f"{f} must be a number of milliseconds in (0, {MAX_SLO_MS:g}], got {v!r}",
+                    f)
         self._validate_constraints(bad)
         return self
 
@@ -165,6 +176,9 @@ class SamplingParams:
                 f"({self.max_tokens})", "min_tokens")
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output must be a boolean", "include_stop_str_in_output")
+
+
+MAX_SLO_MS = 3_600_000.0    # an hour: a latency target beyond that is no target
 
 
 _FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type in ("float", float))
@@ -244,10 +258,12 @@ class Request:
         self.finished_time: float | None = None
         self.token_times: list[float] = []   # time each output token was produced
         self.user_data = user_data           # free slot for the engine/lab (e.g. a stream)
-        # Latency targets for the `slo` policy (None: the scheduler's slo_ttft_ms /
-        # slo_tpot_ms defaults, filled in by add_request; still None: no target).
-        self.ttft_slo_ms = ttft_slo_ms
-        self.tpot_slo_ms = tpot_slo_ms
+        # Latency targets for the `slo` policy: given here, else the sampling params' (a
+        # request's own, over HTTP), else the scheduler's slo_ttft_ms / slo_tpot_ms defaults
+        # (filled in by add_request); still None: no target.
+        sp = self.sampling_params
+        self.ttft_slo_ms = ttft_slo_ms if ttft_slo_ms is not None else sp.ttft_slo_ms
+        self.tpot_slo_ms = tpot_slo_ms if tpot_slo_ms is not None else sp.tpot_slo_ms
 
     # --- sizes -------------------------------------------------------------------------
     @property

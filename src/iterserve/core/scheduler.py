@@ -45,7 +45,7 @@ from typing import Callable, Mapping
 from iterserve.core.block_manager import BlockManager, cdiv
 from iterserve.core.config import (
     Batching, CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy)
-from iterserve.core.request import FinishReason, Request, RequestStatus
+from iterserve.core.request import FinishReason, Request, RequestStatus, SamplingParamsError
 from iterserve.core.request_queue import FCFSQueue, PriorityQueue, make_queue
 from iterserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -133,6 +133,13 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has already been scheduled "
                              f"(status {request.status.value})")
         request.sampling_params.validate()
+        if self.slo is None and (request.ttft_slo_ms is not None
+                                 or request.tpot_slo_ms is not None):
+            # A latency target only the slo policy honours: refused, never silently ignored.
+            f = "ttft_slo_ms" if request.ttft_slo_ms is not None else "tpot_slo_ms"
+            raise SamplingParamsError(
+                f"{f} needs a server started with --scheduling-policy slo (this one "
+                f"schedules {getattr(cfg.scheduling_policy, 'value', cfg.scheduling_policy)})", f)
         n = request.num_prompt_tokens
         if n >= cfg.max_model_len:
             self._reject(request, now, "prompt_too_long")

@@ -308,4 +308,6 @@ class LLMEngine:
         plan = getattr(self.executor, "memory_plan", None)
         if plan is not None:
             snap["memory"] = plan
+        if getattr(self.scheduler, "slo", None) is not None:    # refused, held, rate, fit
+            snap["slo"] = self.scheduler.slo.stats()
         return snap

@@ -28,7 +28,12 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Run the engine's scheduler with a simulated executor and compare "
                     "static and continuous batching (steps, utilisation, latency).")
     w = p.add_argument_group("workload")
-    w.add_argument("--batching", choices=("static", "continuous", "both"), default="both")
+    from iterserve.lab.options import PRESETS
+    w.add_argument("--preset", choices=tuple(PRESETS),
+                   help="start from a named option set (the other flags override it): "
+                        + "; ".join(f"{k}: {v['description']}"
+                                    for k, v in PRESETS.items()).replace("%", "%%"))
+    w.add_argument("--batching", choices=("static", "continuous", "both"))
     w.add_argument("--requests", type=int, help="number of requests (default 48)")
     w.add_argument("--seed", type=int, help="random seed of the draw (default: the reference seed)")
     w.add_argument("--short-frac", type=float, help="share of short answers (default 0.8)")
@@ -157,7 +162,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from iterserve.lab.cost_model import load_cost_model
     from iterserve.lab.workload import parse_range, read_lengths_file
 
-    opts: dict[str, Any] = {"batching": args.batching}
+    opts: dict[str, Any] = {"batching": args.batching or (None if args.preset else "both"),
+                            "preset": args.preset}
     for name in ("max_num_seqs", "requests", "seed", "short_frac", "arrival_rate",
                  "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
                  "enable_chunked_prefill", "scheduling_policy", "priority_frac", "mix", "enable_prefix_caching",

@@ -80,11 +80,21 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         ttft_s = S[first_token] - S[arrival]
         out.update(mean_ttft=_mean(ttft), p50_ttft=_pct(ttft, 50), p99_ttft=_pct(ttft, 99),
                    mean_ttft_s=_mean(ttft_s), p99_ttft_s=_pct(ttft_s, 99))
+        prio = np.fromiter((s.priority for s in specs), dtype=np.int64, count=len(specs))
+        if res.timed_out is not None:
+            prio = prio[done]
+        urgent = prio == 0
+        if urgent.any() and not urgent.all():      # two classes: the urgent one's TTFT
+            out.update(urgent_requests=int(urgent.sum()),
+                       mean_ttft_s_urgent=_mean(ttft_s[urgent]),
+                       p99_ttft_s_urgent=_pct(ttft_s[urgent], 99),
+                       p99_ttft_s_normal=_pct(ttft_s[~urgent], 99))
         if res.itl_prev is not None:
             itl = res.itl_next - res.itl_prev
             itl_s = S[res.itl_next] - S[res.itl_prev]
             out.update(mean_itl=_mean(itl), p99_itl=_pct(itl, 99),
-                       mean_itl_s=_mean(itl_s), p99_itl_s=_pct(itl_s, 99))
+                       mean_itl_s=_mean(itl_s), p99_itl_s=_pct(itl_s, 99),
+                       max_itl_s=float(itl_s.max()) if itl_s.size else 0.0)
         out["preemptions"] = int(res.preemptions.sum())
         out["prompt_tokens"] = int(sum(s.prompt_len for s in specs))
         out["computed_tokens"] = res.computed_tokens

@@ -47,6 +47,81 @@ _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
 }
 
 
+# Presets (issue 18's trade-offs, and the SLO overload case): named option sets a user picks
+# on the page (GET /v1/lab/presets fills the form) or with `iterserve lab --preset NAME`.
+# A preset's options are defaults: options given with it override them. Each says which one
+# knob to flip to see the trade-off; benchmarks/slo_tradeoffs.py runs the full sweeps and
+# BENCHMARKS.md has the table. All use the shipped cost model fitted to the bundled model
+# on the reference CPU (`smollm2-cpu`), so the simulated seconds are that machine's.
+PRESETS: dict[str, dict[str, Any]] = {
+    "slo-overload": {
+        "description": "Poisson arrivals at ~1.5x capacity (3 requests/s, 64 slots) with TTFT "
+                       "<= 1 s and TPOT <= 100 ms: policy slo keeps goodput up by refusing "
+                       "what cannot start in time; switch the policy to fcfs and every "
+                       "request is late.",
+        "options": {"batching": "continuous", "max_num_seqs": 64, "requests": 300,
+                    "prompt_len": [8, 40], "arrival_rate_s": 3.0,
+                    "scheduling_policy": "slo", "slo_ttft_ms": 1000.0, "slo_tpot_ms": 100.0,
+                    "cost_model": "smollm2-cpu"},
+    },
+    "longprompt": {
+        "description": "10% of the prompts 1500-2000 tokens among short chats, Poisson "
+                       "arrivals at ~0.7x capacity: chunked prefill with a 64-token budget "
+                       "caps the inter-token gap at one small chunk; untick chunked prefill "
+                       "and each long prompt stalls every running decode for its whole "
+                       "prefill (~4 s here), at a longer TTFT for the long prompts as the cost.",
+        "options": {"batching": "continuous", "max_num_seqs": 16, "requests": 200,
+                    "mix": "longprompt", "arrival_rate_s": 0.6,
+                    "enable_chunked_prefill": True, "max_num_batched_tokens": 64,
+                    "cost_model": "smollm2-cpu"},
+    },
+    "priority-flood": {
+        "description": "An interactive class (10%, priority 0) while a batch class floods "
+                       "the server at ~1.5x capacity: under policy priority the interactive "
+                       "TTFT stays near its value alone; switch to fcfs and it waits behind "
+                       "the flood.",
+        "options": {"batching": "continuous", "max_num_seqs": 16, "requests": 300,
+                    "prompt_len": [8, 40], "arrival_rate_s": 3.0,
+                    "scheduling_policy": "priority", "priority_frac": 0.1,
+                    "cost_model": "smollm2-cpu"},
+    },
+    "kv-pressure": {
+        "description": "KV blocks for a third of the slots at full length, all 96 requests "
+                       "at once: preemption under KV pressure by recompute (the prefill is "
+                       "paid again); switch to swap to keep the blocks in the host pool "
+                       "(the lab charges no time for the copy: read it as swap's best case).",
+        "options": {"batching": "continuous", "max_num_seqs": 16, "requests": 96,
+                    "prompt_len": [100, 400], "num_kv_blocks": 300,
+                    "preemption_mode": "recompute", "cost_model": "smollm2-cpu"},
+    },
+}
+
+
+def apply_preset(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with its `preset` expanded: the preset's options, then the given ones on
+    top (None values are "default" and do not override). The preset's cost model is a
+    shipped name, loaded here (a name from the table, never a path from the caller)."""
+    name = options.get("preset")
+    if name is None:
+        return {k: v for k, v in options.items() if k != "preset"}
+    if not isinstance(name, str) or name not in PRESETS:
+        raise LabOptionsError(f"preset: must be one of {', '.join(PRESETS)}; got {name!r}",
+                              "preset")
+    merged = dict(PRESETS[name]["options"])
+    merged.update({k: v for k, v in options.items() if k != "preset" and v is not None})
+    if isinstance(merged.get("cost_model"), str):
+        from iterserve.lab.cost_model import load_cost_model
+
+        merged["cost_model"] = load_cost_model(merged["cost_model"])
+    return merged
+
+
+def presets_json() -> dict[str, Any]:
+    """The presets as JSON (GET /v1/lab/presets): name -> description and options."""
+    return {name: {"description": p["description"], "options": dict(p["options"])}
+            for name, p in PRESETS.items()}
+
+
 class LabOptionsError(ValueError):
     """A lab option with a bad value (or an unknown option); the message names it."""
 
@@ -142,6 +217,7 @@ def parse_options(options: Any) -> Any:
         options = {}
     if not isinstance(options, dict):
         raise LabOptionsError(f"options must be an object, got {type(options).__name__}")
+    options = apply_preset(options)
     for old, new in RENAMED.items():
         if old in options:
             raise LabOptionsError(f"{old}: renamed to {new}", old)

@@ -208,3 +208,12 @@ async def lab_cluster(request: Request) -> Response:
         return _error(400, str(exc), param=getattr(exc, "option", None),
                       code="invalid_lab_option")
     return JSONResponse(result)
+
+
+@router.get("/v1/lab/presets")
+async def lab_presets() -> dict[str, Any]:
+    """The lab's named option sets (lab/options.py PRESETS): the page fills its form from
+    them; `POST /v1/lab/run` takes {"preset": name, ...overrides}."""
+    from iterserve.lab.options import presets_json
+
+    return presets_json()

@@ -49,7 +49,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationIn
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from iterserve.core.request import SamplingParams
+from iterserve.core.request import MAX_SLO_MS, SamplingParams
 
 MAX_LOGPROBS = 20       # OpenAI allows up to 20 top logprobs
 MAX_N = 128             # OpenAI's cap on n
@@ -153,6 +153,13 @@ class _SamplingFields(_Model):
                                              "server started with --scheduling-policy priority")
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
+    # latency targets (issue 18): need --scheduling-policy slo, else a 400 naming them
+    ttft_slo_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description=(
+        "time-to-first-token target in ms (default --slo-ttft-ms); a request that cannot "
+        "meet it is refused early with 429 + Retry-After; needs --scheduling-policy slo"))
+    tpot_slo_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description=(
+        "time-per-output-token target in ms (default --slo-tpot-ms); admission holds before "
+        "it would break; needs --scheduling-policy slo"))
 
     # accepted no-ops (module docstring)
     user: Text | None = None
@@ -261,6 +268,7 @@ class _SamplingFields(_Model):
             bad_words=list(self.bad_words) if self.bad_words else None,
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            ttft_slo_ms=self.ttft_slo_ms, tpot_slo_ms=self.tpot_slo_ms,
         ).validate()
 
     def structured_outputs_params(self):

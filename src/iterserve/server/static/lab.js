@@ -24,6 +24,7 @@
     inflight: null,      // AbortController of the running request
     lastKey: null,       // the options of the latest run, as JSON
     playTimer: null,
+    presets: null,       // GET /v1/lab/presets: name -> {description, options}
   };
 
   const $ = (sel) => document.querySelector(sel);
@@ -109,18 +110,23 @@
     const form = $("#controls");
     const options = {};
     const pairs = {};
+    // Under a preset, the fields it sets are always sent: one put back to the form's
+    // default (policy fcfs, say) must override the preset, not fall back to it.
+    const preset = (state.presets || {})[$("#opt-preset").value];
+    const fromPreset = new Set(preset ? Object.keys(preset.options) : []);
+    const send = (input) => changed(input) || fromPreset.has(input.name);
     for (const input of form.querySelectorAll("[name]")) {
       const name = input.name;
       if (input.dataset.pair != null) {
         (pairs[name] ||= [])[Number(input.dataset.pair)] = input;
         continue;
       }
-      if (!changed(input)) continue;
+      if (!send(input)) continue;
       const v = parseValue(input);
       if (v !== undefined) options[name] = v;
     }
     for (const [name, [lo, hi]] of Object.entries(pairs)) {
-      if (!changed(lo) && !changed(hi)) continue;
+      if (!send(lo) && !send(hi)) continue;
       if (lo.value === "" && hi.value === "") { options[name] = null; continue; }
       if (lo.value === "" || hi.value === "") {
         throw new FormError(name, `${name}: give both a minimum and a maximum (or neither)`);
@@ -271,6 +277,17 @@
     ["p99_ttft", "p99 TTFT", 1, "steps", "arrival to first token"],
     ["p99_itl", "p99 inter-token", 2, "steps", "between output tokens"],
     ["preemptions", "Preemptions", 0, "", "requests evicted to free KV blocks"],
+    // In simulated seconds (the cost model), shown when the run has them.
+    ["p99_ttft_s", "p99 TTFT", 2, "s", "arrival to first token, simulated seconds"],
+    ["p99_itl_s", "p99 inter-token", 3, "s", "between output tokens, simulated seconds"],
+    ["max_itl_s", "Longest token gap", 3, "s", "the longest stall between two output tokens"],
+    ["p99_ttft_s_urgent", "p99 TTFT, urgent", 3, "s", "the urgent class (priority 0) only"],
+    // Overload and SLOs: only when the run set a target, a queue bound or a timeout.
+    ["goodput_rps", "Goodput", 2, "req/s", "requests per simulated second that met both SLO targets"],
+    ["slo_met", "Met both SLOs", 0, "", "requests whose TTFT and TPOT met the targets"],
+    ["refused", "Refused (SLO)", 0, "", "refused at arrival: could not meet the TTFT target (a 429 on a server)"],
+    ["refused_queue_full", "Refused (queue full)", 0, "", "refused at arrival by the queue bound (a 503 on a server)"],
+    ["timed_out", "Timed out", 0, "", "ended by the request or queue timeout"],
   ];
 
   function figureText(metric, v, decimals) {
@@ -311,7 +328,8 @@
   }
 
   // Which side of a pair is better, for a quiet highlight. Higher is better only for these.
-  const HIGHER_IS_BETTER = new Set(["utilization", "throughput_tokens_per_s"]);
+  const HIGHER_IS_BETTER = new Set(["utilization", "throughput_tokens_per_s", "goodput_rps",
+    "slo_met"]);
   const NEUTRAL = new Set(["time_s"]);
 
   function compare(metric, a, b) {
@@ -320,10 +338,17 @@
     return aBetter ? "better" : "worse";
   }
 
+  function goodputLine(r) {
+    if (r.goodput_rps == null) return "";
+    return ` Goodput ${fmt(r.goodput_rps, 2)} requests/s: ${fmt(r.slo_met)} of ` +
+      `${fmt(r.requests)} met both targets, ${fmt(r.refused)} refused.`;
+  }
+
   function verdict(result, modes) {
     if (modes.length < 2) {
       const r = result[modes[0]];
-      return `${modes[0]} batching: ${fmt(r.steps)} steps at ${pct(r.utilization)} slot utilisation.`;
+      return `${modes[0]} batching: ${fmt(r.steps)} steps at ${pct(r.utilization)} slot utilisation.` +
+        goodputLine(r);
     }
     const s = result.static, c = result.continuous;
     const ratio = s.steps / Math.max(1, c.steps);
@@ -331,7 +356,8 @@
       ? `Continuous batching finishes in ${fmt(c.steps)} steps instead of ${fmt(s.steps)} (${fmt(ratio, 2)}× fewer)`
       : `Static batching finishes in ${fmt(s.steps)} steps instead of ${fmt(c.steps)} (${fmt(1 / ratio, 2)}× fewer)`;
     return `${faster}; slots are busy ${pct(c.utilization)} of the time vs ${pct(s.utilization)}, ` +
-      `and mean latency is ${fmt(c.mean_latency, 1)} vs ${fmt(s.mean_latency, 1)} steps.`;
+      `and mean latency is ${fmt(c.mean_latency, 1)} vs ${fmt(s.mean_latency, 1)} steps.` +
+      goodputLine(c);
   }
 
   /* --- the slot x step occupancy chart ------------------------------------------ */
@@ -852,8 +878,43 @@
 
   function resetForm() {
     $("#controls").reset();
+    $("#preset-description").textContent = "";
     clearError();
     run();
+  }
+
+  /* Presets (GET /v1/lab/presets): picking one resets the form and fills every field the
+   * preset sets, so the page shows what will run; the run sends the preset's name too, for
+   * what has no field (its cost model). Changing a field afterwards overrides the preset. */
+  async function loadPresets() {
+    let presets = {};
+    try {
+      const resp = await apiFetch("/v1/lab/presets");
+      if (resp.ok) presets = await resp.json();
+    } catch (err) { /* an older server: no presets, the select stays at "none" */ }
+    state.presets = presets;
+    const select = $("#opt-preset");
+    for (const [name, p] of Object.entries(presets)) {
+      select.append(el("option", { value: name, text: name, title: p.description }));
+    }
+  }
+
+  function applyPreset() {
+    const name = $("#opt-preset").value;
+    const form = $("#controls");
+    form.reset();
+    $("#opt-preset").value = name;
+    const preset = (state.presets || {})[name];
+    $("#preset-description").textContent = preset ? preset.description : "";
+    if (!preset) return;
+    for (const [key, value] of Object.entries(preset.options)) {
+      const inputs = form.querySelectorAll(`[name="${CSS.escape(key)}"]`);
+      for (const input of inputs) {
+        const v = Array.isArray(value) ? value[Number(input.dataset.pair)] : value;
+        if (input.type === "checkbox") input.checked = Boolean(v);
+        else input.value = String(v);
+      }
+    }
   }
 
   function init() {
@@ -861,6 +922,9 @@
     form.addEventListener("submit", (e) => { e.preventDefault(); clearTimeout(debounce); run(); });
     form.addEventListener("change", runSoon);
     $("#reference-case").addEventListener("click", resetForm);
+    // Fills the form before the form's own change listener (bubbling) re-runs it.
+    $("#opt-preset").addEventListener("change", applyPreset);
+    loadPresets();
     $("#new-seed").addEventListener("click", () => {
       $("#opt-seed").value = String(Math.floor(Math.random() * 1e6));
       runSoon();

@@ -1,0 +1,79 @@
+"""The lab's presets (issue 18's trade-offs): each runs, shows the trade-off it is named for
+when its one knob is flipped, and the options given with it override it. The full sweeps are
+benchmarks/slo_tradeoffs.py; these are the one-seed checks that the presets keep meaning
+what their descriptions say."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.lab.options import PRESETS, presets_json
+
+
+def cont(**opts):
+    return run_lab(opts)["continuous"]
+
+
+def test_every_preset_runs_and_describes_itself():
+    assert set(PRESETS) == {"slo-overload", "longprompt", "priority-flood", "kv-pressure"}
+    doc = json.loads(json.dumps(presets_json()))          # plain JSON for the page
+    for name, p in doc.items():
+        assert p["description"] and p["options"]["cost_model"] == "smollm2-cpu"
+        r = run_lab({"preset": name})
+        assert list(r) == ["continuous"] and r["continuous"]["requests"] == p["options"]["requests"]
+
+
+def test_given_options_override_the_preset():
+    r = cont(preset="kv-pressure", requests=20, max_num_seqs=4)
+    assert r["requests"] == 20 and r["slots"] == 4
+    r = run_lab({"preset": "kv-pressure", "batching": "both", "requests": 10})
+    assert set(r) == {"static", "continuous"}
+    assert cont(preset=None, requests=5)["requests"] == 5        # None: no preset
+
+
+@pytest.mark.parametrize("bad", ["nope", 3, ""])
+def test_an_unknown_preset_is_refused_by_name(bad):
+    with pytest.raises(LabOptionsError) as e:
+        run_lab({"preset": bad})
+    assert e.value.option == "preset" and "slo-overload" in str(e.value)
+
+
+def test_slo_overload_policy_slo_beats_fcfs_on_goodput():
+    slo = cont(preset="slo-overload")
+    fcfs = cont(preset="slo-overload", scheduling_policy="fcfs")
+    assert slo["refused"] > 0 and fcfs["refused"] == 0
+    assert slo["goodput_rps"] >= 1.5 * fcfs["goodput_rps"]
+
+
+def test_longprompt_chunking_caps_the_inter_token_gap():
+    on = cont(preset="longprompt", requests=80)
+    off = cont(preset="longprompt", requests=80, enable_chunked_prefill=False,
+               max_num_batched_tokens=4096)
+    assert off["max_itl_s"] >= 3 * on["max_itl_s"]       # a whole 1500+ token prefill
+    assert on["p99_ttft_s"] > 0 and off["p99_ttft_s"] > 0
+
+
+def test_priority_flood_protects_the_interactive_class():
+    prio = cont(preset="priority-flood")
+    fcfs = cont(preset="priority-flood", scheduling_policy="fcfs")
+    assert 0 < prio["urgent_requests"] < prio["requests"]
+    assert prio["p99_ttft_s_urgent"] * 2 < fcfs["p99_ttft_s_urgent"]
+    assert prio["p99_ttft_s_urgent"] < prio["p99_ttft_s_normal"]
+
+
+def test_kv_pressure_preempts_and_swap_saves_the_recompute():
+    rec = cont(preset="kv-pressure")
+    swap = cont(preset="kv-pressure", preemption_mode="swap")
+    assert rec["preemptions"] > 0 and swap["preemptions"] > 0
+    assert swap["computed_tokens"] < rec["computed_tokens"]     # recompute pays prefill again
+
+
+def test_the_cli_takes_a_preset(capsys):
+    from iterserve.cli import main
+
+    assert main(["lab", "--preset", "kv-pressure", "--requests", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["continuous"] and out["continuous"]["requests"] == 12
