@@ -54,7 +54,7 @@ from iterserve.core.scheduler import QueueFullError, Scheduler
 from iterserve.core.slo_policy import SLOUnattainableError
 from iterserve.lab.api import LabPlan, plan_lab
 from iterserve.lab.cost_model import CostModel, shipped_cost_models
-from iterserve.lab.options import LabOptions, LabOptionsError, _field, _message
+from iterserve.lab.options import LabOptions, LabOptionsError, _field, _message, apply_preset
 from iterserve.lab.simulator import STALL_LIMIT, SimExecutor, SimSettings, SimulationError
 from iterserve.lab.workload import (
     MAX_LENGTH, RequestSpec, SharedPrefixSpec, prompt_token_ids)
@@ -141,6 +141,7 @@ def plan_cluster(options: dict | None) -> ClusterPlan:
         options = {}
     if not isinstance(options, dict):
         raise LabOptionsError(f"options must be an object, got {type(options).__name__}")
+    options = apply_preset(options)          # a preset is the lab's defaults, here too
     known = set(ClusterOptions.model_fields) | set(LabOptions.model_fields)
     unknown = sorted(set(options) - known)
     if unknown:
