@@ -104,6 +104,8 @@ def test_serve_tp2_with_the_openai_client(model_path):
         stats = httpx.get(base + "/v1/engine/stats", timeout=10).json()
         assert "rank 1" in stats["memory"]["tensor_parallel"]["dead"]
         assert stats["kv_cache_usage"] == 0              # the failed request freed its blocks
+        health = httpx.get(base + "/health", timeout=10)      # load balancers stop sending
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

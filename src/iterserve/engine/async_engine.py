@@ -108,6 +108,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can serve nothing more (a tensor-parallel rank died), or None."""
+        return self.engine.fatal_error()
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -406,4 +411,6 @@ class AsyncEngine:
                 self._loop_task.cancel()
         # Flush the aborts so blocks are freed, then stop the threads.
         await loop.run_in_executor(None, self._thread.shutdown, True)
+        # Then the executor's own processes (tensor-parallel ranks), if it has any.
+        await loop.run_in_executor(None, self.engine.shutdown)
         self._text.shutdown(wait=False, cancel_futures=True)

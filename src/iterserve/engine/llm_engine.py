@@ -276,6 +276,12 @@ class LLMEngine:
                 logger.exception("could not end request %s after a consistency violation", rid)
         return messages
 
+    def fatal_error(self) -> str | None:
+        """Why this engine can serve nothing more (a tensor-parallel rank died), or None.
+        Only an executor with processes of its own can fail this way; the in-process
+        ModelRunner has no such attribute."""
+        return getattr(self.executor, "fatal_error", None)
+
     def shutdown(self) -> None:
         """Stop the executor's processes, if it has any (tensor-parallel ranks)."""
         stop = getattr(self.executor, "shutdown", None)

@@ -291,6 +291,11 @@ class TPExecutor:
         self.runner.sampler = fn
 
     @property
+    def fatal_error(self) -> str | None:
+        """Set once a rank has died: the engine can run no step any more (/health: 503)."""
+        return self._dead
+
+    @property
     def memory_plan(self) -> dict:
         """Rank 0's plan (every rank holds a slice of the same shape) and the group."""
         return dict(self.runner.memory_plan, tensor_parallel={

@@ -57,6 +57,9 @@ class _DriverView:
         self.vocab_size = info["vocab_size"]
         self.stat_loggers: list[Any] = []
 
+    def fatal_error(self) -> str | None:
+        return None             # a dead replica is restarted by Ray; the pool keeps serving
+
 
 def unwrap(exc: BaseException) -> BaseException:
     """The exception to raise for what a Serve handle raised: the replica's own error (a

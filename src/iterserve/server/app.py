@@ -253,6 +253,9 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
     async def health() -> JSONResponse:
         if engine is not None and engine.is_closed:
             return error_response(503, "the engine is shut down", type="service_unavailable")
+        if engine is not None and engine.fatal_error:
+            return error_response(503, f"the engine cannot serve: {engine.fatal_error}",
+                                  type="service_unavailable")
         return JSONResponse({"status": "ok", "model": model_name})
 
     @app.get("/ping")
