@@ -22,8 +22,9 @@ kept (fragmentation), not live objects.
 
 Phase 2 (abandon) sends --abandon requests at concurrency 32 *all* of which go away: a stream
 closed after 1-4 chunks, or a non-streaming request whose client times out after 10-300 ms
-(max_tokens 16..64, so a client that stays would usually see more). It is bounded: it stops
-after --abandon-minutes even if not all were sent. Then it waits (bounded) until every KV
+(max_tokens 16..64, so a client that stays would usually see more). It is bounded: no request
+starts after --abandon-minutes and what is in flight 60 s later is cancelled (the steady phase
+ends the same way). Then it waits (bounded) until every KV
 block is free and nothing runs or waits, and reports leaked blocks, 5xx, the bookkeeping
 sizes, and the cost of one disconnect: wall time, server CPU and client CPU per request.
 
@@ -127,7 +128,8 @@ async def one(client: httpx.AsyncClient, rng: random.Random, i: int, abandon: bo
 
 
 async def load(base: str, *, concurrency: int, abandon: bool, until: float,
-               total: int | None = None, seed: int = 0) -> tuple[int, dict]:
+               total: int | None = None, seed: int = 0, grace_s: float = 60.0
+               ) -> tuple[int, dict]:
     rng = random.Random(seed)
     statuses: dict = {}
     sent = 0
@@ -139,7 +141,15 @@ async def load(base: str, *, concurrency: int, abandon: bool, until: float,
                 sent += 1
                 await one(client, rng, sent, abandon, statuses)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        # Bounded: at `until` no new request starts; what is still in flight `grace_s` later
+        # is cancelled (its client goes away: one more abandoned request, counted as such).
+        tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, until - time.monotonic())
+                                        + grace_s)
+        for t in pending:
+            t.cancel()
+            count(statuses, "cancelled_at_deadline")
+        await asyncio.gather(*pending, return_exceptions=True)
     return sent, statuses
 
 
