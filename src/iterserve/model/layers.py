@@ -255,8 +255,7 @@ class Linear(nn.Module):
             return self._encoded_forward(x)
         if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32:
             if self._packing == "onednn":
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias,
-                                                          "none", [], "")
+                return onednn_linear(x.contiguous(), self._packed, self.bias)
             return torch.ops.mkl._mkl_linear(x.contiguous(), self._packed, self.weight,
                                              self.bias, x.shape[0])
         return F.linear(x, self.weight, self.bias)
@@ -305,8 +304,54 @@ def _float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ~2x faster than torch.mm (MKL sgemm) at 64-256 rows on this AMD CPU (same process, best
     of 30, under load), so the reference path's tiles go through it where torch has it."""
     if _ONEDNN_PLAIN and x.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return onednn_linear(x, w, None)
     return torch.mm(x, w.t())
+
+
+# oneDNN (and ideep in front of it) caches one primitive per GEMM shape, in LRU caches of
+# 1024 entries each (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY), ~0.3 MB apiece here
+# (JIT code, descriptors, scratch): a prefill step's row count is the batch's token count, so
+# a server meeting every row count grew its heap by ~0.6 MB per new shape until ~1,000 shapes
+# per cache, 100+ MB/min at first (issue 15's soak). Calls are therefore made in a bounded
+# set of row counts: exact up to ONEDNN_EXACT_ROWS (decode batches, where padding would cost),
+# padded to a multiple of ONEDNN_ROW_STEP up to ONEDNN_MAX_ROWS, and in ONEDNN_MAX_ROWS-row
+# pieces beyond: at most 31 shapes per weight, whatever the traffic.
+ONEDNN_EXACT_ROWS = 16
+ONEDNN_ROW_STEP = 16
+ONEDNN_MAX_ROWS = 256
+_onednn_op = None           # torch.ops.mkldnn._linear_pointwise unless replaced (tests count shapes)
+
+
+def onednn_rows(m: int) -> list[tuple[int, int, int]]:
+    """(start, rows, rows as computed) of the pieces `onednn_linear` splits m rows into."""
+    pieces = []
+    for r0 in range(0, m, ONEDNN_MAX_ROWS):
+        rows = min(ONEDNN_MAX_ROWS, m - r0)
+        padded = rows if rows <= ONEDNN_EXACT_ROWS else -(-rows // ONEDNN_ROW_STEP) * ONEDNN_ROW_STEP
+        pieces.append((r0, rows, padded))
+    return pieces
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] (float32, contiguous) @ w^T (+ bias) by oneDNN, in bounded row shapes (see
+    above). `w` is plain [n, k] or prepacked by `_reorder_linear_weight`."""
+    op = _onednn_op or torch.ops.mkldnn._linear_pointwise
+    m = x.shape[0]
+    pieces = onednn_rows(m)
+    if len(pieces) == 1 and pieces[0][2] == m:
+        return op(x, w, bias, "none", [], "")
+    out = None
+    for r0, rows, padded in pieces:
+        xs = x[r0:r0 + rows]
+        if padded != rows:
+            xp = x.new_zeros(padded, x.shape[1])
+            xp[:rows] = xs
+            xs = xp
+        y = op(xs, w, bias, "none", [], "")
+        if out is None:
+            out = x.new_empty(m, y.shape[1])
+        out[r0:r0 + rows] = y[:rows]
+    return out
 
 
 class Embedding(nn.Module):
