@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 2
+#define ITERSERVE_ABI_VERSION 3
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -72,6 +72,15 @@ int64_t iterserve_cpu_features(void);
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads);
+/* The same product for many rows of x (prefill, large batches; prefill.c): weight panels
+ * decoded into an L1 scratch, then a register-blocked float32 GEMM. Any type `dequant`
+ * decodes; k a multiple of the type's block (of 32 for the float types). Returns
+ * ITERSERVE_OK, ITERSERVE_ETYPE (type or k not accepted) or ITERSERVE_ENOMEM. */
+int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                   const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* The instruction set iterserve_gemm uses: want 1 = AVX2, 2 = AVX-512F, anything else (or
+ * more than the CPU has) = the best the CPU has; returns the one now in use. */
+int64_t iterserve_gemm_isa(int64_t want);
 /* out[r][0..k) = W[r] as float32, exactly as gguf-py's dequantize, for r < n. */
 void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
                        int64_t k, float *out, int64_t ldo, int nthreads);
@@ -109,6 +118,11 @@ int iterserve_block_elems(int64_t type);
 int iterserve_block_bytes(int64_t type);
 int iterserve_can_dequant(int64_t type);
 int iterserve_can_qgemm(int64_t type);
+/* One block of a type -> float32 (dequant.c's decoder, bit-exact with gguf-py); *qb, *bb: the
+ * GEMM block geometry (elements, bytes; the float types as 32-element pseudo-blocks). NULL
+ * for a type dequant.c does not decode. */
+typedef void (*iterserve_decode_fn)(const uint8_t *block, float *out);
+iterserve_decode_fn iterserve_block_decoder(int64_t type, int *qb, int *bb);
 /* qgemm for any type dequant.c decodes: each block decoded into an L1 buffer, then dotted
  * with up to 8 activation rows (dequant.c). */
 void iterserve_qgemm_generic(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
