@@ -71,24 +71,163 @@ static inline void tr8x8(const float *src, int64_t lds, float *dst, int64_t ldd)
     }
 }
 
-/* Decode the panel's rows [p0, p0 + rows) (rows <= NP) over blocks [b0, b0 + nb) into
- * bp[nb * QB][NP], K-major; rows past `rows` are zero. tmp: 16 * nb * QB floats. */
-static void pack_panel(iterserve_decode_fn fn, int QB, int BB, const uint8_t *w,
-                       int64_t row_stride, int64_t p0, int rows, int b0, int nb, float *tmp,
-                       float *bp) {
-    const int kc = nb * QB;
-    for (int h = 0; h < NP / 16; h++) {
-        for (int j = 0; j < 16; j++) {
-            const int r = 16 * h + j;
-            float *dst = tmp + (int64_t)j * kc;
-            if (r >= rows) { memset(dst, 0, sizeof(float) * (size_t)kc); continue; }
-            const uint8_t *wr = w + (p0 + r) * row_stride + (int64_t)b0 * BB;
-            for (int b = 0; b < nb; b++) fn(wr + (int64_t)b * BB, dst + b * QB);
-        }
-        for (int j0 = 0; j0 < 16; j0 += 8)
-            for (int k0 = 0; k0 < kc; k0 += 8)
-                tr8x8(tmp + (int64_t)j0 * kc + k0, kc, bp + (int64_t)k0 * NP + 16 * h + j0, NP);
+/* dst[c][r] = src[r][c] for a 16x16 block: unpack, shuffle, then two rounds of 128-bit lane
+ * shuffles (64 shuffles for 256 floats; four tr8x8 take 96). */
+static inline __attribute__((always_inline)) AVX512 void tr16x16(
+        const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i++) {               /* lane L: rows 2i, 2i+1 at columns 4L.. */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
     }
+    for (int i = 0; i < 4; i++) {               /* r[4i + c] lane L: rows 4i..4i+3, column 4L + c */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    }
+    for (int c = 0; c < 4; c++) {               /* r[i] = column i of the 16 rows */
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldd, r[i]);
+}
+
+/* Decode the panel's rows [p0, p0 + rows) (rows <= NP) over blocks [b0, b0 + nb) into
+ * bp[nb * QB][NP], K-major; rows past `rows` are zero. Block column by block column, so
+ * the row-major scratch tmp (16 x QB floats) stays a few KB. TRANSPOSE16(src, dst) moves
+ * 16 rows x QB columns of tmp into 16 columns of bp. */
+#define PACK_PANEL_BODY(TRANSPOSE16)                                                        \
+    for (int h = 0; h < NP / 16; h++) {                                                     \
+        for (int j = 0; j < 16; j++)                                                        \
+            if (16 * h + j >= rows) memset(tmp + j * QB, 0, sizeof(float) * (size_t)QB);    \
+        const int live = rows - 16 * h < 16 ? rows - 16 * h : 16;                           \
+        for (int b = 0; b < nb; b++) {                                                      \
+            for (int j = 0; j < live; j++)                                                  \
+                fn(w + (p0 + 16 * h + j) * row_stride + (int64_t)(b0 + b) * BB, tmp + j * QB); \
+            float *dst = bp + (int64_t)b * QB * NP + 16 * h;                                \
+            TRANSPOSE16(tmp, dst);                                                          \
+        }                                                                                   \
+    }
+
+#define TR512(src, dst) \
+    for (int k0 = 0; k0 < QB; k0 += 16) tr16x16(src + k0, QB, dst + k0 * NP, NP)
+#define TR256(src, dst)                                                                     \
+    for (int j0 = 0; j0 < 16; j0 += 8)                                                      \
+        for (int k0 = 0; k0 < QB; k0 += 8) tr8x8(src + j0 * QB + k0, QB, dst + k0 * NP + j0, NP)
+
+static AVX512 void pack_panel512_generic(iterserve_decode_fn fn, int QB, int BB, const uint8_t *w,
+                                         int64_t row_stride, int64_t p0, int rows, int b0,
+                                         int nb, float *tmp, float *bp) {
+    PACK_PANEL_BODY(TR512)
+}
+
+/* One 32-element block of Q4_0 / Q4_1 / Q8_0 / F32 / F16 / BF16 -> y[0..32), with the same
+ * arithmetic as dequant.c's decoders (so bit-identical to gguf-py): d*(q-8), d*q + m (the
+ * product rounded, then the sum), q*d, and exact widenings. */
+static inline __attribute__((always_inline)) AVX512 void dec512(int type, const uint8_t *b,
+                                                                float *y) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    uint16_t h[2];
+    switch (type) {
+    case GGML_Q4_0: {
+        memcpy(h, b, 2);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(h[0]));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), e = _mm_set1_epi8(8);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), e);
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), e);
+        _mm512_store_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+        _mm512_store_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+        break;
+    }
+    case GGML_Q4_1: {
+        memcpy(h, b, 4);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(h[0])), m = _mm512_set1_ps(_cvtsh_ss(h[1]));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+        const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+        _mm512_store_ps(y, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), m));
+        _mm512_store_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), m));
+        break;
+    }
+    case GGML_Q8_0: {
+        memcpy(h, b, 2);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(h[0]));
+        for (int i = 0; i < 2; i++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * i));
+            _mm512_store_ps(y + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+        }
+        break;
+    }
+    case GGML_F16:
+        for (int i = 0; i < 2; i++)
+            _mm512_store_ps(y + 16 * i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32 * i))));
+        break;
+    case GGML_BF16:
+        for (int i = 0; i < 2; i++) {
+            const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 32 * i)));
+            _mm512_store_ps(y + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        }
+        break;
+    default:                                   /* F32 */
+        memcpy(y, b, 32 * sizeof(float));
+    }
+}
+
+/* pack_panel for the 32-element types above: no call per block; F32 panels are transposed
+ * straight from the weight rows. */
+static inline __attribute__((always_inline)) AVX512 void pack512_t(
+        int type, int BB, const uint8_t *w, int64_t row_stride, int64_t p0, int rows, int b0,
+        int nb, float *tmp, float *bp) {
+    for (int h = 0; h < NP / 16; h++) {
+        const int live = rows - 16 * h < 16 ? rows - 16 * h : 16;
+        if (live <= 0) {
+            for (int k = 0; k < nb * 32; k++)
+                _mm512_store_ps(bp + (int64_t)k * NP + 16 * h, _mm512_setzero_ps());
+            continue;
+        }
+        const uint8_t *w0 = w + (p0 + 16 * h) * row_stride + (int64_t)b0 * BB;
+        if (type == GGML_F32 && live == 16 && row_stride % 4 == 0) {
+            for (int k0 = 0; k0 < nb * 32; k0 += 16)
+                tr16x16((const float *)w0 + k0, row_stride / 4, bp + (int64_t)k0 * NP + 16 * h, NP);
+            continue;
+        }
+        for (int j = live; j < 16; j++) memset(tmp + 32 * j, 0, 32 * sizeof(float));
+        for (int b = 0; b < nb; b++) {
+            for (int j = 0; j < live; j++) dec512(type, w0 + j * row_stride + (int64_t)b * BB, tmp + 32 * j);
+            float *dst = bp + (int64_t)b * 32 * NP + 16 * h;
+            tr16x16(tmp, 32, dst, NP);
+            tr16x16(tmp + 16, 32, dst + 16 * NP, NP);
+        }
+    }
+}
+
+static AVX512 void pack_panel512(int64_t type, iterserve_decode_fn fn, int QB, int BB,
+                                 const uint8_t *w, int64_t row_stride, int64_t p0, int rows,
+                                 int b0, int nb, float *tmp, float *bp) {
+    switch (type) {
+    case GGML_Q4_0: pack512_t(GGML_Q4_0, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_Q4_1: pack512_t(GGML_Q4_1, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_Q8_0: pack512_t(GGML_Q8_0, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_F32: pack512_t(GGML_F32, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_F16: pack512_t(GGML_F16, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_BF16: pack512_t(GGML_BF16, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    default: pack_panel512_generic(fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
+    }
+}
+
+static void pack_panel256(iterserve_decode_fn fn, int QB, int BB, const uint8_t *w,
+                          int64_t row_stride, int64_t p0, int rows, int b0, int nb, float *tmp,
+                          float *bp) {
+    PACK_PANEL_BODY(TR256)
 }
 
 /* --- AVX-512: MR512 x 32 ----------------------------------------------------------------- */
@@ -204,10 +343,24 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
     const int64_t npanels = (N + NP - 1) / NP;
     if (nthreads < 1) nthreads = 1;
     if (npanels < nthreads) nthreads = (int)npanels;
+    /* The micro-kernel broadcasts from MR rows of x at once; with a row stride that is a
+     * multiple of 1 KB those rows share 1-4 L1 sets and evict each other (K = 2048: all in
+     * one set, the kernel ran ~10% slower). Such x is copied once with a padded stride. */
+    float *xcopy = NULL;
+    if (ldx % 256 == 0 && M > 1) {
+        const int64_t ld2 = K + 16;
+        xcopy = aligned_alloc(64, sizeof(float) * (size_t)(((M * ld2 + 15) / 16) * 16));
+        if (!xcopy) return ITERSERVE_ENOMEM;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            memcpy(xcopy + m * ld2, x + m * ldx, sizeof(float) * (size_t)K);
+        x = xcopy;
+        ldx = ld2;
+    }
     int err = ITERSERVE_OK;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *tmp = aligned_alloc(64, sizeof(float) * 16 * (size_t)kc_max);
+        float *tmp = aligned_alloc(64, sizeof(float) * 16 * (size_t)(QB < 32 ? 32 : QB));
         float *bp = aligned_alloc(64, sizeof(float) * NP * (size_t)kc_max);
         if (!tmp || !bp) {
 #pragma omp atomic write
@@ -220,7 +373,8 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
                 const int rows = N - p0 < NP ? (int)(N - p0) : NP;
                 for (int b0 = 0; b0 < nbk; b0 += bpc) {
                     const int nb = nbk - b0 < bpc ? nbk - b0 : bpc;
-                    pack_panel(fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
+                    if (wide) pack_panel512(type, fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
+                    else pack_panel256(fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
                     const float *xk = x + (int64_t)b0 * QB;
                     if (wide) rows512(M, xk, ldx, bp, nb * QB, y + p0, ldy, b0 > 0, rows);
                     else rows256(M, xk, ldx, bp, nb * QB, y + p0, ldy, b0 > 0, rows);
@@ -230,5 +384,6 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
         free(tmp);
         free(bp);
     }
+    free(xcopy);
     return err;
 }
