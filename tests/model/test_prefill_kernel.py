@@ -1,6 +1,6 @@
 """The prefill GEMM over encoded weights (kernels/prefill.c, `kernels.gemm`).
 
-Per type and per instruction set (the AVX-512 12x32 micro-kernel and the AVX2 6x16 one, both
+Per type and per instruction set (also for the decode kernels of Q4_0 / Q4_1 / Q8_0) (the AVX-512 12x32 micro-kernel and the AVX2 6x16 one, both
 run on an AVX-512 CPU through `kernels.gemm_isa`): the result must equal gguf-py's
 dequantisation + a float matmul within fp32 summation tolerance, for row counts that leave
 partial micro-tiles, weight row counts that leave a partial panel, K over several chunks, and
@@ -104,3 +104,19 @@ def test_linear_sends_prefill_rows_to_the_panel_gemm(monkeypatch):
     lin.use_quant(False)
     monkeypatch.undo()
     assert_fp32_close(lin(x), x, torch.cat([w for _, _, w in segs]))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_decode_qgemm_of_each_isa_equals_dequantise_plus_matmul(name, isa):
+    """qgemm's Q4_0 / Q4_1 / Q8_0 kernels have AVX-512 variants (two blocks' halves per zmm,
+    4 accumulators per row up to 3 rows): every row count of a decode tile, and K = 2,560
+    (activation tiles summed over K chunks)."""
+    for k in (512, 2560):
+        t, raw, w = gguf_blocks(name, 70, k, seed=k)
+        for rows in (1, 2, 3, 4, 5, 8, 13, 32):
+            x = torch.randn(rows, k)
+            out = torch.full((rows, 80), 3.0)
+            kernels.qgemm(t, raw, k, x, out, col0=4)
+            assert_fp32_close(out[:, 4:74], x, w)
+            assert (out[:, :4] == 3).all() and (out[:, 74:] == 3).all()

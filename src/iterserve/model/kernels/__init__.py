@@ -3,10 +3,13 @@
 Kernels for where a CPU step spends its time, all over weights in their GGUF encoding (rows of
 blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
 - `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights: register kernels for
-  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, a decode-into-L1 kernel for every other type `dequant`
-  covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
+  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, AVX-512 variants of the first three, a decode-into-L1
+  kernel for every other type `dequant` covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) for tiles, prefill panels and
   embedding rows;
+- `prefill.c`: `gemm`, the GEMM for many rows (prefill chunks, large batches) over every type
+  `dequant` covers: weight panels decoded into an L1 scratch, register-blocked float32
+  micro-kernels (AVX-512 or AVX2, `gemm_isa`);
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
@@ -419,7 +422,8 @@ _ISAS = {"avx2": 1, "avx512": 2}
 
 
 def gemm_isa(want: str | None = None) -> str:
-    """Choose the instruction set of `gemm` ("avx2", "avx512"; None: the best this CPU has;
+    """Choose the instruction set of `gemm` and of qgemm's Q4_0 / Q4_1 / Q8_0 kernels
+    ("avx2", "avx512"; None: the best this CPU has;
     more than it has falls back to the best) and return the one in use. Tests use it to run
     the AVX2 micro-kernel on an AVX-512 CPU."""
     lib = _lib()

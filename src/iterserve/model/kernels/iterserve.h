@@ -78,8 +78,9 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
  * ITERSERVE_OK, ITERSERVE_ETYPE (type or k not accepted) or ITERSERVE_ENOMEM. */
 int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
-/* The instruction set iterserve_gemm uses: want 1 = AVX2, 2 = AVX-512F, anything else (or
- * more than the CPU has) = the best the CPU has; returns the one now in use. */
+/* The instruction set iterserve_gemm and iterserve_qgemm's Q4_0 / Q4_1 / Q8_0 kernels use:
+ * want 1 = AVX2, 2 = AVX-512F, -1 = only report it, anything else (or more than the CPU
+ * has) = the best the CPU has; returns the one now in use. */
 int64_t iterserve_gemm_isa(int64_t want);
 /* out[r][0..k) = W[r] as float32, exactly as gguf-py's dequantize, for r < n. */
 void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,

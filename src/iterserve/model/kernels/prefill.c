@@ -45,6 +45,7 @@
 static int isa_in_use = 0;    /* 0: not chosen yet; 1: AVX2; 2: AVX-512F */
 
 int64_t iterserve_gemm_isa(int64_t want) {
+    if (want == -1 && isa_in_use) return isa_in_use;          /* a query */
     const int have = (iterserve_cpu_features() >> 3) & 1 ? 2 : 1;
     isa_in_use = want >= 1 && want <= have ? (int)want : have;
     return isa_in_use;
