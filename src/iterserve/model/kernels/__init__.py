@@ -258,8 +258,9 @@ def _library() -> ctypes.CDLL | None:
     _caps = caps
     unavailable = None
     names = _type_names()
-    log.info("native CPU kernels loaded; CPU features: %s; qgemm types: %s; dequant types: %s",
-             " ".join(sorted(_lib_features)) or "none",
+    isa = {1: "avx2", 2: "avx512"}.get(int(lib.iterserve_gemm_isa(0)), "?")
+    log.info("native CPU kernels loaded; CPU features: %s; GEMM kernels: %s; qgemm types: %s; "
+             "dequant types: %s", " ".join(sorted(_lib_features)) or "none", isa,
              " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.qgemm),
              " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.dequant))
     return lib

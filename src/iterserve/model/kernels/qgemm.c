@@ -432,10 +432,21 @@ int iterserve_can_qgemm(int64_t type) {
                                             || type == GGML_F32));
 }
 
+/* From this many rows on, iterserve_qgemm hands the product to the prefill GEMM (prefill.c),
+ * whose per-call decode of the weight is shared by all rows: one thread, same process, the
+ * panel GEMM was level with the AVX-512 Q4_1 / Q8_0 register kernels at 16 rows on the
+ * bundled model's shapes and 1.2-1.4x faster at 24-32 (K-quants, Q5_0, F16 on 2048x2048:
+ * 1.3-2.9x at 16 rows). The fused decode layers (decode_layers.c) call iterserve_qgemm
+ * too, so both paths stay bit-identical. */
+#define QGEMM_PANEL_ROWS 17
+
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads) {
     if (M < 1 || n < 1) return;
+    if (M >= QGEMM_PANEL_ROWS
+        && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
+        return;
     if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0) {
         if (iterserve_gemm_isa(-1) == 2)
             qgemm32_512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
