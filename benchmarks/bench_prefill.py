@@ -44,20 +44,24 @@ def child(requests: int, tokens: int, reps: int, threads: int) -> dict:
         n = 0
         for i, p in enumerate(prompts):
             engine.add_request(f"{tag}{i}", p, sp)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         done = 0
         while done < requests:
             for out in engine.step():
                 if out.finished:
                     done += 1
                     n += len(out.prompt_token_ids)
-        return time.perf_counter() - t, n
+        return time.perf_counter() - t, time.thread_time() - c, n
     run("warm")
-    rates = []
+    rates, cpu_rates = [], []
     for r in range(reps):
-        dt, n = run(f"r{r}-")
+        dt, dc, n = run(f"r{r}-")
         rates.append(n / dt)
-    return {"prompt_tok_s": statistics.median(rates), "all": rates}
+        cpu_rates.append(n / dc)
+    # with --threads 1 every op runs on this thread: tokens per CPU second of it is the
+    # figure a loaded machine disturbs least
+    return {"prompt_tok_s": statistics.median(rates), "all": rates,
+            "prompt_tok_per_thread_cpu_s": statistics.median(cpu_rates)}
 
 
 def main() -> int:
@@ -78,6 +82,7 @@ def main() -> int:
         return 0
     trees = dict(t.split("=", 1) for t in a.tree) or {"this": str(Path(__file__).parents[1])}
     res: dict[str, list[float]] = {k: [] for k in trees}
+    cpu: dict[str, list[float]] = {k: [] for k in trees}
     for r in range(a.rounds):
         for name, path in trees.items():
             env = dict(os.environ, PYTHONPATH=str(Path(path).resolve() / "src"))
@@ -85,17 +90,22 @@ def main() -> int:
                                   str(a.requests), "--tokens", str(a.tokens), "--reps",
                                   str(a.reps), "--threads", str(a.threads)], env=env, capture_output=True, text=True,
                                  check=True)
-            v = json.loads(out.stdout.strip().splitlines()[-1])["prompt_tok_s"]
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            v, vc = got["prompt_tok_s"], got["prompt_tok_per_thread_cpu_s"]
             res[name].append(v)
-            print(f"round {r} {name}: {v:.0f} prompt tok/s", flush=True)
+            cpu[name].append(vc)
+            print(f"round {r} {name}: {v:.0f} prompt tok/s, {vc:.0f} per thread-CPU s",
+                  flush=True)
     doc = {"kind": "prefill-ab", "requests": a.requests, "tokens": a.tokens, "trees": trees,
            "threads": a.threads or "torch default", "load_avg_at_end": os.getloadavg(),
-           "prompt_tok_s": res, "median": {k: statistics.median(v) for k, v in res.items()}}
+           "prompt_tok_s": res, "median": {k: statistics.median(v) for k, v in res.items()},
+           "prompt_tok_per_thread_cpu_s": cpu,
+           "median_per_thread_cpu_s": {k: statistics.median(v) for k, v in cpu.items()}}
     names = list(trees)
-    if len(names) == 2:
-        doc["ratio"] = doc["median"][names[1]] / doc["median"][names[0]]
-        print(f"{names[1]}/{names[0]}: {doc['ratio']:.3f}")
-    print(json.dumps(doc["median"]))
+    doc["ratio_to_first"] = {k: doc["median"][k] / doc["median"][names[0]] for k in names}
+    doc["cpu_ratio_to_first"] = {k: doc["median_per_thread_cpu_s"][k]
+                                 / doc["median_per_thread_cpu_s"][names[0]] for k in names}
+    print(json.dumps({k: doc[k] for k in ("median", "ratio_to_first", "cpu_ratio_to_first")}))
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1))
     return 0

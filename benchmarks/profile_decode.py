@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = warm_engine(args.batch, args.steps)
+    # plain steps first (no profiler): wall time, and this thread's CPU time, which a loaded
+    # machine disturbs far less (with --threads 1 all the work runs on this thread)
+    t, c = time.perf_counter(), time.thread_time()
+    for _ in range(args.steps):
+        engine.step()
+    plain_wall, plain_cpu = time.perf_counter() - t, time.thread_time() - c
 
     prof = cProfile.Profile()
     t = time.perf_counter()
@@ -109,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"kind": "decode-profile", "batch": args.batch, "steps": args.steps,
            "tree": str(Path(__file__).resolve().parents[1]),
            "threads": torch.get_num_threads(), "step_ms": per_step(wall),
+           "plain_step_ms": per_step(plain_wall), "plain_step_thread_cpu_ms": per_step(plain_cpu),
            "cprofile_ms_per_step": {k: per_step(v) for k, v in split.items()},
            "native_kernels_ms_per_step (cProfile, inside the runner)":
                {k: per_step(v) for k, v in native.items()},

@@ -68,8 +68,9 @@ int64_t iterserve_cpu_features(void);
 
 /* --- GEMM and dequantisation over GGUF blocks (qgemm.c, dequant.c) ----------------------- */
 /* y[m][col] = sum_j x[m][j] * W[col][j] for the n rows of W (one segment), m < M; y row m at
- * y + m * ldy (the caller offsets y by the segment's first output column). From 17 rows on
- * it runs iterserve_gemm (qgemm.c's QGEMM_PANEL_ROWS). */
+ * y + m * ldy (the caller offsets y by the segment's first output column). From a per-type
+ * row count on (qgemm.c's panel_rows: 1 for the float types, 16 for Q4_0/Q4_1/Q8_0) it
+ * runs iterserve_gemm. */
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads);

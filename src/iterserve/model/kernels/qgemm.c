@@ -432,19 +432,33 @@ int iterserve_can_qgemm(int64_t type) {
                                             || type == GGML_F32));
 }
 
-/* From this many rows on, iterserve_qgemm hands the product to the prefill GEMM (prefill.c),
- * whose per-call decode of the weight is shared by all rows: one thread, same process, the
- * panel GEMM was level with the AVX-512 Q4_1 / Q8_0 register kernels at 16 rows on the
- * bundled model's shapes and 1.2-1.4x faster at 24-32 (K-quants, Q5_0, F16 on 2048x2048:
- * 1.3-2.9x at 16 rows). The fused decode layers (decode_layers.c) call iterserve_qgemm
- * too, so both paths stay bit-identical. */
-#define QGEMM_PANEL_ROWS 17
+/* From how many rows on iterserve_qgemm hands the product to the prefill GEMM (prefill.c),
+ * whose per-call decode of the weight is shared by all rows, per type. Measured one thread,
+ * same process, alternating, on a loaded machine (AVX-512 CPU), weights 3072x512 and
+ * 2048x2048, and the bundled model's Q4_1 / Q8_0 shapes:
+ * - Q4_0 / Q4_1 / Q8_0 (AVX-512 register kernels): level at 12-16 rows, the panel GEMM
+ *   1.2-1.4x faster at 24-32 -> 16;
+ * - Q4_K: level at 8-12 -> 12; Q5_K: -> 12; Q6_K: level at 2, 1.2-2.6x faster at 4 -> 3;
+ * - the float types: the generic block kernel (memcpy / convert into L1, then dot) was
+ *   slower than the panel GEMM even at 1 row (F32 2048x2048: 1059 vs 944 us) -> 1;
+ * - Q5_0 and the other generic-kernel types: level at 1, faster from 2 -> 2.
+ * The fused decode layers (decode_layers.c) call iterserve_qgemm too, so both paths take
+ * the same kernel and stay bit-identical. */
+static int64_t panel_rows(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q8_0: return 16;
+    case GGML_Q4_K: case GGML_Q5_K: return 12;
+    case GGML_Q6_K: return 3;
+    case GGML_F32: case GGML_F16: case GGML_BF16: return 1;
+    default: return 2;
+    }
+}
 
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads) {
     if (M < 1 || n < 1) return;
-    if (M >= QGEMM_PANEL_ROWS
+    if (M >= panel_rows(type)
         && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
         return;
     if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0) {
