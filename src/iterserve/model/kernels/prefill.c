@@ -23,6 +23,15 @@
  * (24 of the 32 registers) with AVX-512F, or 6 rows x 16 columns of ymm (12 of 16) with AVX2
  * on CPUs without it; chosen at run time (iterserve_gemm_isa). x and y are plain float32
  * with their own row strides, so the segments of a fused weight write side by side.
+ * Measured (benchmarks/bench_qgemm.py prefill, one thread, CPU time, same process,
+ * alternating, on a loaded 2-core AVX-512 EPYC; benchmarks/results/speed-prefill-gemm.json):
+ * on the bundled model's Q4_1 shapes at M = 64-512 it is 1.1-1.9x the reference tiles it
+ * replaced and 0.86-1.28x oneDNN over a prepacked float32 copy (old main; median ~0.97x: the
+ * micro-kernel runs at oneDNN's rate, ~200-220 GFLOP/s here, and the panel decode costs
+ * 3-14%); Q4_0 on 1.7B shapes 0.93-1.01x of the prepacked copy. Q4_K and the other types
+ * without an AVX-512 panel decoder (a decoder call per block, then 16x16 transposes) are
+ * only level with the tiles and 0.77-0.89x of the prepacked copy: a fused K-quant decoder is
+ * the next step.
  * Results equal a float32 GEMM over gguf-py's dequantised weights up to summation order
  * (k in order within a chunk, chunks added in order). Every type dequant.c decodes is
  * accepted; the float types (F32 / F16 / BF16) are 32-element pseudo-blocks, so they need
