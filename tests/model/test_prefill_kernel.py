@@ -57,7 +57,7 @@ def test_gemm_thread_splits_strided_activations_and_odd_panels(isa, threads, mon
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     for name, n in (("Q4_1", 33), ("Q4_K", 17), ("F32", 300)):
         t, raw, w = gguf_blocks(name, n, 512, seed=n)
-        # row stride 600; and 1024, which the kernel copies to a padded stride first
+        # row strides 600 and 1024 (x rows that share L1 sets)
         for x in (torch.randn(64, 600)[:, 10:522], torch.randn(64, 1024)[:, :512]):
             out = torch.empty(64, n)
             kernels.gemm(t, raw, 512, x, out)

@@ -353,20 +353,6 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
     const int64_t npanels = (N + NP - 1) / NP;
     if (nthreads < 1) nthreads = 1;
     if (npanels < nthreads) nthreads = (int)npanels;
-    /* The micro-kernel broadcasts from MR rows of x at once; with a row stride that is a
-     * multiple of 1 KB those rows share 1-4 L1 sets and evict each other (K = 2048: all in
-     * one set, the kernel ran ~10% slower). Such x is copied once with a padded stride. */
-    float *xcopy = NULL;
-    if (ldx % 256 == 0 && M > 1) {
-        const int64_t ld2 = K + 16;
-        xcopy = aligned_alloc(64, sizeof(float) * (size_t)(((M * ld2 + 15) / 16) * 16));
-        if (!xcopy) return ITERSERVE_ENOMEM;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            memcpy(xcopy + m * ld2, x + m * ldx, sizeof(float) * (size_t)K);
-        x = xcopy;
-        ldx = ld2;
-    }
     int err = ITERSERVE_OK;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -394,6 +380,5 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
         free(tmp);
         free(bp);
     }
-    free(xcopy);
     return err;
 }
