@@ -7,8 +7,16 @@
    the machine hits both alike; the median of each is reported.
 2. `types`: the native qgemm of each type against the torch reference (dequantise the weight
    with kernels.dequant, then F.linear) on a 1.7B-shaped weight (random blocks).
+3. `prefill`: the prefill GEMM over encoded weights (kernels.gemm, kernels/prefill.c)
+   against (a) the reference path it replaced (4 MB float32 tiles decoded per call, then
+   oneDNN: layers.Linear._reference) and (b) oneDNN over a prepacked float32 copy (old
+   main's prefill), at M = 64..512 rows, on the bundled model's shapes (fused q/k/v 960x576,
+   o 576x576, gate/up 3072x576 as the brief's 1536x576 pair, down 576x1536, LM head
+   49152x576) and 1.7B shapes (2048x2048, 8192x2048); same process, alternating, medians.
+   With --threads 1 the time is the thread's CPU time (time.thread_time), which a loaded
+   machine disturbs far less than wall time.
 
-    PYTHONPATH=src python benchmarks/bench_qgemm.py [layout|types] [--rows 1,8,32]
+    PYTHONPATH=src python benchmarks/bench_qgemm.py [layout|types|prefill] [--rows 1,8,32]
 """
 
 from __future__ import annotations
@@ -132,9 +140,83 @@ def types(rows_list: list[int], rounds: int) -> dict:
     return result
 
 
+PREFILL_SHAPES = {"bundled": [(576, 576), (960, 576), (1536, 576), (576, 1536), (49152, 576)],
+                  "1.7B": [(2048, 2048), (8192, 2048)]}
+
+
+def prefill(rows_list: list[int], rounds: int, types_: list[str], big: list[str]) -> dict:
+    import sys
+    sys.path.insert(0, "tests")
+    from fixtures.gguf_blocks import gguf_blocks
+    from iterserve.model import kernels
+    from iterserve.model.layers import _float_mm
+    from iterserve.model.weights import decode_rows, scratch, tile_rows
+
+    threads = torch.get_num_threads()
+    clock = time.thread_time if threads == 1 else time.perf_counter
+
+    def med_ms(fn, reps):
+        ts = []
+        for _ in range(reps):
+            t0 = clock()
+            fn()
+            ts.append(clock() - t0)
+        return statistics.median(ts) * 1e3
+
+    result = {"threads": threads, "clock": clock.__name__, "isa": kernels.gemm_isa(None),
+              "cases": []}
+    for group, shapes in PREFILL_SHAPES.items():
+        for name in (types_ if group == "bundled" else big):
+            for n, k in shapes:
+                if k % 256 and name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
+                    continue
+                t, raw, w = gguf_blocks(name, n, k)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+                del w
+                step = tile_rows(k)
+                for m in rows_list:
+                    x, out = torch.randn(m, k), torch.empty(m, n)
+
+                    def new():
+                        kernels.gemm(t, raw, k, x, out)
+
+                    def tiles():
+                        for r0 in range(0, n, step):
+                            r1 = min(n, r0 + step)
+                            out[:, r0:r1] = _float_mm(x, decode_rows(t, raw[r0:r1], k,
+                                                                     scratch(r1 - r0, k)))
+
+                    def prepacked():
+                        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                    fns = {"gemm": new, "tiles": tiles, "prepacked_f32": prepacked}
+                    reps = max(3, int(2e8 / (2 * m * n * k) + 1)) if n * k < 1e7 else 3
+                    for f in fns.values():
+                        f()
+                    got = {key: [] for key in fns}
+                    for _ in range(rounds):
+                        for key, f in fns.items():
+                            got[key].append(med_ms(f, reps))
+                    ms = {key: statistics.median(v) for key, v in got.items()}
+                    case = {"group": group, "type": name, "n": n, "k": k, "m": m,
+                            **{f"{key}_ms": round(v, 4) for key, v in ms.items()},
+                            "gemm_GFLOPs": round(2 * m * n * k / ms["gemm"] / 1e6, 1),
+                            "prepacked_over_gemm": round(ms["prepacked_f32"] / ms["gemm"], 3),
+                            "tiles_over_gemm": round(ms["tiles"] / ms["gemm"], 3)}
+                    result["cases"].append(case)
+                    print(f"{name:5s} {n:5d}x{k:<5d} M={m:3d}: gemm {ms['gemm']:8.3f} ms "
+                          f"({case['gemm_GFLOPs']:5.0f} GF/s)  tiles {ms['tiles']:8.3f}  "
+                          f"prepacked {ms['prepacked_f32']:8.3f}  speedup vs tiles "
+                          f"{case['tiles_over_gemm']:.2f}x, vs prepacked "
+                          f"{case['prepacked_over_gemm']:.2f}x", flush=True)
+                del packed
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types"])
+    ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types", "prefill"])
+    ap.add_argument("--types", default="Q4_1", help="prefill: types on the bundled shapes")
+    ap.add_argument("--big-types", default="Q4_0,Q4_K", help="prefill: types on 1.7B shapes")
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, help="torch/kernel threads (default: torch's); 1 is "
@@ -145,7 +227,10 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
-    res = layout(rows, a.rounds) if a.what == "layout" else types(rows, a.rounds)
+    if a.what == "prefill":
+        res = prefill(rows, a.rounds, a.types.split(","), [t for t in a.big_types.split(",") if t])
+    else:
+        res = layout(rows, a.rounds) if a.what == "layout" else types(rows, a.rounds)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -64,8 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch/kernel threads (default: "
+                    "torch's; 1 is far less noisy on a loaded machine)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = warm_engine(args.batch, args.steps)
+    # plain steps first (no profiler): wall time, and this thread's CPU time, which a loaded
+    # machine disturbs far less (with --threads 1 all the work runs on this thread)
+    t, c = time.perf_counter(), time.thread_time()
+    for _ in range(args.steps):
+        engine.step()
+    plain_wall, plain_cpu = time.perf_counter() - t, time.thread_time() - c
 
     prof = cProfile.Profile()
     t = time.perf_counter()
@@ -87,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     # call (llama._decode_layers: GEMMs, attention, norms, RoPE, SiLU); the LM head and the
     # other paths still go through quant.matmul / _decode_attention
     native = {"native_decode_layers (all layers, one call)": _cum(st, "model/llama.py:_decode_layers"),
-              "native_gemm (quant.matmul: LM head, unfused steps)": _cum(st, "model/quant.py:matmul"),
+              "native_gemm (kernels.qgemm: LM head, unfused steps)":
+                  _cum(st, "kernels/__init__.py:qgemm") + _cum(st, "model/quant.py:matmul"),
               "native_decode_attention (unfused steps)":
                   _cum(st, "model/attention.py:_decode_attention")}
 
@@ -102,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     per_step = lambda s: round(s / args.steps * 1e3, 3)  # noqa: E731
     doc = {"kind": "decode-profile", "batch": args.batch, "steps": args.steps,
+           "tree": str(Path(__file__).resolve().parents[1]),
            "threads": torch.get_num_threads(), "step_ms": per_step(wall),
+           "plain_step_ms": per_step(plain_wall), "plain_step_thread_cpu_ms": per_step(plain_cpu),
            "cprofile_ms_per_step": {k: per_step(v) for k, v in split.items()},
            "native_kernels_ms_per_step (cProfile, inside the runner)":
                {k: per_step(v) for k, v in native.items()},

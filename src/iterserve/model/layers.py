@@ -161,9 +161,14 @@ class Linear(nn.Module):
     - native: `kernels.qgemm` reads the blocks directly (dequantising in registers) when the
       segment's type has a kernel and the call has at most QUANT_MAX_ROWS rows (decode steps):
       there a step is bound by the bytes of weights it streams.
-    - reference: otherwise (prefill, large batches, types without a kernel) a tile of rows
-      is widened to float32 into a few-MB scratch (weights.TILE_BYTES) and multiplied with a
-      float GEMM into the output slice, tile after tile: never a float copy of the matrix.
+    - prefill: calls with more rows (prefill chunks, large batches) use `kernels.gemm`, for
+      every type `kernels.dequant` decodes: panels of 32 weight rows decoded into an L1
+      scratch and multiplied by all rows in a register-blocked float32 micro-kernel, so the
+      decode cost is shared by the rows (kernels/prefill.c).
+    - reference: otherwise (no native library, kernels switched off, a type it cannot decode)
+      a tile of rows is widened to float32 into a few-MB scratch (weights.TILE_BYTES) and
+      multiplied with a float GEMM into the output slice, tile after tile: never a float
+      copy of the matrix.
     Dense (`weight`): float checkpoints in their own dtype (fp32 rows of a GGUF or an HF
     directory, a dtype the user asked for, CUDA). Plain sgemm re-packs the weight on every
     call, so on CPU float32 it may be prepacked once (`pack`): oneDNN's blocked layout
@@ -181,6 +186,7 @@ class Linear(nn.Module):
         self._packed: torch.Tensor | None = None
         self._packing: str | None = None
         self._native: frozenset[int] = frozenset()   # segment types run by kernels.qgemm
+        self._panel: frozenset[int] = frozenset()    # segment types run by kernels.gemm
 
     @property
     def quant(self) -> EncodedWeight | None:
@@ -203,7 +209,7 @@ class Linear(nn.Module):
             if dense is None:
                 self.weight, self.encoded = None, w
                 self._packed = self._packing = None
-                self._native = frozenset()
+                self._native = self._panel = frozenset()
                 return
             w = dense
         if tuple(w.shape) != (self.out_features, self.in_features):
@@ -211,17 +217,21 @@ class Linear(nn.Module):
                              f"{(self.out_features, self.in_features)}")
         self.weight = nn.Parameter(w, requires_grad=False)
         self.encoded = None
-        self._native = frozenset()
+        self._native = self._panel = frozenset()
 
     def use_quant(self, on: bool = True) -> bool:
-        """Route small-row calls of encoded segments through the native GEMM where their
-        type has one; returns whether any segment of this Linear uses it."""
-        self._native = frozenset()
+        """Route small-row calls of encoded segments through the native decode GEMM where
+        their type has one, and larger calls through the native prefill GEMM (every type
+        `kernels.dequant` decodes); returns whether any segment of this Linear uses the
+        decode GEMM."""
+        self._native = self._panel = frozenset()
         if on and self.encoded is not None and self.encoded.segments[0][1].device.type == "cpu":
             k = _kernels()
-            if k is not None:
-                self._native = frozenset(t for t in self.encoded.types if k.supports_qgemm(t)
-                                         and self.in_features % 32 == 0)
+            if k is not None and self.in_features % 32 == 0:
+                self._native = frozenset(t for t in self.encoded.types if k.supports_qgemm(t))
+                if hasattr(k, "gemm"):
+                    self._panel = frozenset(t for t in self.encoded.types
+                                            if k.supports_dequant(t))
         return bool(self._native)
 
     def compute_path(self) -> str:
@@ -266,19 +276,22 @@ class Linear(nn.Module):
         if xf.dtype != torch.float32 or not xf.is_contiguous():
             xf = xf.float().contiguous()
         m = xf.shape[0]
-        native = bool(self._native) and m <= QUANT_MAX_ROWS
+        native = self._native if m <= QUANT_MAX_ROWS else frozenset()
+        panel = self._panel if m > QUANT_MAX_ROWS else frozenset()
         segments = self.encoded.segments
-        if len(segments) == 1 and not (native and segments[0][0] in self._native) \
+        if len(segments) == 1 and segments[0][0] not in native and segments[0][0] not in panel \
                 and self.out_features <= tile_rows(k):
             t, w = segments[0]                      # one tile: the GEMM's result is the output
             out = _float_mm(xf, decode_rows(t, w, k, scratch(w.shape[0], k)))
         else:
             out = torch.empty(m, self.out_features, dtype=torch.float32, device=xf.device)
-            kern = _kernels() if native else None
+            kern = _kernels() if native or panel else None
             col = 0
             for t, w in segments:
-                if native and t in self._native:
+                if t in native:
                     kern.qgemm(t, w, k, xf, out, col)
+                elif t in panel:
+                    kern.gemm(t, w, k, xf, out, col)
                 else:
                     self._reference(t, w, xf, out, col)
                 col += w.shape[0]

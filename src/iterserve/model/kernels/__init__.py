@@ -3,10 +3,13 @@
 Kernels for where a CPU step spends its time, all over weights in their GGUF encoding (rows of
 blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
 - `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights: register kernels for
-  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, a decode-into-L1 kernel for every other type `dequant`
-  covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
+  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, AVX-512 variants of the first three, a decode-into-L1
+  kernel for every other type `dequant` covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) for tiles, prefill panels and
   embedding rows;
+- `prefill.c`: `gemm`, the GEMM for many rows (prefill chunks, large batches) over every type
+  `dequant` covers: weight panels decoded into an L1 scratch, register-blocked float32
+  micro-kernels (AVX-512 or AVX2, `gemm_isa`);
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
@@ -58,7 +61,7 @@ _HEADERS = sorted(_DIR.glob("*.h"))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
           "-shared", "-fPIC", "-Wall")
 _REQUIRED = frozenset({"avx2", "fma", "f16c"})
-ABI_VERSION = 2                      # iterserve.h's ITERSERVE_ABI_VERSION
+ABI_VERSION = 3                      # iterserve.h's ITERSERVE_ABI_VERSION
 
 unavailable: str | None = None       # why the kernels are not in use, for logs and benchmarks
 
@@ -100,6 +103,8 @@ _ARGTYPES = {
     "iterserve_cpu_features": (_i64, []),
     "iterserve_qgemm": (None, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
     "iterserve_dequant": (None, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i32]),
+    "iterserve_gemm": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
+    "iterserve_gemm_isa": (_i64, [_i64]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -253,8 +258,9 @@ def _library() -> ctypes.CDLL | None:
     _caps = caps
     unavailable = None
     names = _type_names()
-    log.info("native CPU kernels loaded; CPU features: %s; qgemm types: %s; dequant types: %s",
-             " ".join(sorted(_lib_features)) or "none",
+    isa = {1: "avx2", 2: "avx512"}.get(int(lib.iterserve_gemm_isa(0)), "?")
+    log.info("native CPU kernels loaded; CPU features: %s; GEMM kernels: %s; qgemm types: %s; "
+             "dequant types: %s", " ".join(sorted(_lib_features)) or "none", isa,
              " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.qgemm),
              " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.dequant))
     return lib
@@ -386,6 +392,44 @@ def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.T
         return
     lib.iterserve_qgemm(t, w.data_ptr(), n, ldw, k, x.data_ptr(), x.shape[0], ldx,
                         out.data_ptr() + 4 * col0, ldo, _threads())
+
+
+def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+         col0: int = 0) -> None:
+    """The prefill / large-batch GEMM (prefill.c): out[:, col0:col0+N] = x @ W^T like `qgemm`,
+    for any type `dequant` decodes (float types need k % 32 == 0), with weight panels decoded
+    into an L1 scratch and a register-blocked float32 micro-kernel: the decode cost is shared
+    by all rows of x, so use it for many rows (layers.QUANT_MAX_ROWS and up)."""
+    lib = _lib()
+    t = int(ggml_type)
+    n, ldw = _weight(t, w, k, "dequant")
+    if _caps[t].block_elems == 1 and k % 32:
+        raise ValueError(f"gemm over float weights needs k % 32 == 0, not {k}")
+    _f32(x, "x", 2, contiguous=False)
+    _f32(out, "out", 2, contiguous=False)
+    ldx, ldo = _rows(x, "x"), _rows(out, "out")
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
+    if not isinstance(col0, int) or col0 < 0 or out.shape[1] < col0 + n or out.shape[0] != x.shape[0]:
+        raise ValueError(f"out of shape {tuple(out.shape)} cannot take [{x.shape[0]}, {n}] at "
+                         f"column {col0}")
+    if x.shape[0] == 0:
+        return
+    _rc(lib.iterserve_gemm(t, w.data_ptr(), n, ldw, k, x.data_ptr(), x.shape[0], ldx,
+                           out.data_ptr() + 4 * col0, ldo, _threads()))
+
+
+_ISAS = {"avx2": 1, "avx512": 2}
+
+
+def gemm_isa(want: str | None = None) -> str:
+    """Choose the instruction set of `gemm` and of qgemm's Q4_0 / Q4_1 / Q8_0 kernels
+    ("avx2", "avx512"; None: the best this CPU has;
+    more than it has falls back to the best) and return the one in use. Tests use it to run
+    the AVX2 micro-kernel on an AVX-512 CPU."""
+    lib = _lib()
+    got = lib.iterserve_gemm_isa(_ISAS.get(want or "", 0))
+    return {v: k for k, v in _ISAS.items()}[int(got)]
 
 
 def dequant(ggml_type, w, k, out) -> torch.Tensor:

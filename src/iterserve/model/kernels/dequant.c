@@ -34,7 +34,7 @@ static inline float f16(const uint8_t *p) {
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1, 13, 25, 38, 53, 69, 89, 113};
 
-typedef void (*decode_fn)(const uint8_t *b, float *y);
+typedef iterserve_decode_fn decode_fn;
 
 /* y[0..32) = (float)q * ds - dm for 32 unsigned bytes q (products rounded, then subtracted,
  * as numpy does; -ffp-contract=off keeps them unfused); dm may be 0 (then y = q * ds - 0,
@@ -274,6 +274,13 @@ static type_info info(int64_t type) {
 int iterserve_block_elems(int64_t type) { return info(type).elems; }
 int iterserve_block_bytes(int64_t type) { return info(type).bytes; }
 int iterserve_can_dequant(int64_t type) { return info(type).fn != 0; }
+
+iterserve_decode_fn iterserve_block_decoder(int64_t type, int *qb, int *bb) {
+    const type_info ti = info(type);
+    *qb = ti.elems > 1 ? ti.elems : 32;
+    *bb = ti.elems > 1 ? ti.bytes : 32 * ti.bytes;
+    return ti.fn;
+}
 
 /* --- dequant ------------------------------------------------------------------------------- */
 static void dequant_row(int64_t type, type_info ti, const uint8_t *w, int64_t k, float *y) {

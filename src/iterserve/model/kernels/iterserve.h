@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 2
+#define ITERSERVE_ABI_VERSION 3
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -68,10 +68,22 @@ int64_t iterserve_cpu_features(void);
 
 /* --- GEMM and dequantisation over GGUF blocks (qgemm.c, dequant.c) ----------------------- */
 /* y[m][col] = sum_j x[m][j] * W[col][j] for the n rows of W (one segment), m < M; y row m at
- * y + m * ldy (the caller offsets y by the segment's first output column). */
+ * y + m * ldy (the caller offsets y by the segment's first output column). From a per-type
+ * row count on (qgemm.c's panel_rows: 1 for the float types, 16 for Q4_0/Q4_1/Q8_0) it
+ * runs iterserve_gemm. */
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads);
+/* The same product for many rows of x (prefill, large batches; prefill.c): weight panels
+ * decoded into an L1 scratch, then a register-blocked float32 GEMM. Any type `dequant`
+ * decodes; k a multiple of the type's block (of 32 for the float types). Returns
+ * ITERSERVE_OK, ITERSERVE_ETYPE (type or k not accepted) or ITERSERVE_ENOMEM. */
+int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                   const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* The instruction set iterserve_gemm and iterserve_qgemm's Q4_0 / Q4_1 / Q8_0 kernels use:
+ * want 1 = AVX2, 2 = AVX-512F, -1 = only report it, anything else (or more than the CPU
+ * has) = the best the CPU has; returns the one now in use. */
+int64_t iterserve_gemm_isa(int64_t want);
 /* out[r][0..k) = W[r] as float32, exactly as gguf-py's dequantize, for r < n. */
 void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
                        int64_t k, float *out, int64_t ldo, int nthreads);
@@ -109,6 +121,11 @@ int iterserve_block_elems(int64_t type);
 int iterserve_block_bytes(int64_t type);
 int iterserve_can_dequant(int64_t type);
 int iterserve_can_qgemm(int64_t type);
+/* One block of a type -> float32 (dequant.c's decoder, bit-exact with gguf-py); *qb, *bb: the
+ * GEMM block geometry (elements, bytes; the float types as 32-element pseudo-blocks). NULL
+ * for a type dequant.c does not decode. */
+typedef void (*iterserve_decode_fn)(const uint8_t *block, float *out);
+iterserve_decode_fn iterserve_block_decoder(int64_t type, int *qb, int *bb);
 /* qgemm for any type dequant.c decodes: each block decoded into an L1 buffer, then dotted
  * with up to 8 activation rows (dequant.c). */
 void iterserve_qgemm_generic(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,

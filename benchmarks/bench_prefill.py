@@ -1,0 +1,115 @@
+"""Prefill throughput of the engine on the bundled model, old tree vs new tree, alternating.
+
+Why: the prefill GEMM (kernels/prefill.c) replaced the reference path's float32 tiles, which
+had replaced the prepacked float32 copy of old main; this checks the end-to-end effect
+(embedding, every layer, attention over the paged cache, LM head of the last tokens) rather
+than one GEMM. Each measurement is a fresh process of one tree (`--tree`, its `src` on the
+path) that warms up, then prefills `--requests` prompts of `--tokens` tokens with
+max_tokens=1 through `LLMEngine.step` (chunked prefill, the default budget) and reports
+prompt tokens/s; the trees alternate A, B, A, B ... and the medians are compared, so load on
+a shared machine hits both alike.
+
+    python benchmarks/bench_prefill.py --tree old=/tmp/old --tree new=. [--rounds 5]
+    python benchmarks/bench_prefill.py --child          # one measurement of this tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def child(requests: int, tokens: int, reps: int, threads: int) -> dict:
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    from iterserve.bench.workloads import make_prompt
+    from iterserve.core.request import SamplingParams
+    from iterserve.engine.args import EngineArgs
+    from iterserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(max_num_seqs=8))
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run(tag: str) -> tuple[float, int]:
+        prompts = [make_prompt(tokens, rng) for _ in range(requests)]
+        n = 0
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{tag}{i}", p, sp)
+        t, c = time.perf_counter(), time.thread_time()
+        done = 0
+        while done < requests:
+            for out in engine.step():
+                if out.finished:
+                    done += 1
+                    n += len(out.prompt_token_ids)
+        return time.perf_counter() - t, time.thread_time() - c, n
+    run("warm")
+    rates, cpu_rates = [], []
+    for r in range(reps):
+        dt, dc, n = run(f"r{r}-")
+        rates.append(n / dt)
+        cpu_rates.append(n / dc)
+    # with --threads 1 every op runs on this thread: tokens per CPU second of it is the
+    # figure a loaded machine disturbs least
+    return {"prompt_tok_s": statistics.median(rates), "all": rates,
+            "prompt_tok_per_thread_cpu_s": statistics.median(cpu_rates)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--tree", action="append", default=[], help="NAME=PATH of a source tree")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per process")
+    ap.add_argument("--rounds", type=int, default=5, help="processes per tree")
+    ap.add_argument("--threads", type=int, default=0, help="torch/kernel threads (default: "
+                    "torch's); 1 is far less noisy on a loaded machine, where a descheduled "
+                    "OpenMP thread stalls every op at its barrier")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.requests, a.tokens, a.reps, a.threads)))
+        return 0
+    trees = dict(t.split("=", 1) for t in a.tree) or {"this": str(Path(__file__).parents[1])}
+    res: dict[str, list[float]] = {k: [] for k in trees}
+    cpu: dict[str, list[float]] = {k: [] for k in trees}
+    for r in range(a.rounds):
+        for name, path in trees.items():
+            env = dict(os.environ, PYTHONPATH=str(Path(path).resolve() / "src"))
+            out = subprocess.run([sys.executable, __file__, "--child", "--requests",
+                                  str(a.requests), "--tokens", str(a.tokens), "--reps",
+                                  str(a.reps), "--threads", str(a.threads)], env=env, capture_output=True, text=True,
+                                 check=True)
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            v, vc = got["prompt_tok_s"], got["prompt_tok_per_thread_cpu_s"]
+            res[name].append(v)
+            cpu[name].append(vc)
+            print(f"round {r} {name}: {v:.0f} prompt tok/s, {vc:.0f} per thread-CPU s",
+                  flush=True)
+    doc = {"kind": "prefill-ab", "requests": a.requests, "tokens": a.tokens, "trees": trees,
+           "threads": a.threads or "torch default", "load_avg_at_end": os.getloadavg(),
+           "prompt_tok_s": res, "median": {k: statistics.median(v) for k, v in res.items()},
+           "prompt_tok_per_thread_cpu_s": cpu,
+           "median_per_thread_cpu_s": {k: statistics.median(v) for k, v in cpu.items()}}
+    names = list(trees)
+    doc["ratio_to_first"] = {k: doc["median"][k] / doc["median"][names[0]] for k in names}
+    doc["cpu_ratio_to_first"] = {k: doc["median_per_thread_cpu_s"][k]
+                                 / doc["median_per_thread_cpu_s"][names[0]] for k in names}
+    print(json.dumps({k: doc[k] for k in ("median", "ratio_to_first", "cpu_ratio_to_first")}))
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

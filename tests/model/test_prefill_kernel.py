@@ -1,0 +1,122 @@
+"""The prefill GEMM over encoded weights (kernels/prefill.c, `kernels.gemm`).
+
+Per type and per instruction set (also for the decode kernels of Q4_0 / Q4_1 / Q8_0) (the AVX-512 12x32 micro-kernel and the AVX2 6x16 one, both
+run on an AVX-512 CPU through `kernels.gemm_isa`): the result must equal gguf-py's
+dequantisation + a float matmul within fp32 summation tolerance, for row counts that leave
+partial micro-tiles, weight row counts that leave a partial panel, K over several chunks, and
+it must write only its column range of a wider output. layers.Linear must route calls of more
+than QUANT_MAX_ROWS rows to it (and no float tile must be decoded then).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures.gguf_blocks import TYPES, gguf_blocks
+from iterserve.model import kernels
+
+pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
+                                reason="needs an x86-64 AVX2/FMA/F16C CPU and a C compiler")
+
+ISAS = ["avx2"] + (["avx512"] if "avx512f" in kernels.features() else [])
+
+
+def assert_fp32_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """out == x @ w.T up to fp32 summation error, relative to sum |x_i w_i| (see
+    test_gguf_kernels.py)."""
+    bound = 4e-6 * (x.abs() @ w.abs().T) + 1e-7
+    diff = (out - x @ w.T).abs()
+    assert (diff <= bound).all(), f"max excess {(diff - bound).max().item()}"
+
+
+@pytest.fixture
+def isa(request):
+    got = kernels.gemm_isa(request.param)
+    assert got == request.param
+    yield got
+    kernels.gemm_isa(None)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", TYPES)
+def test_gemm_equals_dequantise_plus_matmul(name, isa):
+    # n = 70: two full panels of 32 and one of 6; k = 768: three K chunks of 256
+    t, raw, w = gguf_blocks(name, 70, 768, seed=3)
+    for rows in (1, 13, 33, 100):                   # partial 12- and 6-row micro-tiles
+        x = torch.randn(rows, 768)
+        out = torch.full((rows, 80), 3.0)
+        kernels.gemm(t, raw, 768, x, out, col0=4)
+        assert_fp32_close(out[:, 4:74], x, w)
+        assert (out[:, :4] == 3).all() and (out[:, 74:] == 3).all()   # only its columns
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_thread_splits_strided_activations_and_odd_panels(isa, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    for name, n in (("Q4_1", 33), ("Q4_K", 17), ("F32", 300)):
+        t, raw, w = gguf_blocks(name, n, 512, seed=n)
+        # row strides 600 and 1024 (x rows that share L1 sets)
+        for x in (torch.randn(64, 600)[:, 10:522], torch.randn(64, 1024)[:, :512]):
+            out = torch.empty(64, n)
+            kernels.gemm(t, raw, 512, x, out)
+            assert_fp32_close(out, x, w)
+
+
+def test_gemm_rejects_bad_arguments_with_value_error():
+    t, raw, _ = gguf_blocks("Q4_0", 8, 64)
+    x, out = torch.randn(40, 64), torch.empty(40, 8)
+    kernels.gemm(t, raw, 64, x, out)
+    bad = [(t, raw, 63, x, out, 0), (t, raw, 64, x.double(), out, 0),
+           (t, raw, 64, x, torch.empty(40, 7), 0), (t, raw, 64, x, torch.empty(41, 8), 0),
+           (t, raw, 64, torch.randn(64, 40).t(), out, 0), (9, raw, 64, x, out, 0)]
+    for args in bad:
+        with pytest.raises(ValueError):
+            kernels.gemm(*args)
+    tf, rawf, _ = gguf_blocks("F16", 8, 40)             # float types: k % 32 == 0
+    with pytest.raises(ValueError):
+        kernels.gemm(tf, rawf, 40, torch.randn(40, 40), out)
+
+
+def test_linear_sends_prefill_rows_to_the_panel_gemm(monkeypatch):
+    from iterserve.model import layers, weights
+    from iterserve.model.weights import EncodedWeight
+    segs = [gguf_blocks("Q4_K", 64, 512, 1), gguf_blocks("Q6_K", 32, 512, 2),
+            gguf_blocks("IQ4_NL", 32, 512, 3)]
+    lin = layers.Linear(512, 128)
+    lin.set_weight(EncodedWeight([(t, raw) for t, raw, _ in segs], 512))
+    assert lin.use_quant(True)
+    calls = []
+    real = kernels.gemm
+    monkeypatch.setattr(kernels, "gemm", lambda *a, **kw: (calls.append(a[0]), real(*a, **kw)))
+
+    def no_tiles(*a, **kw):
+        raise AssertionError("a float tile was decoded")
+    monkeypatch.setattr(layers, "decode_rows", no_tiles)
+    x = torch.randn(layers.QUANT_MAX_ROWS + 1, 512)
+    assert_fp32_close(lin(x), x, torch.cat([w for _, _, w in segs]))
+    assert calls == [t for t, _, _ in segs]
+    calls.clear()
+    lin(torch.randn(layers.QUANT_MAX_ROWS, 512))          # decode rows: not the panel GEMM
+    assert calls == []
+    assert weights.TILE_BYTES                               # the reference path still exists
+    lin.use_quant(False)
+    monkeypatch.undo()
+    assert_fp32_close(lin(x), x, torch.cat([w for _, _, w in segs]))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_decode_qgemm_of_each_isa_equals_dequantise_plus_matmul(name, isa):
+    """qgemm's Q4_0 / Q4_1 / Q8_0 kernels have AVX-512 variants (two blocks' halves per zmm,
+    4 accumulators per row up to 3 rows): every row count of a decode tile, and K = 2,560
+    (activation tiles summed over K chunks)."""
+    for k in (512, 2560):
+        t, raw, w = gguf_blocks(name, 70, k, seed=k)
+        for rows in (1, 2, 3, 4, 5, 8, 13, 32):
+            x = torch.randn(rows, k)
+            out = torch.full((rows, 80), 3.0)
+            kernels.qgemm(t, raw, k, x, out, col0=4)
+            assert_fp32_close(out[:, 4:74], x, w)
+            assert (out[:, :4] == 3).all() and (out[:, 74:] == 3).all()
