@@ -86,3 +86,15 @@ def test_every_config_knob_is_an_engine_arg_and_a_flag():
             assert name in names
             assert "--" + name.replace("_", "-") in help_text
             assert k.help.split("(")[0].strip()[:20] in " ".join(help_text.split())
+
+
+def test_an_in_process_engine_refuses_data_parallel_replicas():
+    """-dp N is the server's (Ray Serve replicas); LLM / `iterserve generate` must not run
+    one engine quietly when asked for N."""
+    import pytest
+
+    from iterserve.core.config import ConfigError
+    from iterserve.engine.builder import build_engine_parts
+
+    with pytest.raises(ConfigError, match="data_parallel_size 2.*iterserve serve"):
+        build_engine_parts(EngineArgs(data_parallel_size=2))

@@ -32,6 +32,7 @@ with finish reason "error" (their streams end normally).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -80,7 +81,8 @@ class AsyncEngine:
         self.num_health_checks = 0
         self.num_requests_added = 0                 # accepted by the engine, ever
         self._max_token_chars: int | None = None
-        self.health_violations: list[str] = []      # every violation seen (the tests read it)
+        # the most recent violations seen (the tests read it); bounded like every other ring
+        self.health_violations: collections.deque[str] = collections.deque(maxlen=1000)
 
     @classmethod
     def from_engine_args(cls, args: Any, **kw: Any) -> "AsyncEngine":

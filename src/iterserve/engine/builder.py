@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
 from iterserve.core.scheduler import Scheduler
 
 
@@ -51,7 +51,15 @@ def build_engine_parts(args: Any) -> EngineParts:
     from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
-    if args.create_parallel_config().tensor_parallel_size > 1:
+    parallel = args.create_parallel_config()
+    if parallel.data_parallel_size > 1:
+        # One LLMEngine is one replica: replicas are separate processes behind the server's
+        # router (replicas/, Ray Serve), never something an in-process engine does quietly.
+        raise ConfigError(
+            f"data_parallel_size {parallel.data_parallel_size}: replicas run behind "
+            "`iterserve serve --data-parallel-size N` (Ray Serve); an in-process engine "
+            "(LLM, iterserve generate) is one replica", "data_parallel_size")
+    if parallel.tensor_parallel_size > 1:
         return _build_tensor_parallel(args)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device,
                         kv_cache_dtype=args.kv_cache_dtype)
