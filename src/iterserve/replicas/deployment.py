@@ -119,8 +119,17 @@ class EngineReplica:
             await stream.aclose()                     # unfinished: aborts, frees the blocks
 
     async def abort(self, request_id: str, target_replica: str | None = None) -> bool:
-        self.engine.abort(request_id)
+        self.engine.abort(request_id)           # harmless on a replica that lacks the id
         return True
+
+    def _for_me(self, target_replica: str | None) -> None:
+        """A per-replica call routed here because its target is gone fails, rather than
+        answer with another replica's numbers."""
+        if target_replica is not None and target_replica != self.replica_id:
+            from iterserve.replicas.pool import ReplicaDiedError
+
+            raise ReplicaDiedError(f"replica {target_replica} is gone (answered by "
+                                   f"{self.replica_id})")
 
     # --- observability ---------------------------------------------------------------------
     def _cache_counts(self) -> tuple[int, int]:
@@ -128,6 +137,7 @@ class EngineReplica:
         return (getattr(bm, "num_cache_hits", 0), getattr(bm, "num_cache_queries", 0))
 
     async def scheduler_stats(self, target_replica: str | None = None) -> dict[str, Any]:
+        self._for_me(target_replica)
         s = await self.engine.scheduler_stats()
         hits, queries = self._cache_counts()
         return {"replica_id": self.replica_id, "stats": s, "num_cache_hits": hits,
@@ -135,6 +145,7 @@ class EngineReplica:
                 "num_in_flight": self.engine.num_in_flight}
 
     async def stats(self, target_replica: str | None = None) -> dict[str, Any]:
+        self._for_me(target_replica)
         snap = await self.engine.stats()
         hits, queries = self._cache_counts()
         snap.update(replica_id=self.replica_id, pid=os.getpid(), threads=self.threads,
@@ -144,6 +155,7 @@ class EngineReplica:
 
     async def get_trace(self, request_id: str, target_replica: str | None = None
                         ) -> dict[str, Any] | None:
+        self._for_me(target_replica)
         return await self.engine.get_trace(request_id)
 
     def record_routing_stats(self) -> dict[str, Any]:

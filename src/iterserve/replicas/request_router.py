@@ -81,7 +81,13 @@ class IterserveRequestRouter(FIFOMixin, RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get("target_replica")
         if target:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            mine = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            # A target that is gone (killed, or restarted under a new id) would leave the
+            # call unroutable, and Ray Serve retries a request that has no candidates
+            # without backing off and without noticing its cancellation: a busy loop that
+            # held a core for good. Any live replica takes it instead and refuses a call
+            # meant for another (EngineReplica._for_me), so the caller sees it fail.
+            return [mine or list(candidate_replicas)]
         t0 = time.perf_counter()
         exclude = set(kwargs.get("exclude_replicas") or ())
         cands = [r for r in candidate_replicas if r.replica_id.unique_id not in exclude]
