@@ -120,6 +120,13 @@ async def lab_run(request: Request) -> Response:
     CPU work, so it runs in the thread pool and the event loop keeps serving (a real engine
     in the same process keeps streaming tokens meanwhile).
     """
+    return await _run_options(request, run_lab, _work_bound_error)
+
+
+async def _run_options(request: Request, run: Any, work_bound_error: Any) -> Response:
+    """The body rules both lab endpoints share: a JSON object of options (400 otherwise),
+    refused when `work_bound_error` says it is too much work for HTTP, then `run(options)`
+    on the thread pool; LabOptionsError -> 400 naming the option."""
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         return _error(400, f"request body is {len(raw)} bytes; the lab accepts at most "
@@ -134,11 +141,11 @@ async def lab_run(request: Request) -> Response:
     if not isinstance(options, dict):
         return _error(400, "request body must be a JSON object of lab options, got "
                            + _JSON_TYPE_NAMES.get(type(options), type(options).__name__))
-    too_big = _work_bound_error(options)
+    too_big = work_bound_error(options)
     if too_big is not None:
         return too_big
     try:
-        result = await run_in_threadpool(run_lab, options)
+        result = await run_in_threadpool(run, options)
     except LabOptionsError as exc:
         # `option` lets the page mark the field; the message names it in any case.
         return _error(400, str(exc), param=getattr(exc, "option", None),
@@ -185,29 +192,7 @@ async def lab_cluster(request: Request) -> Response:
     `cost_model` may also be the name of a shipped cost model (never a file path)."""
     from iterserve.lab.cluster import run_cluster_lab
 
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        return _error(400, f"request body is {len(raw)} bytes; the lab accepts at most "
-                           f"{MAX_BODY_BYTES}")
-    if raw.strip():
-        try:
-            options: Any = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"request body is not valid JSON: {exc}")
-    else:
-        options = {}
-    if not isinstance(options, dict):
-        return _error(400, "request body must be a JSON object of lab options, got "
-                           + _JSON_TYPE_NAMES.get(type(options), type(options).__name__))
-    too_big = _cluster_work_bound_error(options)
-    if too_big is not None:
-        return too_big
-    try:
-        result = await run_in_threadpool(run_cluster_lab, options)
-    except LabOptionsError as exc:
-        return _error(400, str(exc), param=getattr(exc, "option", None),
-                      code="invalid_lab_option")
-    return JSONResponse(result)
+    return await _run_options(request, run_cluster_lab, _cluster_work_bound_error)
 
 
 @router.get("/v1/lab/presets")
