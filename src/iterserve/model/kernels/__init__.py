@@ -370,16 +370,13 @@ def _threads() -> int:
 
 # --- the kernels -------------------------------------------------------------------------
 
-def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
-          col0: int = 0) -> None:
-    """out[:, col0:col0+N] = x @ W^T for an encoded weight W (uint8 [N, row_bytes], GGUF
-    blocks of `ggml_type`, k elements per row), x float32 [M, k] with contiguous rows, out
-    float32 2-D [M, >= col0 + N] with contiguous rows (its row stride may exceed N)."""
-    lib = _lib()
+def _gemm_args(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+               col0: int, name: str, cap: str) -> tuple | None:
+    """The checked C arguments of `qgemm` / `gemm` (None: x has no rows, nothing to do)."""
     t = int(ggml_type)
-    n, ldw = _weight(t, w, k, "qgemm")
+    n, ldw = _weight(t, w, k, cap)
     if _caps[t].block_elems == 1 and k % 32:
-        raise ValueError(f"qgemm over float weights needs k % 32 == 0, not {k}")
+        raise ValueError(f"{name} over float weights needs k % 32 == 0, not {k}")
     _f32(x, "x", 2, contiguous=False)
     _f32(out, "out", 2, contiguous=False)
     ldx, ldo = _rows(x, "x"), _rows(out, "out")
@@ -389,9 +386,20 @@ def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.T
         raise ValueError(f"out of shape {tuple(out.shape)} cannot take [{x.shape[0]}, {n}] at "
                          f"column {col0}")
     if x.shape[0] == 0:
-        return
-    lib.iterserve_qgemm(t, w.data_ptr(), n, ldw, k, x.data_ptr(), x.shape[0], ldx,
-                        out.data_ptr() + 4 * col0, ldo, _threads())
+        return None
+    return (t, w.data_ptr(), n, ldw, k, x.data_ptr(), x.shape[0], ldx,
+            out.data_ptr() + 4 * col0, ldo, _threads())
+
+
+def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+          col0: int = 0) -> None:
+    """out[:, col0:col0+N] = x @ W^T for an encoded weight W (uint8 [N, row_bytes], GGUF
+    blocks of `ggml_type`, k elements per row), x float32 [M, k] with contiguous rows, out
+    float32 2-D [M, >= col0 + N] with contiguous rows (its row stride may exceed N)."""
+    lib = _lib()
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm", "qgemm")
+    if args is not None:
+        lib.iterserve_qgemm(*args)
 
 
 def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
@@ -401,22 +409,9 @@ def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Te
     into an L1 scratch and a register-blocked float32 micro-kernel: the decode cost is shared
     by all rows of x, so use it for many rows (layers.QUANT_MAX_ROWS and up)."""
     lib = _lib()
-    t = int(ggml_type)
-    n, ldw = _weight(t, w, k, "dequant")
-    if _caps[t].block_elems == 1 and k % 32:
-        raise ValueError(f"gemm over float weights needs k % 32 == 0, not {k}")
-    _f32(x, "x", 2, contiguous=False)
-    _f32(out, "out", 2, contiguous=False)
-    ldx, ldo = _rows(x, "x"), _rows(out, "out")
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
-    if not isinstance(col0, int) or col0 < 0 or out.shape[1] < col0 + n or out.shape[0] != x.shape[0]:
-        raise ValueError(f"out of shape {tuple(out.shape)} cannot take [{x.shape[0]}, {n}] at "
-                         f"column {col0}")
-    if x.shape[0] == 0:
-        return
-    _rc(lib.iterserve_gemm(t, w.data_ptr(), n, ldw, k, x.data_ptr(), x.shape[0], ldx,
-                           out.data_ptr() + 4 * col0, ldo, _threads()))
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "gemm", "dequant")
+    if args is not None:
+        _rc(lib.iterserve_gemm(*args))
 
 
 _ISAS = {"avx2": 1, "avx512": 2}
