@@ -427,6 +427,22 @@ def gemm_isa(want: str | None = None) -> str:
     return {v: k for k, v in _ISAS.items()}[int(got)]
 
 
+_PATHS = {"auto": 0, "registers": 1, "generic": 2, "panel": 3}
+
+
+def qgemm_path(path: str, ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor,
+               out: torch.Tensor, col0: int = 0) -> None:
+    """`qgemm` through one of its paths (tests and benchmarks): "registers" (the type's
+    register kernel for the ISA in use, at any row count), "generic" (the decode-into-L1
+    kernel), "panel" (the prefill GEMM), "auto" (what `qgemm` does)."""
+    lib = _lib()
+    fn = lib.iterserve_qgemm_path
+    fn.restype, fn.argtypes = None, [_i64, *_ARGTYPES["iterserve_qgemm"][1]]
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_path", "qgemm")
+    if args is not None:
+        fn(_PATHS[path], *args)
+
+
 def dequant(ggml_type, w, k, out) -> torch.Tensor:
     """out[n, k] (float32, contiguous rows) = the encoded rows w (uint8 [n, row_bytes]) as
     float32, bit-identical to gguf-py's dequantize; returns out."""
