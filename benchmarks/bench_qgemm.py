@@ -18,8 +18,12 @@
 
 4. `paths`: per type, qgemm's register kernel in AVX2 and AVX-512, the generic kernel and the
    panel GEMM at decode row counts, on 1.7B and bundled-model shapes (`paths` above).
+5. `ab`: this tree's qgemm (or, with --function gemm, the prefill GEMM, also against oneDNN
+   over a prepacked float32 copy) against the same function of another git revision
+   (--baseline-rev, built into a temporary .so and loaded next to this tree's), same process,
+   alternating.
 
-    PYTHONPATH=src python benchmarks/bench_qgemm.py [layout|types|prefill|paths] [--rows 1,8,32]
+    PYTHONPATH=src python benchmarks/bench_qgemm.py [layout|types|prefill|paths|ab] [--rows 1,8,32]
 """
 
 from __future__ import annotations
@@ -287,13 +291,117 @@ def paths(rows_list: list[int], rounds: int, types_: list[str], shapes: list[str
     return result
 
 
+def _baseline_lib(rev: str):
+    """The kernels of git revision `rev` built into a temporary .so and loaded by ctypes (its
+    own symbols and ISA state, next to this tree's library in the same process)."""
+    import ctypes
+    import os
+    import subprocess
+    import tempfile
+    from iterserve.model import kernels
+    d = tempfile.mkdtemp(prefix="qgemm-base-")
+    folder = "src/iterserve/model/kernels"
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{folder}"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    srcs = []
+    for name in names:
+        if name.endswith((".c", ".h")):
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], check=True,
+                                       capture_output=True).stdout)
+            if name.endswith(".c"):
+                srcs.append(os.path.join(d, name))
+    out = os.path.join(d, "base.so")
+    flags = [f for f in kernels._FLAGS]
+    subprocess.run([kernels._compiler(), *flags, *srcs, "-o", out], check=True)
+    lib = ctypes.CDLL(out)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in ("iterserve_qgemm", "iterserve_gemm"):
+        fn = getattr(lib, name)
+        fn.restype = None if name == "iterserve_qgemm" else i32
+        fn.argtypes = [i64, p, i64, i64, i64, p, i64, i64, p, i64, i32]
+    lib.iterserve_gemm_isa.restype, lib.iterserve_gemm_isa.argtypes = i64, [i64]
+    return lib
+
+
+def ab(rows_list: list[int], rounds: int, types_: list[str], shapes: list[str], rev: str,
+       fn_name: str) -> dict:
+    """This tree's `qgemm` (fn_name "qgemm": what every decode step calls) or `gemm` (the
+    prefill panel GEMM) against the same function of revision `rev`, same process,
+    alternating; for `gemm` also oneDNN over a prepacked float32 copy (old main's prefill).
+    Both libraries use the best ISA of the CPU."""
+    import sys
+    sys.path.insert(0, "tests")
+    from fixtures.gguf_blocks import gguf_blocks
+    from iterserve.model import kernels
+    base = _baseline_lib(rev)
+    base.iterserve_gemm_isa(0)
+    kernels.gemm_isa(None)
+    threads = torch.get_num_threads()
+    clock = time.thread_time if threads == 1 else time.perf_counter
+
+    def med_us(fn, reps):
+        ts = []
+        for _ in range(reps):
+            t0 = clock()
+            fn()
+            ts.append(clock() - t0)
+        return statistics.median(ts) * 1e6
+
+    result = {"threads": threads, "clock": clock.__name__, "baseline": rev, "function": fn_name,
+              "isa": kernels.gemm_isa(None), "cases": []}
+    for name in types_:
+        for group in shapes:
+            for n, k in KQ_SHAPES[group]:
+                blk = 256 if name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else 32
+                if k % blk:
+                    continue
+                t, raw, w = gguf_blocks(name, n, k)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 8) if fn_name == "gemm" else None
+                del w
+                for m in rows_list:
+                    x, out = torch.randn(m, k), torch.empty(m, n)
+                    args = (t, raw.data_ptr(), n, raw.shape[1], k, x.data_ptr(), m, k,
+                            out.data_ptr(), n, threads)
+                    new_fn = kernels._library().iterserve_qgemm if fn_name == "qgemm" \
+                        else kernels._library().iterserve_gemm
+                    old_fn = getattr(base, f"iterserve_{fn_name}")
+                    fns = {"new": lambda: new_fn(*args), "old": lambda: old_fn(*args)}
+                    if packed is not None:
+                        fns["prepacked_f32"] = lambda: torch.ops.mkldnn._linear_pointwise(
+                            x, packed, None, "none", [], "")
+                    reps = max(3, min(50, int(3e4 / max(1.0, raw.numel() / 2e4 * m ** 0.5))))
+                    for f in fns.values():
+                        f()
+                    got = {key: [] for key in fns}
+                    for _ in range(rounds):
+                        for key, f in fns.items():
+                            got[key].append(med_us(f, reps))
+                    us = {key: statistics.median(v) for key, v in got.items()}
+                    case = {"type": name, "group": group, "n": n, "k": k, "m": m,
+                            **{f"{key}_us": round(v, 1) for key, v in us.items()},
+                            "old_over_new": round(us["old"] / us["new"], 3)}
+                    if packed is not None:
+                        case["prepacked_over_new"] = round(us["prepacked_f32"] / us["new"], 3)
+                        case["prepacked_over_old"] = round(us["prepacked_f32"] / us["old"], 3)
+                    result["cases"].append(case)
+                    print(f"{name:5s} {n:5d}x{k:<5d} M={m:3d} " + "  ".join(
+                        f"{key} {v:9.0f}" for key, v in us.items()) + "  " + "  ".join(
+                        f"{key} {val}" for key, val in case.items() if "_over_" in key),
+                        flush=True)
+                del packed
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types", "prefill", "paths"])
+    ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types", "prefill", "paths", "ab"])
     ap.add_argument("--types", default="Q4_1", help="prefill: types on the bundled shapes")
     ap.add_argument("--big-types", default="Q4_0,Q4_K", help="prefill: types on 1.7B shapes")
     ap.add_argument("--rows", default="1,8,32")
-    ap.add_argument("--shapes", default="1.7B,bundled", help="paths: shape groups")
+    ap.add_argument("--shapes", default="1.7B,bundled", help="paths/ab: shape groups")
+    ap.add_argument("--baseline-rev", default="9482085", help="ab: the git revision to compare")
+    ap.add_argument("--function", default="qgemm", choices=["qgemm", "gemm"], help="ab")
     ap.add_argument("--variants", default="avx2,avx512,generic,panel",
                     help="paths: avx2, avx512, generic, panel, auto")
     ap.add_argument("--rounds", type=int, default=15)
@@ -305,7 +413,10 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
-    if a.what == "paths":
+    if a.what == "ab":
+        res = ab(rows, a.rounds, a.types.split(","), a.shapes.split(","), a.baseline_rev,
+                 a.function)
+    elif a.what == "paths":
         res = paths(rows, a.rounds, a.types.split(","), a.shapes.split(","),
                     a.variants.split(","))
     elif a.what == "prefill":

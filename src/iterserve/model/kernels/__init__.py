@@ -2,9 +2,9 @@
 
 Kernels for where a CPU step spends its time, all over weights in their GGUF encoding (rows of
 blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
-- `qgemm.c` / `dequant.c`: `qgemm` (decode GEMM over encoded weights: register kernels for
-  Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, AVX-512 variants of the first three, a decode-into-L1
-  kernel for every other type `dequant` covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
+- `qgemm.c` / `dequant.c` / `blocks512.h`: `qgemm` (decode GEMM over encoded weights:
+  AVX2 and AVX-512 register kernels for Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K /
+  F16 / BF16 / F32, a decode-into-L1 kernel for every other type `dequant` covers) and `dequant` (rows -> float32, bit-exact with gguf-py: F32, F16, BF16, Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) for tiles, prefill panels and
   embedding rows;
 - `prefill.c`: `gemm`, the GEMM for many rows (prefill chunks, large batches) over every type
@@ -418,7 +418,7 @@ _ISAS = {"avx2": 1, "avx512": 2}
 
 
 def gemm_isa(want: str | None = None) -> str:
-    """Choose the instruction set of `gemm` and of qgemm's Q4_0 / Q4_1 / Q8_0 kernels
+    """Choose the instruction set of `gemm` and of qgemm's register kernels
     ("avx2", "avx512"; None: the best this CPU has;
     more than it has falls back to the best) and return the one in use. Tests use it to run
     the AVX2 micro-kernel on an AVX-512 CPU."""

@@ -69,8 +69,7 @@ int64_t iterserve_cpu_features(void);
 /* --- GEMM and dequantisation over GGUF blocks (qgemm.c, dequant.c) ----------------------- */
 /* y[m][col] = sum_j x[m][j] * W[col][j] for the n rows of W (one segment), m < M; y row m at
  * y + m * ldy (the caller offsets y by the segment's first output column). From a per-type
- * row count on (qgemm.c's panel_rows: 1 for the float types, 16 for Q4_0/Q4_1/Q8_0) it
- * runs iterserve_gemm. */
+ * row count on (qgemm.c's panel_rows, measured per type) it runs iterserve_gemm. */
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads);
@@ -80,7 +79,7 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
  * ITERSERVE_OK, ITERSERVE_ETYPE (type or k not accepted) or ITERSERVE_ENOMEM. */
 int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
-/* The instruction set iterserve_gemm and iterserve_qgemm's Q4_0 / Q4_1 / Q8_0 kernels use:
+/* The instruction set iterserve_gemm and iterserve_qgemm's register kernels use:
  * want 1 = AVX2, 2 = AVX-512F, -1 = only report it, anything else (or more than the CPU
  * has) = the best the CPU has; returns the one now in use. */
 int64_t iterserve_gemm_isa(int64_t want);

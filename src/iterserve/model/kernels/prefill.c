@@ -28,10 +28,17 @@
  * on the bundled model's Q4_1 shapes at M = 64-512 it is 1.1-1.9x the reference tiles it
  * replaced and 0.86-1.28x oneDNN over a prepacked float32 copy (old main; median ~0.97x: the
  * micro-kernel runs at oneDNN's rate, ~200-220 GFLOP/s here, and the panel decode costs
- * 3-14%); Q4_0 on 1.7B shapes 0.93-1.01x of the prepacked copy. Q4_K and the other types
- * without an AVX-512 panel decoder (a decoder call per block, then 16x16 transposes) are
- * only level with the tiles and 0.77-0.89x of the prepacked copy: a fused K-quant decoder is
- * the next step.
+ * 3-14%); Q4_0 on 1.7B shapes 0.93-1.01x of the prepacked copy. The K-quants and Q5_0 / Q5_1
+ * are decoded by blocks512.h's register decoders (pack512_u: no call per block, Q4_K's
+ * nibbles through a per-sub-block table) and activation rows are processed in blocks of at
+ * most 256 (MB_MAX, below): same process, alternating, one thread, 1.7B shapes, 64 / 256 / 512
+ * rows, loaded machine (benchmarks/results/kquant-prefill-ab-t1.json, bench_qgemm.py ab
+ * --function gemm): Q4_K 1.36-1.64x / 1.11-1.22x / 1.09-1.10x the previous panel GEMM and
+ * 1.01-1.07x / 0.95-0.97x / 0.86-0.93x oneDNN over a prepacked float32 copy (the previous
+ * one: 0.62-0.79x / 0.79-0.87x / 0.78-0.85x in the same run); Q6_K 1.09-1.11x / 0.99-1.05x /
+ * 1.00-1.07x the previous, 0.95-1.10x / 0.88-0.98x / 0.89-0.95x prepacked. What is left at
+ * 256-512 rows is the decode + 16x16 transpose of each panel (~350 us per pass over a
+ * 2048x2048 Q4_K weight) on top of a micro-kernel that runs at oneDNN's rate.
  * Results equal a float32 GEMM over gguf-py's dequantised weights up to summation order
  * (k in order within a chunk, chunks added in order). Every type dequant.c decodes is
  * accepted; the float types (F32 / F16 / BF16) are 32-element pseudo-blocks, so they need
@@ -47,9 +54,18 @@
 
 #define NP 32                 /* weight rows per panel = output columns per micro-tile */
 #define KC_TARGET 256         /* elements per K chunk (rounded to whole blocks) */
+/* At most MB_MAX activation rows per row block (blocks balanced, multiples of 12): every
+ * weight panel is decoded once per block, and the block's x rows (up to MB_MAX x K floats)
+ * are re-read for every panel, so they must stay in L2/L3: without blocking, 512 rows of
+ * K = 8,192 (16 MB) streamed from memory for every panel and Q4_K ran at 0.71x of the
+ * prepacked float32 GEMM (0.97x at 64 rows); with 96-row blocks it was 0.88x, but the panel
+ * decode (~350 us per pass over a 2048x2048 Q4_K weight, ~10% of a 256-row call) was paid
+ * three times at 256 rows. */
+#define MB_MAX 256
 #define MR512 12
 #define MR256 6
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512bw")))
+#include "blocks512.h"
 
 static int isa_in_use = 0;    /* 0: not chosen yet; 1: AVX2; 2: AVX-512F */
 
@@ -220,6 +236,42 @@ static inline __attribute__((always_inline)) AVX512 void pack512_t(
     }
 }
 
+/* pack_panel for the types of blocks512.h without a dec512 case (the K-quants, Q5_0, Q5_1):
+ * each block's units decoded in registers (the decode kernels' code) into 16 rows x QB floats
+ * of tmp, then 16x16 transposes; no call per block, and Q4_K's nibbles through its table. */
+static inline __attribute__((always_inline)) AVX512 void pack512_u(
+        int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows, int b0, int nb,
+        float *tmp, float *bp) {
+    const int QB = qb512(type), BB = bb512(type), U = QB / 32;
+    for (int h = 0; h < NP / 16; h++) {
+        const int live = rows - 16 * h < 16 ? rows - 16 * h : 16;
+        if (live <= 0) {
+            for (int k = 0; k < nb * QB; k++)
+                _mm512_store_ps(bp + (int64_t)k * NP + 16 * h, _mm512_setzero_ps());
+            continue;
+        }
+        const uint8_t *w0 = w + (p0 + 16 * h) * row_stride + (int64_t)b0 * BB;
+        for (int j = live; j < 16; j++) memset(tmp + QB * j, 0, sizeof(float) * (size_t)QB);
+        for (int b = 0; b < nb; b++) {
+            for (int j = 0; j < live; j++) {
+                const uint8_t *blk = w0 + j * row_stride + (int64_t)b * BB;
+                float s[16], m[8];
+                kprep512(type, blk, s, m);
+                float *t = tmp + QB * j;
+#pragma GCC unroll 8
+                for (int u = 0; u < U; u++) {
+                    __m512 v[2];
+                    unit512(type, blk, u, s, m, v);
+                    _mm512_store_ps(t + 32 * u, v[0]);
+                    _mm512_store_ps(t + 32 * u + 16, v[1]);
+                }
+            }
+            float *dst = bp + (int64_t)b * QB * NP + 16 * h;
+            for (int k0 = 0; k0 < QB; k0 += 16) tr16x16(tmp + k0, QB, dst + k0 * NP, NP);
+        }
+    }
+}
+
 static AVX512 void pack_panel512(int64_t type, iterserve_decode_fn fn, int QB, int BB,
                                  const uint8_t *w, int64_t row_stride, int64_t p0, int rows,
                                  int b0, int nb, float *tmp, float *bp) {
@@ -230,6 +282,11 @@ static AVX512 void pack_panel512(int64_t type, iterserve_decode_fn fn, int QB, i
     case GGML_F32: pack512_t(GGML_F32, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
     case GGML_F16: pack512_t(GGML_F16, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
     case GGML_BF16: pack512_t(GGML_BF16, BB, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_Q4_K: pack512_u(GGML_Q4_K, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_Q5_K: pack512_u(GGML_Q5_K, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_Q6_K: pack512_u(GGML_Q6_K, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_Q5_0: pack512_u(GGML_Q5_0, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
+    case GGML_Q5_1: pack512_u(GGML_Q5_1, w, row_stride, p0, rows, b0, nb, tmp, bp); break;
     default: pack_panel512_generic(fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
     }
 }
@@ -364,16 +421,22 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
         } else {
             const int t = omp_get_thread_num(), T = omp_get_num_threads();
             const int64_t q0 = npanels * t / T, q1 = npanels * (t + 1) / T;
-            for (int64_t q = q0; q < q1; q++) {
-                const int64_t p0 = q * NP;
-                const int rows = N - p0 < NP ? (int)(N - p0) : NP;
-                for (int b0 = 0; b0 < nbk; b0 += bpc) {
-                    const int nb = nbk - b0 < bpc ? nbk - b0 : bpc;
-                    if (wide) pack_panel512(type, fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
-                    else pack_panel256(fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
-                    const float *xk = x + (int64_t)b0 * QB;
-                    if (wide) rows512(M, xk, ldx, bp, nb * QB, y + p0, ldy, b0 > 0, rows);
-                    else rows256(M, xk, ldx, bp, nb * QB, y + p0, ldy, b0 > 0, rows);
+            const int64_t nmb = (M + MB_MAX - 1) / MB_MAX;
+            const int64_t MB = ((M + nmb - 1) / nmb + 11) / 12 * 12;
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {       /* row blocks: x block stays cached */
+                const int64_t mb = M - m0 < MB ? M - m0 : MB;
+                for (int64_t q = q0; q < q1; q++) {
+                    const int64_t p0 = q * NP;
+                    const int rows = N - p0 < NP ? (int)(N - p0) : NP;
+                    for (int b0 = 0; b0 < nbk; b0 += bpc) {
+                        const int nb = nbk - b0 < bpc ? nbk - b0 : bpc;
+                        if (wide) pack_panel512(type, fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
+                        else pack_panel256(fn, QB, BB, w, row_stride, p0, rows, b0, nb, tmp, bp);
+                        const float *xk = x + m0 * ldx + (int64_t)b0 * QB;
+                        float *yk = y + m0 * ldy + p0;
+                        if (wide) rows512(mb, xk, ldx, bp, nb * QB, yk, ldy, b0 > 0, rows);
+                        else rows256(mb, xk, ldx, bp, nb * QB, yk, ldy, b0 > 0, rows);
+                    }
                 }
             }
         }

@@ -10,12 +10,17 @@
  * x in float32 FMAs, so the result equals a float32 GEMM over the dequantised weights up to
  * summation order.
  *
- * Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have register kernels here (Q4_0 / Q4_1 / Q8_0 also in
- * AVX-512, used where the CPU has it: 1.4-1.7x the AVX2 kernel on the bundled model's shapes
- * at 1 and 8 rows, one thread, same process); every other type dequant.c
- * decodes runs through iterserve_qgemm_generic (each block decoded into an L1 buffer by the
- * same code as `dequant`, then dotted with the rows): 1.1-1.8x faster than dequantise +
- * F.linear on a 2048x2048 weight, but 1.5-2.5x slower than a register kernel.
+ * Register kernels (each block expanded in registers, no store): with AVX2 for Q4_0, Q4_1,
+ * Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16 and F32; with AVX-512, where the CPU has it
+ * (iterserve_gemm_isa), Q4_0 / Q4_1 / Q8_0 in qgemm32_512 (1.4-1.7x the AVX2 kernel on the
+ * bundled model's shapes) and every other of these types in qgemm_u512 (blocks512.h's
+ * decoders). Same process, alternating, one thread, 1.7B shapes, loaded machine
+ * (benchmarks/results/kquant-step1-t1.json, bench_qgemm.py paths): AVX-512 over AVX2 for
+ * Q4_K 2.1-4.2x at 1 row, 1.3-3.2x at 4, for Q6_K 1.8-2.8x at 1, 1.7-1.8x at 4. Types without a
+ * register kernel (Q2_K, Q3_K, IQ4_NL, IQ4_XS) run iterserve_qgemm_generic (each block
+ * decoded into an L1 buffer by the same code as `dequant`, then dotted with the rows): 1.1-1.8x
+ * faster than dequantise + F.linear on a 2048x2048 weight, 1.5-2.5x slower than a register
+ * kernel. From panel_rows() rows on (per type, measured) the panel GEMM of prefill.c runs.
  *
  * The f16 scales are converted per block with F16C, straight from the block (vcvtph2ps from
  * memory). On the bundled model's Q4_1 shapes the kernel is 0-11% (typically ~5%) slower than
@@ -635,23 +640,28 @@ int iterserve_can_qgemm(int64_t type) {
 }
 
 /* From how many rows on iterserve_qgemm hands the product to the prefill GEMM (prefill.c),
- * whose per-call decode of the weight is shared by all rows, per type. Measured one thread,
- * same process, alternating, on a loaded machine (AVX-512 CPU), weights 3072x512 and
- * 2048x2048, and the bundled model's Q4_1 / Q8_0 shapes:
- * - Q4_0 / Q4_1 / Q8_0 (AVX-512 register kernels): level at 12-16 rows, the panel GEMM
- *   1.2-1.4x faster at 24-32 -> 16;
- * - Q4_K: level at 8-12 -> 12; Q5_K: -> 12; Q6_K: level at 2, 1.2-2.6x faster at 4 -> 3;
- * - the float types: the generic block kernel (memcpy / convert into L1, then dot) was
- *   slower than the panel GEMM even at 1 row (F32 2048x2048: 1059 vs 944 us) -> 1;
- * - Q5_0 and the other generic-kernel types: level at 1, faster from 2 -> 2.
- * The fused decode layers (decode_layers.c) call iterserve_qgemm too, so both paths take
- * the same kernel and stay bit-identical. */
+ * whose per-call decode of the weight is shared by all rows, per type. Register kernel (the
+ * AVX-512 one) against the panel GEMM, one thread (CPU time), same process, alternating, on a
+ * loaded 2-core AVX-512 EPYC, weights 2048x2048, 8192x2048 and 2048x8192 at 1, 2, 4, 8, 12,
+ * 16, 24, 32 rows (benchmarks/results/kquant-panel-rows-t1.json; register time / panel time):
+ * - Q4_K: 0.37-0.69 at 1 row, 0.79-0.90 at 4, 1.12-1.35 at 8 -> 8;
+ * - Q5_K: 0.44-0.80 at 1, 0.78-0.95 at 4, 1.00-1.18 at 8 -> 8;
+ * - Q6_K: 0.42-0.86 at 1, 0.58-1.26 at 2, 0.63-1.84 at 4 (1.25-1.84 on the two larger) -> 4;
+ * - Q5_0: 0.39 at 1, 0.60 at 4, 1.03-1.71 at 8 -> 8; Q5_1: 0.54-1.15 at 4, 0.69-1.16 at 8 -> 8;
+ * - F16 / BF16 / F32: 0.16-0.61 at 1 row, 0.19-1.03 at 2, 1.03-1.43 at 4 -> 3 (the float
+ *   panels are cheap to pack, and the register kernels stream 2-4 bytes per weight);
+ * - Q4_0 / Q4_1 / Q8_0 (session 12, AVX-512 register kernels): level at 12-16 rows, the panel
+ *   GEMM 1.2-1.4x faster at 24-32 -> 16;
+ * - Q2_K, Q3_K, IQ4_*: the generic block kernel, level at 1 row, slower from 2 -> 2.
+ * The same table serves AVX2-only CPUs (not measured there). The fused decode layers
+ * (decode_layers.c) call iterserve_qgemm too, so both paths take the same kernel and stay
+ * bit-identical. */
 static int64_t panel_rows(int64_t type) {
     switch (type) {
     case GGML_Q4_0: case GGML_Q4_1: case GGML_Q8_0: return 16;
-    case GGML_Q4_K: case GGML_Q5_K: return 12;
-    case GGML_Q6_K: return 3;
-    case GGML_F32: case GGML_F16: case GGML_BF16: return 1;
+    case GGML_Q4_K: case GGML_Q5_K: case GGML_Q5_0: case GGML_Q5_1: return 8;
+    case GGML_Q6_K: return 4;
+    case GGML_F32: case GGML_F16: case GGML_BF16: return 3;
     default: return 2;
     }
 }
