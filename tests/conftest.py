@@ -17,3 +17,16 @@ def tiny_model_dir(tmp_path_factory):
     from fixtures.tiny_models import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("shared-tiny-llama"))
+
+
+@pytest.fixture(autouse=True)
+def _float_kernel_activations():
+    """Every test starts with float activations in the native decode GEMM (the C library's
+    own default). The mode is process-wide and an engine built by an earlier test sets it
+    (`--kernel-activations auto` means int8, kernels/qdot8.c); kernel tests that compare with
+    a float GEMM at fp32 tolerance must not inherit that. Engines built inside a test apply
+    their own knob."""
+    kernels = sys.modules.get("iterserve.model.kernels")
+    if kernels is not None and kernels._library.cache_info().currsize and kernels.available():
+        kernels.set_activations("float")
+    yield

@@ -237,6 +237,28 @@ class SchedulerConfig:
         return self
 
 
+class KernelActivations(enum.StrEnum):
+    """How the CPU decode kernels treat activations (model/kernels/qdot8.c)."""
+    AUTO = "auto"      # the measured default: int8 where a kernel exists (qdot8.c's header)
+    FLOAT = "float"    # float32 activations: equal to a float GEMM up to summation order
+    INT8 = "int8"      # rows quantised to 8 bits, integer dot products (llama.cpp's scheme)
+
+
+@dataclass(slots=True)
+class KernelConfig:
+    """How the model's native CPU kernels compute (issue 13), set when the model loads."""
+
+    kernel_activations: KernelActivations = knob(
+        KernelActivations.AUTO, "decode GEMM activations: int8 (quantised rows, integer dot "
+        "products, as llama.cpp; about 0.5 percent relative error per output), float (float32, equal to "
+        "a float GEMM up to summation order) or auto (int8 where the weight type has an int8 "
+        "kernel, measured faster at decode row counts)", KernelActivations, group="model")
+
+    def validate(self) -> "KernelConfig":
+        _check_fields(self)
+        return self
+
+
 @dataclass(slots=True)
 class ParallelConfig:
     """How one served model is spread over processes (issue 16). Data parallel: N whole
