@@ -127,10 +127,14 @@ def main() -> None:
     ap.add_argument("--decode", metavar="GGUF", help="end-to-end decode A/B on this model instead")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--isa", choices=["avx2", "avx512vnni"], default=None,
+                    help="force the int8 kernels' instruction set (default: the best here)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable}")
+    if a.isa:
+        kernels.int8_isa(a.isa)
     meta = {"machine": platform.processor() or platform.machine(), "features":
             sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":
             "same process, float and int8 alternating, medians; machine possibly loaded"}

@@ -1,8 +1,8 @@
 """The int8-activation decode GEMM (model/kernels/qdot8.c) and the mode that routes
 `iterserve_qgemm` through it (`kernels.set_activations`, the engine's --kernel-activations).
 
-The kernel quantises each activation row to 8 bits (blocks of 32 for Q4_0 / Q8_0, of 256 for
-Q4_K / Q6_K: scale max|x| / 127, round to nearest even) and dots integers, so:
+The kernel quantises each activation row to 8 bits (blocks of 32 for Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0, of 256 for Q4_K / Q5_K / Q6_K: scale max|x| / 127, round to nearest even) and dots integers, so:
 - against gguf-py's dequantisation times the *same quantised* activations it must agree to
   float32 summation error (the integer parts are exact): this pins the whole arithmetic;
 - against gguf-py's dequantisation times the float activations its error must stay within
@@ -29,7 +29,8 @@ from iterserve.model import kernels
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
                                 reason="needs an x86-64 AVX2/FMA/F16C CPU and a C compiler")
 
-TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0"]
+TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "Q5_K", "Q5_0", "Q4_1", "Q5_1"]
+MIX_TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0"]     # the re-quantised bundled model
 ISAS = ["avx2", "avx512vnni"]
 
 
@@ -119,7 +120,7 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
     kernels.qgemm(t, w, 512, x, i)
     assert torch.equal(i, direct) and not torch.equal(i, f)
     # a type without an int8 kernel computes in float whatever the mode
-    t5, w5, _ = gguf_blocks("Q5_1", 64, 512, seed=2)
+    t5, w5, _ = gguf_blocks("IQ4_NL", 64, 512, seed=2)
     assert not kernels.supports_int8(t5)
     a, b = torch.empty(4, 64), torch.empty(4, 64)
     kernels.qgemm(t5, w5, 512, x, a)
@@ -302,7 +303,7 @@ def test_mixed_model_uses_all_four_int8_types(mixed_model):
     types = {t for m in mixed_model.model.modules() if getattr(m, "encoded", None) is not None
              for t in m.encoded.types}
     from gguf import GGMLQuantizationType as Q
-    assert {int(Q[n]) for n in TYPES} <= types
+    assert {int(Q[n]) for n in MIX_TYPES} <= types
 
 
 @pytest.mark.slow

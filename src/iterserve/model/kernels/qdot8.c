@@ -78,7 +78,9 @@ static inline int8_t q8(float v, float id) {
     return (int8_t)(int)nearbyintf(v * id);
 }
 
-/* Q8_0-style quantisation of M rows in blocks of 32; shift: off = 1 << shift (< 0: no g4). */
+/* Q8_0-style quantisation of M rows in blocks of 32; shift >= 0: g4 with off = 1 << shift;
+ * SUMS: g4's place holds d_x * (sum of 4) as floats (Q4_1 / Q5_1's min term); else none. */
+#define SUMS (-2)
 static int quantise32(const float *x, int64_t M, int64_t ldx, int64_t K, int shift, act8 *a) {
     const int64_t nb = K / 32;
     const size_t qb = (size_t)(M * K), gb = (size_t)(M * K), db = (size_t)(M * nb * 8 * 4);
@@ -103,6 +105,12 @@ static int quantise32(const float *x, int64_t M, int64_t ldx, int64_t K, int shi
                 for (int i = 0; i < 8; i++) {
                     const int8_t *s = q + 32 * b + 4 * i;
                     g[8 * b + i] = -((s[0] + s[1] + s[2] + s[3]) * (1 << shift));
+                }
+            else if (shift == SUMS)               /* Q4_1 / Q5_1: d_x * sums of 4, float */
+                for (int i = 0; i < 8; i++) {
+                    const int8_t *s = q + 32 * b + 4 * i;
+                    const float v = d * (float)(s[0] + s[1] + s[2] + s[3]);
+                    memcpy(g + 8 * b + i, &v, 4);
                 }
         }
     }
@@ -175,40 +183,68 @@ static inline void q4k_scales(const uint8_t *s12, uint32_t u[4]) {
 }
 
 /* ---- AVX2 kernels: one weight row (column n) by R <= 4 activation rows ----------------- */
-/* 32-element types over blocks [b0, b1) */
+/* Geometry of the 32-element types: block bytes, where the 16 nibble bytes start. */
+static inline int bb32(int type) {
+    return type == GGML_Q8_0 ? 34 : type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20
+         : type == GGML_Q5_0 ? 22 : 24;
+}
+static inline int qs32(int type) {
+    return type == GGML_Q4_0 ? 2 : type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 8;
+}
+static inline int has_min(int type) { return type == GGML_Q4_1 || type == GGML_Q5_1; }
+static inline int is_q5(int type) { return type == GGML_Q5_0 || type == GGML_Q5_1; }
+
+/* 32 bits -> 32 bytes, 0xFF where the bit is set (llama.cpp's bytes_from_bits_32) */
+static inline __m256i bits_to_bytes(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    const __m256i b = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf),
+                                      _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+}
+
+/* One block's 32 codes as bytes (unsigned; Q8_0: its signed values). */
+static inline __attribute__((always_inline)) __m256i codes32(int type, const uint8_t *blk) {
+    if (type == GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + qs32(type)));
+    __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    if (is_q5(type))
+        w = _mm256_or_si256(w, _mm256_and_si256(bits_to_bytes(blk + (type == GGML_Q5_0 ? 2 : 4)),
+                                                _mm256_set1_epi8(0x10)));
+    return w;
+}
+
+/* 32-element types over blocks [b0, b1): per block and row, the integer dot of the codes
+ * with the quantised row (+ g4: -offset * sums of 4), times d_w * d_x; Q4_1 / Q5_1 add
+ * m_w * (d_x * sums of 4) (`sx4`, kept in g4's place). */
 static inline __attribute__((always_inline)) void dot32_avx2(
         int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
         const uint8_t *wrow, float *out) {
-    const int bb = type == GGML_Q8_0 ? 34 : 18;
+    const int bb = bb32(type);
     const int64_t K = a->K, nb = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *blk = wrow + b * bb;
         const __m256 dw = _mm256_set1_ps(f16(blk));
-        if (type == GGML_Q8_0) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m256i aw = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < R; r++) {
-                const int64_t rr = r0 + r;
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + rr * K + 32 * b));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
-                const __m256 s = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dx + (rr * nb + b) * 8));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
-            }
-        } else {                                   /* Q4_0: codes 0..15, offset 8 in g4 */
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
-            const __m256i w = _mm256_and_si256(
-                _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-            for (int r = 0; r < R; r++) {
-                const int64_t rr = r0 + r;
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + rr * K + 32 * b));
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-                p = _mm256_add_epi32(p, _mm256_loadu_si256((const __m256i *)(a->g4 + rr * (K / 4) + 8 * b)));
-                const __m256 s = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dx + (rr * nb + b) * 8));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
-            }
+        const __m256i w = codes32(type, blk);
+        const __m256i aw = type == GGML_Q8_0 ? _mm256_sign_epi8(w, w) : w;
+        const __m256 mw = has_min(type) ? _mm256_set1_ps(f16(blk + 2)) : dw;
+        for (int r = 0; r < R; r++) {
+            const int64_t rr = r0 + r;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + rr * K + 32 * b));
+            if (type == GGML_Q8_0) x = _mm256_sign_epi8(x, w);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones);
+            const int32_t *g = a->g4 + rr * (K / 4) + 8 * b;
+            if (type == GGML_Q4_0 || type == GGML_Q5_0)
+                p = _mm256_add_epi32(p, _mm256_loadu_si256((const __m256i *)g));
+            const __m256 s = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dx + (rr * nb + b) * 8));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
+            if (has_min(type))
+                acc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps((const float *)g), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8f(acc[r]);
@@ -228,7 +264,7 @@ static inline __m256i pair16_mask(int i) {
 static inline __attribute__((always_inline)) void dotk_avx2(
         int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
         const uint8_t *wrow, float *out) {
-    const int bb = type == GGML_Q4_K ? 144 : 210;
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
     const int64_t K = a->K, nb = K / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[ROW_TILE];
@@ -240,10 +276,14 @@ static inline __attribute__((always_inline)) void dotk_avx2(
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         float d, cm;                               /* super-block scale; the min/offset term's */
         __m128i mterm[ROW_TILE];
-        if (type == GGML_Q4_K) {
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
             uint32_t u[4];
             q4k_scales(blk + 4, u);
             d = f16(blk), cm = -f16(blk + 2);
+            const int qo = type == GGML_Q5_K ? 48 : 16;
+            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                 : _mm256_setzero_si256();
+            const __m256i one = _mm256_set1_epi8(1);
             const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
             const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
             const __m128i mins = _mm256_extracti128_si256(ms, 1);
@@ -251,9 +291,13 @@ static inline __attribute__((always_inline)) void dotk_avx2(
                 mterm[r] = _mm_madd_epi16(mins, _mm_loadu_si128(
                     (const __m128i *)(a->bs32 + ((r0 + r) * nb + b) * 8)));
             for (int p = 0; p < 4; p++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * p));
-                const __m256i wl = _mm256_and_si256(raw, m4);
-                const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
+                __m256i wl = _mm256_and_si256(raw, m4);
+                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if (type == GGML_Q5_K) {          /* bits 2p, 2p+1 of qh: 16 */
+                    wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4));
+                    wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4));
+                }
                 const __m256i sl = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p));
                 const __m256i sh = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p + 1));
                 for (int r = 0; r < R; r++) {
@@ -310,54 +354,70 @@ static inline VNNI float hsum16f(__m512 v) { return _mm512_reduce_add_ps(v); }
 static inline __attribute__((always_inline)) VNNI void dot32_vnni(
         int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
         const uint8_t *wrow, float *out) {
-    const int bb = type == GGML_Q8_0 ? 34 : 18;
+    const int bb = bb32(type);
     const int64_t K = a->K, nb = K / 32;
     const __m512i m4 = _mm512_set1_epi8(0x0F), x80 = _mm512_set1_epi8((char)0x80);
     __m512 acc[ROW_TILE];
     __m256 acc1[ROW_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), acc1[r] = _mm256_setzero_ps();
     int64_t b = b0;
-    for (; b + 1 < b1; b += 2) {
+    for (; b + 1 < b1; b += 2) {                  /* two blocks per zmm */
         const uint8_t *blk = wrow + b * bb;
         const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(
             _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(f16(blk)))),
             _mm256_castps_pd(_mm256_set1_ps(f16(blk + bb))), 1));
+        __m512 mw = dw;
+        if (has_min(type))
+            mw = _mm512_castpd_ps(_mm512_insertf64x4(
+                _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(f16(blk + 2)))),
+                _mm256_castps_pd(_mm256_set1_ps(f16(blk + bb + 2))), 1));
         __m512i w;
         if (type == GGML_Q8_0) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + bb + 2));
             w = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), x80);
         } else {
-            const __m256i t = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(blk + bb + 2)),
-                                               _mm_loadu_si128((const __m128i *)(blk + 2)));
+            const int qo = qs32(type);
+            const __m256i t = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(blk + bb + qo)),
+                                               _mm_loadu_si128((const __m128i *)(blk + qo)));
             const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
             /* [q0, q1, q0>>4, q1>>4] -> [q0, q0>>4, q1, q1>>4] */
             w = _mm512_and_si512(_mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)), m4);
+            if (is_q5(type)) {                    /* bit i of qh -> 16 in byte i */
+                const int ho = type == GGML_Q5_0 ? 2 : 4;
+                uint32_t h0, h1;
+                memcpy(&h0, blk + ho, 4);
+                memcpy(&h1, blk + bb + ho, 4);
+                w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(
+                    (__mmask64)h0 | (__mmask64)h1 << 32, _mm512_set1_epi8(0x10)));
+            }
         }
         for (int r = 0; r < R; r++) {
             const int64_t rr = r0 + r;
-            __m512i p = _mm512_loadu_si512((const void *)(a->g4 + rr * (K / 4) + 8 * b));
+            const void *g = a->g4 + rr * (K / 4) + 8 * b;
+            __m512i p = has_min(type) ? _mm512_setzero_si512() : _mm512_loadu_si512(g);
             p = _mm512_dpbusd_epi32(p, w, _mm512_loadu_si512((const void *)(a->q + rr * K + 32 * b)));
             const __m512 s = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + (rr * nb + b) * 8));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[r]);
+            if (has_min(type))
+                acc[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps((const float *)g), acc[r]);
         }
     }
     for (; b < b1; b++) {                         /* an odd last block: 256-bit VNNI */
         const uint8_t *blk = wrow + b * bb;
         const __m256 dw = _mm256_set1_ps(f16(blk));
-        __m256i w;
-        if (type == GGML_Q8_0)
-            w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
-        else {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
-            w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-        }
+        const __m256 mw = has_min(type) ? _mm256_set1_ps(f16(blk + 2)) : dw;
+        __m256i w = codes32(type, blk);
+        if (type == GGML_Q8_0) w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
         for (int r = 0; r < R; r++) {
             const int64_t rr = r0 + r;
-            __m256i p = _mm256_loadu_si256((const __m256i *)(a->g4 + rr * (K / 4) + 8 * b));
+            const int32_t *g = a->g4 + rr * (K / 4) + 8 * b;
+            __m256i p = has_min(type) ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)g);
             p = _mm256_dpbusd_epi32(p, w, _mm256_loadu_si256((const __m256i *)(a->q + rr * K + 32 * b)));
             const __m256 s = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dx + (rr * nb + b) * 8));
             acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc1[r]);
+            if (has_min(type))
+                acc1[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps((const float *)g), acc1[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]) + hsum8f(acc1[r]);
@@ -366,7 +426,7 @@ static inline __attribute__((always_inline)) VNNI void dot32_vnni(
 static inline __attribute__((always_inline)) VNNI void dotk_vnni(
         int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
         const uint8_t *wrow, float *out) {
-    const int bb = type == GGML_Q4_K ? 144 : 210;
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
     const int64_t K = a->K, nb = K / 256;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
@@ -380,10 +440,14 @@ static inline __attribute__((always_inline)) VNNI void dotk_vnni(
         __m512i w[4], s[4];
         float d, cm;
         __m128i mterm[ROW_TILE];
-        if (type == GGML_Q4_K) {
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
             uint32_t u[4];
             q4k_scales(blk + 4, u);
             d = f16(blk), cm = -f16(blk + 2);
+            const int qo = type == GGML_Q5_K ? 48 : 16;
+            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                 : _mm256_setzero_si256();
+            const __m256i one = _mm256_set1_epi8(1);
             const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
             const __m512i sc = _mm512_castsi256_si512(ms);
             const __m128i mins = _mm256_extracti128_si256(ms, 1);
@@ -391,9 +455,14 @@ static inline __attribute__((always_inline)) VNNI void dotk_vnni(
                 mterm[r] = _mm_madd_epi16(mins, _mm_loadu_si128(
                     (const __m128i *)(a->bs32 + ((r0 + r) * nb + b) * 8)));
             for (int p = 0; p < 4; p++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * p));
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
                 w[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
                                                            _mm256_srli_epi16(raw, 4), 1), m4);
+                if (type == GGML_Q5_K) {
+                    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4);
+                    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
+                    w[p] = _mm512_or_si512(w[p], _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+                }
                 /* int16 lanes 0-15 <- scale 2p, 16-31 <- scale 2p+1 */
                 s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(2 * p)),
                                                                  _mm512_srli_epi16(iota, 4)), sc);
@@ -449,7 +518,12 @@ int64_t iterserve_act8_isa(int64_t want) {
 }
 
 int iterserve_can_act8(int64_t type) {
-    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q6_K;
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1
+        || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+}
+
+static inline int is_kq(int64_t type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
 }
 
 #define CALL(R, FN, TYPE) FN(R, TYPE, &a, r0, b0, b1, wn, o)
@@ -465,7 +539,7 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
                      float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
     const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
-    const int kq = type == GGML_Q4_K || type == GGML_Q6_K;
+    const int kq = is_kq(type);
     const int64_t be = kq ? 256 : 32, nb = a.K / be;
     const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;   /* activation bytes */
 #pragma omp parallel num_threads(nthreads)
@@ -484,11 +558,17 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
                     const int64_t b0 = nb * kchunk / nk, b1 = nb * (kchunk + 1) / nk;
                     for (int64_t c = c0; c < c1; c++) {
                         const uint8_t *wn = w + c * row_stride;
-                        float o[ROW_TILE];
-                        if (type == GGML_Q4_0) { TILE(dot32_avx2, GGML_Q4_0) }
-                        else if (type == GGML_Q8_0) { TILE(dot32_avx2, GGML_Q8_0) }
-                        else if (type == GGML_Q4_K) { TILE(dotk_avx2, GGML_Q4_K) }
-                        else { TILE(dotk_avx2, GGML_Q6_K) }
+                        float o[ROW_TILE] = {0};
+                        switch (type) {
+                        case GGML_Q4_0: TILE(dot32_avx2, GGML_Q4_0) break;
+                        case GGML_Q4_1: TILE(dot32_avx2, GGML_Q4_1) break;
+                        case GGML_Q5_0: TILE(dot32_avx2, GGML_Q5_0) break;
+                        case GGML_Q5_1: TILE(dot32_avx2, GGML_Q5_1) break;
+                        case GGML_Q8_0: TILE(dot32_avx2, GGML_Q8_0) break;
+                        case GGML_Q4_K: TILE(dotk_avx2, GGML_Q4_K) break;
+                        case GGML_Q5_K: TILE(dotk_avx2, GGML_Q5_K) break;
+                        default: TILE(dotk_avx2, GGML_Q6_K) break;
+                        }
                         for (int r = 0; r < R; r++) {
                             float *yy = y + (r0 + r) * ldy + c;
                             *yy = kchunk ? *yy + o[r] : o[r];
@@ -504,7 +584,7 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
                           int64_t row_stride, float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
     const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
-    const int kq = type == GGML_Q4_K || type == GGML_Q6_K;
+    const int kq = is_kq(type);
     const int64_t be = kq ? 256 : 32, nb = a.K / be;
     const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;
 #pragma omp parallel num_threads(nthreads)
@@ -528,11 +608,17 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
                     }
                     for (int64_t c = c0; c < c1; c++) {
                         const uint8_t *wn = w + c * row_stride;
-                        float o[ROW_TILE];
-                        if (type == GGML_Q4_0) { TILE(dot32_vnni, GGML_Q4_0) }
-                        else if (type == GGML_Q8_0) { TILE(dot32_vnni, GGML_Q8_0) }
-                        else if (type == GGML_Q4_K) { TILE(dotk_vnni, GGML_Q4_K) }
-                        else { TILE(dotk_vnni, GGML_Q6_K) }
+                        float o[ROW_TILE] = {0};
+                        switch (type) {
+                        case GGML_Q4_0: TILE(dot32_vnni, GGML_Q4_0) break;
+                        case GGML_Q4_1: TILE(dot32_vnni, GGML_Q4_1) break;
+                        case GGML_Q5_0: TILE(dot32_vnni, GGML_Q5_0) break;
+                        case GGML_Q5_1: TILE(dot32_vnni, GGML_Q5_1) break;
+                        case GGML_Q8_0: TILE(dot32_vnni, GGML_Q8_0) break;
+                        case GGML_Q4_K: TILE(dotk_vnni, GGML_Q4_K) break;
+                        case GGML_Q5_K: TILE(dotk_vnni, GGML_Q5_K) break;
+                        default: TILE(dotk_vnni, GGML_Q6_K) break;
+                        }
                         for (int r = 0; r < R; r++) {
                             float *yy = y + (r0 + r) * ldy + c;
                             *yy = kchunk ? *yy + o[r] : o[r];
@@ -548,7 +634,7 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
                          int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
                          int64_t ldy, int nthreads) {
     if (!iterserve_can_act8(type)) return ITERSERVE_ETYPE;
-    const int kq = type == GGML_Q4_K || type == GGML_Q6_K;
+    const int kq = is_kq(type);
     if (k <= 0 || k % (kq ? 256 : 32)) return ITERSERVE_ETYPE;
     if (M < 1 || n < 1) return ITERSERVE_OK;
     if (!isa8) iterserve_act8_isa(0);
@@ -556,8 +642,10 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
     int rc;
     if (kq)
         rc = quantise256(x, M, ldx, k, &a);
-    else     /* g4 offsets: Q4_0 8; Q8_0 128 under VNNI (w + 128), none under AVX2's sign trick */
-        rc = quantise32(x, M, ldx, k, type == GGML_Q4_0 ? 3 : isa8 == 2 ? 7 : -1, &a);
+    else     /* g4 offsets: Q4_0 8, Q5_0 16; Q8_0 128 under VNNI (w + 128), none under AVX2's
+              * sign trick; Q4_1 / Q5_1: the sums for their min term */
+        rc = quantise32(x, M, ldx, k, type == GGML_Q4_0 ? 3 : type == GGML_Q5_0 ? 4
+                        : type == GGML_Q8_0 ? (isa8 == 2 ? 7 : -1) : SUMS, &a);
     if (rc) return rc;
     if (nthreads < 1) nthreads = 1;
     if (n < 64 * nthreads) nthreads = 1;
