@@ -11,8 +11,12 @@ make. Writes JSON (`--out`, default benchmarks/results/int8-qgemm.json).
     PYTHONPATH=src python benchmarks/bench_int8.py --quick      # ~1 min
     PYTHONPATH=src python benchmarks/bench_int8.py              # the full grid, ~5-8 min
 
-`--decode MODEL.gguf` instead times end-to-end batch-1 (and `--batch` B) greedy decode
-steps of a model file in both modes, alternating (see decode_ab).
+`--decode MODEL.gguf` instead times end-to-end greedy generation (`--batch` sequences,
+`--steps` tokens each, prefill of a short prompt included) of a model file through the
+offline LLM, float and auto (the default: int8 where measured faster) alternating:
+
+    PYTHONPATH=src python benchmarks/bench_int8.py --decode ~/.cache/iterserve-models/\
+        smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf --batch 1 --steps 32 --repeats 3 --threads 2
 """
 
 from __future__ import annotations
@@ -46,13 +50,16 @@ def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.
     return int(t), torch.from_numpy(raw.reshape(n, -1))
 
 
+CLOCK = time.perf_counter
+
+
 def _time(fn, min_s: float) -> float:
     fn()
-    n, t0 = 0, time.perf_counter()
+    n, t0 = 0, CLOCK()
     while True:
         fn()
         n += 1
-        dt = time.perf_counter() - t0
+        dt = CLOCK() - t0
         if dt >= min_s:
             return dt / n
 
@@ -86,31 +93,32 @@ def gemm_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[di
 
 
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
-    """Greedy decode of `batch` sequences through the engine's model runner, both modes
-    alternating `repeats` times, `steps` decode steps each: median seconds per step."""
+    """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
+    alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
+    tokens/s per mode (random-weight models: greedy tokens need not agree)."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    res = {"float": [], "int8": []}
+    res = {"float": [], "auto": []}
     texts = {}
     for rep in range(repeats + 1):
-        for mode in ("float", "int8"):
+        for mode in ("float", "auto"):
             kernels.set_activations(mode)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             outs = llm.generate(prompts, sp)
-            dt = time.perf_counter() - t0
+            dt = CLOCK() - t0
             toks = sum(len(o.outputs[0].token_ids) for o in outs)
             if rep:                                    # the first round warms up
                 res[mode].append(toks / dt)
             texts[mode] = [list(o.outputs[0].token_ids) for o in outs]
-    agree = sum(a == b for x, y in zip(texts["float"], texts["int8"]) for a, b in zip(x, y))
+    agree = sum(a == b for x, y in zip(texts["float"], texts["auto"]) for a, b in zip(x, y))
     total = sum(len(x) for x in texts["float"])
     return {"model": model, "batch": batch, "steps": steps, "threads": threads,
             "float_tok_s": round(statistics.median(res["float"]), 3),
-            "int8_tok_s": round(statistics.median(res["int8"]), 3),
-            "int8_over_float": round(statistics.median(res["int8"]) /
+            "auto_tok_s": round(statistics.median(res["auto"]), 3),
+            "auto_over_float": round(statistics.median(res["auto"]) /
                                      statistics.median(res["float"]), 3),
             "greedy_tokens_equal": f"{agree}/{total}", "raw": res}
 
@@ -129,15 +137,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--isa", choices=["avx2", "avx512vnni"], default=None,
                     help="force the int8 kernels' instruction set (default: the best here)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (one thread on a loaded machine: "
+                         "time lost to other processes does not count)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable}")
+    global CLOCK
+    if a.clock == "cpu":
+        CLOCK = time.process_time
     if a.isa:
         kernels.int8_isa(a.isa)
     meta = {"machine": platform.processor() or platform.machine(), "features":
             sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":
-            "same process, float and int8 alternating, medians; machine possibly loaded"}
+            "same process, float and int8 alternating, medians; machine possibly loaded",
+            "clock": a.clock}
     if a.decode:
         result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,
                                               int(a.threads.split(",")[-1]))}

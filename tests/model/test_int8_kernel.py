@@ -131,7 +131,17 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
         kernels.qgemm_int8(t5, w5, 512, x, a)
     with pytest.raises(ValueError):
         kernels.set_activations("int4")
-    # beyond the row limit the int8 mode hands large batches to the float kernels
+    # auto: K-quants in int8 up to 32 rows, the 32-element types up to 8
+    t4, w4, _ = gguf_blocks("Q4_0", 64, 512, seed=2)
+    for tt, ww, rows, want_int8 in ((t, w, 32, True), (t4, w4, 8, True), (t4, w4, 9, False)):
+        xr = torch.randn(rows, 512)
+        a, b = torch.empty(rows, 64), torch.empty(rows, 64)
+        kernels.set_activations("auto")
+        kernels.qgemm(tt, ww, 512, xr, a)
+        kernels.qgemm_int8(tt, ww, 512, xr, b)
+        assert torch.equal(a, b) == want_int8, (tt, rows)
+    kernels.set_activations("float")
+    # beyond 32 rows every mode hands large batches to the float kernels
     xl = torch.randn(40, 512)
     a, b = torch.empty(40, 64), torch.empty(40, 64)
     kernels.set_activations("int8")
@@ -345,7 +355,7 @@ def test_kernel_activations_knob_reaches_the_kernels(tiny_model_dir):
     _configure_kernels(args)
     assert kernels.activations() == "float"
     _configure_kernels(args.replace(kernel_activations="auto"))
-    assert kernels.activations() == "int8"                   # the measured default
+    assert kernels.activations() == "auto"                   # the measured default
     _configure_kernels(args.replace(kernel_activations="int8"))
     assert kernels.activations() == "int8"
     with pytest.raises(ConfigError, match="kernel_activations"):

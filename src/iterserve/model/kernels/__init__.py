@@ -433,15 +433,16 @@ def gemm_isa(want: str | None = None) -> str:
 
 # --- 8-bit activations (qdot8.c) ------------------------------------------------------------
 
-ACTIVATION_MODES = {"float": 0, "int8": 1}
+ACTIVATION_MODES = {"float": 0, "int8": 1, "auto": 2}
 
 
 def set_activations(mode: str) -> str:
     """How `qgemm` (and with it the fused decode layers) treats activations: "float" (every
-    weight block expanded to float32, results equal a float GEMM up to summation order) or
+    weight block expanded to float32, results equal a float GEMM up to summation order),
     "int8" (rows quantised to 8 bits once per call and dotted in integers, as llama.cpp does,
-    for the types `supports_int8` names, up to qdot8.c's row limit; other calls stay float).
-    Process-wide; returns the mode now in use."""
+    for the types `supports_int8` names, up to 32 rows; other calls stay float) or "auto"
+    (int8 up to the row counts where qdot8.c measured it faster: 32 for the K-quants, 8 for
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0). Process-wide; returns the mode now in use."""
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {mode!r}")
     got = _lib().iterserve_set_act_mode(ACTIVATION_MODES[mode])
@@ -450,23 +451,23 @@ def set_activations(mode: str) -> str:
 
 def configure_activations(choice: str = "auto") -> str:
     """The engine's `--kernel-activations` knob (core/config.py KernelConfig), applied when a
-    model loads: "float", "int8", or "auto" (the measured default, int8: see qdot8.c's
-    header). Without the native library every call runs torch's float path, so the mode is
+    model loads: "float", "int8" or "auto" (the measured default: see `set_activations` and
+    qdot8.c). Without the native library every call runs torch's float path, so the mode is
     "float" whatever the choice. Returns the mode now in use."""
-    if choice not in ("auto", *ACTIVATION_MODES):
+    if choice not in ACTIVATION_MODES:
         raise ValueError(f"kernel activations must be auto, float or int8, not {choice!r}")
     if not available():
         if choice == "int8":
             log.warning("--kernel-activations int8: native kernels unavailable (%s); float",
                         unavailable)
         return "float"
-    mode = set_activations("int8" if choice == "auto" else choice)
+    mode = set_activations(choice)
     log.info("decode GEMM activations: %s (%s; int8 kernels: %s)", mode, choice, int8_isa())
     return mode
 
 
 def activations() -> str:
-    """The activation mode in use ("float" or "int8"; "float" without the library)."""
+    """The activation mode in use ("float", "int8" or "auto"; "float" without the library)."""
     lib = _library()
     if lib is None:
         return "float"

@@ -101,7 +101,8 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
  * report, anything else (or more than the CPU has) = the best; returns the one in use. */
 int64_t iterserve_act8_isa(int64_t want);
 /* Activation mode of iterserve_qgemm: 0 float (qgemm.c's kernels), 1 int8 (qdot8.c for the
- * types it has, up to its row limit); another value only reports. Returns the mode. */
+ * types it has, up to 32 rows), 2 auto (int8 up to the measured per-type row counts in
+ * qdot8.c); another value only reports. Returns the mode. */
 int64_t iterserve_set_act_mode(int64_t mode);
 /* internal: whether the int8 mode takes a call of this type and row count */
 int iterserve_can_act8(int64_t type);

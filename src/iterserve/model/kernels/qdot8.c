@@ -33,7 +33,9 @@
  * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced), K in
  * chunks whose quantised activations stay in L1.
  *
- * Measurements and the default mode (iterserve_set_act_mode) are at the bottom of this file.
+ * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
+ * rows, for the 32-element types up to 8) are at the bottom of this file: 4-8x faster than the
+ * float kernels for Q4_K / Q6_K at 1-4 rows, 1.1-1.9x for Q4_0 / Q8_0.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -657,16 +659,34 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
 }
 
 /* ---- the mode iterserve_qgemm dispatches on ----------------------------------------------- */
-static int act_mode = 0;        /* 0 float (qgemm.c), 1 int8 here for rows <= act8_rows */
+/* Measured (benchmarks/bench_int8.py, same process, float and int8 alternating, 5 repeats,
+ * medians of this process's CPU time, one thread, AVX-512 VNNI CPU, machine under load
+ * ~15 from other processes; benchmarks/results/int8-qgemm-cpu1.json), float/int8 time on the
+ * SmolLM2-1.7B shapes 2048x2048 | 8192x2048:
+ *            1 row       2         4         8         16
+ *   Q4_K   4.2 | 4.3  4.0 | 4.1  4.5 | 5.4  4.1 | 4.2  2.5 | 2.7
+ *   Q6_K   8.0 | 7.7  6.7 | 6.7  4.4 | 4.7  2.5 | 2.7  1.7 | 1.9
+ *   Q4_0   1.7 | 1.9  1.5 | 1.6  1.3 | 1.1  1.4 | 1.6  0.9 | 0.9
+ *   Q8_0   1.3 | 1.1  1.2 | 1.2  1.4 | 1.2  1.4 | 1.3  0.8 | 0.9
+ * (wall clock, the full grid with 2048x8192 and 49152x2048 too: int8-qgemm.json; K-quants
+ * 1.1-2.5x still at 32 rows). Float's K-quant kernels expand every weight to float; int8's
+ * per-row work is a few byte ops per 64 weights. For the 32-element types the float
+ * kernels are AVX-512 FMAs over cheap blocks, so int8 only saves the weight expansion and
+ * costs more per row (a conversion and a scale per block and row): it wins up to 8 rows and
+ * loses from 16, where the float path hands over to the panel GEMM.
+ * Hence "auto" (the engine's default, --kernel-activations auto): int8 for the K-quants up
+ * to 32 rows (all decode row counts, layers.QUANT_MAX_ROWS), for Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+ * Q8_0 up to 8; "int8": every int8 type up to 32 rows; "float": never. */
+static int act_mode = 0;        /* 0 float (qgemm.c), 1 int8, 2 auto (the measured limits) */
 
 int64_t iterserve_set_act_mode(int64_t mode) {
-    if (mode == 0 || mode == 1) act_mode = (int)mode;
+    if (mode >= 0 && mode <= 2) act_mode = (int)mode;
     return act_mode;
 }
 
-/* Rows up to which int8 mode takes a call (above it qgemm.c's float path / the panel GEMM). */
-#define ACT8_MAX_ROWS 16
+#define ACT8_MAX_ROWS 32
 
 int iterserve_act8_takes(int64_t type, int64_t M) {
-    return act_mode == 1 && M <= ACT8_MAX_ROWS && iterserve_can_act8(type);
+    if (act_mode == 0 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
+    return act_mode == 1 || M <= (is_kq(type) ? 32 : 8);
 }
