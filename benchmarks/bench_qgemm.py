@@ -16,7 +16,10 @@
    With --threads 1 the time is the thread's CPU time (time.thread_time), which a loaded
    machine disturbs far less than wall time.
 
-    PYTHONPATH=src python benchmarks/bench_qgemm.py [layout|types|prefill] [--rows 1,8,32]
+4. `paths`: per type, qgemm's register kernel in AVX2 and AVX-512, the generic kernel and the
+   panel GEMM at decode row counts, on 1.7B and bundled-model shapes (`paths` above).
+
+    PYTHONPATH=src python benchmarks/bench_qgemm.py [layout|types|prefill|paths] [--rows 1,8,32]
 """
 
 from __future__ import annotations
@@ -212,12 +215,87 @@ def prefill(rows_list: list[int], rounds: int, types_: list[str], big: list[str]
     return result
 
 
+KQ_SHAPES = {"1.7B": [(2048, 2048), (8192, 2048), (2048, 8192)],
+             "bundled": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]}
+
+
+def paths(rows_list: list[int], rounds: int, types_: list[str], shapes: list[str],
+          variants: list[str]) -> dict:
+    """Same-process alternating A/B of qgemm's paths per type (kernels.qgemm_path):
+    `avx512` / `avx2` = the type's register kernel with that ISA at any row count, `generic` =
+    the decode-into-L1 kernel, `panel` = the prefill GEMM, `auto` = what qgemm does now (with
+    the best ISA). Shapes whose k is not a multiple of the type's block are skipped. CPU time
+    of the thread with one thread, wall time with more."""
+    import sys
+    sys.path.insert(0, "tests")
+    from fixtures.gguf_blocks import gguf_blocks
+    from iterserve.model import kernels
+
+    threads = torch.get_num_threads()
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    best = kernels.gemm_isa(None)
+    variants = [v for v in variants if v != "avx512" or best == "avx512"]
+
+    def med_us(fn, reps):
+        ts = []
+        for _ in range(reps):
+            t0 = clock()
+            fn()
+            ts.append(clock() - t0)
+        return statistics.median(ts) * 1e6
+
+    result = {"threads": threads, "clock": clock.__name__, "best_isa": best,
+              "variants": variants, "cases": []}
+    for name in types_:
+        for group in shapes:
+            for n, k in KQ_SHAPES[group]:
+                blk = 256 if name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else 32
+                if k % blk:
+                    continue
+                t, raw, _ = gguf_blocks(name, n, k)
+                for m in rows_list:
+                    x, out = torch.randn(m, k), torch.empty(m, n)
+
+                    def run(v):
+                        if v in ("avx512", "avx2"):
+                            kernels.gemm_isa(v)
+                            return lambda: kernels.qgemm_path("registers", t, raw, k, x, out)
+                        kernels.gemm_isa(best)
+                        return lambda: kernels.qgemm_path(v, t, raw, k, x, out)
+                    reps = max(3, min(50, int(2e4 / max(1.0, raw.numel() / 2e4 * m ** 0.5))))
+                    got = {v: [] for v in variants}
+                    for v in variants:
+                        run(v)()
+                    for _ in range(rounds):
+                        for v in variants:
+                            f = run(v)
+                            got[v].append(med_us(f, reps))
+                    kernels.gemm_isa(best)
+                    us = {v: statistics.median(got[v]) for v in variants}
+                    case = {"type": name, "group": group, "n": n, "k": k, "m": m,
+                            **{f"{v}_us": round(us[v], 1) for v in variants},
+                            "weight_MB": round(raw.numel() / 1e6, 2)}
+                    ref = "avx2" if "avx2" in us else variants[0]
+                    for v in variants:
+                        if v != ref:
+                            case[f"{ref}_over_{v}"] = round(us[ref] / us[v], 3)
+                    result["cases"].append(case)
+                    print(f"{name:5s} {n:5d}x{k:<5d} M={m:3d} " + "  ".join(
+                        f"{v} {us[v]:8.0f}" for v in variants) + "  " + "  ".join(
+                        f"{key} {val}" for key, val in case.items() if "_over_" in key),
+                        flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types", "prefill"])
+    ap.add_argument("what", nargs="?", default="layout", choices=["layout", "types", "prefill", "paths"])
     ap.add_argument("--types", default="Q4_1", help="prefill: types on the bundled shapes")
     ap.add_argument("--big-types", default="Q4_0,Q4_K", help="prefill: types on 1.7B shapes")
     ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--shapes", default="1.7B,bundled", help="paths: shape groups")
+    ap.add_argument("--variants", default="avx2,avx512,generic,panel",
+                    help="paths: avx2, avx512, generic, panel, auto")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, help="torch/kernel threads (default: torch's); 1 is "
                     "far less noisy on a loaded machine (a descheduled OpenMP thread stalls "
@@ -227,7 +305,10 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
-    if a.what == "prefill":
+    if a.what == "paths":
+        res = paths(rows, a.rounds, a.types.split(","), a.shapes.split(","),
+                    a.variants.split(","))
+    elif a.what == "prefill":
         res = prefill(rows, a.rounds, a.types.split(","), [t for t in a.big_types.split(",") if t])
     else:
         res = layout(rows, a.rounds) if a.what == "layout" else types(rows, a.rounds)

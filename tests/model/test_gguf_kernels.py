@@ -164,3 +164,56 @@ def test_a_broken_compiler_degrades(monkeypatch, tmp_path):
         assert not kernels.available() and "failed" in kernels.unavailable
     finally:
         kernels.clear_cache()
+
+
+# --- the register kernels of every type, per instruction set (kquant, issue 13) -----------------
+REGISTER_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16",
+                  "F32"]
+ISAS = ["avx2"] + (["avx512"] if "avx512f" in kernels.features() else [])
+
+
+@pytest.fixture
+def isa(request):
+    got = kernels.gemm_isa(request.param)
+    assert got == request.param
+    yield got
+    kernels.gemm_isa(None)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", REGISTER_TYPES)
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_register_kernel_of_each_isa_equals_dequantise_plus_matmul(name, rows, isa):
+    """The type's register kernel itself (qgemm_path "registers": no hand-over to the panel
+    GEMM at 32 and 300 rows), AVX2 and AVX-512 forced; K = 768 (3 K-quant super-blocks)."""
+    t, raw, w = gguf_blocks(name, 70, 768, seed=rows)
+    x = torch.randn(rows, 768)
+    out = torch.full((rows, 80), 3.0)
+    kernels.qgemm_path("registers", t, raw, 768, x, out, col0=4)
+    assert_fp32_close(out[:, 4:74], x, w)
+    assert (out[:, :4] == 3).all() and (out[:, 74:] == 3).all()       # only its columns
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", REGISTER_TYPES)
+def test_register_kernel_decodes_every_weight_exactly(name, isa):
+    """x = the identity: each output is one weight times 1 plus zeros, so the kernel's in-register
+    decoding must equal gguf-py's dequantisation bit for bit (summation order cannot matter)."""
+    t, raw, w = gguf_blocks(name, 40, 512, seed=7)
+    out = torch.empty(512, 40)
+    kernels.qgemm_path("registers", t, raw, 512, torch.eye(512), out)
+    assert torch.equal(out, w.T)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "BF16"])
+def test_register_kernel_long_rows_and_threads(name, isa, monkeypatch):
+    """K = 8,192 with 1-8 rows: activation tiles over 64 KB are summed over K chunks; two
+    threads split 300 columns unevenly."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    t, raw, w = gguf_blocks(name, 300, 8192, seed=5)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 8192)
+        out = torch.empty(rows, 300)
+        kernels.qgemm_path("registers", t, raw, 8192, x, out)
+        assert_fp32_close(out, x, w)

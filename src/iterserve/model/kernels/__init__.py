@@ -431,6 +431,22 @@ def gemm_isa(want: str | None = None) -> str:
     return {v: k for k, v in _ISAS.items()}[int(got)]
 
 
+_PATHS = {"auto": 0, "registers": 1, "generic": 2, "panel": 3}
+
+
+def qgemm_path(path: str, ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor,
+               out: torch.Tensor, col0: int = 0) -> None:
+    """`qgemm` through one of its paths (tests and benchmarks): "registers" (the type's
+    register kernel for the ISA in use, at any row count), "generic" (the decode-into-L1
+    kernel), "panel" (the prefill GEMM), "auto" (what `qgemm` does)."""
+    lib = _lib()
+    fn = lib.iterserve_qgemm_path
+    fn.restype, fn.argtypes = None, [_i64, *_ARGTYPES["iterserve_qgemm"][1]]
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_path", "qgemm")
+    if args is not None:
+        fn(_PATHS[path], *args)
+
+
 # --- 8-bit activations (qdot8.c) ------------------------------------------------------------
 
 ACTIVATION_MODES = {"float": 0, "int8": 1, "auto": 2}

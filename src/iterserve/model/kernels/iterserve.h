@@ -84,6 +84,12 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride
  * want 1 = AVX2, 2 = AVX-512F, -1 = only report it, anything else (or more than the CPU
  * has) = the best the CPU has; returns the one now in use. */
 int64_t iterserve_gemm_isa(int64_t want);
+/* One path of iterserve_qgemm's float mode, for tests and benchmarks (kquant): path 1 = the
+ * register kernel of the type for the ISA in use at any row count (no hand-over to the panel
+ * GEMM), 2 = the generic decode-into-L1 kernel, 3 = the panel GEMM, else iterserve_qgemm. */
+void iterserve_qgemm_path(int64_t path, int64_t type, const uint8_t *w, int64_t n,
+                          int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                          float *y, int64_t ldy, int nthreads);
 /* out[r][0..k) = W[r] as float32, exactly as gguf-py's dequantize, for r < n. */
 void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
                        int64_t k, float *out, int64_t ldo, int nthreads);

@@ -61,7 +61,47 @@ static inline __attribute__((always_inline)) void dequant_block(
             w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v[i]), vd), vm);
         return;
     }
+    if (type == GGML_F16) {           /* the float types as 32-element pseudo-blocks */
+        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * i)));
+        return;
+    }
+    if (type == GGML_BF16) {
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * i))), 16));
+        return;
+    }
+    if (type == GGML_F32) {
+        for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)blk + 8 * i);
+        return;
+    }
     const __m256 vd = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
+    if (type == GGML_Q5_0 || type == GGML_Q5_1) {
+        /* q = nibble | bit i of qh << 4; Q5_0 d * (q - 16), Q5_1 d * q + m (dequant.c) */
+        const int o = type == GGML_Q5_1 ? 4 : 2;
+        uint32_t qh;
+        memcpy(&qh, blk + o, 4);
+        const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                               0x0101010101010101, 0x0000000000000000);
+        __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+        hb = _mm256_or_si256(hb, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+        hb = _mm256_and_si256(_mm256_cmpeq_epi8(hb, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(16));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + o + 4)), m4 = _mm_set1_epi8(15);
+        const __m256i q = _mm256_or_si256(hb, _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4)));
+        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+        const __m128i part[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
+        if (type == GGML_Q5_1) {
+            const __m256 vm = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const uint16_t *)(blk + 2))));
+            for (int i = 0; i < 4; i++)
+                w[i] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i]))), vm);
+        } else {
+            for (int i = 0; i < 4; i++)
+                w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(
+                           _mm256_cvtepu8_epi32(part[i]), _mm256_set1_epi32(16))), vd);
+        }
+        return;
+    }
     if (type == GGML_Q8_0) {
         const uint8_t *q = blk + 2;
         for (int i = 0; i < 4; i++) {
@@ -89,7 +129,15 @@ static inline __attribute__((always_inline)) void dequant_block(
 #define ACCS(R) ((R) <= 3 ? 4 : (R) <= 5 ? 2 : 1)
 
 static inline int block_bytes32(int type) {
-    return type == GGML_Q8_0 ? 34 : type == GGML_Q4_1 ? 20 : 18;
+    switch (type) {
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24;
+    case GGML_F16: case GGML_BF16: return 64;
+    case GGML_F32: return 128;
+    default: return 18;
+    }
 }
 
 /* R rows of x times one weight row over blocks [b0, b1); R, A and type are compile-time
@@ -138,6 +186,21 @@ static inline __attribute__((always_inline)) void rows_by_col(
  * 1,536 floats (48 KiB) did not, and ran at 70% of the other projections' rate. */
 #define X_TILE_BYTES (24 * 1024)
 
+/* K chunks of the K-quant and blocks512.h kernels for an x tile of R rows over nb blocks of
+ * QB: none while the tile is at most X_WHOLE_BYTES, else chunks of X_TILE_BYTES. Splitting K
+ * makes each weight row be read in pieces, in separate passes over the column chunk, and on
+ * weights streamed from DRAM (1.7B shapes) that cost more than the L2 reads of an unsplit
+ * tile: Q4_K 2048x2048 at 8 rows 629 vs 833 us, 8192x2048 at 4 rows 1.8 vs 2.4 ms (AVX-512,
+ * one thread, same process, loaded machine). At 8 rows of 8,192 (256 KB) splitting still
+ * wins (3.0 vs 5.3-6.0 ms). */
+#define X_WHOLE_BYTES (64 * 1024)
+static inline int kchunks(int R, int QB, int nb) {
+    if ((int64_t)R * QB * nb * (int64_t)sizeof(float) <= X_WHOLE_BYTES) return 1;
+    int kc_max = X_TILE_BYTES / (R * QB * (int)sizeof(float));
+    if (kc_max < 1) kc_max = 1;
+    return (nb + kc_max - 1) / kc_max;
+}
+
 static void qgemm32(int type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                     int nthreads) {
@@ -164,9 +227,16 @@ static void qgemm32(int type, const uint8_t *w, int64_t N, int64_t row_stride, i
                     for (int64_t n = c0; n < c1; n++) {
                         const uint8_t *wn = w + n * row_stride;
                         float *yt = y + r0 * ldy + n;
-                        if (type == GGML_Q8_0) { DISPATCH(GGML_Q8_0) }
-                        else if (type == GGML_Q4_1) { DISPATCH(GGML_Q4_1) }
-                        else { DISPATCH(GGML_Q4_0) }
+                        switch (type) {
+                        case GGML_Q8_0: DISPATCH(GGML_Q8_0) break;
+                        case GGML_Q4_1: DISPATCH(GGML_Q4_1) break;
+                        case GGML_Q5_0: DISPATCH(GGML_Q5_0) break;
+                        case GGML_Q5_1: DISPATCH(GGML_Q5_1) break;
+                        case GGML_F16: DISPATCH(GGML_F16) break;
+                        case GGML_BF16: DISPATCH(GGML_BF16) break;
+                        case GGML_F32: DISPATCH(GGML_F32) break;
+                        default: DISPATCH(GGML_Q4_0) break;
+                        }
                     }
                 }
             }
@@ -183,6 +253,7 @@ static void qgemm32(int type, const uint8_t *w, int64_t N, int64_t row_stride, i
  * conversion. Same values as dequant_block (d*q then + m, unfused), so the same results up
  * to summation order. */
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512bw")))
+#include "blocks512.h"
 
 static inline __attribute__((always_inline)) AVX512 void dequant_block512(
         int type, const uint8_t *blk, __m512 *w) {
@@ -329,6 +400,22 @@ static inline __attribute__((always_inline)) void dequant_sub_k(
             v = _mm_and_si128(_mm_srli_epi16(v, shift), m4);
             w[i] = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), ds), dm);
         }
+    } else if (type == GGML_Q5_K) {                  /* (d*sc) * (nibble | hbit << 4) - (dmin*m) */
+        uint16_t h[2];
+        memcpy(h, blk, 4);
+        int sc, mn;
+        scale_min_k4(blk + 4, j, &sc, &mn);
+        const __m256 ds = _mm256_set1_ps(_cvtsh_ss(h[0]) * (float)sc);
+        const __m256 dm = _mm256_set1_ps(_cvtsh_ss(h[1]) * (float)mn);
+        const uint8_t *q = blk + 48 + 32 * (j / 2), *qh = blk + 16;
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < 4; i++) {
+            __m128i v = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i *)(q + 8 * i)), shift), m4);
+            __m128i hb = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i *)(qh + 8 * i)), j),
+                                       _mm_set1_epi8(1));
+            v = _mm_or_si128(v, _mm_slli_epi16(hb, 4));
+            w[i] = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), ds), dm);
+        }
     } else {                                         /* Q6_K */
         uint16_t hd;
         memcpy(&hd, blk + 208, 2);
@@ -351,7 +438,7 @@ static inline __attribute__((always_inline)) void dequant_sub_k(
 static inline __attribute__((always_inline)) void rows_by_col_k(
         int R, int A, int type, const float *x, int64_t ldx, int b0, int b1,
         const uint8_t *wrow, float *y, int64_t ldy, int add) {
-    const int bb = type == GGML_Q4_K ? 144 : 210;
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
     __m256 acc[12];
     for (int i = 0; i < R * A; i++) acc[i] = _mm256_setzero_ps();
     for (int b = b0; b < b1; b++) {
@@ -407,9 +494,7 @@ static void qgemm_k(int type, const uint8_t *w, int64_t N, int64_t row_stride, i
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
                 const float *xt = x + r0 * ldx;
-                int kc_max = X_TILE_BYTES / (R * 256 * (int)sizeof(float));
-                if (kc_max < 1) kc_max = 1;
-                const int nk = (nb + kc_max - 1) / kc_max;
+                const int nk = kchunks(R, 256, nb);
                 for (int kchunk = 0; kchunk < nk; kchunk++) {
                     const int b0 = (int)((int64_t)nb * kchunk / nk);
                     const int b1 = (int)((int64_t)nb * (kchunk + 1) / nk);
@@ -417,7 +502,124 @@ static void qgemm_k(int type, const uint8_t *w, int64_t N, int64_t row_stride, i
                         const uint8_t *wn = w + n * row_stride;
                         float *yt = y + r0 * ldy + n;
                         if (type == GGML_Q4_K) { DISPATCH_K(GGML_Q4_K) }
+                        else if (type == GGML_Q5_K) { DISPATCH_K(GGML_Q5_K) }
                         else { DISPATCH_K(GGML_Q6_K) }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* --- AVX-512 register kernels for every type of blocks512.h ------------------------------ */
+/* Why: on an AVX-512 CPU the K-quants (Q4_K, Q5_K, Q6_K: the bulk of Q4_K_M / Q5_K_M files),
+ * Q5_0 / Q5_1 and the float types (F16 GGUFs, bf16/fp16 checkpoints) ran the AVX2 kernels
+ * above or the generic decode-into-L1 kernel (dequant.c), bound by instructions, not bytes.
+ * Here a 32-element unit of a block is decoded into two zmm (blocks512.h: Q4_K's nibbles
+ * through a 16-entry table per sub-block, one vpermps per 16 weights) and dotted with up to 8
+ * activation rows; A = 4 accumulators per row for R <= 3 (units alternate between two
+ * pairs), else 2. Same values as dequant.c, so the same results up to summation order. */
+static inline __attribute__((always_inline)) AVX512 void rows_by_col_u512(
+        int R, int A, int type, const float *x, int64_t ldx, int b0, int b1,
+        const uint8_t *wrow, float *y, int64_t ldy, int add) {
+    const int QB = qb512(type), BB = bb512(type), U = QB / 32;
+    __m512 acc[16];
+    for (int i = 0; i < R * A; i++) acc[i] = _mm512_setzero_ps();
+    int b = b0;
+    if (U == 1 && A == 4)                   /* 32-element blocks two at a time */
+        for (; b + 1 < b1; b += 2)
+            for (int u = 0; u < 2; u++) {
+                __m512 w[2];
+                unit512(type, wrow + (int64_t)(b + u) * BB, 0, 0, 0, w);
+                const float *xb = x + (int64_t)(b + u) * QB;
+                for (int r = 0; r < R; r++)
+                    for (int i = 0; i < 2; i++)
+                        acc[r * 4 + 2 * u + i] = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(xb + r * ldx + 16 * i), w[i], acc[r * 4 + 2 * u + i]);
+            }
+    for (; b < b1; b++) {
+        const uint8_t *blk = wrow + (int64_t)b * BB;
+        float s[16], m[8];
+        kprep512(type, blk, s, m);
+#pragma GCC unroll 8
+        for (int j = 0; j < U; j++) {
+            __m512 w[2];
+            unit512(type, blk, j, s, m, w);
+            const float *xb = x + (int64_t)b * QB + 32 * j;
+            const int o = A == 4 ? 2 * (j & 1) : 0;
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 2; i++)
+                    acc[r * A + o + i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + r * ldx + 16 * i),
+                                                         w[i], acc[r * A + o + i]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 t = acc[r * A];
+        for (int i = 1; i < A; i++) t = _mm512_add_ps(t, acc[r * A + i]);
+        const float v = _mm512_reduce_add_ps(t);
+        y[r * ldy] = add ? y[r * ldy] + v : v;
+    }
+}
+
+#define ROWS_U(R, TYPE) \
+    rows_by_col_u512(R, (R) <= 3 ? 4 : 2, TYPE, xt, ldx, b0, b1, wn, yt, ldy, b0 > 0)
+#define DISPATCH_U(TYPE)                                                                  \
+    switch (R) {                                                                          \
+    case 8: ROWS_U(8, TYPE); break;                                                       \
+    case 7: ROWS_U(7, TYPE); break;                                                       \
+    case 6: ROWS_U(6, TYPE); break;                                                       \
+    case 5: ROWS_U(5, TYPE); break;                                                       \
+    case 4: ROWS_U(4, TYPE); break;                                                       \
+    case 3: ROWS_U(3, TYPE); break;                                                       \
+    case 2: ROWS_U(2, TYPE); break;                                                       \
+    default: ROWS_U(1, TYPE); break;                                                      \
+    }
+
+static int has_u512(int64_t type) {
+    switch (type) {
+    case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: case GGML_Q5_0: case GGML_Q5_1:
+    case GGML_F16: case GGML_BF16: case GGML_F32:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static AVX512 void qgemm_u512(int type, const uint8_t *w, int64_t N, int64_t row_stride,
+                              int64_t K, const float *x, int64_t M, int64_t ldx, float *y,
+                              int64_t ldy, int nthreads) {
+    const int QB = qb512(type);
+    const int nb = (int)(K / QB);
+    if (nthreads < 1) nthreads = 1;
+    if (N < 64 * nthreads) nthreads = 1;
+    const int64_t ntiles = (M + 7) / 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = N * t / T, n1 = N * (t + 1) / T;
+        for (int64_t c0 = n0; c0 < n1; c0 += COL_CHUNK) {
+            const int64_t c1 = c0 + COL_CHUNK < n1 ? c0 + COL_CHUNK : n1;
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
+                const int R = (int)(r1 - r0);
+                const float *xt = x + r0 * ldx;
+                const int nk = kchunks(R, QB, nb);
+                for (int kchunk = 0; kchunk < nk; kchunk++) {
+                    const int b0 = (int)((int64_t)nb * kchunk / nk);
+                    const int b1 = (int)((int64_t)nb * (kchunk + 1) / nk);
+                    for (int64_t n = c0; n < c1; n++) {
+                        const uint8_t *wn = w + n * row_stride;
+                        float *yt = y + r0 * ldy + n;
+                        switch (type) {
+                        case GGML_Q4_K: DISPATCH_U(GGML_Q4_K) break;
+                        case GGML_Q5_K: DISPATCH_U(GGML_Q5_K) break;
+                        case GGML_Q6_K: DISPATCH_U(GGML_Q6_K) break;
+                        case GGML_Q5_0: DISPATCH_U(GGML_Q5_0) break;
+                        case GGML_Q5_1: DISPATCH_U(GGML_Q5_1) break;
+                        case GGML_F16: DISPATCH_U(GGML_F16) break;
+                        case GGML_BF16: DISPATCH_U(GGML_BF16) break;
+                        default: DISPATCH_U(GGML_F32) break;
+                        }
                     }
                 }
             }
@@ -454,6 +656,27 @@ static int64_t panel_rows(int64_t type) {
     }
 }
 
+/* The register kernel of the type for the ISA in use (iterserve_gemm_isa), else the generic
+ * block kernel; any row count (tiles of 8). */
+static void qgemm_registers(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                            int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                            int64_t ldy, int nthreads) {
+    const int wide = iterserve_gemm_isa(-1) == 2;
+    if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0) {
+        if (wide) qgemm32_512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+        else qgemm32((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    }
+    else if (wide && has_u512(type))
+        qgemm_u512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    else if (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_F16 || type == GGML_BF16
+             || type == GGML_F32)
+        qgemm32((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    else if (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K)
+        qgemm_k((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    else
+        iterserve_qgemm_generic(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+}
+
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads) {
@@ -465,14 +688,16 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
     if (M >= panel_rows(type)
         && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
         return;
-    if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0) {
-        if (iterserve_gemm_isa(-1) == 2)
-            qgemm32_512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
-        else
-            qgemm32((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
-    }
-    else if (type == GGML_Q4_K || type == GGML_Q6_K)
-        qgemm_k((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
-    else
-        iterserve_qgemm_generic(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    qgemm_registers(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+}
+
+void iterserve_qgemm_path(int64_t path, int64_t type, const uint8_t *w, int64_t n,
+                          int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                          float *y, int64_t ldy, int nthreads) {
+    if (M < 1 || n < 1) return;
+    if (path == 1) qgemm_registers(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    else if (path == 2) iterserve_qgemm_generic(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    else if (path == 3 && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads)
+             == ITERSERVE_OK) return;
+    else iterserve_qgemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
 }
