@@ -35,7 +35,8 @@ from iterserve.model import kernels
 
 SHAPES = {"qo": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192),
           "lm_head": (49152, 2048)}
-SCALES = {"Q4_0": [(0, 1)], "Q8_0": [(0, 1)], "Q4_K": [(0, 2)], "Q6_K": [(208, 1)]}
+SCALES = {"Q4_0": [(0, 1)], "Q8_0": [(0, 1)], "Q5_0": [(0, 1)], "Q4_1": [(0, 2)], "Q5_1": [(0, 2)],
+          "Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)]}
 
 
 def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor]:
