@@ -237,6 +237,28 @@ class SchedulerConfig:
         return self
 
 
+class KernelActivations(enum.StrEnum):
+    """How the CPU decode kernels treat activations (model/kernels/qdot8.c)."""
+    AUTO = "auto"      # the measured default: int8 up to per-type row counts (qdot8.c)
+    FLOAT = "float"    # float32 activations: equal to a float GEMM up to summation order
+    INT8 = "int8"      # rows quantised to 8 bits, integer dot products (llama.cpp's scheme)
+
+
+@dataclass(slots=True)
+class KernelConfig:
+    """How the model's native CPU kernels compute (issue 13), set when the model loads."""
+
+    kernel_activations: KernelActivations = knob(
+        KernelActivations.AUTO, "decode GEMM activations: int8 (quantised rows, integer dot "
+        "products, as llama.cpp; about 0.5 percent relative error per output), float (float32, equal to "
+        "a float GEMM up to summation order) or auto (int8 where it measured faster: K-quants "
+        "up to 32 rows, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 up to 8)", KernelActivations, group="model")
+
+    def validate(self) -> "KernelConfig":
+        _check_fields(self)
+        return self
+
+
 @dataclass(slots=True)
 class ParallelConfig:
     """How one served model is spread over processes (issue 16). Data parallel: N whole

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.config import (
-    CacheConfig, ConfigError, ParallelConfig, SchedulerConfig, add_knob_argument, check_knob, knob_fields)
+    CacheConfig, ConfigError, KernelConfig, ParallelConfig, SchedulerConfig, add_knob_argument,
+    check_knob, knob_fields)
 
 GiB = 1 << 30
 DEFAULT_MAX_MODEL_LEN_CAP = 2048
@@ -82,6 +83,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     router: str = "least_loaded"
     threads_per_replica: int | None = None
+    # kernels (core/config.py KernelConfig)
+    kernel_activations: str = "auto"
     # observability
     max_finished_requests: int = 1000        # finished requests kept for /trace
     step_history_len: int = 300              # steps kept for the live view
@@ -139,6 +142,10 @@ class EngineArgs:
         return ParallelConfig(**{name: getattr(self, name)
                                  for name, _, _ in knob_fields(ParallelConfig)}).validate()
 
+    def create_kernel_config(self) -> KernelConfig:
+        return KernelConfig(**{name: getattr(self, name)
+                               for name, _, _ in knob_fields(KernelConfig)}).validate()
+
     # --- command line -------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -158,8 +165,8 @@ class EngineArgs:
 
         groups = {"scheduler": parser.add_argument_group("scheduler"),
                   "KV cache": parser.add_argument_group("KV cache"),
-                  "parallel": parser.add_argument_group("parallel")}
-        for cls in (SchedulerConfig, CacheConfig, ParallelConfig):
+                  "parallel": parser.add_argument_group("parallel"), "model": g}
+        for cls in (SchedulerConfig, CacheConfig, ParallelConfig, KernelConfig):
             for name, _, k in knob_fields(cls):
                 add_knob_argument(groups[k.group], name, k, getattr(d, name),
                                   _DERIVED_HELP.get(name))

@@ -105,6 +105,10 @@ _ARGTYPES = {
     "iterserve_dequant": (None, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i32]),
     "iterserve_gemm": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
     "iterserve_gemm_isa": (_i64, [_i64]),
+    "iterserve_qgemm_act8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
+    "iterserve_act8_isa": (_i64, [_i64]),
+    "iterserve_set_act_mode": (_i64, [_i64]),
+    "iterserve_can_act8": (_i32, [_i64]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -441,6 +445,78 @@ def qgemm_path(path: str, ggml_type: int, w: torch.Tensor, k: int, x: torch.Tens
     args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_path", "qgemm")
     if args is not None:
         fn(_PATHS[path], *args)
+
+
+# --- 8-bit activations (qdot8.c) ------------------------------------------------------------
+
+ACTIVATION_MODES = {"float": 0, "int8": 1, "auto": 2}
+
+
+def set_activations(mode: str) -> str:
+    """How `qgemm` (and with it the fused decode layers) treats activations: "float" (every
+    weight block expanded to float32, results equal a float GEMM up to summation order),
+    "int8" (rows quantised to 8 bits once per call and dotted in integers, as llama.cpp does,
+    for the types `supports_int8` names, up to 32 rows; other calls stay float) or "auto"
+    (int8 up to the row counts where qdot8.c measured it faster: 32 for the K-quants, 8 for
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0). Process-wide; returns the mode now in use."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {mode!r}")
+    got = _lib().iterserve_set_act_mode(ACTIVATION_MODES[mode])
+    return {v: k for k, v in ACTIVATION_MODES.items()}[int(got)]
+
+
+def configure_activations(choice: str = "auto") -> str:
+    """The engine's `--kernel-activations` knob (core/config.py KernelConfig), applied when a
+    model loads: "float", "int8" or "auto" (the measured default: see `set_activations` and
+    qdot8.c). Without the native library every call runs torch's float path, so the mode is
+    "float" whatever the choice. Returns the mode now in use."""
+    if choice not in ACTIVATION_MODES:
+        raise ValueError(f"kernel activations must be auto, float or int8, not {choice!r}")
+    if not available():
+        if choice == "int8":
+            log.warning("--kernel-activations int8: native kernels unavailable (%s); float",
+                        unavailable)
+        return "float"
+    mode = set_activations(choice)
+    log.info("decode GEMM activations: %s (%s; int8 kernels: %s)", mode, choice, int8_isa())
+    return mode
+
+
+def activations() -> str:
+    """The activation mode in use ("float", "int8" or "auto"; "float" without the library)."""
+    lib = _library()
+    if lib is None:
+        return "float"
+    return {v: k for k, v in ACTIVATION_MODES.items()}[int(lib.iterserve_set_act_mode(-1))]
+
+
+def supports_int8(ggml_type: int) -> bool:
+    """Whether qdot8.c has an int8-activation kernel for the type."""
+    lib = _library()
+    return bool(lib is not None and lib.iterserve_can_act8(int(ggml_type)))
+
+
+_ISAS8 = {"avx2": 1, "avx512vnni": 2}
+
+
+def int8_isa(want: str | None = None) -> str:
+    """Choose the instruction set of the int8 kernels ("avx2", "avx512vnni"; None: the best
+    this CPU has; more than it has falls back to the best) and return the one in use."""
+    got = _lib().iterserve_act8_isa(_ISAS8.get(want or "", 0))
+    return {v: k for k, v in _ISAS8.items()}[int(got)]
+
+
+def qgemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+               col0: int = 0) -> None:
+    """`qgemm` on the int8-activation kernels whatever the mode (tests, benchmarks): x is
+    quantised to 8 bits per block (32 elements for Q4_0 / Q8_0, 256 for Q4_K / Q6_K) and
+    dotted in integers; any number of rows."""
+    lib = _lib()
+    if not supports_int8(ggml_type):
+        raise ValueError(f"ggml type {ggml_type} has no int8-activation kernel")
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_int8", "qgemm")
+    if args is not None:
+        _rc(lib.iterserve_qgemm_act8(*args))
 
 
 def dequant(ggml_type, w, k, out) -> torch.Tensor:

@@ -93,6 +93,26 @@ void iterserve_qgemm_path(int64_t path, int64_t type, const uint8_t *w, int64_t 
 void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
                        int64_t k, float *out, int64_t ldo, int nthreads);
 
+/* --- 8-bit activations, integer dot products (qdot8.c) ----------------------------------- */
+/* The same product as iterserve_qgemm with x quantised to int8 once per call (Q8_0 blocks of
+ * 32 for Q4_0 / Q8_0, Q8_K blocks of 256 for Q4_K / Q6_K) and integer dot products (AVX2
+ * maddubs/madd or AVX-512 VNNI). Not bit-identical with the float path (activation rounding).
+ * Returns ITERSERVE_OK, ITERSERVE_ETYPE (type without an int8 kernel, or k not whole blocks)
+ * or ITERSERVE_ENOMEM. */
+int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                         int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                         int64_t ldy, int nthreads);
+/* Instruction set of the int8 kernels: want 1 = AVX2, 2 = AVX-512 F/BW/VL/VNNI, -1 = only
+ * report, anything else (or more than the CPU has) = the best; returns the one in use. */
+int64_t iterserve_act8_isa(int64_t want);
+/* Activation mode of iterserve_qgemm: 0 float (qgemm.c's kernels), 1 int8 (qdot8.c for the
+ * types it has, up to 32 rows), 2 auto (int8 up to the measured per-type row counts in
+ * qdot8.c); another value only reports. Returns the mode. */
+int64_t iterserve_set_act_mode(int64_t mode);
+/* internal: whether the int8 mode takes a call of this type and row count */
+int iterserve_can_act8(int64_t type);
+int iterserve_act8_takes(int64_t type, int64_t M);
+
 /* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
 void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);
 void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I);

@@ -690,6 +690,10 @@ static void qgemm_registers(int64_t type, const uint8_t *w, int64_t n, int64_t r
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads) {
+    /* int8 activations (qdot8.c) when that mode is on and takes this type and row count */
+    if (iterserve_act8_takes(type, M)
+        && iterserve_qgemm_act8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
+        return;
     if (M < 1 || n < 1) return;
     if (M >= panel_rows(type)
         && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)

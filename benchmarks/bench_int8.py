@@ -1,0 +1,176 @@
+"""Float vs int8 activations in the decode GEMM (kernels/qdot8.c), same process, alternating.
+
+For each weight type and SmolLM2-1.7B shape (q/o 2048x2048, gate/up 8192x2048, down 2048x8192,
+LM head 49152x2048), thread count and row count, times `kernels.qgemm` in float mode (what
+iterserve_qgemm runs without int8: qgemm.c's register kernels, or the panel GEMM from its
+per-type row count on) against `kernels.qgemm_int8`, alternating the two `--repeats` times
+and keeping each side's median; the ratio float/int8 > 1 means int8 is faster. Weights are
+random valid blocks (random codes under small f16 scales), so any type and shape is quick to
+make. Writes JSON (`--out`, default benchmarks/results/int8-qgemm.json).
+
+    PYTHONPATH=src python benchmarks/bench_int8.py --quick      # ~1 min
+    PYTHONPATH=src python benchmarks/bench_int8.py              # the full grid, ~5-8 min
+
+`--decode MODEL.gguf` instead times end-to-end greedy generation (`--batch` sequences,
+`--steps` tokens each, prefill of a short prompt included) of a model file through the
+offline LLM, float and auto (the default: int8 where measured faster) alternating:
+
+    PYTHONPATH=src python benchmarks/bench_int8.py --decode ~/.cache/iterserve-models/\
+        smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf --batch 1 --steps 32 --repeats 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from iterserve.model import kernels
+
+SHAPES = {"qo": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192),
+          "lm_head": (49152, 2048)}
+SCALES = {"Q4_0": [(0, 1)], "Q8_0": [(0, 1)], "Q5_0": [(0, 1)], "Q4_1": [(0, 2)], "Q5_1": [(0, 2)],
+          "Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)]}
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    t = GGMLQuantizationType[name]
+    elems, nbytes = GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
+    for off, cnt in SCALES[name]:
+        raw[:, off:off + 2 * cnt] = rng.uniform(0.001, 0.01, size=(raw.shape[0], cnt)) \
+            .astype(np.float16).view(np.uint8)
+    return int(t), torch.from_numpy(raw.reshape(n, -1))
+
+
+CLOCK = time.perf_counter
+
+
+def _time(fn, min_s: float) -> float:
+    fn()
+    n, t0 = 0, CLOCK()
+    while True:
+        fn()
+        n += 1
+        dt = CLOCK() - t0
+        if dt >= min_s:
+            return dt / n
+
+
+def gemm_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[dict]:
+    out = []
+    for name in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            t, w = random_blocks(name, n, k)
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    kernels.set_activations("float")
+                    fl = lambda: kernels.qgemm(t, w, k, x, y)           # noqa: E731
+                    i8 = lambda: kernels.qgemm_int8(t, w, k, x, y)      # noqa: E731
+                    a, b = [], []
+                    for _ in range(repeats):
+                        a.append(_time(fl, min_s))
+                        b.append(_time(i8, min_s))
+                    fa, ib = statistics.median(a), statistics.median(b)
+                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th,
+                           "rows": m, "float_us": round(fa * 1e6, 1),
+                           "int8_us": round(ib * 1e6, 1), "float_over_int8": round(fa / ib, 3),
+                           "int8_weight_gbs": round(w.numel() / ib / 1e9, 2)}
+                    print(json.dumps(row), flush=True)
+                    out.append(row)
+    return out
+
+
+def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
+    """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
+    alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
+    tokens/s per mode (random-weight models: greedy tokens need not agree)."""
+    from iterserve import LLM, SamplingParams
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
+    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    prompts = [f"Once upon a time {i}" for i in range(batch)]
+    res = {"float": [], "auto": []}
+    texts = {}
+    for rep in range(repeats + 1):
+        for mode in ("float", "auto"):
+            kernels.set_activations(mode)
+            t0 = CLOCK()
+            outs = llm.generate(prompts, sp)
+            dt = CLOCK() - t0
+            toks = sum(len(o.outputs[0].token_ids) for o in outs)
+            if rep:                                    # the first round warms up
+                res[mode].append(toks / dt)
+            texts[mode] = [list(o.outputs[0].token_ids) for o in outs]
+    agree = sum(a == b for x, y in zip(texts["float"], texts["auto"]) for a, b in zip(x, y))
+    total = sum(len(x) for x in texts["float"])
+    return {"model": model, "batch": batch, "steps": steps, "threads": threads,
+            "float_tok_s": round(statistics.median(res["float"]), 3),
+            "auto_tok_s": round(statistics.median(res["auto"]), 3),
+            "auto_over_float": round(statistics.median(res["auto"]) /
+                                     statistics.median(res["float"]), 3),
+            "greedy_tokens_equal": f"{agree}/{total}", "raw": res}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q4_0,Q8_0")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-s", type=float, default=0.05, help="seconds per timing")
+    ap.add_argument("--quick", action="store_true", help="Q4_K and Q4_0, 2048x2048 + down, 3 repeats")
+    ap.add_argument("--decode", metavar="GGUF", help="end-to-end decode A/B on this model instead")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--isa", choices=["avx2", "avx512vnni"], default=None,
+                    help="force the int8 kernels' instruction set (default: the best here)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (one thread on a loaded machine: "
+                         "time lost to other processes does not count)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not kernels.available():
+        raise SystemExit(f"native kernels unavailable: {kernels.unavailable}")
+    global CLOCK
+    if a.clock == "cpu":
+        CLOCK = time.process_time
+    if a.isa:
+        kernels.int8_isa(a.isa)
+    meta = {"machine": platform.processor() or platform.machine(), "features":
+            sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":
+            "same process, float and int8 alternating, medians; machine possibly loaded",
+            "clock": a.clock}
+    if a.decode:
+        result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,
+                                              int(a.threads.split(",")[-1]))}
+        print(json.dumps(result["decode"]))
+        out = a.out or f"benchmarks/results/int8-decode-b{a.batch}.json"
+    else:
+        if a.quick:
+            a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
+        rows = gemm_ab(a.types.split(","), a.shapes.split(","),
+                       [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
+                       a.repeats, a.min_s)
+        result = {**meta, "results": rows}
+        out = a.out or "benchmarks/results/int8-qgemm.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

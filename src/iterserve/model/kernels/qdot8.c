@@ -1,0 +1,692 @@
+/* Decode GEMM with 8-bit activations and integer dot products (llama.cpp's scheme):
+ * y[M, n] = x[M, k] . W[n, k]^T for W in its GGUF blocks, x float32 quantised to 8 bits once
+ * per call.
+ *
+ * Why: qgemm.c expands every weight block to float32 in registers and dots it with float32
+ * activations. At batch 1 on two cores that is bound by instructions, not by the bytes it
+ * streams: a Q4_K super-block costs ~290 instructions there (nibbles -> int32 -> float, a
+ * multiply and a subtract per 8 weights, then the FMAs), and the SmolLM2-1.7B-shaped Q4_K_M
+ * model decoded one sequence at ~0.35x llama-server's speed. Quantising the activation row
+ * to int8 (Q8_0 blocks of 32 with one float scale for the 32-element weight types, Q8_K
+ * blocks of 256 with 16-element sums for the K-quants) lets a block be dotted as bytes:
+ * AVX2 `vpmaddubsw` + `vpmaddwd`, AVX-512 VNNI `vpdpbusd` / `vpdpwssd`, one float multiply
+ * per block (Q4_0 / Q8_0) or per super-block (Q4_K / Q6_K, whose sub-block scales multiply
+ * the int16 pair sums in `vpmaddwd`). Weight nibbles stay bytes: no int -> float conversion
+ * of the weights at all.
+ *
+ * Offsets (Q4_0's q - 8, Q6_K's q - 32, Q8_0's sign) are not applied to the weights: the
+ * unsigned codes are dotted with the activations and the offset's share, off * sum(x), is
+ * subtracted in integers: per 4-element group (the lanes of vpdpbusd / vpmaddwd) for the
+ * 32-element types (`g4`, precomputed with the quantised row), per 16 elements with the
+ * sub-block scales for Q6_K (`bsum16`); Q4_K's mins use the 32-element sums (`bsum32`).
+ * AVX2's vpmaddubsw saturates at int16, so Q8_0 there uses llama.cpp's sign trick instead
+ * (|w| . sign(x, w)); VNNI's vpdpbusd does not saturate and takes w + 128.
+ *
+ * Accuracy: the integer parts are exact, so the result differs from the float path only by
+ * the activation rounding (<= d/2 per element, d = max|x|/127 per block) and the float
+ * summation order: a relative error of ~0.2-0.5% per output for random data, like
+ * llama.cpp's. Not bit-identical with qgemm.c's float path; the fused decode layers and the
+ * per-module path both call iterserve_qgemm, which dispatches here under the same mode, so
+ * those two stay bit-identical to each other.
+ *
+ * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
+ * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced), K in
+ * chunks whose quantised activations stay in L1.
+ *
+ * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
+ * rows, for the 32-element types up to 8) are at the bottom of this file: 4-8x faster than the
+ * float kernels for Q4_K / Q6_K at 1-4 rows, 1.1-1.9x for Q4_0 / Q8_0.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "iterserve.h"
+
+#define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+#define COL_CHUNK 64
+#define ROW_TILE 4
+#define A_TILE_BYTES (16 * 1024)     /* quantised activation bytes per row tile per K chunk */
+
+/* ---- quantised activations ------------------------------------------------------------ */
+/* One per call, in a thread-local buffer reused across calls. Per row r:
+ * 32-element types: q[K] int8, g4[K/4] int32 = -off * (sum of 4 consecutive q),
+ *   dxe[K/32 * 8] float = the block's scale repeated 8 times (one ymm per block);
+ * K-quants: q[K], dk[K/256] float, bsum16[K/16] int16, bsum32[K/32] int16. */
+typedef struct {
+    int64_t M, K;
+    int8_t *q;
+    int32_t *g4;
+    float *dx;
+    int16_t *bs16, *bs32;
+} act8;
+
+static __thread uint8_t *abuf;
+static __thread size_t abuf_size;
+
+static void *scratch(size_t bytes) {
+    if (bytes > abuf_size) {
+        free(abuf);
+        abuf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        abuf_size = abuf ? bytes : 0;
+    }
+    return abuf;
+}
+
+static inline int8_t q8(float v, float id) {
+    return (int8_t)(int)nearbyintf(v * id);
+}
+
+/* Q8_0-style quantisation of M rows in blocks of 32; shift >= 0: g4 with off = 1 << shift;
+ * SUMS: g4's place holds d_x * (sum of 4) as floats (Q4_1 / Q5_1's min term); else none. */
+#define SUMS (-2)
+static int quantise32(const float *x, int64_t M, int64_t ldx, int64_t K, int shift, act8 *a) {
+    const int64_t nb = K / 32;
+    const size_t qb = (size_t)(M * K), gb = (size_t)(M * K), db = (size_t)(M * nb * 8 * 4);
+    uint8_t *p = scratch(qb + gb + db + 192);
+    if (!p) return ITERSERVE_ENOMEM;
+    a->M = M, a->K = K;
+    a->g4 = (int32_t *)p;
+    a->dx = (float *)(p + gb);
+    a->q = (int8_t *)(p + gb + db);
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        int8_t *q = a->q + r * K;
+        int32_t *g = a->g4 + r * (K / 4);
+        float *dx = a->dx + r * nb * 8;
+        for (int64_t b = 0; b < nb; b++) {
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xr[32 * b + i]));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < 32; i++) q[32 * b + i] = q8(xr[32 * b + i], id);
+            for (int i = 0; i < 8; i++) dx[8 * b + i] = d;
+            if (shift >= 0)
+                for (int i = 0; i < 8; i++) {
+                    const int8_t *s = q + 32 * b + 4 * i;
+                    g[8 * b + i] = -((s[0] + s[1] + s[2] + s[3]) * (1 << shift));
+                }
+            else if (shift == SUMS)               /* Q4_1 / Q5_1: d_x * sums of 4, float */
+                for (int i = 0; i < 8; i++) {
+                    const int8_t *s = q + 32 * b + 4 * i;
+                    const float v = d * (float)(s[0] + s[1] + s[2] + s[3]);
+                    memcpy(g + 8 * b + i, &v, 4);
+                }
+        }
+    }
+    return ITERSERVE_OK;
+}
+
+/* Q8_K-style quantisation in blocks of 256 (one scale each) with 16- and 32-element sums. */
+static int quantise256(const float *x, int64_t M, int64_t ldx, int64_t K, act8 *a) {
+    const int64_t nb = K / 256;
+    const size_t qb = (size_t)(M * K), db = (size_t)(M * nb * 4);
+    const size_t b16 = (size_t)(M * K / 16 * 2), b32 = (size_t)(M * K / 32 * 2);
+    uint8_t *p = scratch(qb + db + b16 + b32 + 256);
+    if (!p) return ITERSERVE_ENOMEM;
+    a->M = M, a->K = K;
+    a->q = (int8_t *)p;
+    a->dx = (float *)(p + qb);
+    a->bs16 = (int16_t *)(p + qb + db);
+    a->bs32 = (int16_t *)(p + qb + db + b16);
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        int8_t *q = a->q + r * K;
+        for (int64_t b = 0; b < nb; b++) {
+            float amax = 0.f;
+            for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xr[256 * b + i]));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < 256; i++) q[256 * b + i] = q8(xr[256 * b + i], id);
+            a->dx[r * nb + b] = d;
+            for (int j = 0; j < 16; j++) {
+                int s = 0;
+                for (int i = 0; i < 16; i++) s += q[256 * b + 16 * j + i];
+                a->bs16[(r * nb + b) * 16 + j] = (int16_t)s;
+            }
+            for (int j = 0; j < 8; j++)
+                a->bs32[(r * nb + b) * 8 + j] = (int16_t)(a->bs16[(r * nb + b) * 16 + 2 * j]
+                                                          + a->bs16[(r * nb + b) * 16 + 2 * j + 1]);
+        }
+    }
+    return ITERSERVE_OK;
+}
+
+/* ---- helpers ---------------------------------------------------------------------------- */
+static inline float hsum8f(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hsum4f(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Q4_K's 8 scales (bytes 0-7) and 8 mins (bytes 8-15) from its 12 packed bytes. */
+static inline void q4k_scales(const uint8_t *s12, uint32_t u[4]) {
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t a = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = a;
+    u[0] &= k1;
+}
+
+/* ---- AVX2 kernels: one weight row (column n) by R <= 4 activation rows ----------------- */
+/* Geometry of the 32-element types: block bytes, where the 16 nibble bytes start. */
+static inline int bb32(int type) {
+    return type == GGML_Q8_0 ? 34 : type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20
+         : type == GGML_Q5_0 ? 22 : 24;
+}
+static inline int qs32(int type) {
+    return type == GGML_Q4_0 ? 2 : type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 8;
+}
+static inline int has_min(int type) { return type == GGML_Q4_1 || type == GGML_Q5_1; }
+static inline int is_q5(int type) { return type == GGML_Q5_0 || type == GGML_Q5_1; }
+
+/* 32 bits -> 32 bytes, 0xFF where the bit is set (llama.cpp's bytes_from_bits_32) */
+static inline __m256i bits_to_bytes(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    const __m256i b = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf),
+                                      _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+}
+
+/* One block's 32 codes as bytes (unsigned; Q8_0: its signed values). */
+static inline __attribute__((always_inline)) __m256i codes32(int type, const uint8_t *blk) {
+    if (type == GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + qs32(type)));
+    __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    if (is_q5(type))
+        w = _mm256_or_si256(w, _mm256_and_si256(bits_to_bytes(blk + (type == GGML_Q5_0 ? 2 : 4)),
+                                                _mm256_set1_epi8(0x10)));
+    return w;
+}
+
+/* 32-element types over blocks [b0, b1): per block and row, the integer dot of the codes
+ * with the quantised row (+ g4: -offset * sums of 4), times d_w * d_x; Q4_1 / Q5_1 add
+ * m_w * (d_x * sums of 4) (`sx4`, kept in g4's place). */
+static inline __attribute__((always_inline)) void dot32_avx2(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, float *out) {
+    const int bb = bb32(type);
+    const int64_t K = a->K, nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        const __m256 dw = _mm256_set1_ps(f16(blk));
+        const __m256i w = codes32(type, blk);
+        const __m256i aw = type == GGML_Q8_0 ? _mm256_sign_epi8(w, w) : w;
+        const __m256 mw = has_min(type) ? _mm256_set1_ps(f16(blk + 2)) : dw;
+        for (int r = 0; r < R; r++) {
+            const int64_t rr = r0 + r;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + rr * K + 32 * b));
+            if (type == GGML_Q8_0) x = _mm256_sign_epi8(x, w);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones);
+            const int32_t *g = a->g4 + rr * (K / 4) + 8 * b;
+            if (type == GGML_Q4_0 || type == GGML_Q5_0)
+                p = _mm256_add_epi32(p, _mm256_loadu_si256((const __m256i *)g));
+            const __m256 s = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dx + (rr * nb + b) * 8));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
+            if (has_min(type))
+                acc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps((const float *)g), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8f(acc[r]);
+}
+
+/* shuffle masks broadcasting int16 lane j of a 128-bit half to all 8 lanes */
+static inline __m256i bcast16_mask(int j) {
+    return _mm256_set1_epi16((short)((2 * j) | ((2 * j + 1) << 8)));
+}
+/* lanes 0-7 <- int16 lane 2i, lanes 8-15 <- lane 2i+1 of each 128-bit half (Q6_K) */
+static inline __m256i pair16_mask(int i) {
+    const short lo = (short)((4 * i) | ((4 * i + 1) << 8)), hi = (short)((4 * i + 2) | ((4 * i + 3) << 8));
+    return _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi);
+}
+
+/* K-quants over super-blocks [b0, b1) */
+static inline __attribute__((always_inline)) void dotk_avx2(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, float *out) {
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    const int64_t K = a->K, nb = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[ROW_TILE];
+    __m128 accm[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        __m256i isum[ROW_TILE];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        float d, cm;                               /* super-block scale; the min/offset term's */
+        __m128i mterm[ROW_TILE];
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
+            uint32_t u[4];
+            q4k_scales(blk + 4, u);
+            d = f16(blk), cm = -f16(blk + 2);
+            const int qo = type == GGML_Q5_K ? 48 : 16;
+            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                 : _mm256_setzero_si256();
+            const __m256i one = _mm256_set1_epi8(1);
+            const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
+            const __m128i mins = _mm256_extracti128_si256(ms, 1);
+            for (int r = 0; r < R; r++)
+                mterm[r] = _mm_madd_epi16(mins, _mm_loadu_si128(
+                    (const __m128i *)(a->bs32 + ((r0 + r) * nb + b) * 8)));
+            for (int p = 0; p < 4; p++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
+                __m256i wl = _mm256_and_si256(raw, m4);
+                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if (type == GGML_Q5_K) {          /* bits 2p, 2p+1 of qh: 16 */
+                    wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4));
+                    wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4));
+                }
+                const __m256i sl = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p));
+                const __m256i sh = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p + 1));
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xq = a->q + (r0 + r) * K + 256 * b + 64 * p;
+                    const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
+                    const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, xl), sl));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, xh), sh));
+                }
+            }
+        } else {                                   /* Q6_K: codes 0..63, offset 32 */
+            d = f16(blk + 208), cm = -32.f * d;
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            for (int r = 0; r < R; r++) {
+                const __m256i t = _mm256_madd_epi16(sc16, _mm256_loadu_si256(
+                    (const __m256i *)(a->bs16 + ((r0 + r) * nb + b) * 16)));
+                mterm[r] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            }
+            const __m256i sclo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc16));
+            const __m256i schi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc16, 1));
+            for (int h = 0; h < 2; h++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                for (int g = 0; g < 4; g++) {
+                    const __m256i lo = g < 2 ? _mm256_and_si256(g == 0 ? l0 : l1, m4)
+                        : _mm256_and_si256(_mm256_srli_epi16(g == 2 ? l0 : l1, 4), m4);
+                    const __m256i hi = _mm256_and_si256(
+                        g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
+                        : g == 2 ? qh : _mm256_srli_epi16(qh, 2), m30);
+                    const __m256i w = _mm256_or_si256(lo, hi);
+                    const int j = 4 * h + g;               /* sub-block: scales 2j, 2j+1 */
+                    const __m256i s = _mm256_shuffle_epi8(j < 4 ? sclo : schi, pair16_mask(j % 4));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x = _mm256_loadu_si256(
+                            (const __m256i *)(a->q + (r0 + r) * K + 256 * b + 32 * j));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s));
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float dx = a->dx[(r0 + r) * nb + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(cm * dx), _mm_cvtepi32_ps(mterm[r]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8f(acc[r]) + hsum4f(accm[r]);
+}
+
+/* ---- AVX-512 VNNI kernels ---------------------------------------------------------------- */
+static inline VNNI float hsum16f(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+static inline __attribute__((always_inline)) VNNI void dot32_vnni(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, float *out) {
+    const int bb = bb32(type);
+    const int64_t K = a->K, nb = K / 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), x80 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[ROW_TILE];
+    __m256 acc1[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), acc1[r] = _mm256_setzero_ps();
+    int64_t b = b0;
+    for (; b + 1 < b1; b += 2) {                  /* two blocks per zmm */
+        const uint8_t *blk = wrow + b * bb;
+        const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(f16(blk)))),
+            _mm256_castps_pd(_mm256_set1_ps(f16(blk + bb))), 1));
+        __m512 mw = dw;
+        if (has_min(type))
+            mw = _mm512_castpd_ps(_mm512_insertf64x4(
+                _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(f16(blk + 2)))),
+                _mm256_castps_pd(_mm256_set1_ps(f16(blk + bb + 2))), 1));
+        __m512i w;
+        if (type == GGML_Q8_0) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + bb + 2));
+            w = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), x80);
+        } else {
+            const int qo = qs32(type);
+            const __m256i t = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(blk + bb + qo)),
+                                               _mm_loadu_si128((const __m128i *)(blk + qo)));
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+            /* [q0, q1, q0>>4, q1>>4] -> [q0, q0>>4, q1, q1>>4] */
+            w = _mm512_and_si512(_mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)), m4);
+            if (is_q5(type)) {                    /* bit i of qh -> 16 in byte i */
+                const int ho = type == GGML_Q5_0 ? 2 : 4;
+                uint32_t h0, h1;
+                memcpy(&h0, blk + ho, 4);
+                memcpy(&h1, blk + bb + ho, 4);
+                w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(
+                    (__mmask64)h0 | (__mmask64)h1 << 32, _mm512_set1_epi8(0x10)));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t rr = r0 + r;
+            const void *g = a->g4 + rr * (K / 4) + 8 * b;
+            __m512i p = has_min(type) ? _mm512_setzero_si512() : _mm512_loadu_si512(g);
+            p = _mm512_dpbusd_epi32(p, w, _mm512_loadu_si512((const void *)(a->q + rr * K + 32 * b)));
+            const __m512 s = _mm512_mul_ps(dw, _mm512_loadu_ps(a->dx + (rr * nb + b) * 8));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[r]);
+            if (has_min(type))
+                acc[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps((const float *)g), acc[r]);
+        }
+    }
+    for (; b < b1; b++) {                         /* an odd last block: 256-bit VNNI */
+        const uint8_t *blk = wrow + b * bb;
+        const __m256 dw = _mm256_set1_ps(f16(blk));
+        const __m256 mw = has_min(type) ? _mm256_set1_ps(f16(blk + 2)) : dw;
+        __m256i w = codes32(type, blk);
+        if (type == GGML_Q8_0) w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+        for (int r = 0; r < R; r++) {
+            const int64_t rr = r0 + r;
+            const int32_t *g = a->g4 + rr * (K / 4) + 8 * b;
+            __m256i p = has_min(type) ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)g);
+            p = _mm256_dpbusd_epi32(p, w, _mm256_loadu_si256((const __m256i *)(a->q + rr * K + 32 * b)));
+            const __m256 s = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dx + (rr * nb + b) * 8));
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc1[r]);
+            if (has_min(type))
+                acc1[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps((const float *)g), acc1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]) + hsum8f(acc1[r]);
+}
+
+static inline __attribute__((always_inline)) VNNI void dotk_vnni(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, float *out) {
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    const int64_t K = a->K, nb = K / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+                                          17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+                                          2, 1, 0);
+    __m512 acc[ROW_TILE];
+    __m128 accm[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        __m512i w[4], s[4];
+        float d, cm;
+        __m128i mterm[ROW_TILE];
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
+            uint32_t u[4];
+            q4k_scales(blk + 4, u);
+            d = f16(blk), cm = -f16(blk + 2);
+            const int qo = type == GGML_Q5_K ? 48 : 16;
+            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                 : _mm256_setzero_si256();
+            const __m256i one = _mm256_set1_epi8(1);
+            const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+            const __m512i sc = _mm512_castsi256_si512(ms);
+            const __m128i mins = _mm256_extracti128_si256(ms, 1);
+            for (int r = 0; r < R; r++)
+                mterm[r] = _mm_madd_epi16(mins, _mm_loadu_si128(
+                    (const __m128i *)(a->bs32 + ((r0 + r) * nb + b) * 8)));
+            for (int p = 0; p < 4; p++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
+                w[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
+                                                           _mm256_srli_epi16(raw, 4), 1), m4);
+                if (type == GGML_Q5_K) {
+                    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4);
+                    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
+                    w[p] = _mm512_or_si512(w[p], _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+                }
+                /* int16 lanes 0-15 <- scale 2p, 16-31 <- scale 2p+1 */
+                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(2 * p)),
+                                                                 _mm512_srli_epi16(iota, 4)), sc);
+            }
+        } else {                                   /* Q6_K */
+            d = f16(blk + 208), cm = -32.f * d;
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            for (int r = 0; r < R; r++) {
+                const __m256i t = _mm256_madd_epi16(sc16, _mm256_loadu_si256(
+                    (const __m256i *)(a->bs16 + ((r0 + r) * nb + b) * 16)));
+                mterm[r] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            }
+            const __m512i sc = _mm512_castsi256_si512(sc16);
+            for (int p = 0; p < 4; p++) {          /* sub-blocks 2p, 2p+1: elements 64p.. */
+                const int h = p / 2, g = 2 * (p % 2);
+                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+                const __m512i lo = _mm512_and_si512(g ? _mm512_srli_epi16(l, 4) : l, m4);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                /* bits 2g..2g+1 of qh to bits 4-5 for sub-block 2p, 2g+2.. for 2p+1 */
+                const __m256i h0 = g ? qh : _mm256_slli_epi16(qh, 4);
+                const __m256i h1 = g ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2);
+                const __m512i hi = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), m30);
+                w[p] = _mm512_or_si512(lo, hi);
+                /* int16 lane i <- scale 4p + i / 8 */
+                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * p)),
+                                                                 _mm512_srli_epi16(iota, 3)), sc);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = a->q + (r0 + r) * K + 256 * b;
+            __m512i isum = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++)
+                isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(
+                    w[p], _mm512_loadu_si512((const void *)(xq + 64 * p))), s[p]);
+            const float dx = a->dx[(r0 + r) * nb + b];
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(isum), acc[r]);
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(cm * dx), _mm_cvtepi32_ps(mterm[r]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]) + hsum4f(accm[r]);
+}
+
+/* ---- the driver ---------------------------------------------------------------------------- */
+static int isa8 = 0;            /* 0: not chosen; 1: AVX2; 2: AVX-512 VNNI */
+
+int64_t iterserve_act8_isa(int64_t want) {
+    if (want == -1 && isa8) return isa8;
+    const int64_t f = iterserve_cpu_features();
+    const int have = ((f >> 3) & 1) && ((f >> 4) & 1) && ((f >> 5) & 1) && ((f >> 6) & 1) ? 2 : 1;
+    isa8 = want >= 1 && want <= have ? (int)want : have;
+    return isa8;
+}
+
+int iterserve_can_act8(int64_t type) {
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1
+        || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+}
+
+static inline int is_kq(int64_t type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+}
+
+#define CALL(R, FN, TYPE) FN(R, TYPE, &a, r0, b0, b1, wn, o)
+#define TILE(FN, TYPE)                                                                    \
+    switch (R) {                                                                          \
+    case 4: CALL(4, FN, TYPE); break;                                                     \
+    case 3: CALL(3, FN, TYPE); break;                                                     \
+    case 2: CALL(2, FN, TYPE); break;                                                     \
+    default: CALL(1, FN, TYPE); break;                                                    \
+    }
+
+static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int64_t row_stride,
+                     float *y, int64_t ldy, int nthreads) {
+    const act8 a = *ap;
+    const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
+    const int kq = is_kq(type);
+    const int64_t be = kq ? 256 : 32, nb = a.K / be;
+    const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;   /* activation bytes */
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = n * t / T, n1 = n * (t + 1) / T;
+        for (int64_t c0 = n0; c0 < n1; c0 += COL_CHUNK) {
+            const int64_t c1 = c0 + COL_CHUNK < n1 ? c0 + COL_CHUNK : n1;
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
+                const int R = (int)(r1 - r0);
+                int64_t kc = A_TILE_BYTES / (R * per_block);
+                if (kc < 1) kc = 1;
+                const int64_t nk = (nb + kc - 1) / kc;
+                for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
+                    const int64_t b0 = nb * kchunk / nk, b1 = nb * (kchunk + 1) / nk;
+                    for (int64_t c = c0; c < c1; c++) {
+                        const uint8_t *wn = w + c * row_stride;
+                        float o[ROW_TILE] = {0};
+                        switch (type) {
+                        case GGML_Q4_0: TILE(dot32_avx2, GGML_Q4_0) break;
+                        case GGML_Q4_1: TILE(dot32_avx2, GGML_Q4_1) break;
+                        case GGML_Q5_0: TILE(dot32_avx2, GGML_Q5_0) break;
+                        case GGML_Q5_1: TILE(dot32_avx2, GGML_Q5_1) break;
+                        case GGML_Q8_0: TILE(dot32_avx2, GGML_Q8_0) break;
+                        case GGML_Q4_K: TILE(dotk_avx2, GGML_Q4_K) break;
+                        case GGML_Q5_K: TILE(dotk_avx2, GGML_Q5_K) break;
+                        default: TILE(dotk_avx2, GGML_Q6_K) break;
+                        }
+                        for (int r = 0; r < R; r++) {
+                            float *yy = y + (r0 + r) * ldy + c;
+                            *yy = kchunk ? *yy + o[r] : o[r];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
+                          int64_t row_stride, float *y, int64_t ldy, int nthreads) {
+    const act8 a = *ap;
+    const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
+    const int kq = is_kq(type);
+    const int64_t be = kq ? 256 : 32, nb = a.K / be;
+    const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = n * t / T, n1 = n * (t + 1) / T;
+        for (int64_t c0 = n0; c0 < n1; c0 += COL_CHUNK) {
+            const int64_t c1 = c0 + COL_CHUNK < n1 ? c0 + COL_CHUNK : n1;
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
+                const int R = (int)(r1 - r0);
+                int64_t kc = A_TILE_BYTES / (R * per_block);
+                if (kc < 2) kc = 2;
+                if (!kq) kc &= ~(int64_t)1;          /* pairs of blocks per zmm */
+                const int64_t nk = (nb + kc - 1) / kc;
+                for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
+                    int64_t b0 = nb * kchunk / nk, b1 = nb * (kchunk + 1) / nk;
+                    if (!kq) {                         /* even chunk starts */
+                        b0 &= ~(int64_t)1;
+                        if (kchunk + 1 < nk) b1 &= ~(int64_t)1;
+                    }
+                    for (int64_t c = c0; c < c1; c++) {
+                        const uint8_t *wn = w + c * row_stride;
+                        float o[ROW_TILE] = {0};
+                        switch (type) {
+                        case GGML_Q4_0: TILE(dot32_vnni, GGML_Q4_0) break;
+                        case GGML_Q4_1: TILE(dot32_vnni, GGML_Q4_1) break;
+                        case GGML_Q5_0: TILE(dot32_vnni, GGML_Q5_0) break;
+                        case GGML_Q5_1: TILE(dot32_vnni, GGML_Q5_1) break;
+                        case GGML_Q8_0: TILE(dot32_vnni, GGML_Q8_0) break;
+                        case GGML_Q4_K: TILE(dotk_vnni, GGML_Q4_K) break;
+                        case GGML_Q5_K: TILE(dotk_vnni, GGML_Q5_K) break;
+                        default: TILE(dotk_vnni, GGML_Q6_K) break;
+                        }
+                        for (int r = 0; r < R; r++) {
+                            float *yy = y + (r0 + r) * ldy + c;
+                            *yy = kchunk ? *yy + o[r] : o[r];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                         int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                         int64_t ldy, int nthreads) {
+    if (!iterserve_can_act8(type)) return ITERSERVE_ETYPE;
+    const int kq = is_kq(type);
+    if (k <= 0 || k % (kq ? 256 : 32)) return ITERSERVE_ETYPE;
+    if (M < 1 || n < 1) return ITERSERVE_OK;
+    if (!isa8) iterserve_act8_isa(0);
+    act8 a;
+    int rc;
+    if (kq)
+        rc = quantise256(x, M, ldx, k, &a);
+    else     /* g4 offsets: Q4_0 8, Q5_0 16; Q8_0 128 under VNNI (w + 128), none under AVX2's
+              * sign trick; Q4_1 / Q5_1: the sums for their min term */
+        rc = quantise32(x, M, ldx, k, type == GGML_Q4_0 ? 3 : type == GGML_Q5_0 ? 4
+                        : type == GGML_Q8_0 ? (isa8 == 2 ? 7 : -1) : SUMS, &a);
+    if (rc) return rc;
+    if (nthreads < 1) nthreads = 1;
+    if (n < 64 * nthreads) nthreads = 1;
+    if (isa8 == 2)
+        run_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+    else
+        run_avx2((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+    return ITERSERVE_OK;
+}
+
+/* ---- the mode iterserve_qgemm dispatches on ----------------------------------------------- */
+/* Measured (benchmarks/bench_int8.py, same process, float and int8 alternating, 5 repeats,
+ * medians of this process's CPU time, one thread, AVX-512 VNNI CPU, machine under load
+ * ~15 from other processes; benchmarks/results/int8-qgemm-cpu1.json), float/int8 time on the
+ * SmolLM2-1.7B shapes 2048x2048 | 8192x2048:
+ *            1 row       2         4         8         16
+ *   Q4_K   4.2 | 4.3  4.0 | 4.1  4.5 | 5.4  4.1 | 4.2  2.5 | 2.7
+ *   Q6_K   8.0 | 7.7  6.7 | 6.7  4.4 | 4.7  2.5 | 2.7  1.7 | 1.9
+ *   Q4_0   1.7 | 1.9  1.5 | 1.6  1.3 | 1.1  1.4 | 1.6  0.9 | 0.9
+ *   Q8_0   1.3 | 1.1  1.2 | 1.2  1.4 | 1.2  1.4 | 1.3  0.8 | 0.9
+ * (wall clock, the full grid with 2048x8192 and 49152x2048 too: int8-qgemm.json; K-quants
+ * 1.1-2.5x still at 32 rows). Float's K-quant kernels expand every weight to float; int8's
+ * per-row work is a few byte ops per 64 weights. For the 32-element types the float
+ * kernels are AVX-512 FMAs over cheap blocks, so int8 only saves the weight expansion and
+ * costs more per row (a conversion and a scale per block and row): it wins up to 8 rows and
+ * loses from 16, where the float path hands over to the panel GEMM.
+ * Hence "auto" (the engine's default, --kernel-activations auto): int8 for the K-quants up
+ * to 32 rows (all decode row counts, layers.QUANT_MAX_ROWS), for Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+ * Q8_0 up to 8; "int8": every int8 type up to 32 rows; "float": never. */
+static int act_mode = 0;        /* 0 float (qgemm.c), 1 int8, 2 auto (the measured limits) */
+
+int64_t iterserve_set_act_mode(int64_t mode) {
+    if (mode >= 0 && mode <= 2) act_mode = (int)mode;
+    return act_mode;
+}
+
+#define ACT8_MAX_ROWS 32
+
+int iterserve_act8_takes(int64_t type, int64_t M) {
+    if (act_mode == 0 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
+    return act_mode == 1 || M <= (is_kq(type) ? 32 : 8);
+}

