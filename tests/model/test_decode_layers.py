@@ -101,3 +101,19 @@ def test_mixed_type_weights_take_the_fused_call_as_segments(tmp_path):
     runner = ModelRunner(loaded, num_blocks=8, block_size=4, sampler=greedy)
     assert len(loaded.model.layers[0].self_attn.qkv_proj.quant.segments) == 3
     assert runner.fused_decode == all(kernels.supports_qgemm(t) for t in (0, 1, 2))
+
+
+def test_f16_kv_cache_takes_the_fused_call_and_equals_the_per_module_path(tmp_path):
+    """--kv-cache-dtype float16: the fused call writes K/V rounded to nearest even (F16C) as
+    the per-module path's torch .to(float16) does, and reads them through the same kernel, so
+    the logits are bit-identical with the fused call on and off."""
+    from iterserve.model.loader import load_model
+    path = tmp_path / "allquant.gguf"
+    load_all_quant_model(path, seed=5)
+    loaded = load_model(str(path), kv_cache_dtype="float16")
+    on, calls_on, tokens_on = _run(loaded, True)
+    off, calls_off, tokens_off = _run(loaded, False)
+    assert calls_on == [3] * 9 and calls_off == []
+    assert tokens_on == tokens_off
+    for x, y in zip(on, off):
+        assert torch.equal(x, y)
