@@ -291,7 +291,7 @@ def serve_and_measure(e: Engine, m: ModelFile, slots: int, ctx: int, what: list[
         try:
             _wait_ready(proc, url, health, 900 if e.name.startswith("vllm") else 600)
             _run(url, _one_request_workload(B1_PROMPT, 8, seed + 5))       # warm-up
-            _run(url, _one_request_workload(TTFT_PROMPT, 2, seed + 7))    # prefill shapes
+            _run(url, _one_request_workload(64, 2, seed + 7))             # a prefill chunk
             res["ready_s"] = round(time.monotonic() - t0, 1)
             if "mix" in what:
                 res["mix"] = measure_mix(url, w)
@@ -428,9 +428,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="buffer of the read-bandwidth measurement (far above the L3)")
     ap.add_argument("--quick", action="store_true",
                     help="bundled model, 8 requests, no sweep, 1 TTFT sample (a smoke run)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new server after this many seconds (the rest is noted as "
+                         "skipped), so a quiet-machine run keeps to its time slot")
     ap.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    # a SIGTERM (a `timeout`) unwinds like Ctrl-C does, so no server is left running
+    prev = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(args)
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+
+
+def run(args: argparse.Namespace) -> int:
+    global TTFT_PROMPT
     TTFT_PROMPT = args.ttft_prompt
     if args.quick:
         args.models = args.models or ["bundled"]
@@ -453,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
            "argv": sys.argv[1:], "slots": args.slots, "sweep_slots": sweep,
            "repeats": args.repeats, "workload": w.summary(), "ctx_per_slot": ctx,
            "ttft_prompt": TTFT_PROMPT, "b1_tokens": args.b1_tokens, "files": []}
+    started = time.monotonic()
     bw = None
     if not args.no_roofline:
         import roofline
@@ -501,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 for e in order:
                     key = f"s{slots}"
+                    if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                        f["notes"].append(f"{e.label} @{slots} repeat {rep}: skipped (over "
+                                          f"--budget-s {args.budget_s:g})")
+                        continue
                     try:
                         if e.name == "hf":
                             if "mix" not in what:
@@ -521,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
                     f["rows"] = summarise(f["samples"], engines, m, args.slots, sweep, bound)
                     write()
+    doc["elapsed_s"] = round(time.monotonic() - started, 1)
     write()
     md = table(doc)
     out.with_suffix(".md").write_text(md + "\n")
