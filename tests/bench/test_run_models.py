@@ -75,12 +75,15 @@ def test_resolve_model_names_the_cache_files():
 def test_engine_variants_carry_their_flags():
     args = argparse.Namespace(
         engines=["iterserve", "llama-server"], iterserve_args="",
-        iterserve_variants=["base=", "int8=--act-mode int8 --x 1"], llama_args="-fa on",
-        vllm_args="")
+        iterserve_variants=["base=", "int8=--act-mode int8 --x 1",
+                            "passive=OMP_WAIT_POLICY=PASSIVE --kv-cache-dtype float16"],
+        llama_args="-fa on", vllm_args="")
     es = run_models.engines_from(args)
-    assert [(e.label, e.extra) for e in es] == [
-        ("iterserve [base]", []), ("iterserve [int8]", ["--act-mode", "int8", "--x", "1"]),
-        ("llama-server", ["-fa", "on"])]
+    assert [(e.label, e.extra, e.env) for e in es] == [
+        ("iterserve [base]", [], {}),
+        ("iterserve [int8]", ["--act-mode", "int8", "--x", "1"], {}),
+        ("iterserve [passive]", ["--kv-cache-dtype", "float16"], {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ("llama-server", ["-fa", "on"], {})]
 
 
 def test_summary_takes_medians_the_best_slot_count_and_the_bound_fraction():
