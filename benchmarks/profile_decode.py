@@ -31,13 +31,16 @@ ATTN_OPS = ("aten::scaled_dot_product_attention", "aten::_softmax", "aten::softm
             "aten::gather", "aten::index")
 
 
-def warm_engine(batch: int, steps: int):
+def warm_engine(batch: int, steps: int, model: str | None = None, engine_args: dict | None = None):
     from iterserve.bench.workloads import make_prompt
     from iterserve.core.request import SamplingParams
     from iterserve.engine.args import EngineArgs
     from iterserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs(max_num_seqs=batch))
+    kw = {"max_num_seqs": batch, "model": model, **(engine_args or {})}
+    if model is not None and "num_kv_blocks" not in kw:
+        kw["num_kv_blocks"] = batch * (4 * steps + 32) // 16 + 2 * batch   # what the run needs
+    engine = LLMEngine.from_engine_args(EngineArgs(**kw))
     rng = random.Random(0)
     sp = SamplingParams(max_tokens=4 * steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -64,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", default=None, help="a .gguf file or HF directory (default: "
+                    "the bundled model)")
     ap.add_argument("--threads", type=int, default=0, help="torch/kernel threads (default: "
                     "torch's; 1 is far less noisy on a loaded machine)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = warm_engine(args.batch, args.steps)
+    engine = warm_engine(args.batch, args.steps, args.model)
     # plain steps first (no profiler): wall time, and this thread's CPU time, which a loaded
     # machine disturbs far less (with --threads 1 all the work runs on this thread)
     t, c = time.perf_counter(), time.thread_time()

@@ -20,6 +20,18 @@ SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, FFN 1536, vocab 49152, 30 
 tied embeddings (the LM head is one more [576, 49152] GEMM per step).
 
     python benchmarks/roofline.py [--threads 1,2] [--no-engine] [--out benchmarks/results/roofline.json]
+
+For real model files (issue 13) the batch-1 bound is the one that matters: a decode token
+reads every weight once, in the file's encoding, so
+
+    batch-1 bound tok/s = read bandwidth / weight bytes read per token
+
+with the read bandwidth measured here (`read_bandwidth`: a STREAM-like sum over a buffer far
+larger than the caches, at 1 and 2 threads) and the weight bytes from the file's tensor table
+(`weight_bytes_per_token`: every matrix once; the embedding table only when it is also the LM
+head). KV reads at short contexts are a few MB and left out, so the bound is optimistic.
+
+    python benchmarks/roofline.py --model FILE_OR_HF_DIR [--model ...]   # bandwidth + bounds
 """
 
 from __future__ import annotations
@@ -92,6 +104,55 @@ def bandwidth_gbs(mb: int = 256) -> float:
     return 2 * src.numel() * 4 / s / 1e9
 
 
+def read_bandwidth(threads=(1, 2), mb: int = 512) -> dict[str, float]:
+    """GB/s of a STREAM-like read (a float32 sum over `mb` MB, far beyond L3) per thread count:
+    what a batch-1 decode step does with its weights. Best of a few passes (a shared machine)."""
+    src = torch.empty(mb * 2**20 // 4, dtype=torch.float32).uniform_()
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            s = _time(lambda: src.sum(), min_time=0.6, min_reps=3)
+            out[str(t)] = round(src.numel() * 4 / s / 1e9, 2)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def weight_bytes_per_token(path) -> int:
+    """Bytes of weights one batch-1 decode token reads from a GGUF file or an HF directory:
+    every tensor once, in its stored encoding, except a token-embedding table that is not
+    also the LM head (a lookup reads one row of it)."""
+    path = Path(path)
+    if path.is_dir():
+        from iterserve.model.hf_loader import read_hf_weights
+        sizes = {n: r.nbytes for n, r in read_hf_weights(path).items()}
+        embed = [n for n in sizes if n.endswith("embed_tokens.weight")]
+        head = [n for n in sizes if n.endswith("lm_head.weight")]
+    else:
+        from gguf import GGUFReader
+        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+        embed = [n for n in sizes if n == "token_embd.weight"]
+        head = [n for n in sizes if n == "output.weight"]
+    total = sum(sizes.values())
+    if embed and head:                     # untied: the table is looked up, not streamed
+        total -= sum(sizes[n] for n in embed)
+    return total
+
+
+def bounds_for(paths, threads=(1, 2)) -> dict:
+    """{bandwidth, per file: weight bytes per token and the batch-1 bound per thread count}."""
+    bw = read_bandwidth(threads)
+    files = {}
+    for p in paths:
+        wb = weight_bytes_per_token(p)
+        files[str(p)] = {"weight_bytes_per_token": wb,
+                         "batch1_bound_tok_s": {t: round(g / (wb / 1e9), 2)
+                                                for t, g in bw.items()}}
+    return {"read_bandwidth_gbs": bw, "files": files}
+
+
 def engine_decode_tps(batch: int, steps: int = 16) -> float:
     """iterserve's decode tok/s at `batch`: B sequences past their prefill, `steps` engine
     steps timed on their own (each step decodes one token of every sequence)."""
@@ -125,8 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="thread counts to try for the GEMMs")
     ap.add_argument("--no-engine", action="store_true", help="skip iterserve's measurement")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", action="append", default=None, metavar="PATH",
+                    help="a GGUF file or HF directory: print the read bandwidth and its "
+                         "batch-1 bound only (repeatable)")
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
+    if args.model:
+        doc = bounds_for(args.model, tuple(threads))
+        print(f"read bandwidth GB/s by threads: {doc['read_bandwidth_gbs']}")
+        for p, f in doc["files"].items():
+            print(f"{p}: {f['weight_bytes_per_token'] / 1e9:.3f} GB per token, batch-1 bound "
+                  f"tok/s by threads {f['batch1_bound_tok_s']}")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=1))
+        return 0
     from iterserve.bench.client import machine_info
 
     bw = bandwidth_gbs()

@@ -31,8 +31,10 @@ from iterserve.bench.client import machine_info  # noqa: E402
 from iterserve.bench.workloads import Workload, build_workload  # noqa: E402
 
 
-def load_model(threads: int = 2):
-    """Tokenizer and float32 model from the bundled GGUF (the same weights as every peer)."""
+def load_model(threads: int = 2, model: str | None = None, dtype: str = "float32"):
+    """Tokenizer and model: an HF directory (safetensors, in `dtype`: "auto" keeps the
+    checkpoint's) when `model` is given, else the bundled GGUF dequantised to float32 (the
+    same weights as every peer)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -40,6 +42,12 @@ def load_model(threads: int = 2):
     from llama_server import default_gguf  # sibling script
 
     torch.set_num_threads(threads)
+    if model is not None:
+        tok = AutoTokenizer.from_pretrained(model)
+        dt = "auto" if dtype == "auto" else getattr(torch, dtype)
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=dt)
+        hf.eval()
+        return tok, hf
     gguf = default_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # from_pretrained(gguf_file=) insists on `accelerate`; the same GGUF conversion code
@@ -149,18 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="0 = HF's own choice (CB)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="an HF directory (default: the bundled GGUF)")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (HF dirs)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     w = build_workload(args.workload, num_requests=args.num_requests)
     if w.rate is not None:
         raise SystemExit("the HF peer is offline: use a workload with all requests at t=0")
-    tok, model = load_model(args.threads)
+    tok, model = load_model(args.threads, args.model, args.dtype)
     if args.mode == "static":
         res = run_static(tok, model, w, args.max_num_seqs)
     else:
         res = run_continuous(tok, model, w, args.max_num_seqs or None)
     doc = {"kind": "offline-peer", "machine": machine_info(), "workload": w.summary(),
-           "threads": args.threads, **res}
+           "threads": args.threads, "model": args.model or "bundled GGUF",
+           "dtype": args.dtype, **res}
     print(json.dumps(res))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

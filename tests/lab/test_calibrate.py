@@ -130,3 +130,28 @@ def test_unknown_flag_exits_2():
     with pytest.raises(SystemExit) as e:
         main(["lab", "calibrate", "--bogus"])
     assert e.value.code == 2
+
+
+def test_big_models_drop_the_grid_points_whose_kv_does_not_fit_and_share_one_pool():
+    from iterserve.lab.calibrate import _build_outputs, fit_grid_to_memory, kv_tokens
+    grid = default_grid()
+    # a 1.7B model in float32 KV: 393,216 bytes per token; a 2 GiB budget keeps <= 5461 tokens
+    kept, dropped = fit_grid_to_memory(grid, 393_216, 2 << 30)
+    assert kept and dropped and set(kept) | set(dropped) == set(grid)
+    assert all(kv_tokens(p) * 393_216 <= 2 << 30 for p in kept)
+    assert GridPoint(32, 1024) in dropped and GridPoint(1, 1024) in kept
+    assert len(kept) >= len(COEFFICIENTS)
+    # every point starts at block 0: the pool is the largest point's, not the sum
+    outs, blocks = _build_outputs(kept, 16, 512)
+    assert blocks == max(kv_tokens(p) // 16 for p in kept)
+    for out in outs:
+        ids = [b for d in out.scheduled_new_reqs for b in d.block_ids]
+        assert len(ids) == len(set(ids)) and min(ids) == 0
+
+
+def test_a_kv_budget_too_small_for_the_fit_is_an_error(tmp_path):
+    from fixtures.tiny_models import make_tiny_model_dir
+    from iterserve.lab.calibrate import calibrate
+    model = make_tiny_model_dir(tmp_path)
+    with pytest.raises(CalibrationError, match="kv-budget-gib"):
+        calibrate(str(model), quick=True, kv_budget_gib=1e-6)

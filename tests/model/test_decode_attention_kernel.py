@@ -77,3 +77,36 @@ def test_long_contexts_split_into_runs_merge_to_the_same_result(lens, window):
                                            decode_kernel=kern), 0.125)
             for kern in (fn, None)]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d, kvh, heads", [(64, 3, 9), (16, 2, 6), (64, 32, 32)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("lens", [[1, 3, 17, 40, 9, 8], [700, 2]])
+def test_f16_pools_read_the_same_values_as_float32_pools_holding_them(d, kvh, heads, window,
+                                                                      lens):
+    """--kv-cache-dtype float16: the kernel widens each f16 K/V element (F16C) and runs the
+    float32 arithmetic unchanged, so it equals the float32 kernel over the same rounded values
+    bit for bit, and the torch path over the f16 pool to float32 rounding."""
+    fn = kernels.decode_attention()
+    seqs, pk, pv, q, k, v = _case(lens, None, d, kvh, heads, bs=16, num_blocks=96, seed=d)
+    pk16, pv16 = pk.half(), pv.half()
+    k, v = k.half().float(), v.half().float()     # the new rows too: exact in either pool
+    outs = {}
+    for name, kp, vp, kern in (("f16", pk16, pv16, fn), ("f32", pk16.float(), pv16.float(), fn),
+                               ("torch", pk16, pv16, None)):
+        meta = build_metadata(seqs, 16, window, torch.device("cpu"), torch.float32,
+                              decode_kernel=kern)
+        outs[name] = paged_attention(q, k, v, kp.clone(), vp.clone(), meta, d ** -0.5)
+    assert torch.equal(outs["f16"], outs["f32"])
+    torch.testing.assert_close(outs["f16"], outs["torch"], rtol=1e-5, atol=1e-5)
+
+
+def test_pools_of_two_dtypes_or_bf16_are_refused():
+    seqs, pk, pv, q, k, v = _case([3, 5], None, 16, 2, 4)
+    meta = build_metadata(seqs, 4, None, torch.device("cpu"), torch.float32,
+                          decode_kernel=kernels.decode_attention())
+    args = (meta.decode_tables, meta.decode_lens, 0, 4, 0.25, torch.empty(2, 4, 16))
+    with pytest.raises(ValueError, match="kpool is torch.float16, vpool"):
+        kernels.decode_attention(q[:2].contiguous(), pk.half(), pv, *args)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        kernels.decode_attention(q[:2].contiguous(), pk.bfloat16(), pv.bfloat16(), *args)

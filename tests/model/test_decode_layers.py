@@ -101,3 +101,74 @@ def test_mixed_type_weights_take_the_fused_call_as_segments(tmp_path):
     runner = ModelRunner(loaded, num_blocks=8, block_size=4, sampler=greedy)
     assert len(loaded.model.layers[0].self_attn.qkv_proj.quant.segments) == 3
     assert runner.fused_decode == all(kernels.supports_qgemm(t) for t in (0, 1, 2))
+
+
+def test_f16_kv_cache_takes_the_fused_call_and_equals_the_per_module_path(tmp_path):
+    """--kv-cache-dtype float16: the fused call writes K/V rounded to nearest even (F16C) as
+    the per-module path's torch .to(float16) does, and reads them through the same kernel, so
+    the logits are bit-identical with the fused call on and off."""
+    from iterserve.model.loader import load_model
+    path = tmp_path / "allquant.gguf"
+    load_all_quant_model(path, seed=5)
+    loaded = load_model(str(path), kv_cache_dtype="float16")
+    on, calls_on, tokens_on = _run(loaded, True)
+    off, calls_off, tokens_off = _run(loaded, False)
+    assert calls_on == [3] * 9 and calls_off == []
+    assert tokens_on == tokens_off
+    for x, y in zip(on, off):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_half_checkpoints_decode_on_the_native_kernels_in_their_own_encoding(
+        tmp_path, dtype, tied, monkeypatch):
+    """An HF bf16 / fp16 directory: every Linear, the LM head included (tied or not), runs
+    on kernels.qgemm over its BF16 / F16 rows (no float32 copy, no oneDNN), and decode-only
+    steps take the fused call."""
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file, save_file
+    from fixtures.tiny_models import make_tiny_model_dir
+    from iterserve.model.layers import Linear
+    from iterserve.model.loader import load_model
+    from iterserve.model.runner import ModelRunner
+
+    d = make_tiny_model_dir(tmp_path, tie_word_embeddings=tied)
+    st = load_file(str(d / "model.safetensors"))
+    save_file({k: v.to(dtype) for k, v in st.items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    lm = load_model(str(d))
+    want = int(Q.BF16 if dtype == torch.bfloat16 else Q.F16)
+    runner = ModelRunner(lm, num_blocks=16, block_size=4, sampler=greedy)
+    linears = [m for m in lm.model.modules() if isinstance(m, Linear)]
+    assert all(m.weight is None and m.encoded.types == [want] for m in linears)
+    assert all(m.compute_path() == "native" for m in linears)
+    assert runner.fused_decode and not runner.packed
+    head_calls = []
+    real = kernels.qgemm
+    monkeypatch.setattr(kernels, "qgemm", lambda t, w, *a: (
+        head_calls.append((int(t), w.shape[0])), real(t, w, *a))[1])
+    blocks = Blocks(16, 4)
+    r = request("r", [5, 6, 7, 8, 9])
+    out = step(chunk(blocks, r))
+    advance(out, runner.execute(out))
+    out = step(chunk(blocks, r, 1), step_no=1)
+    advance(out, runner.execute(out))
+    assert (want, lm.config.vocab_size) in head_calls     # the LM head, in its own type
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_lm_head_runs_on_the_native_kernel_tied_or_not(tmp_path, qtype, tied):
+    from fixtures.tiny_gguf import write_random_llama_gguf
+    from iterserve.model.loader import load_model
+    from iterserve.model.runner import ModelRunner
+    cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rms_norm_eps=1e-5,
+               rope_theta=1e4, max_position_embeddings=128, tie_word_embeddings=tied)
+    write_random_llama_gguf(tmp_path / "m.gguf", cfg, qtype)
+    lm = load_model(str(tmp_path / "m.gguf"))
+    runner = ModelRunner(lm, num_blocks=8, block_size=4, sampler=greedy)
+    head = lm.model.lm_head
+    assert (head.encoded is lm.model.embed_tokens.encoded) == tied
+    assert head.compute_path() == "native" and runner.fused_decode

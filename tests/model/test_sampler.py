@@ -198,3 +198,19 @@ def test_rows_that_fit_the_prefilter_and_rows_that_do_not_mix_in_one_batch():
     assert max(out[0::2]) >= sampler_mod.PREFILTER
     # and a seeded row gives the same token alone as in the mixed batch
     assert Sampler()(flat.unsqueeze(0), [req("0", top_p=0.75, seed=0)])[0].token_id == out[0]
+
+
+def test_row_argmax_equals_torch_argmax_with_ties_nan_and_strides():
+    """The sampler's greedy argmax (numpy on CPU, see row_argmax) picks what torch.argmax
+    picks: the first maximum, NaN as the maximum, any row stride."""
+    from iterserve.model.sampler import row_argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 300, generator=g)
+    x[1, 10] = x[1, 20] = 50.0           # a tie: the first one
+    x[2, 7] = float("nan")
+    x[3] = 0.0                           # all equal: index 0
+    for t in (x, x[:, ::3], x[::2], x.t().contiguous().t()):
+        with torch.inference_mode():
+            got = row_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+    assert torch.equal(row_argmax(x.double()), x.double().argmax(dim=-1))   # torch fallback

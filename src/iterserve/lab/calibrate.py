@@ -192,15 +192,20 @@ def fit_errors(coefficients: dict[str, float], features: Sequence[Sequence[float
 # --- timing --------------------------------------------------------------------------------
 
 def _build_outputs(grid: Sequence[GridPoint], block_size: int, vocab: int):
-    """One SchedulerOutput per grid point, with disjoint block tables over one pool."""
+    """One SchedulerOutput per grid point; the sequences of one point have disjoint block
+    tables, and every point starts at block 0. Points are timed one at a time and the K/V
+    they read need not be correct (module docstring), so they can share one pool region: the
+    pool is the largest point's, not the sum of all points' (a 1.7B model's KV for the whole
+    default grid would be ~35 GB in float32)."""
     from iterserve.core.request import SamplingParams
     from iterserve.core.scheduler_output import NewRequestData, SchedulerOutput
 
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    outputs, next_block = [], 0
+    outputs, pool_blocks = [], 0
     for i, point in enumerate(grid):
         new, num = [], {}
+        next_block = 0
         for j, (start, n) in enumerate(point.chunk_shapes()):
             length = start + n
             prompt = [rng.randrange(3, vocab) for _ in range(length)]
@@ -214,7 +219,22 @@ def _build_outputs(grid: Sequence[GridPoint], block_size: int, vocab: int):
             next_block += blocks
         outputs.append(SchedulerOutput(step=i, scheduled_new_reqs=new, num_scheduled_tokens=num,
                                        num_batched_tokens=sum(num.values())))
-    return outputs, next_block
+        pool_blocks = max(pool_blocks, next_block)
+    return outputs, pool_blocks
+
+
+def kv_tokens(p: GridPoint, block_size: int = 16) -> int:
+    """KV slots a point's block tables take (each chunk's context in whole blocks)."""
+    return sum(-(-(s + n) // block_size) * block_size for s, n in p.chunk_shapes())
+
+
+def fit_grid_to_memory(grid: Sequence[GridPoint], bytes_per_token: int, budget_bytes: int,
+                       block_size: int = 16) -> tuple[list[GridPoint], list[GridPoint]]:
+    """(kept, dropped): the points whose KV fits `budget_bytes` at `bytes_per_token`. A big
+    model's KV per token is ~10x the bundled model's, so the default grid's largest points
+    (32 sequences x 1k tokens) do not fit a small machine; the fit uses the rest."""
+    kept = [p for p in grid if kv_tokens(p, block_size) * bytes_per_token <= budget_bytes]
+    return kept, [p for p in grid if p not in kept]
 
 
 def time_grid(loaded, grid: Sequence[GridPoint], *, repeats: int = 5, block_size: int = 16,
@@ -273,10 +293,15 @@ class CalibrationResult:
         return d
 
 
+DEFAULT_KV_BUDGET_GIB = 2.0
+
+
 def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | None = None,
               grid: Sequence[GridPoint] | None = None, block_size: int = 16,
+              kv_budget_gib: float = DEFAULT_KV_BUDGET_GIB,
               progress: Callable[[str], None] | None = None) -> CalibrationResult:
-    """Load the model, time the grid, fit; `model` None is the bundled default."""
+    """Load the model, time the grid, fit; `model` None is the bundled default. Grid points
+    whose KV would exceed `kv_budget_gib` are left out (and listed in the source block)."""
     if repeats is None:
         repeats = 3 if quick else 7
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -287,12 +312,26 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
     grid = [check_point(p) for p in (default_grid(quick) if grid is None else grid)]
     if len(grid) < len(COEFFICIENTS):
         raise CalibrationError(f"the grid needs at least {len(COEFFICIENTS)} points")
+    if not kv_budget_gib > 0:
+        raise CalibrationError(f"kv_budget_gib must be positive, got {kv_budget_gib!r}")
 
     import torch
 
     from iterserve.model.loader import load_model
+    from iterserve.model.runner import ModelRunner
 
     loaded = load_model(model)
+    per_token = ModelRunner.kv_cache_bytes_per_block(loaded.config, block_size) // block_size
+    grid, dropped = fit_grid_to_memory(grid, per_token, int(kv_budget_gib * (1 << 30)),
+                                       block_size)
+    if len(grid) < len(COEFFICIENTS):
+        raise CalibrationError(
+            f"only {len(grid)} grid points fit a {kv_budget_gib:g} GiB KV budget at "
+            f"{per_token} bytes per token; the fit needs {len(COEFFICIENTS)}: raise "
+            "--kv-budget-gib")
+    if dropped and progress:
+        progress(f"{len(dropped)} grid points left out (KV over {kv_budget_gib:g} GiB): "
+                 + ", ".join(p.label() for p in dropped))
     limit = loaded.config.max_position_embeddings
     longest = max(max(s + n for s, n in p.chunk_shapes()) for p in grid)
     if limit and longest > limit:
@@ -326,6 +365,7 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
         "date": date, "grid": grid_name,
         "num_points": len(grid), "repeats": repeats, "statistic": "median",
         "block_size": block_size, "timing_s": round(elapsed, 1),
+        "kv_budget_gib": kv_budget_gib, "dropped_points": [p.label() for p in dropped],
         "load_average_before": load_before, "load_average_after": load_after,
         "fit": "non-negative least squares on relative error",
         "mean_abs_rel_error": round(mean_err, 4), "max_abs_rel_error": round(max_err, 4),
@@ -369,6 +409,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a tiny grid and 3 repeats (tests)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per grid point (default 7, --quick 3)")
+    p.add_argument("--kv-budget-gib", type=float, default=DEFAULT_KV_BUDGET_GIB,
+                   help="leave out grid points whose KV cache would exceed this (default "
+                        f"{DEFAULT_KV_BUDGET_GIB:g}; big models need it)")
     p.set_defaults(func=run)
     return p
 
@@ -380,13 +423,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats is not None and args.repeats < 1:
         return err(f"--repeats must be at least 1, got {args.repeats}")
+    if not args.kv_budget_gib > 0:
+        return err(f"--kv-budget-gib must be positive, got {args.kv_budget_gib}")
     if args.out is not None:
         parent = Path(args.out).expanduser().resolve().parent
         if not parent.is_dir():
             return err(f"--out: directory {str(parent)!r} does not exist")
     try:
         res = calibrate(args.model, quick=args.quick, repeats=args.repeats,
-                        progress=lambda m: print(m, file=sys.stderr, flush=True))
+                        kv_budget_gib=args.kv_budget_gib, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (CalibrationError, ValueError, FileNotFoundError) as e:   # ModelLoadError too
         return err(str(e))
     print(format_report(res), file=sys.stderr)

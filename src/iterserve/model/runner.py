@@ -100,8 +100,10 @@ class ModelRunner:
         self.native_ops = self.model.use_native_ops(on) if hasattr(self.model, "use_native_ops") \
             else False
         self.decode_kernel = None
+        # The native attention reads float32 or f16 pools (f16: half the KV bytes per step;
+        # kernels/decode_attention.c); a bf16 pool keeps the torch path.
         if on and self.device.type == "cpu" and self.config.dtype == torch.float32 \
-                and kv_dtype == torch.float32 and self.config.head_dim % 8 == 0:
+                and kv_dtype in (torch.float32, torch.float16) and self.config.head_dim % 8 == 0:
             from iterserve.model import kernels
             self.decode_kernel = kernels.decode_attention()
         # Small decode-only steps: every layer in one native call (llama.use_fused_decode).

@@ -118,6 +118,12 @@ _ARGTYPES = {
     "iterserve_decode_layers": (_i32, [_p, _i32, _p, _p, _i64, _p, _i64, _i64, _i32, _i32,
                                        _i32, _i64, _f32, _p, _p, _p, _p, _i32, _p, _i32, _i32,
                                        _f32, _i32]),
+    # float32 or f16 KV pools (kv_type 0 / 1): the two above with a pool element type
+    "iterserve_decode_attention_kv": (_i32, [_p, _p, _p, _i64, _p, _i32, _p, _i32, _i32, _i32,
+                                             _i32, _i32, _i32, _f32, _p, _i32, _i32]),
+    "iterserve_decode_layers_kv": (_i32, [_p, _i32, _p, _p, _i64, _p, _i64, _i64, _i32, _i32,
+                                          _i32, _i64, _f32, _p, _p, _p, _p, _i32, _p, _i32, _i32,
+                                          _f32, _i32, _i32]),
 }
 _ERRORS = {1: "a block table entry lies outside the KV pool",
            2: "a slot lies outside the KV pool",
@@ -613,13 +619,27 @@ def _tables(tables, lens, D: int) -> None:
                          f"{D} sequences")
 
 
+KV_TYPES = {torch.float32: 0, torch.float16: 1}   # iterserve.h's ITERSERVE_KV_F32 / _F16
+
+
 def _pools(kpool, vpool, d: int) -> int:
-    _f32(kpool, "kpool", 2)
-    _f32(vpool, "vpool", 2)
+    """KV heads of a (kpool, vpool) pair: contiguous [slots, kvh * d] CPU tensors of one
+    dtype, float32 or float16 (kv_type(kpool) says which)."""
+    for name, t in (("kpool", kpool), ("vpool", vpool)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in KV_TYPES or not t.is_cpu \
+                or t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 2-D float32 or float16 CPU tensor")
+    if kpool.dtype != vpool.dtype:
+        raise ValueError(f"kpool is {kpool.dtype}, vpool {vpool.dtype}")
     if kpool.shape != vpool.shape or kpool.shape[1] % d:
         raise ValueError(f"pools {tuple(kpool.shape)} / {tuple(vpool.shape)} do not hold heads "
                          f"of {d}")
     return kpool.shape[1] // d
+
+
+def kv_type(pool: torch.Tensor) -> int:
+    """The kernels' code for a KV pool's dtype (float32 0, float16 1)."""
+    return KV_TYPES[pool.dtype]
 
 
 def _rc(rc: int) -> None:
@@ -630,7 +650,8 @@ def _rc(rc: int) -> None:
 def decode_attention(q=None, kpool=None, vpool=None, tables=None, lens=None, window: int = 0,
                      block_size: int = 0, scale: float = 1.0, out=None):
     """Attention of one query per sequence over its context in the paged pool: q, out float32
-    contiguous [D, H, d]; kpool/vpool float32 contiguous [slots, kvh * d]; tables int32
+    contiguous [D, H, d]; kpool/vpool float32 or float16 (both alike) contiguous
+    [slots, kvh * d]; tables int32
     [D, max_blocks], lens int32 [D] (context lengths, the new token included); window 0 or a
     sliding window. Returns out.
 
@@ -654,10 +675,10 @@ def decode_attention(q=None, kpool=None, vpool=None, tables=None, lens=None, win
         raise ValueError(f"block_size {block_size} / window {window}")
     if D == 0:
         return out
-    _rc(lib.iterserve_decode_attention(
+    _rc(lib.iterserve_decode_attention_kv(
         q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[0], tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), window, D, H, kvh, d, block_size, scale,
-        out.data_ptr(), _threads()))
+        out.data_ptr(), _threads(), kv_type(kpool)))
     return out
 
 
@@ -693,7 +714,7 @@ class DecodeLayers:
             raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads of {head_dim}")
         self.hidden, self.num_heads, self.num_kv_heads = hidden, num_heads, num_kv_heads
         self.head_dim, self.intermediate, self.eps = head_dim, intermediate, eps
-        self._fn = lib.iterserve_decode_layers
+        self._fn = lib.iterserve_decode_layers_kv
         self._keep: list[torch.Tensor] = []          # every tensor the structs point into
         qkvw = (num_heads + 2 * num_kv_heads) * head_dim
         self._layers = (Layer * len(layers))()
@@ -757,8 +778,9 @@ class DecodeLayers:
             raise ValueError(f"{len(k_pools)} / {len(v_pools)} pools for {n} layers")
         kvw = self.num_kv_heads * self.head_dim
         for kp, vp in zip(k_pools, v_pools):
-            if _pools(kp, vp, self.head_dim) != self.num_kv_heads or kp.shape[0] != slots:
-                raise ValueError(f"pools must all be [{slots}, {kvw}]")
+            if _pools(kp, vp, self.head_dim) != self.num_kv_heads or kp.shape[0] != slots \
+                    or kp.dtype != k_pools[0].dtype:
+                raise ValueError(f"pools must all be [{slots}, {kvw}] of one dtype")
         arrays = ((ctypes.c_void_p * n)(*[p.data_ptr() for p in k_pools]),
                   (ctypes.c_void_p * n)(*[p.data_ptr() for p in v_pools]))
         self._pool_key, self._pool_arrays = key, arrays
@@ -768,7 +790,7 @@ class DecodeLayers:
             scale: float, k_pools, v_pools) -> torch.Tensor:
         """h float32 contiguous [T, hidden] (updated in place and returned) through every
         layer; cos/sin [T, head_dim]; slot_mapping int64 [T] (where each token's K/V goes);
-        tables int32 [T, max_blocks], lens int32 [T]; k_pools / v_pools one float32
+        tables int32 [T, max_blocks], lens int32 [T]; k_pools / v_pools one float32 or float16 (all alike)
         [slots, kv_heads * head_dim] per layer."""
         _f32(h, "h", 2)
         T = h.shape[0]
@@ -793,5 +815,6 @@ class DecodeLayers:
                      self.hidden, self.num_heads, self.num_kv_heads, self.head_dim,
                      self.intermediate, self.eps, cos.data_ptr(), sin.data_ptr(),
                      slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
-                     lens.data_ptr(), window, block_size, scale, _threads()))
+                     lens.data_ptr(), window, block_size, scale, _threads(),
+                     kv_type(k_pools[0])))
         return h

@@ -26,6 +26,12 @@
  * arithmetic and its cache misses overlap poorly); the prefetches measured within noise of
  * none, and a single-pass online-softmax variant was no faster.
  *
+ * The pools hold float32 or, with `--kv-cache-dtype float16`, IEEE half rows
+ * (iterserve_decode_attention_kv, kv_type ITERSERVE_KV_F16): the same code with each K/V
+ * load widened by F16C (vcvtph2ps), so a step reads half the KV bytes. At the 1.7B shape
+ * (32 KV heads of 64, 24 layers: 384 KB of float32 K/V per token) 8 sequences at ~300
+ * tokens read ~0.9 GB of K/V per step, as much as the Q4_K_M weights (1.05 GB).
+ *
  * The block tables and lengths come from the caller: every length must lie in
  * [1, max_blocks * bs] and every block a sequence uses must lie in the pool, else nothing is
  * computed and ITERSERVE_ELEN / ITERSERVE_EBLOCK is returned (checked before any read).
@@ -49,15 +55,22 @@ static inline __m256 hsum8x8(const __m256 *a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* 8 K/V elements from element index i of a row: float32, or half widened by F16C. */
+static inline __attribute__((always_inline)) __m256 ld8(const void *row, long i, int f16) {
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
 /* Scores of one query head against 8 K rows (rows past the run point at a zero row). */
-static inline void scores8(const float *qg, const float *const *kr, long off, int d,
-                           float scale, float *dst) {
+static inline __attribute__((always_inline)) void scores8(
+        const float *qg, const void *const *kr, long off, int d, float scale, float *dst,
+        int f16) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     for (int i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + i);
         for (int j = 0; j < 8; j++)
-            acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + off + i), acc[j]);
+            acc[j] = _mm256_fmadd_ps(qv, ld8(kr[j], off + i, f16), acc[j]);
     }
     _mm256_storeu_ps(dst, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
 }
@@ -65,15 +78,14 @@ static inline void scores8(const float *qg, const float *const *kr, long off, in
 /* o[g][0..8*NV) += sum_t p[g][t] * V[t][off..off+8*NV) for NG query heads, t < n; NG and NV
  * are compile-time constants after inlining. */
 static inline __attribute__((always_inline)) void pv_tile(
-        int NG, int NV, const float *const *vr, long off, int n, const float *p, long pstride,
-        float *o, long ostride) {
+        int NG, int NV, const void *const *vr, long off, int n, const float *p, long pstride,
+        float *o, long ostride, int f16) {
     __m256 acc[12];
     for (int g = 0; g < NG; g++)
         for (int i = 0; i < NV; i++) acc[g * NV + i] = _mm256_loadu_ps(o + g * ostride + 8 * i);
     for (int t = 0; t < n; t++) {
-        const float *v = vr[t] + off;
         __m256 vv[4];
-        for (int i = 0; i < NV; i++) vv[i] = _mm256_loadu_ps(v + 8 * i);
+        for (int i = 0; i < NV; i++) vv[i] = ld8(vr[t], off + 8 * i, f16);
         for (int g = 0; g < NG; g++) {
             const __m256 w = _mm256_broadcast_ss(p + g * pstride + t);
             for (int i = 0; i < NV; i++) acc[g * NV + i] = _mm256_fmadd_ps(w, vv[i], acc[g * NV + i]);
@@ -83,8 +95,9 @@ static inline __attribute__((always_inline)) void pv_tile(
         for (int i = 0; i < NV; i++) _mm256_storeu_ps(o + g * ostride + 8 * i, acc[g * NV + i]);
 }
 
-#define PV(NG, NV) pv_tile(NG, NV, vr, off, n, p, pstride, o, ostride)
-static void pv(int NG, int NV, const float *const *vr, long off, int n, const float *p,
+#define PV(NG, NV) pv_tile(NG, NV, vr, off, n, p, pstride, o, ostride, F16)
+#define F16 0
+static void pv(int NG, int NV, const void *const *vr, long off, int n, const float *p,
                long pstride, float *o, long ostride) {
     switch (NG * 4 + NV) {
     case 5: PV(1, 1); break;   case 6: PV(1, 2); break;   case 7: PV(1, 3); break;
@@ -95,6 +108,20 @@ static void pv(int NG, int NV, const float *const *vr, long off, int n, const fl
     default: PV(3, 4); break;
     }
 }
+#undef F16
+#define F16 1
+static void pv16(int NG, int NV, const void *const *vr, long off, int n, const float *p,
+                 long pstride, float *o, long ostride) {
+    switch (NG * 4 + NV) {
+    case 5: PV(1, 1); break;   case 6: PV(1, 2); break;   case 7: PV(1, 3); break;
+    case 8: PV(1, 4); break;
+    case 9: PV(2, 1); break;   case 10: PV(2, 2); break;  case 11: PV(2, 3); break;
+    case 12: PV(2, 4); break;
+    case 13: PV(3, 1); break;  case 14: PV(3, 2); break;  case 15: PV(3, 3); break;
+    default: PV(3, 4); break;
+    }
+}
+#undef F16
 
 /* Softmax numerator of n scores in place: s = exp(s - max); returns max, *sum gets the sum. */
 static float exp_scores(float *sg, int n, float *sum_out) {
@@ -129,10 +156,10 @@ static float exp_scores(float *sg, int n, float *sum_out) {
 #define MAX_RUN 256        /* longest: a run's K and V rows (~400 KB here) stay in L2 */
 #define PF_AHEAD 16        /* K rows fetched this many positions ahead of pass 1 */
 
-static inline void prefetch_row(const float *r, long n, int hint_l2) {
-    for (long i = 0; i < n; i += 16) {
-        if (hint_l2) _mm_prefetch((const char *)(r + i), _MM_HINT_T1);
-        else _mm_prefetch((const char *)(r + i), _MM_HINT_T0);
+static inline void prefetch_row(const void *r, long nbytes, int hint_l2) {
+    for (long i = 0; i < nbytes; i += 64) {
+        if (hint_l2) _mm_prefetch((const char *)r + i, _MM_HINT_T1);
+        else _mm_prefetch((const char *)r + i, _MM_HINT_T0);
     }
 }
 
@@ -150,12 +177,13 @@ static int check_tables(const int32_t *tables, int max_blocks, const int32_t *le
     return ITERSERVE_OK;
 }
 
-int iterserve_decode_attention(const float *q, const float *kpool, const float *vpool,
-                               int64_t pool_slots, const int32_t *tables, int max_blocks,
-                               const int32_t *lens, int window, int D, int H, int kvh, int d,
-                               int bs, float scale, float *out, int nthreads) {
+static inline __attribute__((always_inline)) int decode_attention(
+        const float *q, const void *kpool, const void *vpool, int64_t pool_slots,
+        const int32_t *tables, int max_blocks, const int32_t *lens, int window, int D, int H,
+        int kvh, int d, int bs, float scale, float *out, int nthreads, int f16) {
     const int G = H / kvh;                 /* query heads per KV head */
-    const long row = (long)kvh * d;        /* floats per slot */
+    const long row = (long)kvh * d;        /* elements per slot */
+    const long row_bytes = row * (f16 ? 2 : 4);
     if (nthreads < 1) nthreads = 1;
     if (D < 1) return ITERSERVE_OK;
     const int bad = check_tables(tables, max_blocks, lens, D, bs, pool_slots);
@@ -188,9 +216,9 @@ int iterserve_decode_attention(const float *q, const float *kpool, const float *
     {
         const long stride = run + 8;                       /* scores per query head */
         float *scores = aligned_alloc(32, sizeof(float) * (size_t)(H * stride));
-        const float **kr = malloc(sizeof(float *) * (size_t)stride);
-        const float **vr = malloc(sizeof(float *) * (size_t)stride);
-        float *zero = calloc((size_t)row, sizeof(float));
+        const void **kr = malloc(sizeof(void *) * (size_t)stride);
+        const void **vr = malloc(sizeof(void *) * (size_t)stride);
+        float *zero = calloc((size_t)row, sizeof(float));   /* all-zero bits: 0 in f16 too */
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < nitems; it++) {
             const int s = item_seq[it];
@@ -205,20 +233,20 @@ int iterserve_decode_attention(const float *q, const float *kpool, const float *
             int bi = p0 / bs, bo = p0 % bs;
             for (int t = 0; t < n; t++) {
                 const long slot = (long)table[bi] * bs + bo;
-                kr[t] = kpool + slot * row;
-                vr[t] = vpool + slot * row;
+                kr[t] = (const char *)kpool + slot * row_bytes;
+                vr[t] = (const char *)vpool + slot * row_bytes;
                 if (++bo == bs) { bo = 0; bi++; }
             }
             for (int t = n; t < (n + 7) / 8 * 8; t++) kr[t] = zero;
             /* pass 1: scores of every query head, 8 positions at a time */
             for (int t = 0; t < n; t += 8) {
                 for (int j = t + PF_AHEAD; j < t + PF_AHEAD + 8 && j < n; j++)
-                    prefetch_row(kr[j], row, 0);
+                    prefetch_row(kr[j], row_bytes, 0);
                 for (int j = t; j < t + 8 && j < n; j++)
-                    prefetch_row(vr[j], row, 1);
+                    prefetch_row(vr[j], row_bytes, 1);
                 for (int hq = 0; hq < H; hq++)
                     scores8(qs + (long)hq * d, kr + t, (long)(hq / G) * d, d, scale,
-                            scores + hq * stride + t);
+                            scores + hq * stride + t, f16);
             }
             /* softmax numerators; normalised here unless the run is merged later */
             float *o = split ? part + it * part_floats : out + (long)s * H * d;
@@ -247,8 +275,9 @@ int iterserve_decode_attention(const float *q, const float *kpool, const float *
                         const int hq = h * G + g0;
                         for (int c = 0; c < d; c += 32) {
                             const int NV = (d - c) < 32 ? (d - c) / 8 : 4;
-                            pv(NG, NV, vr + t0, (long)h * d + c, m, scores + hq * stride + t0,
-                               stride, o + (long)hq * d + c, d);
+                            (f16 ? pv16 : pv)(NG, NV, vr + t0, (long)h * d + c, m,
+                                              scores + hq * stride + t0, stride,
+                                              o + (long)hq * d + c, d);
                         }
                     }
             }
@@ -288,4 +317,25 @@ int iterserve_decode_attention(const float *q, const float *kpool, const float *
     free(item_seq);
     free(first);
     return ITERSERVE_OK;
+}
+
+
+int iterserve_decode_attention(const float *q, const float *kpool, const float *vpool,
+                               int64_t pool_slots, const int32_t *tables, int max_blocks,
+                               const int32_t *lens, int window, int D, int H, int kvh, int d,
+                               int bs, float scale, float *out, int nthreads) {
+    return decode_attention(q, kpool, vpool, pool_slots, tables, max_blocks, lens, window, D, H,
+                            kvh, d, bs, scale, out, nthreads, 0);
+}
+
+int iterserve_decode_attention_kv(const float *q, const void *kpool, const void *vpool,
+                                  int64_t pool_slots, const int32_t *tables, int max_blocks,
+                                  const int32_t *lens, int window, int D, int H, int kvh, int d,
+                                  int bs, float scale, float *out, int nthreads, int kv_type) {
+    if (kv_type == ITERSERVE_KV_F16)
+        return decode_attention(q, kpool, vpool, pool_slots, tables, max_blocks, lens, window,
+                                D, H, kvh, d, bs, scale, out, nthreads, 1);
+    if (kv_type != ITERSERVE_KV_F32) return ITERSERVE_ETYPE;
+    return decode_attention(q, kpool, vpool, pool_slots, tables, max_blocks, lens, window, D, H,
+                            kvh, d, bs, scale, out, nthreads, 0);
 }

@@ -21,9 +21,12 @@
  * different types (a Q4_K_M file's fused q/k/v), each written into its own column range of
  * the output by the same iterserve_qgemm call the per-module path makes per segment.
  * kernels.DecodeLayers (Python) builds the per-layer descriptors once and checks every shape;
- * the pool addresses come per call (a cache's pools may be replaced). Slots, block tables
+ * the pool addresses come per call (a cache's pools may be replaced). The pools hold float32
+ * or f16 rows (iterserve_decode_layers_kv): f16 K/V are rounded to nearest even when written
+ * (F16C, as torch's .to(float16) on the per-module path) and widened when read. Slots, block tables
  * and lengths are checked here before anything is written (ITERSERVE_ESLOT / EBLOCK / ELEN).
  */
+#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,12 +45,33 @@ static void gemm(const iterserve_linear *w, const float *x, int64_t T, float *y,
     }
 }
 
+/* n floats -> IEEE half, round to nearest even (n a multiple of 8: kvh * head_dim, d % 8 == 0) */
+static void to_f16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *const *kpools,
                             float *const *vpools, int64_t pool_slots, float *h, int64_t T,
                             int64_t hidden, int H, int kvh, int d, int64_t inter, float eps,
                             const float *cos, const float *sin, const int64_t *slot_mapping,
                             const int32_t *tables, int max_blocks, const int32_t *lens,
                             int window, int bs, float scale, int nthreads) {
+    return iterserve_decode_layers_kv(layers, nlayers, (void *const *)kpools,
+                                      (void *const *)vpools, pool_slots, h, T, hidden, H, kvh, d,
+                                      inter, eps, cos, sin, slot_mapping, tables, max_blocks,
+                                      lens, window, bs, scale, nthreads, ITERSERVE_KV_F32);
+}
+
+int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void *const *kpools,
+                               void *const *vpools, int64_t pool_slots, float *h, int64_t T,
+                               int64_t hidden, int H, int kvh, int d, int64_t inter, float eps,
+                               const float *cos, const float *sin, const int64_t *slot_mapping,
+                               const int32_t *tables, int max_blocks, const int32_t *lens,
+                               int window, int bs, float scale, int nthreads, int kv_type) {
+    if (kv_type != ITERSERVE_KV_F32 && kv_type != ITERSERVE_KV_F16) return ITERSERVE_ETYPE;
+    if (kv_type == ITERSERVE_KV_F16 && d % 8) return ITERSERVE_ETYPE;
     for (int64_t t = 0; t < T; t++)
         if (slot_mapping[t] < 0 || slot_mapping[t] >= pool_slots) return ITERSERVE_ESLOT;
     const int64_t nblocks = pool_slots / bs;
@@ -68,7 +92,7 @@ int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *c
     float *gu = a + T * qsz, *act = gu + T * 2 * inter, *y = act + T * inter;
     for (int l = 0; l < nlayers; l++) {
         const iterserve_layer *L = layers + l;
-        float *kpool = kpools[l], *vpool = vpools[l];
+        void *kpool = kpools[l], *vpool = vpools[l];
         iterserve_rmsnorm(h, L->ln1, x, T, hidden, eps);
         gemm(&L->qkv, x, T, qkv, qkvw, nthreads);
         if (L->qkv_bias)
@@ -80,11 +104,18 @@ int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *c
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkvw;
             memcpy(q + t * qsz, row, sizeof(float) * (size_t)qsz);
-            memcpy(kpool + slot_mapping[t] * kvsz, row + qsz, sizeof(float) * (size_t)kvsz);
-            memcpy(vpool + slot_mapping[t] * kvsz, row + qsz + kvsz, sizeof(float) * (size_t)kvsz);
+            if (kv_type == ITERSERVE_KV_F16) {
+                to_f16((uint16_t *)kpool + slot_mapping[t] * kvsz, row + qsz, kvsz);
+                to_f16((uint16_t *)vpool + slot_mapping[t] * kvsz, row + qsz + kvsz, kvsz);
+            } else {
+                memcpy((float *)kpool + slot_mapping[t] * kvsz, row + qsz,
+                       sizeof(float) * (size_t)kvsz);
+                memcpy((float *)vpool + slot_mapping[t] * kvsz, row + qsz + kvsz,
+                       sizeof(float) * (size_t)kvsz);
+            }
         }
-        iterserve_decode_attention(q, kpool, vpool, pool_slots, tables, max_blocks, lens, window,
-                                   (int)T, H, kvh, d, bs, scale, a, nthreads);
+        iterserve_decode_attention_kv(q, kpool, vpool, pool_slots, tables, max_blocks, lens,
+                                      window, (int)T, H, kvh, d, bs, scale, a, nthreads, kv_type);
         gemm(&L->o, a, T, y, hidden, nthreads);
         for (int64_t i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
         iterserve_rmsnorm(h, L->ln2, x, T, hidden, eps);

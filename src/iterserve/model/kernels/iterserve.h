@@ -140,6 +140,21 @@ int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *c
                             const int32_t *tables, int max_blocks, const int32_t *lens,
                             int window, int bs, float scale, int nthreads);
 
+/* --- the same two over a KV pool of float32 or f16 rows (bench, issue 13) --------------- */
+/* kv_type: ITERSERVE_KV_F32 or ITERSERVE_KV_F16 (IEEE half, written with round-to-nearest-
+ * even like torch's .to(float16)); any other value returns ITERSERVE_ETYPE. */
+enum { ITERSERVE_KV_F32 = 0, ITERSERVE_KV_F16 = 1 };
+int iterserve_decode_attention_kv(const float *q, const void *kpool, const void *vpool,
+                                  int64_t pool_slots, const int32_t *tables, int max_blocks,
+                                  const int32_t *lens, int window, int D, int H, int kvh, int d,
+                                  int bs, float scale, float *out, int nthreads, int kv_type);
+int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void *const *kpools,
+                               void *const *vpools, int64_t pool_slots, float *h, int64_t T,
+                               int64_t hidden, int H, int kvh, int d, int64_t inter, float eps,
+                               const float *cos, const float *sin, const int64_t *slot_mapping,
+                               const int32_t *tables, int max_blocks, const int32_t *lens,
+                               int window, int bs, float scale, int nthreads, int kv_type);
+
 /* --- internal, shared between the kernel sources ---------------------------------------- */
 /* Block geometry of a ggml type (0 if unknown) and whether dequant.c decodes it. */
 int iterserve_block_elems(int64_t type);
