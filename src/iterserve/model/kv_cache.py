@@ -5,18 +5,49 @@ request lives in slot `block_ids[p // block_size] * block_size + p % block_size`
 pool viewed as [num_blocks * block_size, kv_heads * head_dim], so writing a step's new K/V is
 one index_copy_ and reading a sequence's context is one index_select with precomputed slot
 indices (computed once per step and shared by all layers, see attention.AttentionMetadata).
+
+Allocation: on CPU the pools are one anonymous private mapping (`lazy_zeros`), not
+`torch.zeros`. The kernel hands out a zero page the first time a page is touched, so the
+pools read as zeros exactly as before (the padded SDPA path reads slots past a sequence's
+length, and a 0 * NaN from uninitialised memory there would poison the output), yet nothing
+is written at start: a 1.5 GiB pool took 3.7-20 s to zero-fill at start under load, and now
+costs nothing until used, and RSS grows as the cache fills (as llama.cpp's does).
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
 from iterserve.engine.errors import ServerError  # base class: see engine/errors.py
 from iterserve.model.config import ModelConfig
+from iterserve.model.startup import phase
 
 
 class KVCacheError(ServerError):
     """A block id or swap pair is outside the pools."""
+
+
+# Below this a plain torch.zeros is as cheap and keeps small pools on the allocator.
+_LAZY_MIN_BYTES = 1 << 20
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages are supplied by the kernel on first touch.
+
+    An anonymous private mapping is zero-filled by definition (POSIX MAP_ANONYMOUS), so
+    this is `torch.zeros` without writing anything: untouched pages take neither time nor
+    RSS. The tensor holds the mapping (torch.frombuffer keeps its buffer alive); the
+    mapping is unmapped when the last view of it goes."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * elem
+    if nbytes < _LAZY_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -31,17 +62,26 @@ class PagedKVCache:
         self.dtype = dtype or config.dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
+        L = config.num_layers
+        with phase("kv_alloc"):
+            if self.device.type == "cpu":
+                pools = lazy_zeros((2, L, *shape), self.dtype)
+                self.k, self.v = list(pools[0].unbind(0)), list(pools[1].unbind(0))
+            else:
+                self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(L)]
+                self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(L)]
         # Flat 2-D views addressed by slot: [num_blocks * block_size, kv_heads * head_dim].
         # 2-D because index_select/index_copy_ over 2-D rows was measured ~4x faster than
         # over [slots, kv_heads, head_dim].
         self.k_slots = [t.view(-1, shape[2] * shape[3]) for t in self.k]
         self.v_slots = [t.view(-1, shape[2] * shape[3]) for t in self.v]
         swap_shape = (num_swap_blocks, *shape[1:])
-        pin = self.device.type == "cuda"
-        self.swap_k = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin) for _ in self.k]
-        self.swap_v = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin) for _ in self.v]
+        if self.device.type == "cuda":     # pinned host memory for the copies
+            self.swap_k = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=True) for _ in self.k]
+            self.swap_v = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=True) for _ in self.v]
+        else:
+            swaps = lazy_zeros((2, L, *swap_shape), self.dtype)
+            self.swap_k, self.swap_v = list(swaps[0].unbind(0)), list(swaps[1].unbind(0))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

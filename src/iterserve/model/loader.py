@@ -24,7 +24,8 @@ from iterserve.model.config import ModelConfig, ModelLoadError, parse_dtype, par
 from iterserve.model.hf_loader import read_hf_config, read_hf_weights
 from iterserve.model.gpt2 import GPT2ForCausalLM
 from iterserve.model.llama import LlamaForCausalLM
-from iterserve.model.weights import FLOAT_TYPES, EncodedWeight, TensorRef
+from iterserve.model.startup import phase
+from iterserve.model.weights import FLOAT_TYPES, EncodedWeight, TensorRef, release_read_scratch
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,12 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
     if p.is_dir():
         from iterserve.model.tokenizer import Tokenizer
         from iterserve.model.hf_loader import weight_files
-        hf_config = read_hf_config(p)
-        ModelConfig.from_hf(hf_config)                 # fail on the arch before mapping weights
-        refs = read_hf_weights(p)
-        tokenizer = Tokenizer.from_hf_dir(p)
+        with phase("metadata"):
+            hf_config = read_hf_config(p)
+            ModelConfig.from_hf(hf_config)             # fail on the arch before mapping weights
+            refs = read_hf_weights(p)
+        with phase("tokenizer"):
+            tokenizer = Tokenizer.from_hf_dir(p)
         name = p.name
         file_bytes = sum(f.stat().st_size for f in weight_files(p))
     elif p.suffix.lower() == ".gguf":
@@ -124,8 +127,9 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
         config.eos_token_ids = sorted(tokenizer.eos_token_ids)
     if shard is not None:             # tensor parallel: this rank's slice (model/parallel.py)
         refs, config = shard.refs(refs, config), shard.config(config)
-    model = build_model(config, refs, dev, cast=explicit,
-                        prepare=None if shard is None else shard.prepare_model)
+    with phase("weights"):
+        model = build_model(config, refs, dev, cast=explicit,
+                            prepare=None if shard is None else shard.prepare_model)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name,
                        path=str(p), file_bytes=file_bytes, refs=refs)
 
@@ -141,6 +145,7 @@ def build_model(config: ModelConfig, refs: dict[str, TensorRef],
         model = prepare(model)
     if hasattr(model, "load_weights"):
         model.load_weights(refs, Placement(device, config.dtype, cast))
+        release_read_scratch()
     else:
         # gpt2: HF stores its projections as Conv1D [in, out], transposed at load, so its
         # weights are dense float tensors (converted once from the mapped file).

@@ -15,9 +15,12 @@ stays what the file stores, and the memory a model takes is a function of its fi
 - `EncodedWeight` is a [rows, k] matrix as one or more row segments `(ggml_type, uint8
   [rows, row_bytes])` stacked in output order: the layout `kernels.qgemm` and
   `kernels.DecodeLayers` read. `fuse()` builds it from the parts of a fused weight (q/k/v,
-  gate/up): consecutive parts of one type go into one anonymous buffer (read straight from
-  the file), parts of different types (Q4_K_M keeps some v / down tensors in Q6_K) stay
-  separate segments; a lone plain tensor is a view of the mapping.
+  gate/up): a part in file order is a view of the mapping (gate/up, v, o, down: nothing
+  copied at load, each page read once, at first use); consecutive parts of one type whose
+  rows must be gathered (llama's Q/K) share one anonymous buffer, read straight from the file.
+  Parts of different types (Q4_K_M keeps some v / down tensors in Q6_K) are separate
+  segments in any case. (Copying gate/up and q/k/v into one buffer each made up most of a
+  1.7B GGUF's load time.)
 - `decode_rows()` widens a bounded block of rows to float32 (the reference path's tile and the
   embedding lookup): F32/F16/BF16 by a dtype conversion, block types by `kernels.dequant` where
   the native library has it, else by gguf-py's numpy dequantiser (the numerical reference).
@@ -102,18 +105,15 @@ class TensorRef:
         if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != self.nbytes:
             raise ValueError(f"{self.name}: read_into needs a contiguous uint8 buffer of "
                              f"{self.nbytes} bytes")
-        buf = memoryview(out.numpy()).cast("B")
-        with open(self.path, "rb", buffering=0) as f:
-            done = 0
-            while done < self.nbytes:
-                n = os.preadv(f.fileno(), [buf[done:]], self.offset + done)
-                if n <= 0:
-                    raise OSError(f"{self.path}: short read of tensor {self.name!r} "
-                                  f"({done} of {self.nbytes} bytes); is the file truncated?")
-                done += n
-        if self.row_perm is not None:
-            rows = out.view(self.rows, self.row_bytes)
-            rows.copy_(rows[torch.from_numpy(self.row_perm)])
+        if self.row_perm is None:
+            _pread(self, memoryview(out.numpy()).cast("B"))
+            return
+        # Read into a reused scratch, then gather the rows into `out` in one pass.
+        tmp = _read_scratch(self.nbytes)
+        _pread(self, memoryview(tmp.numpy()).cast("B"))
+        torch.index_select(tmp.view(self.rows, self.row_bytes), 0,
+                           torch.from_numpy(self.row_perm).to(torch.long),
+                           out=out.view(self.rows, self.row_bytes))
 
     def to_float(self) -> torch.Tensor:
         """float32 copy in HF shape: for small tensors (norms, biases) and for tests."""
@@ -121,6 +121,34 @@ class TensorRef:
         out = torch.empty(self.rows, self.k, dtype=torch.float32)
         decode_rows(self.ggml_type, rows, self.k, out)
         return out.view(self.shape)
+
+
+def _pread(ref: TensorRef, buf: memoryview) -> None:
+    """The tensor's file bytes into `buf` with plain reads (the mapping stays untouched)."""
+    with open(ref.path, "rb", buffering=0) as f:
+        done = 0
+        while done < ref.nbytes:
+            n = os.preadv(f.fileno(), [buf[done:ref.nbytes]], ref.offset + done)
+            if n <= 0:
+                raise OSError(f"{ref.path}: short read of tensor {ref.name!r} "
+                              f"({done} of {ref.nbytes} bytes); is the file truncated?")
+            done += n
+
+
+_read_buf = threading.local()
+
+
+def _read_scratch(nbytes: int) -> torch.Tensor:
+    """A reused uint8 buffer of nbytes for a gathered read (freed by release_read_scratch)."""
+    buf = getattr(_read_buf, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _read_buf.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf[:nbytes]
+
+
+def release_read_scratch() -> None:
+    """Drop this thread's gather buffer (the loader calls it when the weights are in)."""
+    _read_buf.buf = None
 
 
 # --- decoding rows -----------------------------------------------------------------------
@@ -177,6 +205,21 @@ def tile_rows(k: int) -> int:
 
 # --- weights as row segments --------------------------------------------------------------
 
+# Row segments one Linear may have: kernels.MAX_SEGMENTS (ITERSERVE_MAX_SEGMENTS, iterserve.h).
+MAX_SEGMENTS = 3
+
+
+def _groups(parts: list[TensorRef], joins) -> list[list[TensorRef]]:
+    """Consecutive parts split where `joins(previous, next)` is false."""
+    out: list[list[TensorRef]] = []
+    for p in parts:
+        if out and joins(out[-1][-1], p):
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
 class EncodedWeight:
     """A [rows, k] weight as row segments `(ggml_type, uint8 [rows_i, row_bytes_i])`."""
 
@@ -231,12 +274,14 @@ class EncodedWeight:
             if p.ggml_type not in SUPPORTED_TYPES:
                 raise ValueError(f"tensor {p.name!r} has type {type_name(p.ggml_type)}, which "
                                  f"is not supported")
-        groups: list[list[TensorRef]] = []
-        for p in parts:
-            if groups and groups[-1][0].ggml_type == p.ggml_type:
-                groups[-1].append(p)
-            else:
-                groups.append([p])
+        # A part in file order is referenced in place (a view of the mapping: no copy, its
+        # pages read once, at first use); consecutive parts of one type that need a row
+        # gather (llama's Q/K) share one buffer. Only when that would exceed the kernels'
+        # MAX_SEGMENTS are consecutive parts of one type copied into one buffer.
+        groups = _groups(parts, lambda a, b: a.ggml_type == b.ggml_type
+                         and a.row_perm is not None and b.row_perm is not None)
+        if len(groups) > MAX_SEGMENTS:
+            groups = _groups(parts, lambda a, b: a.ggml_type == b.ggml_type)
         segments = []
         for g in groups:
             if len(g) == 1 and g[0].row_perm is None:
