@@ -296,11 +296,48 @@ QUANT_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 CONVERTER_OUTTYPES = {"F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
 
 
-def converter_command(python: str, vendor: Path, hf: Path, base: str, out: Path) -> list[str]:
+# The pre-tokenizer name llama.cpp should write where it cannot recognise our (vocabulary,
+# tokenizer class) pair. transformers always tokenises a `qwen2` checkpoint with
+# Qwen2Tokenizer (Qwen's split regex over whatever vocabulary it is given), so the converter's
+# hash of the bundled SmolLM2 vocabulary under that class is one it has never seen and it
+# refuses ("BPE pre-tokenizer was not recognized"). Naming it `qwen2` (the same regex) keeps
+# llama.cpp's tokenisation of the GGUF equal to transformers' of the HF directory.
+PRE_TOKENIZER = {"qwen2": "qwen2"}
+
+
+def converter_command(python: str, vendor: Path, hf: Path, base: str, out: Path,
+                      model_type: str = "llama") -> list[str]:
     """llama.cpp's own converter: HF directory -> one GGUF of type `base` (F16 by default; Q8_0
-    halves the disk an 8B intermediate takes)."""
-    return ["nice", python, str(vendor / "convert_hf_to_gguf.py"), str(hf),
-            "--outtype", CONVERTER_OUTTYPES[base], "--outfile", str(out)]
+    halves the disk an 8B intermediate takes). For a model type in PRE_TOKENIZER it runs
+    through `models.py convert`, which tells the converter that name when (and only when) it
+    does not recognise the tokenizer itself."""
+    args = [str(hf), "--outtype", CONVERTER_OUTTYPES[base], "--outfile", str(out)]
+    script = str(vendor / "convert_hf_to_gguf.py")
+    if model_type in PRE_TOKENIZER:
+        return ["nice", python, str(Path(__file__).resolve()), "convert", "--pre-tokenizer",
+                PRE_TOKENIZER[model_type], script, *args]
+    return ["nice", python, script, *args]
+
+
+def run_converter(script: Path, pre_tokenizer: str, args: list[str]) -> None:
+    """convert_hf_to_gguf.py's main() with one fallback: an unrecognised BPE pre-tokenizer
+    hash is named `pre_tokenizer` instead of aborting the conversion."""
+    import runpy
+    sys.path.insert(0, str(script.parent))
+    from conversion import base as conv_base
+    original = conv_base.TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            print(f"models.py: pre-tokenizer not recognised, written as {pre_tokenizer!r}",
+                  file=sys.stderr)
+            return pre_tokenizer
+
+    conv_base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    sys.argv = [str(script), *args]
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def quantize_command(quantize: Path, src: Path, base: str, out: Path, qtype: str,
@@ -333,7 +370,9 @@ def make_llama_cpp_gguf(name: str, types: list[str], base: str = "F16",
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(vendor / "gguf-py"), *peer.tools_path()])}
         subprocess.run(converter_command(converter_python(), vendor, hf, base,
-                                         Path(str(src) + ".tmp")), check=True, env=env)
+                                         Path(str(src) + ".tmp"),
+                                         model_type=SHAPES[name]["model_type"]),
+                       check=True, env=env)
         os.replace(str(src) + ".tmp", src)
         if drop_intermediates:
             shutil.rmtree(hf)
@@ -500,12 +539,19 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("files", nargs="+", type=Path)
     c.add_argument("-n", type=int, default=8)
     c.add_argument("--out", type=Path, default=None)
+    cv = sub.add_parser("convert", help=argparse.SUPPRESS)    # converter_command's wrapper
+    cv.add_argument("--pre-tokenizer", required=True)
+    cv.add_argument("script", type=Path)
+    cv.add_argument("args", nargs=argparse.REMAINDER)
     lp = sub.add_parser("logprobs", help=argparse.SUPPRESS)   # check's iterserve side
     lp.add_argument("file", type=Path)
     lp.add_argument("ids")
     lp.add_argument("n", type=int)
     lp.add_argument("top", type=int)
     args = ap.parse_args(argv)
+    if args.cmd == "convert":
+        run_converter(args.script, args.pre_tokenizer, args.args)
+        return 0
     if args.cmd == "logprobs":
         print(json.dumps(_logprobs_here(args.file, json.loads(args.ids), args.n, args.top)))
         return 0

@@ -163,3 +163,42 @@ def test_download_uses_the_sdist_without_build_isolation(tmp_path):
     cmd = peer.download_command(tmp_path)
     assert "--no-build-isolation" in cmd and "--no-binary" in cmd
     assert f"llama-cpp-python=={peer.LLAMA_CPP_PYTHON_VERSION}" in cmd
+
+
+def test_qwen_shape_converts_through_the_pre_tokenizer_fallback(tmp_path):
+    vendor, hf, out = tmp_path / "llama.cpp", tmp_path / "hf-bf16", tmp_path / "q.F16.gguf"
+    cmd = models.converter_command("/py", vendor, hf, "F16", out, model_type="qwen2")
+    assert cmd[1:6] == ["/py", str(ROOT / "benchmarks" / "models.py"), "convert",
+                        "--pre-tokenizer", "qwen2"]
+    assert cmd[6:] == [str(vendor / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16",
+                       "--outfile", str(out)]
+    # llama shapes call the converter itself
+    assert models.converter_command("/py", vendor, hf, "F16", out, "llama")[2] == cmd[6]
+
+
+def test_run_converter_names_an_unrecognised_pre_tokenizer(tmp_path, monkeypatch):
+    """A stand-in for llama.cpp's tree (conversion/base.py + the script): the fallback names
+    the pre-tokenizer only where the converter raises, and passes the arguments on."""
+    (tmp_path / "conversion").mkdir()
+    (tmp_path / "conversion" / "__init__.py").write_text("")
+    (tmp_path / "conversion" / "base.py").write_text(
+        "class TextModel:\n"
+        "    def get_vocab_base_pre(self, tokenizer):\n"
+        "        if tokenizer == 'known':\n"
+        "            return 'smollm'\n"
+        "        raise NotImplementedError('BPE pre-tokenizer was not recognized')\n")
+    script = tmp_path / "convert_hf_to_gguf.py"
+    script.write_text(
+        "import sys\nfrom conversion.base import TextModel\n"
+        "m = TextModel()\n"
+        "open(sys.argv[-1], 'w').write(m.get_vocab_base_pre('known') + ' ' +\n"
+        "                              m.get_vocab_base_pre('ours') + ' ' + sys.argv[1])\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    for mod in [m for m in sys.modules if m == "conversion" or m.startswith("conversion.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    out = tmp_path / "out.txt"
+    models.run_converter(script, "qwen2", ["HF", "--outfile", str(out)])
+    assert out.read_text() == "smollm qwen2 HF"
+    for mod in [m for m in sys.modules if m == "conversion" or m.startswith("conversion.")]:
+        del sys.modules[mod]
