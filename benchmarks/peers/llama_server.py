@@ -29,11 +29,16 @@ import time
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-# What `setup` needs in the running venv on a fresh machine: `pip download --no-binary
-# --no-build-isolation` asks the sdist's build backend (scikit-build-core) for its metadata,
-# and llama.cpp's convert_hf_to_gguf.py (benchmarks/models.py) imports sentencepiece.
+# What `setup` and the converter need beyond the project's own dependencies, on a fresh
+# machine: `pip download --no-binary --no-build-isolation` asks the sdist's build backend
+# (scikit-build-core) for its metadata, and llama.cpp's convert_hf_to_gguf.py
+# (benchmarks/models.py) imports sentencepiece (and torch, transformers, numpy, safetensors,
+# which iterserve itself needs). They go into a folder of their own under the peers cache
+# (`pip install --target`, pinned) that only these subprocesses see on PYTHONPATH, so setup
+# never changes the project's venv.
 SETUP_REQUIREMENTS = ("scikit-build-core==1.1.2", "sentencepiece==0.2.3")
 CACHE = Path(os.environ.get("ITERSERVE_PEERS_CACHE", Path.home() / ".cache" / "iterserve-peers"))
+TOOLS_DIR = CACHE / "pytools"
 SRC_DIR = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
 BUILD_DIR = CACHE / "llama.cpp-build"
 BIN_DIR = BUILD_DIR / "bin"
@@ -61,20 +66,63 @@ def _run(cmd: list[str], **kw) -> None:
         raise PeerSetupError(f"command failed ({res.returncode}): {' '.join(map(str, cmd))}")
 
 
-def ensure_requirements() -> None:
-    """pip-install SETUP_REQUIREMENTS that the venv lacks (pinned)."""
-    from importlib.metadata import PackageNotFoundError, version
-    missing = []
-    for req in SETUP_REQUIREMENTS:
-        name, want = req.split("==")
+def _installed_version(name: str, paths: list[str] | None = None) -> str | None:
+    from importlib.metadata import PackageNotFoundError, distributions, version
+    if paths is None:
         try:
-            if version(name) == want:
-                continue
+            return version(name)
         except PackageNotFoundError:
-            pass
-        missing.append(req)
+            return None
+    norm = name.lower().replace("-", "_")
+    for d in distributions(path=paths):
+        if (d.metadata["Name"] or "").lower().replace("-", "_") == norm:
+            return d.version
+    return None
+
+
+def missing_requirements(reqs=SETUP_REQUIREMENTS, have=None) -> list[str]:
+    """The pinned `name==version` requirements that neither this venv nor TOOLS_DIR has at
+    that version. `have(name)` -> version or None (a test passes its own)."""
+    if have is None:
+        def have(name):
+            return (_installed_version(name, [str(TOOLS_DIR)]) if TOOLS_DIR.exists() else None) \
+                or _installed_version(name)
+    out = []
+    for req in reqs:
+        name, want = req.split("==")
+        if have(name) != want:
+            out.append(req)
+    return out
+
+
+def install_command(reqs: list[str]) -> list[str]:
+    """pip into TOOLS_DIR only (never the running venv); --upgrade replaces an old pin."""
+    return [sys.executable, "-m", "pip", "install", "-q", "--upgrade", "--target",
+            str(TOOLS_DIR), *reqs]
+
+
+def tools_path() -> list[str]:
+    """PYTHONPATH entries for the subprocesses that need SETUP_REQUIREMENTS."""
+    return [str(TOOLS_DIR)] if TOOLS_DIR.exists() else []
+
+
+def tools_env() -> dict[str, str]:
+    extra = [*tools_path(), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(extra)} if extra else dict(os.environ)
+
+
+def ensure_requirements() -> None:
+    """pip-install the SETUP_REQUIREMENTS that are missing into TOOLS_DIR (pinned)."""
+    missing = missing_requirements()
     if missing:
-        _run([sys.executable, "-m", "pip", "install", "-q", *missing])
+        TOOLS_DIR.mkdir(parents=True, exist_ok=True)
+        _run(install_command(missing))
+
+
+def download_command(dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+            "--no-build-isolation", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+            "-d", str(dest)]
 
 
 def fetch_source() -> Path:
@@ -88,9 +136,7 @@ def fetch_source() -> Path:
     dl.mkdir(exist_ok=True)
     tarball = dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
     if not tarball.exists():
-        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-              "--no-build-isolation", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
-              "-d", dl])
+        _run(download_command(dl), env=tools_env())
     with tarfile.open(tarball) as tf:
         tf.extractall(CACHE, filter="data")
     if not (vendor / "CMakeLists.txt").exists():
