@@ -337,3 +337,26 @@ def test_best_of_returns_the_n_best_by_cumulative_logprob(client, server):
                           json={"prompt": "x", "max_tokens": 1, **body})
         assert resp.status_code == 400 and match in resp.json()["error"]["message"]
         assert resp.json()["error"]["param"] == "best_of"
+
+
+def test_min_tokens_and_include_stop_str_in_output_over_http(client, server):
+    """Dropping either field changes the answer: min_tokens keeps a stop string inside the
+    first min_tokens tokens from stopping; include_stop_str_in_output keeps it in the text."""
+    kw = dict(model=server.model, prompt="Once upon a time", max_tokens=10, temperature=0)
+    base = client.completions.create(logprobs=0, extra_body={"ignore_eos": True}, **kw)
+    toks = base.choices[0].logprobs.tokens
+    text = base.choices[0].text
+    first_two = "".join(toks[:2])
+    stop = next(first_two[j:j + 2] for j in range(len(first_two) - 2, -1, -1)
+                if first_two[j:j + 2].strip() and len(first_two[j:j + 2]) == 2
+                and first_two[j:j + 2] not in toks[0])
+    cut = text.find(stop)
+    body = {"ignore_eos": True}
+    plain = client.completions.create(stop=[stop], extra_body=body, **kw).choices[0]
+    assert plain.text == text[:cut] and plain.finish_reason == "stop"
+    kept = client.completions.create(stop=[stop], extra_body={
+        **body, "include_stop_str_in_output": True}, **kw).choices[0]
+    assert kept.text == text[:cut + len(stop)] and kept.stop_reason == stop
+    held = client.completions.create(stop=[stop], extra_body={**body, "min_tokens": 4},
+                                     **kw).choices[0]
+    assert held.text.startswith("".join(toks[:4])), (held.text, toks)

@@ -62,9 +62,10 @@ class OutputProcessor:
                              req.priority, req.arrival_time, req.arrival_wall_time)
         for i, r in enumerate(req.requests):
             sp = r.sampling_params
+            kw = {"min_tokens": sp.min_tokens} if sp.min_tokens and sp.stop else {}
             detok = self.detokenizer_factory(self.tokenizer, req.prompt_token_ids,
                                              skip_special_tokens=sp.skip_special_tokens,
-                                             stop=tuple(sp.stop))
+                                             stop=tuple(sp.stop), **kw)
             matcher = req.grammar.matcher(sp.stop_token_ids) if req.grammar is not None else None
             state.seqs.append(SequenceState(i, r, detok, [] if sp.logprobs is not None else None,
                                             matcher=matcher))
