@@ -209,6 +209,59 @@ def test_include_stop_str_in_output(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
+def test_min_tokens_holds_back_stop_strings_too(llm):
+    """vLLM's rule: stop strings are checked only after min_tokens tokens, in the new text;
+    a stop string inside the first min_tokens tokens' text does not stop the output."""
+    kw = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    base = gen(llm, "Once upon a time", **kw).outputs[0]
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode(base.token_ids[:i + 1]) for i in range(len(base.token_ids))]
+    # a stop string that first ends inside token 1 (0-based), not inside token 0
+    stop = next(pieces[1][j:j + 2] for j in range(len(pieces[1]) - 2, -1, -1)
+                if len(pieces[1][j:j + 2]) == 2 and pieces[1][j:j + 2] not in pieces[0]
+                and pieces[1][j:j + 2].strip())
+    cut = base.text.find(stop)
+    early = gen(llm, "Once upon a time", stop=[stop], **kw).outputs[0]
+    assert early.text == base.text[:cut] and early.finish_reason == "stop"
+    held = gen(llm, "Once upon a time", stop=[stop], min_tokens=4, **kw).outputs[0]
+    # no stop inside the first 4 tokens' text: the output goes on past it
+    assert held.text.startswith(pieces[3]) and len(held.token_ids) >= 4
+    later = base.text.find(stop, len(pieces[3]) - len(stop) + 1)
+    if later == -1:
+        assert held.finish_reason == "length" and held.text == base.text
+    else:
+        assert held.finish_reason == "stop" and held.text == base.text[:later]
+    both = gen(llm, "Once upon a time", stop=[stop], min_tokens=4,
+               include_stop_str_in_output=True, **kw).outputs[0]
+    assert both.text == (base.text if later == -1 else base.text[:later + len(stop)])
+
+
+def test_stop_string_straddling_the_min_tokens_boundary_stops(llm):
+    """A stop string that begins in the held-back tokens and ends in token min_tokens + 1
+    still stops (vLLM searches the new text with a stop-length lookback)."""
+    from iterserve.model.detokenizer import IncrementalDetokenizer
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    def run(min_tokens):
+        d = IncrementalDetokenizer(Chars(), [ord(">")], stop=["ab", "xyz"],
+                                   min_tokens=min_tokens)
+        out = ""
+        for c in "abcxyzab!":
+            delta = d.add(ord(c))
+            out += delta.text
+            if delta.stopped:
+                return out, delta.stop_string
+        return out + d.flush(), None
+    assert run(0) == ("", "ab")
+    assert run(1) == ("", "ab")             # begins in token 1, ends in token 2 > 1: stops
+    assert run(2) == ("abc", "xyz")         # "ab" lies inside the first 2 tokens: ignored
+    assert run(6) == ("abcxyz", "ab")       # the second "ab" (tokens 7-8) stops
+    assert run(8) == ("abcxyzab!", None)    # nothing after token 8 completes a stop
+
+
 @pytest.mark.parametrize("params, exc, param", [
     (dict(structured_outputs=StructuredOutputsParams(regex="(unclosed")),
      StructuredOutputsError, "structured_outputs.regex"),

@@ -196,19 +196,23 @@ def test_num_cached_tokens_counts_prefix_cache_hits():
     assert second.prompt_logprobs is None
 
 
-@pytest.mark.parametrize("value", [0, 3])
-def test_asking_for_prompt_logprobs_is_refused_clearly(value):
-    from dataclasses import dataclass
-
-    from iterserve.engine.errors import InvalidRequestError
-
-    @dataclass
-    class WithPromptLogprobs(SamplingParams):       # the field as vLLM's SamplingParams has it
-        prompt_logprobs: int | None = None
-
-    e = make_engine()
-    with pytest.raises(InvalidRequestError, match="prompt_logprobs") as info:
-        e.add_request("p", "hello", WithPromptLogprobs(prompt_logprobs=value))
+def test_prompt_logprobs_skip_the_prefix_cache_and_bad_values_are_refused():
+    """A request asking for prompt_logprobs needs logits at every prompt row, so it gets no
+    cached blocks (vLLM's rule); a negative k is a 400 naming the field."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
+                                      max_model_len=256),
+                      CacheConfig(block_size=4, num_kv_blocks=256, enable_prefix_caching=True))
+    e = LLMEngine(sched, ConstantExecutor(sched), CharTokenizer(), max_model_len=256, vocab_size=100)
+    prompt = "a long shared prompt of many tokens"
+    e.add_request("first", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    drain(e)
+    e.add_request("second", prompt, SamplingParams(max_tokens=2, ignore_eos=True,
+                                                   prompt_logprobs=1))
+    second = [o for o in drain(e) if o.finished][0]
+    assert second.num_cached_tokens == 0
+    from iterserve.core.request import SamplingParamsError
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs") as info:
+        e.add_request("p", "hello", SamplingParams(prompt_logprobs=-2))
     assert info.value.param == "prompt_logprobs"
     assert not e.has_unfinished_requests()
 

@@ -140,3 +140,96 @@ def test_n_sequences_come_back_in_the_final_output(llm):
 
 def test_empty_prompt_list_returns_nothing(llm):
     assert llm.generate([], SamplingParams(max_tokens=2), use_tqdm=False) == []
+
+
+def test_best_of_returns_the_n_most_likely_of_best_of_samples(llm):
+    """vLLM V0's best_of: sequence i of a seeded request samples with seed + i whatever n
+    is, so best_of=4, n=2 must return the two of n=4's sequences with the highest
+    cumulative logprob, best first, without logprobs unless asked."""
+    kw = dict(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    four = llm.generate("Once upon a time", SamplingParams(n=4, logprobs=0, **kw),
+                        use_tqdm=False)[0].outputs
+    ranked = sorted(four, key=lambda o: o.cumulative_logprob, reverse=True)
+    assert len({tuple(o.token_ids) for o in four}) > 2      # the choice matters
+    best = llm.generate("Once upon a time", SamplingParams(n=2, best_of=4, **kw),
+                        use_tqdm=False)[0].outputs
+    assert [o.index for o in best] == [0, 1]
+    assert [o.token_ids for o in best] == [o.token_ids for o in ranked[:2]]
+    assert all(o.logprobs is None for o in best)
+    with_lp = llm.generate("Once upon a time", SamplingParams(n=1, best_of=4, logprobs=1, **kw),
+                           use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in with_lp] == [ranked[0].token_ids]
+    assert with_lp[0].cumulative_logprob == pytest.approx(ranked[0].cumulative_logprob)
+    from iterserve.core.request import SamplingParamsError
+    with pytest.raises(SamplingParamsError, match="best_of"):
+        llm.generate("x", SamplingParams(n=3, best_of=2), use_tqdm=False)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer", "minimum": 1,
+                                                             "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"], "additionalProperties": False}}}
+
+
+def _qwen_template() -> str:
+    from server.test_tool_calling import QWEN_TEMPLATE    # tests/ is on sys.path
+    return QWEN_TEMPLATE
+
+
+def test_chat_with_tools_renders_them_and_returns_parsed_calls(tiny_model_dir):
+    """vLLM's LLM.chat(messages, tools=...): the template gets the tools; with tool_choice
+    "required" / named the call is forced (valid for the schema) and parsed into
+    CompletionOutput.tool_calls; the call and its result round-trip into the next turn."""
+    import json
+
+    import jsonschema
+
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256, max_model_len=1024)  # tools: long prompts
+    template = _qwen_template()
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    tok = llm.get_tokenizer()
+    with_tools = tok.apply_chat_template(msgs, True, chat_template=template, tools=[WEATHER])
+    assert "get_weather" in with_tools
+    greedy = SamplingParams(temperature=0, max_tokens=200)
+    # (one call: greedy, a random model would repeat parallel calls up to max_tokens)
+    (out,) = llm.chat(msgs, greedy, use_tqdm=False, chat_template=template,
+                      tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    co = out.outputs[0]
+    assert co.finish_reason == "stop" and co.tool_calls, co.text
+    for call in co.tool_calls:
+        fn = {"get_weather": WEATHER, "get_time": TIME}[call.name]["function"]
+        jsonschema.validate(json.loads(call.arguments), fn["parameters"])
+        assert call.id.startswith("call_")
+    (named,) = llm.chat(msgs, greedy, use_tqdm=False, chat_template=template,
+                        tools=[WEATHER, TIME], parallel_tool_calls=False,
+                        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.outputs[0].finish_reason == "stop", named.outputs[0].text
+    (call,) = named.outputs[0].tool_calls
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    # the call and the tool's result go back in (arguments as JSON text, as OpenAI sends)
+    turn2 = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    text = tok.apply_chat_template(
+        __import__("iterserve.engine.chat_tools", fromlist=["x"]).template_messages(turn2),
+        True, chat_template=template, tools=[WEATHER, TIME])
+    assert '"zone": "' in text and "12:00" in text
+    (final,) = llm.chat(turn2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                        chat_template=template, tools=[WEATHER, TIME], tool_choice="none")
+    assert final.outputs[0].tool_calls is None and final.outputs[0].token_ids
+    # "auto" parses what the model writes: a random model writes no call, so content is text
+    (auto,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                       chat_template=template, tools=[WEATHER])
+    assert auto.outputs[0].tool_calls is None
+    assert auto.outputs[0].content == auto.outputs[0].text
+    from iterserve.engine.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="tool_parser"):
+        llm.chat(msgs, tools=[WEATHER], tool_parser="nope", use_tqdm=False)
+    from iterserve.tools import ToolChoiceError
+    with pytest.raises(ToolChoiceError, match="not in tools"):
+        llm.chat(msgs, tools=[WEATHER], use_tqdm=False,
+                 tool_choice={"type": "function", "function": {"name": "missing"}})

@@ -49,9 +49,7 @@ def test_no_op_fields_are_accepted(client, server):
 
 # (endpoint, field, a value that would matter, a neutral value that is accepted or None)
 NOT_IMPLEMENTED = [
-    ("cmpl", "best_of", 2, 1),
     ("both", "use_beam_search", True, False),
-    ("both", "prompt_logprobs", 1, None),
     ("cmpl", "suffix", "tail", None),
     ("both", "length_penalty", 2.0, 1.0),
     ("chat", "reasoning_effort", "low", None),
@@ -82,6 +80,20 @@ def test_a_field_not_implemented_yet_is_a_400_naming_it(server, endpoint, field,
             assert r.status_code == 200, (ep, field, neutral, r.text)
 
 
+
+
+def test_deprecated_function_fields_say_to_use_tools(server):
+    for field, value, use in (("functions", [{"name": "f", "parameters": {}}], "tools"),
+                              ("function_call", {"name": "f"}, "tool_choice")):
+        r = httpx.post(server.v1 + "/chat/completions", timeout=30, json={
+            "messages": MESSAGES, "max_tokens": 1, field: value})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field
+        assert "deprecated" in err["message"] and f"use {use}" in err["message"]
+    r = httpx.post(server.v1 + "/chat/completions", timeout=30, json={"messages": [
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+        {"role": "user", "content": "x"}], "max_tokens": 1})
+    assert r.status_code == 400 and "use tool_calls" in r.json()["error"]["message"]
 
 
 def test_every_not_implemented_field_is_in_the_published_schema(server):
@@ -216,9 +228,10 @@ def test_completions_echo_prefixes_the_prompt(server, client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         prompt="Once upon a", echo=True, stream=True, **kw))
     assert streamed == "Once upon a" + plain
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(prompt="x", echo=True, logprobs=1, **kw)
-    assert e.value.body["param"] == "echo"
+    # echo + logprobs: the prompt's tokens lead the logprobs (test_prompt_logprobs_api.py)
+    r = client.completions.create(prompt="Once upon a", echo=True, logprobs=1, **kw)
+    assert r.choices[0].logprobs.tokens[:len(ids)] == [
+        server.engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
 def test_per_request_chat_template_and_its_kwargs(server, client, start_server):
@@ -306,3 +319,44 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(server, client):
         plain = list(create(model=server.model, max_tokens=4, stream=True,
                             stream_options={"include_usage": True}, **kw))
         assert all(c.usage is None for c in plain if c.choices)
+
+
+def test_best_of_returns_the_n_best_by_cumulative_logprob(client, server):
+    kw = dict(model=server.model, prompt="Once upon a", max_tokens=5, temperature=1.0, seed=3,
+              extra_body={"ignore_eos": True})
+    four = client.completions.create(n=4, logprobs=0, **kw).choices
+    ranked = sorted(four, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    r = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs is None for c in r.choices)
+    assert r.usage.completion_tokens == 10
+    for body, match in (({"n": 3, "best_of": 2}, "at least n"),
+                        ({"best_of": 3, "stream": True}, "cannot be streamed")):
+        resp = httpx.post(server.v1 + "/completions", timeout=30,
+                          json={"prompt": "x", "max_tokens": 1, **body})
+        assert resp.status_code == 400 and match in resp.json()["error"]["message"]
+        assert resp.json()["error"]["param"] == "best_of"
+
+
+def test_min_tokens_and_include_stop_str_in_output_over_http(client, server):
+    """Dropping either field changes the answer: min_tokens keeps a stop string inside the
+    first min_tokens tokens from stopping; include_stop_str_in_output keeps it in the text."""
+    kw = dict(model=server.model, prompt="Once upon a time", max_tokens=10, temperature=0)
+    base = client.completions.create(logprobs=0, extra_body={"ignore_eos": True}, **kw)
+    toks = base.choices[0].logprobs.tokens
+    text = base.choices[0].text
+    first_two = "".join(toks[:2])
+    stop = next(first_two[j:j + 2] for j in range(len(first_two) - 2, -1, -1)
+                if first_two[j:j + 2].strip() and len(first_two[j:j + 2]) == 2
+                and first_two[j:j + 2] not in toks[0])
+    cut = text.find(stop)
+    body = {"ignore_eos": True}
+    plain = client.completions.create(stop=[stop], extra_body=body, **kw).choices[0]
+    assert plain.text == text[:cut] and plain.finish_reason == "stop"
+    kept = client.completions.create(stop=[stop], extra_body={
+        **body, "include_stop_str_in_output": True}, **kw).choices[0]
+    assert kept.text == text[:cut + len(stop)] and kept.stop_reason == stop
+    held = client.completions.create(stop=[stop], extra_body={**body, "min_tokens": 4},
+                                     **kw).choices[0]
+    assert held.text.startswith("".join(toks[:4])), (held.text, toks)

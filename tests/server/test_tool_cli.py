@@ -35,10 +35,64 @@ def test_positional_model_is_the_model(tiny_model_dir):
         resolve_model_args(parse("--model", "/a", "/b"))
 
 
-def test_tokenizer_must_be_the_models_own(tiny_model_dir):
-    resolve_model_args(parse(str(tiny_model_dir), "--tokenizer", str(tiny_model_dir)))
-    with pytest.raises(ValueError, match="separate tokenizer is not supported"):
-        resolve_model_args(parse(str(tiny_model_dir), "--tokenizer", "/some/other"))
+def _separate_tokenizer(tmp_path, vocab_size: int = 512):
+    """A tokenizer directory of its own, marked by its chat template."""
+    from fixtures.tiny_tokenizer import write_tiny_tokenizer
+    d = tmp_path / f"tok-{vocab_size}"
+    write_tiny_tokenizer(d, vocab_size)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "SEPARATE{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_separate_tokenizer_for_an_hf_model_without_one(tmp_path, tiny_model_dir):
+    """vLLM's --tokenizer: a model directory with no tokenizer files serves with the given
+    one (directory or tokenizer.json); a tokenizer too big for the model fails at start."""
+    from iterserve import LLM, SamplingParams
+    from iterserve.model.tokenizer import TokenizerLoadError
+
+    bare = tmp_path / "bare-model"
+    shutil.copytree(tiny_model_dir, bare)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / f).unlink()
+    tok_dir = _separate_tokenizer(tmp_path)
+    args = parse(str(bare), "--tokenizer", str(tok_dir))
+    from iterserve.engine.args import EngineArgs
+    assert EngineArgs.from_cli_args(args).tokenizer == str(tok_dir)
+    for path in (tok_dir, tok_dir / "tokenizer.json"):
+        llm = LLM(str(bare), tokenizer=str(path), num_kv_blocks=32, max_model_len=128)
+        assert llm.get_tokenizer().chat_template.startswith("SEPARATE")
+        ref = LLM(str(tiny_model_dir), num_kv_blocks=32, max_model_len=128)
+        p = SamplingParams(max_tokens=4, temperature=0)
+        assert llm.generate("hello there", p, use_tqdm=False)[0].outputs[0].token_ids == \
+            ref.generate("hello there", p, use_tqdm=False)[0].outputs[0].token_ids
+        del llm, ref
+    with pytest.raises(TokenizerLoadError, match=r"--tokenizer .*1024 tokens.*512 rows"):
+        LLM(str(bare), tokenizer=str(_separate_tokenizer(tmp_path, 1024)), num_kv_blocks=32)
+    with pytest.raises(TokenizerLoadError, match="does not exist"):
+        LLM(str(bare), tokenizer=str(tmp_path / "missing"), num_kv_blocks=32)
+    with pytest.raises(ValueError, match="1024 tokens"):          # the serve path says it too
+        build_app(parse(str(bare), "--tokenizer", str(_separate_tokenizer(tmp_path, 1024)),
+                        "--num-kv-blocks", "32"))
+
+
+def test_separate_tokenizer_for_a_gguf_model(tmp_path):
+    from fixtures.tiny_gguf import write_tiny_llama_gguf
+
+    from iterserve import LLM, SamplingParams
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path)
+    own = LLM(str(path), num_kv_blocks=32, max_model_len=128)
+    sep = LLM(str(path), tokenizer=str(_separate_tokenizer(tmp_path)), num_kv_blocks=32,
+              max_model_len=128)
+    assert sep.get_tokenizer().chat_template.startswith("SEPARATE")
+    assert not (own.get_tokenizer().chat_template or "").startswith("SEPARATE")
+    p = SamplingParams(max_tokens=3, temperature=0)
+    assert sep.generate("hello", p, use_tqdm=False)[0].outputs[0].token_ids
+    # a .gguf file as the tokenizer: its metadata's tokenizer
+    again = LLM(str(path), tokenizer=str(path), num_kv_blocks=32, max_model_len=128)
+    assert again.get_tokenizer().encode("hello there") == own.get_tokenizer().encode("hello there")
 
 
 def test_chat_template_file_or_string(tmp_path, tiny_model_dir):

@@ -191,6 +191,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            return []    # its prompt rows need logits, which cached blocks lack (as vLLM)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks <= 0:
             return []

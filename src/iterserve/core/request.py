@@ -61,6 +61,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     n: int = 1
+    # vLLM V0's best_of: sample this many sequences, return the n with the highest
+    # cumulative logprob (None: n). The engine computes the sampled tokens' logprobs to rank.
+    best_of: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -74,6 +77,10 @@ class SamplingParams:
     bad_words: list[str] | None = None             # words never completed in the output
     min_tokens: int = 0                            # no EOS / stop token before this many
     include_stop_str_in_output: bool = False       # keep the matched stop string in the text
+    # vLLM's prompt_logprobs: the top-k logprobs (plus the actual token's) of every prompt
+    # position; the runner computes the LM head over the prompt rows of such a request, and
+    # the prefix cache is not used for it (vLLM does the same: cached rows have no logits).
+    prompt_logprobs: int | None = None
     # Latency targets (issue 18; extension fields, as vLLM-style extra body): the `slo`
     # scheduling policy orders, admits and refuses by them; None takes the server's
     # --slo-ttft-ms / --slo-tpot-ms. Any other policy refuses a request that sets them.
@@ -90,6 +97,11 @@ class SamplingParams:
         """Any of the per-row logits edits the sampler applies (model/logits_processors)."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
                     or self.min_tokens)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs: best_of when it is above n, else n."""
+        return max(self.n, self.best_of or 0)
 
     @property
     def greedy(self) -> bool:
@@ -123,8 +135,18 @@ class SamplingParams:
             bad(f"repetition_penalty must be positive, got {self.repetition_penalty}", "repetition_penalty")
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be at least 1, got {self.n}", "n")
+        if self.best_of is not None and (isinstance(self.best_of, bool)
+                                         or not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            bad(f"best_of must be an integer at least n ({self.n}), got {self.best_of!r}",
+                "best_of")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be non-negative, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or self.prompt_logprobs < 0):
+            bad(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}",
+                "prompt_logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings", "stop")
         for f in ("ttft_slo_ms", "tpot_slo_ms"):

@@ -117,3 +117,6 @@ class SampleResult:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None   # (token_id, logprob), best first
+    # With the request's first sampled token, when it asked for prompt_logprobs: one entry
+    # per prompt position from the second on, (token id, logprob, rank, [(id, logprob)] top-k).
+    prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None

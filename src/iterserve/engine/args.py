@@ -51,6 +51,7 @@ _DERIVED_HELP = {
 class EngineArgs:
     model: str | None = None                 # HF directory or .gguf file; None: bundled default
     served_model_name: str | None = None     # the name clients send as "model"
+    tokenizer: str | None = None             # a tokenizer other than the model's (vLLM's)
     dtype: str = "auto"                      # auto: the checkpoint's weights as stored
     device: str = "cpu"
     seed: int = 0                            # torch seed for unseeded sampling
@@ -156,6 +157,9 @@ class EngineArgs:
                             "SmolLM2-135M-Instruct)")
         g.add_argument("--served-model-name", default=d.served_model_name,
                        help="model name clients use (default: derived from --model)")
+        g.add_argument("--tokenizer", default=d.tokenizer, metavar="PATH",
+                       help="a tokenizer other than the model's: an HF tokenizer directory, a "
+                            "tokenizer.json file or a .gguf file (default: the model's own)")
         g.add_argument("--dtype", default=d.dtype,
                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
                        help="compute dtype; auto (default) keeps the weights as the checkpoint "

@@ -66,7 +66,7 @@ def build_engine_parts(args: Any) -> EngineParts:
     if parallel.tensor_parallel_size > 1:
         return _build_tensor_parallel(args)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device,
-                        kv_cache_dtype=args.kv_cache_dtype)
+                        kv_cache_dtype=args.kv_cache_dtype, tokenizer=args.tokenizer)
     cfg = loaded.config
     sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
     cache_cfg = kv_cache_config(args, loaded)

@@ -124,12 +124,6 @@ class InputProcessor:
     @staticmethod
     def check_params(params: SamplingParams) -> None:
         params.validate()
-        # The runner computes no logprobs for prompt positions yet: refuse rather than
-        # answer with prompt_logprobs None as if it had been asked for nothing.
-        if getattr(params, "prompt_logprobs", None) is not None:
-            raise InvalidRequestError(
-                "prompt_logprobs is not supported yet (the model runner returns logprobs "
-                "for generated tokens only); leave it unset", "prompt_logprobs")
 
     # --- the request ---------------------------------------------------------------------
     def process(self, request_id: str, prompt: str | Sequence[int],
@@ -148,7 +142,7 @@ class InputProcessor:
         now = self.clock() if arrival_time is None else arrival_time
         deadline = now + timeout if timeout is not None else None
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        n = params.n
+        n = params.num_sequences          # best_of > n: best_of sequences, n returned
         requests = [
             Request(request_id if n == 1 else f"{request_id}-n{i}", prompt_ids,
                     self.sequence_params(params, i), priority=priority, arrival_time=now,
@@ -187,8 +181,13 @@ class InputProcessor:
         return (dataclasses.replace(params, **changes) if changes else params), grammar
 
     def sequence_params(self, params: SamplingParams, i: int) -> SamplingParams:
-        """Sequence i's own params: n = 1, seed + i, every eos id of the model as a stop."""
-        changes: dict[str, Any] = {"n": 1}
+        """Sequence i's own params: n = 1, seed + i, every eos id of the model as a stop,
+        prompt_logprobs on sequence 0 only."""
+        changes: dict[str, Any] = {"n": 1, "best_of": None}
+        if params.num_sequences > params.n and params.logprobs is None:
+            changes["logprobs"] = 0              # best_of ranks by the sampled logprobs
+        if i and params.prompt_logprobs is not None:
+            changes["prompt_logprobs"] = None    # one sequence computes them (same prompt)
         if params.seed is not None:
             changes["seed"] = params.seed + i
         if not params.ignore_eos and len(self.eos_token_ids) > 1:

@@ -108,15 +108,50 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tool_choice: Any = None,
+        tool_parser: str | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or to
-        several, then generate as `generate` does."""
+        """Apply the chat template to one conversation (a list of messages) or to several,
+        then generate as `generate` does. vLLM's signature: `chat_template`,
+        `add_generation_prompt`, `continue_final_message`, `tools` (OpenAI tool dicts, given
+        to the template as HF's `tools=`) and `chat_template_kwargs`.
+
+        With `tools`, each output is also parsed for calls (iterserve's addition, as the
+        server's --tool-call-parser does it): `CompletionOutput.tool_calls` (tools.ToolCall:
+        id, name, arguments JSON) and `.content` (the text that is not a call).
+        `tool_parser` names the format (hermes, llama3_json, mistral; default hermes);
+        `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces
+        a call with structured outputs (arguments valid for the function's schema), "none"
+        parses nothing, "auto" (the default) parses what the model writes."""
+        from iterserve.engine.chat_tools import OfflineToolPlan, template_messages
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        plan = OfflineToolPlan.make(tools, tool_choice, tool_parser, parallel_tool_calls,
+                                    self.tokenizer) if tools else None
+        kw: dict[str, Any] = dict(chat_template_kwargs or {})
+        if tools:
+            kw["tools"] = plan.tools
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError("continue_final_message needs add_generation_prompt"
+                                          "=False", "continue_final_message")
+            kw["continue_final_message"] = True
         prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(list(conv), add_generation_prompt),
+            self.tokenizer.apply_chat_template(template_messages(conv), add_generation_prompt,
+                                               chat_template=chat_template, **kw),
             add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if plan is not None:
+            sampling_params = plan.params(sampling_params, len(prompts))
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        if plan is not None:
+            plan.parse(outputs)
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

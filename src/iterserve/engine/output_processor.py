@@ -32,7 +32,7 @@ from iterserve.core.request import FinishReason
 from iterserve.core.scheduler_output import SampleResult
 from iterserve.engine.input_processor import ProcessedRequest
 from iterserve.engine.metrics import RequestMetrics, StepStats, merge_metrics
-from iterserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from iterserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from iterserve.engine.request_state import RequestState, SequenceState
 from iterserve.engine.tracing import count_token
 
@@ -62,9 +62,10 @@ class OutputProcessor:
                              req.priority, req.arrival_time, req.arrival_wall_time)
         for i, r in enumerate(req.requests):
             sp = r.sampling_params
+            kw = {"min_tokens": sp.min_tokens} if sp.min_tokens and sp.stop else {}
             detok = self.detokenizer_factory(self.tokenizer, req.prompt_token_ids,
                                              skip_special_tokens=sp.skip_special_tokens,
-                                             stop=tuple(sp.stop))
+                                             stop=tuple(sp.stop), **kw)
             matcher = req.grammar.matcher(sp.stop_token_ids) if req.grammar is not None else None
             state.seqs.append(SequenceState(i, r, detok, [] if sp.logprobs is not None else None,
                                             matcher=matcher))
@@ -198,6 +199,8 @@ class OutputProcessor:
         count_token(stats, state, req)
         if req.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = req.num_cached_tokens
+        if result.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = self._prompt_logprobs(result.prompt_logprobs)
         if seq.logprobs is not None:
             lp = TokenLogprob(token_id, result.logprob, result.top_logprobs)
             seq.logprobs.append(lp)
@@ -226,6 +229,25 @@ class OutputProcessor:
             return True
         return False
 
+    def _prompt_logprobs(self, entries) -> list:
+        """The runner's (token, logprob, rank, top-k) entries in vLLM's shape: None for the
+        first prompt token, then {token id: Logprob} (the actual token and the top k)."""
+        texts: dict[int, str] = {}
+
+        def text(tid: int) -> str:
+            t = texts.get(tid)
+            if t is None:
+                t = texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+            return t
+
+        out: list = [None]
+        for tid, lp, rank, top in entries:
+            d = {t: Logprob(v, r, text(t)) for r, (t, v) in enumerate(top, 1)}
+            if tid not in d:
+                d[tid] = Logprob(lp, rank, text(tid))
+            out.append(d)
+        return out
+
     def _flush_text(self, state: RequestState, seq: SequenceState) -> None:
         if seq.finish_reason is FinishReason.STOP and isinstance(seq.stop_reason, str):
             return                          # text after a stop string is never shown
@@ -249,6 +271,8 @@ class OutputProcessor:
         changed, self._changed = self._changed, {}
         outputs, retired = [], []
         for state in changed.values():
+            if state.params.num_sequences > state.params.n and not state.finished:
+                continue        # best_of: only the final output, once the n best are known
             outputs.append(self._make_output(state, stats))
             if state.finished:
                 self._retire(state)
@@ -272,6 +296,8 @@ class OutputProcessor:
         else:
             seqs = state.changed
         outs = [self._completion(seq, seq.index in just_finished) for seq in seqs]
+        if finished and state.params.num_sequences > state.params.n:
+            outs = self._best_of(outs, state.params)
         for seq in state.changed:
             seq.delta_text, seq.delta_token_ids, seq.delta_logprobs = "", [], []
             seq.changed = False
@@ -279,7 +305,8 @@ class OutputProcessor:
         metrics = merge_metrics([s.metrics for s in state.seqs]) if finished else None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              finished=finished, metrics=metrics, error=state.error,
-                             num_cached_tokens=state.num_cached_tokens)
+                             num_cached_tokens=state.num_cached_tokens,
+                             prompt_logprobs=state.prompt_logprobs)
 
     @staticmethod
     def _completion(seq: SequenceState, just_finished: bool) -> CompletionOutput:
@@ -294,6 +321,20 @@ class OutputProcessor:
             delta_logprobs=seq.delta_logprobs if seq.logprobs is not None else None,
             finished_in_this_step=just_finished,
             metrics=seq.metrics if seq.finished else None)
+
+    @staticmethod
+    def _best_of(outs: list[CompletionOutput], params) -> list[CompletionOutput]:
+        """vLLM V0's best_of: the n sequences with the highest cumulative logprob, best
+        first, indexed 0..n-1; the ranking logprobs are dropped unless the request asked."""
+        def score(co: CompletionOutput) -> float:
+            return sum(lp.logprob for lp in co.logprobs or () if lp.logprob is not None)
+
+        best = sorted(outs, key=score, reverse=True)[:params.n]
+        for i, co in enumerate(best):
+            co.index = i
+            if params.logprobs is None:
+                co.logprobs = co.delta_logprobs = None
+        return best
 
     def _retire(self, state: RequestState) -> None:
         self.requests.pop(state.request_id, None)

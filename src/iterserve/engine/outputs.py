@@ -26,6 +26,19 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: one token's logprob, its rank in the vocabulary (1 = the best) and its
+    text (a prompt_logprobs entry)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str = ""
@@ -39,6 +52,10 @@ class CompletionOutput:
     delta_logprobs: list[TokenLogprob] | None = None
     finished_in_this_step: bool = False
     metrics: RequestMetrics | None = None
+    # LLM.chat(..., tools=...) only: the calls parsed from `text` (iterserve.tools.ToolCall)
+    # and the text that is not a call (None when the output is only calls).
+    tool_calls: list | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -61,9 +78,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None   # on the final output
     error: str | None = None        # set when a sequence ended with finish_reason "error"
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (most of any sequence)
-    # Logprobs of the prompt tokens (vLLM's field). Always None: the runner computes none
-    # yet, and a request asking for them is refused by the input processor.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # vLLM's prompt_logprobs, when asked for (SamplingParams.prompt_logprobs = k): one entry
+    # per prompt token, None for the first (nothing predicts it), else {token id: Logprob}
+    # with the prompt's actual token and the top k. Set from the first sampled token on.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

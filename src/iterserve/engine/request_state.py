@@ -67,6 +67,7 @@ class RequestState:
     counted_prompt: bool = False     # its prompt tokens went into a StepStats
     num_finished: int = 0            # sequences with a finish reason (kept, not counted: n may be large)
     num_cached_tokens: int = 0       # prompt tokens any of its sequences got from the prefix cache
+    prompt_logprobs: Any = None      # outputs.PromptLogprobs, once the runner has sent them
     changed: list[SequenceState] = field(default_factory=list)   # since the last output
 
     @property

@@ -81,7 +81,8 @@ def _load_shard(args: Any, rank: int, world: int):
     from iterserve.model.parallel import Shard
     _configure_kernels(args)                  # each rank process has its own kernel mode
     return load_model(args.model, dtype=args.dtype, device=_rank_device(args.device, rank),
-                      kv_cache_dtype=args.kv_cache_dtype, shard=Shard(rank, world))
+                      kv_cache_dtype=args.kv_cache_dtype, shard=Shard(rank, world),
+                      tokenizer=getattr(args, "tokenizer", None))
 
 
 def _make_runner(loaded, cache: tuple[int, int, int]):

@@ -39,13 +39,19 @@ class IncrementalDetokenizer:
     """Per-request streaming state: `add(token_id)` each step, `flush()` at the end."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], *,
-                 skip_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
+                 skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 min_tokens: int = 0) -> None:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop strings must be non-empty strings")
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._stops = tuple(stop)
         self._max_stop = max((len(s) for s in self._stops), default=0)
+        # vLLM's min_tokens rule: stop strings are looked for only once more than min_tokens
+        # tokens are out, in the text that is new (a stop string inside the first min_tokens
+        # tokens' text never stops; one that ends in a later token's text does).
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         # Only the context the window can reach is kept: earlier prompt tokens never matter.
         context = list(prompt_token_ids)[-_CONTEXT_TOKENS:]
         self._ids: list[int] = context
@@ -80,10 +86,13 @@ class IncrementalDetokenizer:
             self._pending = ""
             return self._emit(buf)
         hit, hit_at = None, -1
-        for s in self._stops:
-            i = buf.find(s)
-            if i != -1 and (hit is None or i < hit_at):
-                hit, hit_at = s, i
+        if self._num_tokens > self._min_tokens:
+            held = len(self._pending)
+            for s in self._stops:
+                # a match must reach the new text: the held part alone never completes one
+                i = buf.find(s, max(0, held - len(s) + 1))
+                if i != -1 and (hit is None or i < hit_at):
+                    hit, hit_at = s, i
         if hit is not None:
             self._pending = ""
             self.stopped = self.finished = True
@@ -112,6 +121,7 @@ class IncrementalDetokenizer:
         if self.finished:
             return DetokenizerDelta("", stopped=self.stopped)
         self._ids.append(int(token_id))
+        self._num_tokens += 1
         return self._release(self._decode_new())
 
     def flush(self) -> str:

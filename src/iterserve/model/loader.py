@@ -74,7 +74,8 @@ def _checkpoint_float_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
 
 
 def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "cpu",
-               kv_cache_dtype: str = "auto", shard=None) -> LoadedModel:
+               kv_cache_dtype: str = "auto", shard=None,
+               tokenizer: str | None = None) -> LoadedModel:
     """Load a model for serving.
 
     path None -> the bundled default GGUF; a directory -> HF layout; a *.gguf file -> GGUF.
@@ -82,6 +83,8 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
     (the checkpoint's float dtype on CUDA); kv_cache_dtype "auto" is the compute dtype.
     Raises ModelLoadError (a ValueError) for a missing path, unsupported architecture or dtype.
     `shard` (model.parallel.Shard): load only this tensor-parallel rank's slice.
+    `tokenizer` (vLLM's --tokenizer): a tokenizer directory / tokenizer.json / .gguf used
+    instead of the model's own (checked against the model's vocabulary size).
     """
     explicit = parse_dtype(dtype)            # None for "auto"
     kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
@@ -105,12 +108,12 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
             ModelConfig.from_hf(hf_config)             # fail on the arch before mapping weights
             refs = read_hf_weights(p)
         with phase("tokenizer"):
-            tokenizer = Tokenizer.from_hf_dir(p)
+            own_tokenizer = Tokenizer.from_hf_dir(p) if tokenizer is None else None
         name = p.name
         file_bytes = sum(f.stat().st_size for f in weight_files(p))
     elif p.suffix.lower() == ".gguf":
         from iterserve.model.gguf_loader import load_gguf
-        hf_config, refs, tokenizer = load_gguf(p)
+        hf_config, refs, own_tokenizer = load_gguf(p)
         name = p.stem
         file_bytes = p.stat().st_size
     else:
@@ -123,6 +126,10 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
         compute = _checkpoint_float_dtype(refs)
     config = ModelConfig.from_hf(hf_config, compute)
     config.kv_cache_dtype = kv_dtype or compute
+    if tokenizer is not None:                # --tokenizer (api's hunk)
+        from iterserve.model.tokenizer import load_tokenizer_for
+        own_tokenizer = load_tokenizer_for(tokenizer, config.vocab_size)
+    tokenizer = own_tokenizer
     if not config.eos_token_ids and getattr(tokenizer, "eos_token_ids", None):
         config.eos_token_ids = sorted(tokenizer.eos_token_ids)
     if shard is not None:             # tensor parallel: this rank's slice (model/parallel.py)

@@ -35,7 +35,7 @@ class RequestState:
     """The runner's copy of one request (a SamplingRow for the sampler)."""
 
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "token_ids",
-                 "sampling_params", "block_ids")
+                 "sampling_params", "block_ids", "prompt_lps")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                  sampling_params: SamplingParams, block_ids) -> None:
@@ -45,6 +45,10 @@ class RequestState:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
         self.sampling_params = sampling_params
         self.block_ids = list(block_ids)
+        # prompt_logprobs (api, model/prompt_logprobs.py): entries gathered chunk by chunk
+        # until the first sample; None when not asked for or already sent (a resumed request).
+        self.prompt_lps = [] if sampling_params.prompt_logprobs is not None \
+            and not output_token_ids else None
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -151,6 +155,8 @@ class ModelRunner:
         results = self.sampler(logits, sampling)
         for st, res in zip(sampling, results):
             st.append(res.token_id)
+            if st.prompt_lps is not None:          # prompt_logprobs go with the first token
+                res.prompt_logprobs, st.prompt_lps = st.prompt_lps, None
         return {st.req_id: res for st, res in zip(sampling, results)}
 
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor:
@@ -198,6 +204,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
+        for i in order:                            # prompt_logprobs: the chunk's prompt rows
+            st, start, n = chunks[i]
+            if st.prompt_lps is not None:
+                self._prompt_logprobs(st, start, n, hidden, last_row[i] - n + 1)
         sample_idx = [i for i, (st, start, n) in enumerate(chunks)
                       if start + n >= len(st.token_ids)]
         if not sample_idx:
@@ -205,3 +215,15 @@ class ModelRunner:
         rows = [last_row[i] for i in sample_idx]
         sel = hidden.index_select(0, torch.tensor(rows, device=self.device))
         return self.model.logits(sel), [chunks[i][0] for i in sample_idx]
+
+    def _prompt_logprobs(self, st: RequestState, start: int, n: int, hidden: torch.Tensor,
+                         first_row: int) -> None:
+        """Append the entries of the chunk's rows that predict a prompt token (position p
+        predicts token p + 1; run on every TP rank alike, as the LM head gathers)."""
+        from iterserve.model.prompt_logprobs import chunk_prompt_logprobs
+        end = min(start + n, len(st.prompt_token_ids) - 1)
+        if end <= start:
+            return
+        st.prompt_lps.extend(chunk_prompt_logprobs(
+            self.model.logits, hidden[first_row:first_row + end - start],
+            st.prompt_token_ids[start + 1:end + 1], st.sampling_params.prompt_logprobs))

@@ -122,6 +122,33 @@ class Tokenizer:
 
     # --- construction ----------------------------------------------------------------
     @classmethod
+    def from_path(cls, path: str | os.PathLike) -> "Tokenizer":
+        """vLLM's `--tokenizer PATH`: an HF tokenizer directory (tokenizer.json and its
+        configs), a tokenizer.json file (its directory's configs are read too), or a .gguf
+        file whose metadata holds the tokenizer."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        if not os.path.isfile(path):
+            raise TokenizerLoadError(f"tokenizer path {path!r} does not exist")
+        if path.lower().endswith(".gguf"):
+            import gguf
+            return cls.from_gguf_metadata(gguf.GGUFReader(path))
+        if os.path.basename(path) == "tokenizer.json":
+            return cls.from_hf_dir(os.path.dirname(path) or ".")
+        raise TokenizerLoadError(f"tokenizer path {path!r} is neither a directory with "
+                                 "tokenizer.json, a tokenizer.json file nor a .gguf file")
+
+    def check_model_vocab(self, model_vocab_size: int, where: str = "--tokenizer") -> None:
+        """A tokenizer whose ids reach past the model's embedding rows cannot be served (its
+        tokens would index nothing); a smaller one is fine (models pad their vocabulary)."""
+        if self.vocab_size > model_vocab_size:
+            raise TokenizerLoadError(
+                f"{where}: the tokenizer has {self.vocab_size} tokens but the model's "
+                f"vocabulary has {model_vocab_size} rows; this tokenizer does not belong to "
+                "this model")
+
+    @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
         """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json,
         chat_template.jinja, generation_config.json / config.json for extra eos ids)."""
@@ -321,4 +348,13 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: li
     if add_space_prefix:
         dec.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(dec)
+    return tok
+
+
+def load_tokenizer_for(path: str | os.PathLike, model_vocab_size: int) -> Tokenizer:
+    """`--tokenizer PATH` for a model with `model_vocab_size` embedding rows: loaded and
+    checked at start, so a tokenizer of another model fails there with a clear message
+    instead of out-of-range token ids at the first request."""
+    tok = Tokenizer.from_path(path)
+    tok.check_model_vocab(model_vocab_size, f"--tokenizer {os.fspath(path)!r}")
     return tok

@@ -75,9 +75,6 @@ def add_openai_cli_args(p: argparse.ArgumentParser) -> None:
                    help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, "
                         "SmolLM3), llama3_json (Llama 3.x), mistral; also the format forced "
                         'for tool_choice "required" / named (default hermes)')
-    g.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="only the model's own tokenizer is supported: this must be the model "
-                        "path (a different tokenizer is refused)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="auto (default): the model's generation_config.json supplies default "
                         "temperature / top_p / top_k / min_p / repetition_penalty / max_tokens "
@@ -97,18 +94,14 @@ def add_openai_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
-    """The positional MODEL and --model are one setting; --tokenizer must agree with it."""
+    """The positional MODEL and --model are one setting (--tokenizer is the engine's flag:
+    engine/args.py)."""
     tag = getattr(args, "model_tag", None)
     if tag is not None:
         if args.model is not None and args.model != tag:
             raise ValueError(f"the model is given twice: positional {tag!r} and --model "
                              f"{args.model!r}")
         args.model = tag
-    tok = getattr(args, "tokenizer", None)
-    if tok is not None and os.path.realpath(tok) != os.path.realpath(args.model or ""):
-        raise ValueError(f"--tokenizer {tok!r}: iterserve reads the tokenizer from the model "
-                         f"({args.model or 'the bundled default'}); a separate tokenizer is not "
-                         "supported")
     if getattr(args, "max_log_len", None) is not None and args.max_log_len < 0:
         raise ValueError("--max-log-len must be at least 0")
 

@@ -21,7 +21,7 @@ Fields fall in three groups:
   `stream_options.include_obfuscation`, and in chat messages `refusal` / `annotations` (what
   the client echoes back);
 * not implemented yet (NOT_IMPLEMENTED_FIELDS): accepted at their neutral value (null, false,
-  empty, `response_format` {"type": "text"}, `tool_choice` "none", `best_of` == n, ...), any
+  empty, `response_format` {"type": "text"}, `tool_choice` "none", ...), any
   other value is a 400 whose `param` names the field and whose `code` is
   "unsupported_parameter".
 
@@ -96,6 +96,22 @@ def _not_implemented(name: str, neutral: Callable[[Any], bool], what: str) -> Af
                 "unsupported_parameter",
                 "{name} is not supported by iterserve yet ({what})",
                 {"name": name, "what": what})
+        return v
+
+    return AfterValidator(check)
+
+
+def _deprecated(name: str, neutral: Callable[[Any], bool], use: str) -> AfterValidator:
+    """OpenAI's deprecated function-calling fields: vLLM does not implement them either, so
+    any value that would matter is a 400 that names the field and its replacement."""
+    NOT_IMPLEMENTED_FIELDS.append(name)
+
+    def check(v: Any) -> Any:
+        if v is not None and not neutral(v):
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "{name} is OpenAI's deprecated form of function calling, which iterserve (like "
+                "vLLM) does not take: use {use}", {"name": name, "use": use})
         return v
 
     return AfterValidator(check)
@@ -182,8 +198,9 @@ class _SamplingFields(_Model):
         bool | None, _not_implemented("use_beam_search", _falsy, "only false")] = None
     length_penalty: Annotated[
         float | None, _not_implemented("length_penalty", lambda v: v == 1.0, "only 1.0")] = None
-    prompt_logprobs: Annotated[
-        int | None, _not_implemented("prompt_logprobs", _nothing, "only null")] = None
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM: the top k logprobs (and the actual "
+        "token's) of every prompt token; the prefix cache is not used for such a request")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=MAX_TOKEN_ID, description="keep only the prompt's last k tokens (-1: "
                                                   "the model's max_model_len)")
@@ -236,7 +253,8 @@ class _SamplingFields(_Model):
         return prompt_ids[-k:]
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
-                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                         defaults: Mapping[str, Any] | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """`defaults`: the server's sampling defaults (the model's generation_config) for
         the fields the request leaves unset; then OpenAI's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -268,6 +286,7 @@ class _SamplingFields(_Model):
             bad_words=list(self.bad_words) if self.bad_words else None,
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             ttft_slo_ms=self.ttft_slo_ms, tpot_slo_ms=self.tpot_slo_ms,
         ).validate()
 
@@ -294,32 +313,24 @@ class CompletionRequest(_SamplingFields):
                                             "or a list of token-id lists")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = Field(False, description="prefix each choice's text with its prompt "
-                                                 "(not with logprobs: no prompt logprobs)")
+                                                 "(with logprobs: the prompt's tokens too)")
     suffix: Annotated[Text | None, _not_implemented("suffix", _falsy, "only empty")] = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N,
-                                description="only equal to n (best_of > n is not supported)")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description=(
+        "sample best_of sequences per prompt and return the n with the highest cumulative "
+        "logprob (vLLM V0); not with stream"))
 
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n") or 1            # n is validated first (a parent field)
-        if best_of is not None and best_of != n:
-            if best_of < n:
-                raise PydanticCustomError("best_of", "best_of must be at least n ({n}), got "
-                                          "{best_of}", {"n": n, "best_of": best_of})
+        n = info.data.get("n") or 1            # n and stream are validated first (parent)
+        if best_of is not None and best_of < n:
+            raise PydanticCustomError("best_of", "best_of must be at least n ({n}), got "
+                                      "{best_of}", {"n": n, "best_of": best_of})
+        if best_of is not None and best_of > n and info.data.get("stream"):
             raise PydanticCustomError(
-                "unsupported_parameter", "best_of > n is not supported by iterserve yet "
-                "(best_of {best_of}, n {n})", {"n": n, "best_of": best_of})
+                "unsupported_parameter", "best_of > n cannot be streamed (the n best are known "
+                "only at the end, as OpenAI documents): set stream false", {})
         return best_of
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_logprobs(cls, echo: bool | None, info: ValidationInfo) -> bool | None:
-        if echo and info.data.get("logprobs") is not None:
-            raise PydanticCustomError(
-                "unsupported_parameter", "echo with logprobs needs the prompt's logprobs, "
-                "which iterserve does not compute yet (prompt_logprobs)", {})
-        return echo
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -335,7 +346,13 @@ class CompletionRequest(_SamplingFields):
         max_tokens = self.max_tokens
         if max_tokens is None:
             max_tokens = int((defaults or {}).get("max_tokens", 16))
-        return self._sampling_params(max_tokens, self.logprobs, defaults)
+        plp = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:      # echo's logprobs are the prompt's
+            plp = max(plp or 0, self.logprobs)
+        params = self._sampling_params(max_tokens, self.logprobs, defaults, prompt_logprobs=plp)
+        if self.best_of is not None and self.best_of > params.n:
+            params.best_of = self.best_of
+        return params
 
 
 class TextPart(_Model):
@@ -400,8 +417,8 @@ class ChatMessage(_Model):
     refusal: Text | None = None                        # no-op (echoed back by clients)
     annotations: list[Any] | None = None               # no-op
     tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)
-    function_call: Annotated[Any, _not_implemented("messages[].function_call", _nothing,
-                                                   "only null")] = None
+    function_call: Annotated[Any, _deprecated(
+        "messages[].function_call", _nothing, "tool_calls")] = None
     audio: Annotated[Any, _not_implemented("messages[].audio", _nothing, "only null")] = None
 
     @model_validator(mode="after")
@@ -507,9 +524,11 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     parallel_tool_calls: bool | None = Field(
         None, description="false: at most one call per reply (default true)")
     # not implemented (the rest of vLLM's chat extras, OpenAI's deprecated functions)
-    functions: Annotated[Any, _not_implemented("functions", _falsy, "only empty")] = None
-    function_call: Annotated[Any, _not_implemented("function_call", lambda v: v == "none",
-                                                   'only "none"')] = None
+    functions: Annotated[Any, _deprecated(
+        "functions", _falsy, 'tools: [{"type": "function", "function": {...}}]')] = None
+    function_call: Annotated[Any, _deprecated(
+        "function_call", lambda v: v == "none", 'tool_choice ("auto", "required", "none" or '
+        '{"type": "function", "function": {"name": ...}})')] = None
     documents: Annotated[Any, _not_implemented("documents", _nothing, "only null")] = None
     mm_processor_kwargs: Annotated[Any, _not_implemented("mm_processor_kwargs", _nothing,
                                                          "only null")] = None

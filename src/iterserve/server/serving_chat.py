@@ -11,7 +11,9 @@ What the template gets is what HF's `apply_chat_template` gets: the messages (as
 `continue_final_message`, and the template itself: the request's `chat_template`, else the
 server's `--chat-template`, else the model's. Tool calling is serving_tools.py; `echo`
 prefixes the reply with the final message's content when that message is the assistant's
-(vLLM's rule, meant for continue_final_message).
+(vLLM's rule, meant for continue_final_message). `prompt_logprobs` k (vLLM) answers with a
+top-level `prompt_logprobs` over the rendered prompt's tokens (streamed: in the first chunk
+after they are known).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import CompletionOutput
 from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.serving_common import (
-    ChoiceFormat, chat_logprobs, check_model, check_priority, new_id, respond, start_streams,
-    to_api_error)
+    ChoiceFormat, chat_logprobs, check_model, check_priority, new_id, prompt_logprobs_json,
+    respond, start_streams, to_api_error)
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_tools import (
     NO_TOOLS, StreamedToolCalls, ToolPlan, message_with_tools, plan_tools)
@@ -46,6 +48,19 @@ class ChatFormat(ChoiceFormat):
         self.token_ids_as_text = token_ids_as_text
         self.called: dict[int, bool] = {}
         self.streams: dict[int, StreamedToolCalls] = {}
+        self.prompt_logprobs: list | None = None     # vLLM's top-level field, sent once
+        self._prompt_sent = False
+
+    def see_output(self, prompt_index: int, out) -> None:
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+    def response_fields(self) -> dict[str, Any]:
+        if self.prompt_logprobs is None or self._prompt_sent:
+            return {}
+        self._prompt_sent = True
+        return {"prompt_logprobs": prompt_logprobs_json(
+            self.tok, self.prompt_logprobs, token_ids_as_text=self.token_ids_as_text)}
 
     def _logprobs(self, lps) -> dict[str, Any] | None:
         if not self.want_logprobs:

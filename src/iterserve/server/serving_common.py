@@ -253,6 +253,46 @@ def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], text_offset: in
             "text_offset": offsets}
 
 
+def _finite(v: float) -> float:
+    return max(v, -9999.0)          # as vLLM: JSON has no -Infinity
+
+
+def prompt_logprobs_json(tokenizer: Any, plps: list | None, *, token_ids_as_text: bool = False
+                         ) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id (as a JSON
+    key): {"logprob", "rank", "decoded_token"}}."""
+    if plps is None:
+        return None
+    return [None if d is None else {
+        str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                 "decoded_token": f"token_id:{t}" if token_ids_as_text else lp.decoded_token}
+        for t, lp in d.items()} for d in plps]
+
+
+def echo_completion_logprobs(tokenizer: Any, prompt_ids: list[int], plps: list, k: int, *,
+                             token_ids_as_text: bool = False) -> dict[str, Any]:
+    """The prompt part of OpenAI's completions logprobs with `echo`: its tokens, their
+    logprobs (None for the first), the top k plus the actual token, offsets from 0."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = 0
+    for tid, d in zip(prompt_ids, plps):
+        tokens.append(token_name(tokenizer, tid, token_ids_as_text))
+        offsets.append(off)
+        off += len(token_text(tokenizer, tid))
+        if d is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_finite(d[tid].logprob))
+        best = sorted(d.items(), key=lambda kv: kv[1].rank or 0)
+        top = {token_name(tokenizer, t, token_ids_as_text): _finite(lp.logprob)
+               for t, lp in best if (lp.rank or 0) <= k}
+        top.setdefault(token_name(tokenizer, tid, token_ids_as_text), _finite(d[tid].logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 def error_finish_message(out: RequestOutput) -> str | None:
     if out.error or any(o.finish_reason == "error" for o in out.outputs):
         return out.error or "the request failed in the engine"
@@ -297,6 +337,15 @@ class ChoiceFormat:
         """Choices sent before any token (chat: the assistant role)."""
         return []
 
+    def see_output(self, prompt_index: int, out: RequestOutput) -> None:
+        """Each RequestOutput of prompt `prompt_index`, before its choices are made (what
+        is per request rather than per choice: prompt_logprobs)."""
+
+    def response_fields(self) -> dict[str, Any]:
+        """Top-level fields of the response, or of the next streamed chunk (each sent once:
+        chat's prompt_logprobs)."""
+        return {}
+
     def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -333,6 +382,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
             if msg:
                 raise APIError(500, msg, type="internal_error")
             prompt_tokens += out.num_prompt_tokens
+            fmt.see_output(i, out)
             for co in out.outputs:
                 completion_tokens += len(co.token_ids)
                 choice = fmt.final_choice(i * n + co.index, co)
@@ -341,6 +391,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         resp = base(fmt.object_final, choices)
+        resp.update(fmt.response_fields())
         resp["usage"] = usage(prompt_tokens, completion_tokens)
         return JSONResponse(resp)
 
@@ -351,6 +402,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
 
     def chunk(choices: list[dict[str, Any]]) -> str:
         c = base(fmt.object_chunk, choices)
+        c.update(fmt.response_fields())
         if continuous_usage and len(choices) == 1:
             idx = choices[0]["index"]
             c["usage"] = usage(prompt_tokens.get(idx // n, 0), choice_tokens.get(idx, 0))
@@ -366,6 +418,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         try:
             async for i, out in merge_streams(streams):
                 prompt_tokens[i] = out.num_prompt_tokens
+                fmt.see_output(i, out)
                 for co in out.outputs:
                     if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
                         continue
