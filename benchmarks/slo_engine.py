@@ -156,13 +156,25 @@ def write(args, loads, meta, runs, t_start, load_before, *, final: bool) -> None
         "machine": machine_info(), "loadavg_before": load_before, "loadavg_after": load_now,
         **meta,
         "options": {"preset": PRESET, "requests": args.requests, "seed": args.seed,
+                    "lengths_scale": args.lengths_scale,
                     "loads": loads, "repeats": args.repeats, "model": args.model or "bundled"},
         "summary": summary, "runs": runs, "wall_s": time.time() - t_start}, indent=2) + "\n")
     if final:
         print(f"wrote {out}")
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the benchmark through its `finally`, so its servers are stopped too."""
+    import signal
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def main() -> None:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="0.8,1.5,2", help="load factors x capacity")
     ap.add_argument("--repeats", type=int, default=2)
@@ -170,6 +182,9 @@ def main() -> None:
     ap.add_argument("--slo-ttft-ms", type=float, help="default: the preset's, scaled (above)")
     ap.add_argument("--slo-tpot-ms", type=float, help="default: the preset's, scaled (above)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lengths-scale", type=float, default=1.0,
+                    help="scale the preset's output lengths (< 1 for a reduced run on a "
+                         "loaded machine; the quiet measurement uses 1)")
     ap.add_argument("--port", type=int, default=18610, help="fcfs server; slo on port + 1")
     ap.add_argument("--model", help="model path (default: the bundled model)")
     ap.add_argument("--serve-arg", action="append", help="extra `iterserve serve` argument")
@@ -181,7 +196,12 @@ def main() -> None:
     t_start = time.time()
     with open("/proc/loadavg") as fh:
         load_before = fh.read().split()[:3]
-    p = plan(PRESET, requests=args.requests, seed=args.seed)
+    lengths: dict[str, Any] = {}
+    if args.lengths_scale != 1.0:
+        o = plan(PRESET).workload
+        lengths = {k: [max(1, round(v * args.lengths_scale)) for v in getattr(o, k)]
+                   for k in ("short", "long")}
+    p = plan(PRESET, requests=args.requests, seed=args.seed, **lengths)
     base = serve_args(p)
     preset = p.settings["continuous"].scheduler
     servers: dict[str, Server] = {}
@@ -215,7 +235,7 @@ def main() -> None:
             order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
             for f in loads:
                 w = bench_workload(plan(PRESET, requests=args.requests, seed=args.seed + rep,
-                                        arrival_rate_s=f * cap), PRESET)
+                                        arrival_rate_s=f * cap, **lengths), PRESET)
                 for policy in order:
                     srv = servers[policy]
                     r = one_run(srv.url, w, args, slo)
