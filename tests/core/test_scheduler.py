@@ -231,15 +231,19 @@ def test_recompute_victim_is_requeued_at_the_front_of_the_waiting_queue():
 
 
 def test_victim_already_scheduled_this_step_returns_its_budget():
-    s = make(num_kv_blocks=4, block_size=2, max_num_seqs=2, scheduling_policy="priority",
+    s = make(num_kv_blocks=5, block_size=2, max_num_seqs=2, scheduling_policy="priority",
              max_num_batched_tokens=8)
-    s.add_request(req("lazy", prompt_len=3, max_tokens=4, priority=5, arrival_time=0.0))
+    s.add_request(req("lazy", prompt_len=3, max_tokens=6, priority=5, arrival_time=0.0))
     step(s)                                  # lazy: 3 tokens computed, 2 blocks
-    s.add_request(req("urgent", prompt_len=2, max_tokens=4, priority=0, arrival_time=1.0))
-    out, _ = step(s)                         # lazy decodes, urgent prefills: 3 blocks used
-    assert scheduled(out) == {"lazy": 1, "urgent": 2}
-    # lazy (first in the running list) takes the last block for its 5th token; then urgent
-    # needs one for its 3rd: lazy, the less urgent, is preempted after it was scheduled.
+    s.add_request(req("urgent", prompt_len=2, max_tokens=6, priority=0, arrival_time=1.0))
+    out, _ = step(s)                         # urgent prefills; lazy yields it the step
+    assert scheduled(out) == {"urgent": 2}
+    out, _ = step(s)                         # both decode; urgent takes a 2nd block
+    assert scheduled(out) == {"lazy": 1, "urgent": 1}
+    out, _ = step(s)                         # lazy takes the last block (its 3rd)
+    assert scheduled(out) == {"lazy": 1, "urgent": 1} and not out.preempted_req_ids
+    # lazy (first in the running list) fits; then urgent needs a 3rd block for its 5th
+    # token: lazy, the less urgent, is preempted after it was scheduled.
     out, _ = step(s)
     assert out.preempted_req_ids == ["lazy"]
     assert scheduled(out) == {"urgent": 1}
@@ -323,6 +327,49 @@ def test_priority_preempted_request_keeps_its_place_ahead_of_later_arrivals():
     step(s)                                      # urgent runs, lazy preempted
     out, _ = step(s)
     assert list(scheduled(out)) == ["lazy"]
+
+
+def test_priority_less_urgent_running_requests_yield_the_step_to_an_urgent_arrival():
+    """Slots and blocks are free, so nothing is preempted; still, the batch requests (a
+    decode and a long prefill chunk that would take the whole budget) sit out the step in
+    which the urgent request prefills, and resume the next step with their blocks."""
+    s = make(scheduling_policy="priority", max_num_seqs=4, max_num_batched_tokens=16,
+             enable_chunked_prefill=True)
+    s.add_request(req("batch-decode", priority=1, max_tokens=8))
+    step(s)
+    s.add_request(req("batch-long", priority=1, prompt_len=40, arrival_time=0.5))
+    out, _ = step(s)
+    assert scheduled(out) == {"batch-decode": 1, "batch-long": 15}
+    s.add_request(req("urgent", priority=0, prompt_len=10, max_tokens=2, arrival_time=1.0))
+    out, _ = step(s)
+    assert scheduled(out) == {"urgent": 10}
+    assert out.preempted_req_ids == [] and out.swapped_out_req_ids == []
+    out, _ = step(s)                             # urgent decodes; the batch class is back
+    assert scheduled(out) == {"batch-decode": 1, "batch-long": 14, "urgent": 1}
+
+
+def test_priority_equal_or_more_urgent_running_requests_do_not_yield():
+    s = make(scheduling_policy="priority", max_num_seqs=4, max_num_batched_tokens=64,
+             enable_chunked_prefill=True)
+    s.add_request(req("urgent-old", priority=0, max_tokens=8))
+    s.add_request(req("batch", priority=1, max_tokens=8, arrival_time=0.1))
+    step(s)
+    s.add_request(req("urgent-new", priority=0, prompt_len=5, arrival_time=1.0))
+    out, _ = step(s)
+    assert scheduled(out) == {"urgent-old": 1, "urgent-new": 5}
+    s.add_request(req("batch-new", priority=1, prompt_len=5, arrival_time=2.0))
+    out, _ = step(s)                             # a batch arrival: nobody yields
+    assert scheduled(out) == {"urgent-old": 1, "batch": 1, "urgent-new": 1, "batch-new": 5}
+
+
+def test_fcfs_never_yields():
+    s = make(scheduling_policy="fcfs", max_num_seqs=4, max_num_batched_tokens=64,
+             enable_chunked_prefill=True)
+    s.add_request(req("batch", priority=1, max_tokens=8))
+    step(s)
+    s.add_request(req("urgent", priority=0, prompt_len=5, arrival_time=1.0))
+    out, _ = step(s)
+    assert scheduled(out) == {"batch": 1, "urgent": 5}
 
 
 # --- ending requests -------------------------------------------------------------------------

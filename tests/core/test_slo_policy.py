@@ -196,6 +196,32 @@ def test_tpot_hold_caps_the_batch_below_the_target():
     assert e.s.slo.num_held_steps > 0
 
 
+def test_time_between_steps_counts_against_the_tpot_target():
+    """The same engine, but 6 ms pass between update_from_output and the next schedule()
+    (output processing, streaming): the policy measures that overhead and holds the batch
+    at 9 decodes (10 + 2 * 9 + 6 = 34 ms) instead of 12; idle waits are not overhead."""
+    e = Engine(slo_tpot_ms=40.0)
+
+    def run():
+        peak = 0
+        while e.s.has_unfinished_requests():
+            e.step()
+            e.t += 0.006
+            peak = max(peak, e.s.num_running)
+        return peak
+
+    e.add("warm", max_tokens=60)                  # ~60 back-to-back steps: overhead learned
+    run()
+    assert e.s.slo.overhead_s == pytest.approx(0.006, rel=0.05)
+    for i in range(20):
+        e.add(f"r{i}", max_tokens=50)
+    assert run() == 9
+    e.t += 30.0                                   # idle, then one request
+    e.add("late", max_tokens=5)
+    run()
+    assert e.s.slo.overhead_s == pytest.approx(0.006, rel=0.05)
+
+
 def test_without_a_tpot_target_nothing_is_held():
     e = Engine()
     for i in range(20):

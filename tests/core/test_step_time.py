@@ -91,3 +91,44 @@ def test_bad_input():
     m.observe(0, 0, 0, 0, 0.5)                                 # an empty step
     assert m.coefficients == before and m.num_observed == 0
     assert set(before) == set(COEFFICIENTS)
+
+
+def decode_only(rng, n):
+    for _ in range(n):
+        d = rng.randint(1, 32)
+        kv = d * rng.randint(16, 1024)
+        yield d, d, kv, 0
+
+
+def test_decode_only_traffic_on_a_slower_machine_scales_the_prefill_cost_too():
+    """The seed's prefill cost is not kept when only decodes run: the machine is 2x slower
+    than the seed everywhere, the decode steps show it, and the unexcited prefill term
+    follows the measured speed (the bug: it stayed at the seed's value)."""
+    rng = random.Random(11)
+    m = StepTimeModel(TRUE)
+    slow = {k: 2 * v for k, v in TRUE.items()}
+    for s in decode_only(rng, 800):
+        m.observe(*s, seconds(slow, *s))
+    assert m.speed == pytest.approx(2.0, rel=0.05)
+    assert m.coefficients["c_prefill_tok"] == pytest.approx(slow["c_prefill_tok"], rel=0.1)
+    shape = (40, 9, 9 * 300 + 32, 32)               # 8 decodes and a 32-token chunk
+    assert m.predict(*shape) == pytest.approx(seconds(slow, *shape), rel=0.1)
+
+
+def test_a_measured_prefill_cost_keeps_its_ratio_through_decode_only_stretches():
+    """Prefill measured 3x cheaper than the seed says; then only decodes, on a machine that
+    slows down 1.5x: the prefill term keeps the measured ratio and scales with the machine
+    (it neither snaps back to the seed nor stays at its old absolute value)."""
+    rng = random.Random(12)
+    m = StepTimeModel(TRUE)
+    real = dict(TRUE, c_prefill_tok=TRUE["c_prefill_tok"] / 3)
+    for s in shapes(rng, 600):
+        m.observe(*s, seconds(real, *s))
+    assert m.coefficients["c_prefill_tok"] == pytest.approx(real["c_prefill_tok"], rel=0.1)
+    assert m.confidence()["c_prefill_tok"] >= 4.0
+    slower = {k: 1.5 * v for k, v in real.items()}
+    for s in decode_only(rng, 1500):                # 15 memories: the prefill data is gone
+        m.observe(*s, seconds(slower, *s))
+    assert m.confidence()["c_prefill_tok"] < 1.0
+    assert m.coefficients["c_prefill_tok"] == pytest.approx(slower["c_prefill_tok"], rel=0.15)
+    assert m.predict(8, 8, 2048, 0) == pytest.approx(seconds(slower, 8, 8, 2048, 0), rel=0.03)

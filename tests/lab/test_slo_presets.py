@@ -53,7 +53,20 @@ def test_longprompt_chunking_caps_the_inter_token_gap():
     off = cont(preset="longprompt", requests=80, enable_chunked_prefill=False,
                max_num_batched_tokens=4096)
     assert off["max_itl_s"] >= 3 * on["max_itl_s"]       # a whole 1500+ token prefill
+    # Enough long prompts that their stalls are more than 1% of all gaps: p99 sees them.
+    assert off["p99_itl_s"] >= 3 * on["p99_itl_s"]
     assert on["p99_ttft_s"] > 0 and off["p99_ttft_s"] > 0
+
+
+def test_long_prompt_frac_sets_the_share_and_needs_the_longprompt_mix():
+    few = run_lab({"preset": "longprompt", "requests": 100, "long_prompt_frac": 0.05,
+                   "per_request": True})["continuous"]
+    many = run_lab({"preset": "longprompt", "requests": 100, "per_request": True})["continuous"]
+    longs = lambda r: sum(1 for q in r["per_request"] if q["prompt_len"] >= 1500)  # noqa: E731
+    assert longs(few) < 15 < longs(many) < 45
+    with pytest.raises(LabOptionsError) as e:
+        run_lab({"long_prompt_frac": 0.3, "prompt_len": [8, 40]})
+    assert e.value.option == "long_prompt_frac"
 
 
 def test_priority_flood_protects_the_interactive_class():

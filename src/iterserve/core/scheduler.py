@@ -7,7 +7,8 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
 
 1. Timeouts: requests whose deadline (any state) or queue deadline (never admitted) passed
    end with FinishReason.TIMEOUT.
-2. Running requests, in admission order, each get their next chunk within the token budget.
+2. Running requests, in admission order (under `priority`: by priority, then admission),
+   each get their next chunk within the token budget.
    When one needs a KV block and none is free, the least urgent running request is
    preempted (recompute: blocks freed, requeued at the front of its class; swap: blocks moved
    to host memory); if it was already scheduled this step, its tokens go back to the budget.
@@ -15,7 +16,8 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
 4. If nothing was preempted, waiting requests are admitted in queue order while the budget,
    `max_num_seqs`, the partial-prefill cap and the KV pool allow (prefix-cache hits are
    claimed first). Under the `priority` policy a waiting request may preempt a strictly less
-   urgent running one, both when `max_num_seqs` is full and when the KV pool is. Under the
+   urgent running one, both when `max_num_seqs` is full and when the KV pool is, and
+   running requests less urgent than the waiting head sit the step out (`_yield_to`). Under the
    `slo` policy (core/slo_policy.py) the queue is ordered by slack, a request that cannot
    meet its TTFT target is refused in add_request, and admission holds while one more
    decode would push the running requests past their TPOT target.
@@ -265,6 +267,10 @@ class Scheduler:
         num_preempted = 0
         num_partial = 0       # requests that will still be mid-prefill after this step
 
+        # Priority: a waiting request more urgent than running ones is admitted this step
+        # ahead of them (see _yield_to): those of a strictly lower priority sit it out.
+        yield_below = self._yield_to() if self._priority else None
+
         # 1. Running requests first.
         i = 0
         while i < len(running) and budget > 0:
@@ -272,6 +278,9 @@ class Scheduler:
             start = req.num_computed_tokens
             num_tokens = len(req.all_token_ids)      # (properties cost ~2x on this path)
             n = num_tokens - start
+            if yield_below is not None and req.priority > yield_below:
+                i += 1                      # yields this step to a more urgent arrival
+                continue
             if n > 1:
                 n = clamp(n, budget)
                 if not n:
@@ -321,7 +330,7 @@ class Scheduler:
                 ok = allocate(req, n)
                 assert ok is not None, "swap-in fit check and allocation disagree"
                 req.status = _RUNNING
-                running.append(req)
+                self._add_running(req)
                 rid = req.request_id
                 out.swapped_in_req_ids.append(rid)
                 swapped_in_now.add(rid)
@@ -385,7 +394,7 @@ class Scheduler:
                 source.pop()
                 req.num_computed_tokens = num_hit
                 req.status = _RUNNING
-                running.append(req)
+                self._add_running(req)
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                     req.num_cached_tokens = num_hit
@@ -461,6 +470,48 @@ class Scheduler:
             req = self.waiting.pop()
             self._group.push(req)
             self._group_ids.add(req.request_id)
+
+    def _add_running(self, req: Request) -> None:
+        """Append to the running list; under `priority`, after the last request of equal or
+        higher urgency, so step 1 hands out the budget in priority order (an urgent decode
+        never waits for budget behind a batch prefill chunk), admission order within a class."""
+        running = self.running
+        if self._priority and running and running[-1].priority > req.priority:
+            p = req.priority
+            i = len(running)
+            while i > 0 and running[i - 1].priority > p:
+                i -= 1
+            running.insert(i, req)
+        else:
+            running.append(req)
+
+    def _yield_to(self) -> int | None:
+        """The priority that running requests of a lower one yield to this step, or None.
+
+        vLLM's priority policy preempts a less urgent running request for a more urgent
+        waiting one only when slots or KV blocks run out; the token budget and the step's
+        time are still spent on the less urgent ones first, so an interactive request
+        arriving in a batch flood waits behind batch prefill chunks and then prefills in a
+        step full of batch work. Here, when the head of the waiting queue is strictly more
+        urgent than some running request (and than the head of the swapped queue, which
+        would otherwise resume first), the less urgent running requests are not scheduled
+        for this one step: they keep their blocks and resume the next step, the urgent
+        prefill gets the whole budget and a step that costs what it would alone. The batch
+        class pays one step per urgent admission."""
+        if self._static or not self.waiting or not self.running:
+            return None
+        head = self.waiting.peek()
+        if head is None:
+            return None
+        if self.swapped:
+            s = self.swapped.peek()
+            if s is not None and s.priority <= head.priority:
+                return None
+        p = head.priority
+        for r in self.running:
+            if r.priority > p:
+                return p
+        return None
 
     def _victim_key(self, r: Request) -> tuple:
         if self._priority:

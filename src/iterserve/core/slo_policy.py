@@ -27,6 +27,11 @@ scheduler's clock by default (wall time in the engine); the lab, whose scheduler
 counts steps, installs its simulated seconds with `use_clock`, and then a request's arrival
 is the clock's reading when it is added.
 
+What a client sees per token is the bracketed step plus the time between steps (output
+processing, streaming, the engine loop): measured too, as `overhead_s` (an average of the
+gaps between back-to-back steps; 0 in the lab, whose steps are back to back), and added to
+every prediction.
+
 Cost below capacity: per step, one pass over the scheduled chunks for the step's features
 and one `observe` (~3 us); the admission-time work (hold check, refusal check) only runs
 when a request waits, i.e. at or above capacity.
@@ -48,6 +53,7 @@ from iterserve.core.step_time import StepTimeModel
 TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT target
 RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
 MIN_RATE_EVIDENCE_S = 1.0    # saturated seconds seen before the rate is trusted
+OVERHEAD_EWMA = 0.05         # memory (~20 steps) of the per-step time outside the step
 DEFAULT_SEED_COST_MODEL = "smollm2-cpu"
 MIN_OBSERVED_TO_REFUSE = 20  # measured steps before predictions may refuse a request
 BIG_BATCH = 32               # above this many sequences a step's shape is sampled ...
@@ -168,6 +174,11 @@ class SloPolicy:
         self._last_seqs = 0
         self._last_kv = 0
         self._last_step_s = 0.0
+        # Seconds per step spent outside schedule()..update_from_output() while the engine
+        # had work (output processing, streaming, the loop itself): part of every token's
+        # time that the step-time model, fitted to the bracketed step, does not see.
+        self._t_done = -1.0
+        self.overhead_s = 0.0
         self._saturated = False         # requests still waited when the last schedule() ended
         self._backlog = False
         self._popped_before = 0
@@ -202,7 +213,8 @@ class SloPolicy:
         """Predicted seconds to prefill n tokens next to `decodes` running decodes."""
         c = self._chunk(n)
         steps = -(-n // c)
-        return steps * self.model.predict(decodes + c, decodes + 1, kv + c * steps, c)
+        return steps * (self.model.predict(decodes + c, decodes + 1, kv + c * steps, c)
+                        + self.overhead_s)
 
     def queue_key(self, request: Request) -> float:
         """Latest start (scheduler seconds) at which `request` still makes its TTFT target."""
@@ -253,7 +265,12 @@ class SloPolicy:
                 retry_after_s=retry, predicted_ttft_s=predicted, ttft_slo_s=slo)
 
     def step_started(self) -> None:
-        self._t0 = self.clock()
+        self._t0 = t0 = self.clock()
+        if self._t_done >= 0.0:                 # the last step left work: back to back
+            gap = t0 - self._t_done
+            if 0.0 <= gap < max(4 * self._last_step_s, 0.05):   # not an idle wait
+                self.overhead_s += OVERHEAD_EWMA * (gap - self.overhead_s)
+            self._t_done = -1.0
         self._popped_before = self.queue.num_popped
         # A step that starts with a backlog left by the previous one measures the service
         # rate: how fast waiting requests get in when they have to wait.
@@ -281,7 +298,7 @@ class SloPolicy:
             ok = True
         else:
             n = len(request.all_token_ids)
-            step_s = self.model.predict(seqs + 1, seqs + 1, self._hold_kv + n, 0)
+            step_s = self.model.predict(seqs + 1, seqs + 1, self._hold_kv + n, 0) + self.overhead_s
             ok = step_s <= TPOT_HEADROOM * tpot / 1000.0
         if not ok:
             self.num_held_steps += 1
@@ -315,7 +332,10 @@ class SloPolicy:
 
     def step_done(self) -> None:
         """update_from_output(): the executor has run; fold its measured time in."""
-        dt = self.clock() - self._t0
+        now = self.clock()
+        dt = now - self._t0
+        if self.scheduler.running or self.queue:
+            self._t_done = now
         if self._features is not None:
             tokens, seqs, kv, prefill = self._features
             if seqs:
@@ -333,4 +353,5 @@ class SloPolicy:
     def stats(self) -> dict:
         return {"refused": self.num_refused, "held_steps": self.num_held_steps,
                 "late_waiting": self.queue.num_late, "admission_rate": self.admission_rate,
+                "overhead_s": self.overhead_s,
                 "step_time_model": self.model.coefficients}

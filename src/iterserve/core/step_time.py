@@ -27,6 +27,16 @@ steps. Design points, all about staying cheap and stable:
   chunks. Plain forgetting would let such a direction drift freely ("windup"); the ridge
   term (worth PRIOR_WEIGHT observations) keeps it at the seed instead.
 - Coefficients are non-negative (an active-set solve: time never decreases with work).
+- The ridge pulls towards an *anchor* that follows the machine, not towards the seed as
+  given: anchor_i = speed * shape_i. `speed` is a one-parameter fit of the recent steps to
+  the shape's prediction (how much faster or slower this machine is now; any step informs
+  it, computed from the same decayed sums), and `shape_i` is the coefficient's last *confident* value over the speed
+  at that time (the seed's value until then). A term is confident when its decayed
+  information, roughly the sum over recent steps of (its share of the step's time)^2, is at least
+  CONFIDENT_INFO: e.g. a few dozen steps in which a prefill chunk took half the time. So a
+  decode-only stretch on a machine twice as slow as the seed doubles the predicted prefill
+  cost too (before, it kept the seed's), and a prefill cost once measured keeps its measured
+  ratio to the rest while only decodes run, scaling with the machine's speed.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ RIDGE_SHARE = 0.001          # ... plus this share of the data's weight on each 
 TRUST_AFTER = 100           # observations before the outlier clip applies
 REFIT_EVERY = 16            # refresh the fit the outlier clip compares against (~2 us/step)
 MIN_PRIOR_SHARE = 0.05      # prior scale of a coefficient seeded at 0, as a share of a step
+CONFIDENT_INFO = 4.0        # decayed sum of (term's share of the step)^2 to trust a term
+SPEED_RANGE = (0.02, 50.0)  # the speed fit is clipped to this (a broken clock stays bounded)
 
 
 def _solve(A: list[list[float]], b: list[float], free: list[int]) -> list[float]:
@@ -72,7 +84,7 @@ class StepTimeModel:
     """Predicts a step's seconds from its batch shape; `observe()` refits it online."""
 
     __slots__ = ("_theta", "_seed", "_ridge", "_A", "_b", "_dirty", "forgetting",
-                 "num_observed", "last_seconds", "_fitted_at")
+                 "num_observed", "last_seconds", "_fitted_at", "_shape", "_info", "_seen")
 
     def __init__(self, coefficients: Mapping[str, float] | Sequence[float],
                  forgetting: float = FORGETTING) -> None:
@@ -95,6 +107,9 @@ class StepTimeModel:
         self._ridge = [PRIOR_WEIGHT / max(t, MIN_PRIOR_SHARE * ref) ** 2 for t in self._seed]
         self._A = [[0.0] * 5 for _ in range(5)]
         self._b = [0.0] * 5
+        self._shape = list(self._seed)          # anchor_i = speed * shape_i
+        self._info = [0.0] * 5
+        self._seen = [False] * 5        # terms present in a step since the last refit
         self._dirty = False
         self.forgetting = forgetting
         self.num_observed = 0
@@ -111,6 +126,28 @@ class StepTimeModel:
     def coefficients(self) -> dict[str, float]:
         th = self._fit()
         return {k: t / s for k, t, s in zip(COEFFICIENTS, th, _SCALE)}
+
+    @property
+    def speed(self) -> float:
+        """How many times the anchor's shape this machine's recent steps take (1.0 before any
+        step): the one-parameter fit of the data to `shape` (see the module docstring)."""
+        return self._speed_of(self._shape)
+
+    def _speed_of(self, shape: list[float]) -> float:
+        A, b = self._A, self._b
+        num = sum(shape[i] * b[i] for i in range(5))
+        den = sum(shape[i] * shape[j] * A[min(i, j)][max(i, j)]
+                  for i in range(5) for j in range(5))
+        if den <= 0.0 or num <= 0.0:
+            return 1.0
+        lo, hi = SPEED_RANGE
+        return min(max(num / den, lo), hi)
+
+    def confidence(self) -> dict[str, float]:
+        """Per coefficient, its decayed information in units of its own size (see
+        CONFIDENT_INFO): how much the recent steps say about it, rather than the anchor."""
+        th = self._fit()
+        return {k: self._info[i] * th[i] ** 2 for i, k in enumerate(COEFFICIENTS)}
 
     def predict(self, tokens: float, seqs: float, kv_tokens: float,
                 prefill_tokens: float = 0.0) -> float:
@@ -143,6 +180,10 @@ class StepTimeModel:
             elif 1.0 - pred > MAX_REL_RESIDUAL:
                 target = pred + MAX_REL_RESIDUAL      # an outlier step (GC pause, ...)
         lam = self.forgetting
+        seen = self._seen
+        for i in range(5):
+            if x[i] > 0.0:
+                seen[i] = True
         A, b = self._A, self._b
         for i in range(5):
             Ai, xi = A[i], x[i]
@@ -164,13 +205,17 @@ class StepTimeModel:
         """Minimise sum of weighted residuals + ridge to the seed, with theta >= 0."""
         if not self._dirty:
             return self._theta
-        A0, b0, r, seed = self._A, self._b, self._ridge, self._seed
-        # The pull to the seed: a fixed part (for the first steps) plus RIDGE_SHARE of the
-        # data's own curvature, so it stays a fixed small share however much data there is.
-        rr = [r[i] + RIDGE_SHARE * A0[i][i] for i in range(5)]
+        A0, b0, r = self._A, self._b, self._ridge
+        speed = self.speed
+        anchor = [speed * c for c in self._shape]
+        # The pull to the anchor: a fixed part (for the first steps; in units of the anchor,
+        # so it is worth the same at any speed) plus RIDGE_SHARE of the data's own
+        # curvature, so it stays a fixed small share however much data there is.
+        inv_s2 = 1.0 / (speed * speed)
+        rr = [r[i] * inv_s2 + RIDGE_SHARE * A0[i][i] for i in range(5)]
         A = [[A0[min(i, j)][max(i, j)] + (rr[i] if i == j else 0.0) for j in range(5)]
              for i in range(5)]
-        b = [b0[i] + rr[i] * seed[i] for i in range(5)]
+        b = [b0[i] + rr[i] * anchor[i] for i in range(5)]
         free = list(range(5))
         theta = [0.0] * 5
         while free:                      # active set: pin negative coefficients at 0
@@ -184,6 +229,18 @@ class StepTimeModel:
                     theta[i] = sol[k]
                 break
             del free[worst]              # pin the most negative at 0, one at a time
+        # A term the recent steps determine becomes the anchor's shape (over the speed now),
+        # so it keeps its measured ratio to the rest when its kind of step stops coming.
+        # Only a term present in the steps since the last refit: while its data only decay,
+        # its fitted value drifts with the other terms' changes (the old steps are
+        # re-explained), and that drift must not become its shape.
+        info = [A0[i][i] for i in range(5)]
+        seen = self._seen
+        for i in range(5):
+            if seen[i] and info[i] * max(theta[i], anchor[i]) ** 2 >= CONFIDENT_INFO:
+                self._shape[i] = theta[i] / speed
+            seen[i] = False
+        self._info = info
         self._theta = theta
         self._dirty = False
         self._fitted_at = self.num_observed

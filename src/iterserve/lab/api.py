@@ -127,7 +127,10 @@ def plan_lab(options: dict | None, *, shared_prefix: SharedPrefixSpec | None = N
     long_prompt_frac, long_prompt = 0.0, None
     if o.mix == "longprompt":
         prompt_len = prompt_len or LONGPROMPT_SHORT
-        long_prompt_frac, long_prompt = LONGPROMPT_FRAC, LONGPROMPT_LEN
+        long_prompt_frac = LONGPROMPT_FRAC if o.long_prompt_frac is None else o.long_prompt_frac
+        long_prompt = LONGPROMPT_LEN
+    elif o.long_prompt_frac is not None:
+        raise _bad("long_prompt_frac", "needs mix longprompt")
     chunked = o.enable_chunked_prefill
     block_size = o.block_size
     policy = o.scheduling_policy

@@ -56,6 +56,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--mix", choices=("reference", "longprompt"),
                    help="longprompt: 10%% of the prompts 1500-2000 tokens among short chats "
                         "(--prompt-len, default 20-100); turns prefill on")
+    s.add_argument("--long-prompt-frac", type=float,
+                   help="--mix longprompt: share of the long prompts (default 0.1)")
     # The engine's own knobs, flags and help generated from core/config.py (the same
     # spellings as `iterserve serve`); the help gives the lab's default where it differs.
     from iterserve.core.config import (
@@ -166,7 +168,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
                             "preset": args.preset}
     for name in ("max_num_seqs", "requests", "seed", "short_frac", "arrival_rate",
                  "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
-                 "enable_chunked_prefill", "scheduling_policy", "priority_frac", "mix", "enable_prefix_caching",
+                 "enable_chunked_prefill", "scheduling_policy", "priority_frac", "mix", "enable_prefix_caching", "long_prompt_frac",
                  "long_prefill_token_threshold", "max_num_partial_prefills",
                  "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms", "max_queued_requests",
                  "request_timeout", "queue_timeout"):
