@@ -120,3 +120,15 @@ def test_decode_qgemm_of_each_isa_equals_dequantise_plus_matmul(name, isa):
             kernels.qgemm(t, raw, k, x, out, col0=4)
             assert_fp32_close(out[:, 4:74], x, w)
             assert (out[:, :4] == 3).all() and (out[:, 74:] == 3).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q5_1"])
+def test_gemm_row_blocks_and_register_panel_decoders(name, isa):
+    """The K-quant / Q5 panels decoded in registers (blocks512.h) and activation rows in
+    balanced blocks of at most 256 (300 rows -> two blocks of 156 / 144), K = 512."""
+    t, raw, w = gguf_blocks(name, 40, 512, seed=11)
+    x = torch.randn(300, 512)
+    out = torch.empty(300, 40)
+    kernels.gemm(t, raw, 512, x, out)
+    assert_fp32_close(out, x, w)

@@ -21,6 +21,11 @@
  * decoded into an L1 buffer by the same code as `dequant`, then dotted with the rows): 1.1-1.8x
  * faster than dequantise + F.linear on a 2048x2048 weight, 1.5-2.5x slower than a register
  * kernel. From panel_rows() rows on (per type, measured) the panel GEMM of prefill.c runs.
+ * iterserve_qgemm as a decode step calls it, against 9482085 (the session-12 kernels), same
+ * process, alternating, one thread, 1.7B shapes, 1-16 rows, loaded machine
+ * (benchmarks/results/kquant-decode-ab-t1.json, bench_qgemm.py ab): Q4_K 1.7-5.0x, Q6_K
+ * 1.2-3.9x, Q5_K 2.1-5.6x, Q5_0 1.2-4.1x, Q5_1 1.5-5.1x; F16 / BF16 1.7-4.4x at 1 row and
+ * level (0.95-1.10x) from 4 rows, where both run the panel GEMM.
  *
  * The f16 scales are converted per block with F16C, straight from the block (vcvtph2ps from
  * memory). On the bundled model's Q4_1 shapes the kernel is 0-11% (typically ~5%) slower than
