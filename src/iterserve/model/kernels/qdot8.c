@@ -34,8 +34,9 @@
  * chunks whose quantised activations stay in L1.
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
- * rows, for the 32-element types up to 8) are at the bottom of this file: 4-8x faster than the
- * float kernels for Q4_K / Q6_K at 1-4 rows, 1.1-1.9x for Q4_0 / Q8_0.
+ * rows, for the 32-element types up to 8) are at the bottom of this file: 1.9-4.6x faster
+ * than the AVX-512 float kernels for Q4_K / Q6_K at 1-16 rows, 1.1-1.9x for Q4_0 / Q8_0 at
+ * 1-8 rows (one thread, CPU time).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -659,21 +660,25 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
 }
 
 /* ---- the mode iterserve_qgemm dispatches on ----------------------------------------------- */
-/* Measured (benchmarks/bench_int8.py, same process, float and int8 alternating, 5 repeats,
- * medians of this process's CPU time, one thread, AVX-512 VNNI CPU, machine under load
- * ~15 from other processes; benchmarks/results/int8-qgemm-cpu1.json), float/int8 time on the
- * SmolLM2-1.7B shapes 2048x2048 | 8192x2048:
- *            1 row       2         4         8         16
- *   Q4_K   4.2 | 4.3  4.0 | 4.1  4.5 | 5.4  4.1 | 4.2  2.5 | 2.7
- *   Q6_K   8.0 | 7.7  6.7 | 6.7  4.4 | 4.7  2.5 | 2.7  1.7 | 1.9
+/* Measured (benchmarks/bench_int8.py --clock cpu: same process, float and int8 alternating,
+ * 5 repeats, medians of this process's CPU time, one thread; AVX-512 VNNI CPU under load
+ * ~15-20 from other processes; benchmarks/results/int8-qgemm-cpu1.json), float time / int8
+ * time on the SmolLM2-1.7B shapes 2048x2048 | 8192x2048. Float is qgemm.c after h2-kquant's
+ * AVX-512 K-quant register kernels (against the AVX2 ones before them: 4-8x at 1-8 rows):
+ *            1 row       2         4         8         16        32
+ *   Q4_K   2.1 | 2.2  1.9 | 2.1  2.1 | 2.7  2.0 | 2.8  2.0 | 2.7  1.7 | 1.8
+ *   Q6_K   2.8 | 2.8  2.5 | 2.8  4.3 | 4.6  2.5 | 2.7  1.8 | 1.9  1.3 | 1.3
  *   Q4_0   1.7 | 1.9  1.5 | 1.6  1.3 | 1.1  1.4 | 1.6  0.9 | 0.9
  *   Q8_0   1.3 | 1.1  1.2 | 1.2  1.4 | 1.2  1.4 | 1.3  0.8 | 0.9
- * (wall clock, the full grid with 2048x8192 and 49152x2048 too: int8-qgemm.json; K-quants
- * 1.1-2.5x still at 32 rows). Float's K-quant kernels expand every weight to float; int8's
- * per-row work is a few byte ops per 64 weights. For the 32-element types the float
- * kernels are AVX-512 FMAs over cheap blocks, so int8 only saves the weight expansion and
- * costs more per row (a conversion and a scale per block and row): it wins up to 8 rows and
- * loses from 16, where the float path hands over to the panel GEMM.
+ * (wall clock over the full grid with 2048x8192 and 49152x2048 too, one and two threads:
+ * int8-qgemm.json, too noisy at two threads under that load to read more than the sign).
+ * End to end, SmolLM2-1.7B-shaped Q4_K_M, batch-1 greedy decode, 2 threads, wall clock at
+ * load ~20: 0.47 -> 0.61 tok/s (1.30x; int8-decode-1.7b-Q4_K_M-b1.json).
+ * K-quant float kernels expand every weight to float; int8's per-row work is a few byte ops
+ * per 64 weights. For the 32-element types the float kernels are AVX-512 FMAs over cheap
+ * blocks, so int8 only saves the weight expansion and costs more per row (a conversion and
+ * a scale per block and row): it wins up to 8 rows and loses from 16, where the float path
+ * hands over to the panel GEMM.
  * Hence "auto" (the engine's default, --kernel-activations auto): int8 for the K-quants up
  * to 32 rows (all decode row counts, layers.QUANT_MAX_ROWS), for Q4_0 / Q4_1 / Q5_0 / Q5_1 /
  * Q8_0 up to 8; "int8": every int8 type up to 32 rows; "float": never. */
