@@ -24,7 +24,7 @@ every run and the per-repeat ratio (same load, adjacent in time); it is rewritte
 every run. Quiet 2-core machine: ~8-10 min with the defaults.
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine.py [--loads 0.8,1.5,2]
-        [--repeats 2] [--requests 80] [--slo-ttft-ms MS --slo-tpot-ms MS]
+        [--repeats 2] [--requests 64] [--slo-ttft-ms MS --slo-tpot-ms MS]
         [--port 18610] [--out benchmarks/results/slo-engine.json]
 """
 
@@ -178,7 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="0.8,1.5,2", help="load factors x capacity")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=80)
+    ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--slo-ttft-ms", type=float, help="default: the preset's, scaled (above)")
     ap.add_argument("--slo-tpot-ms", type=float, help="default: the preset's, scaled (above)")
     ap.add_argument("--seed", type=int, default=0)

@@ -165,26 +165,27 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
         opts["arrival_rate_s"] = rate * rate_scale
     p = plan(preset, **opts)
     w = bench_workload(p, preset)
+    classes = w.extra["priorities"] if preset == "priority-flood" else {}
     _PRIORITIES.clear()
-    if preset == "priority-flood":
-        _PRIORITIES.update(w.extra["priorities"])
+    if over.get("scheduling_policy") == "priority":    # a fcfs server refuses the field
+        _PRIORITIES.update(classes)
     lab_opts = {**preset_options(preset, **opts), "cost_model": cost, "batching": "continuous"}
     lab = run_lab(lab_opts)["continuous"]
-    srv = slo_engine.Server(port, serve_args(p), args, f"{preset}-{len(_PRIORITIES)}")
+    srv = slo_engine.Server(port, serve_args(p), args, f"{preset}-{port}")
     try:
         srv.wait_ready()
         slo_engine.warm_up(srv.url, args)
         res = asyncio.run(run_workload(srv.url, w, ClientOptions(
             request_timeout_s=args.request_timeout_s), SLO()))
-        real = real_metrics(res, _PRIORITIES)
+        real = real_metrics(res, classes)
         extra = {}
         if preset == "priority-flood" and name == "priority":
             # The interactive class alone: its requests at their arrival times, nothing else.
             alone = type(w)(w.name, w.seed, w.rate, tuple(
-                r for r in w.requests if _PRIORITIES.get(r.index) == 0), w.description, w.extra)
+                r for r in w.requests if classes.get(r.index) == 0), w.description, w.extra)
             ra = asyncio.run(run_workload(srv.url, alone, ClientOptions(
                 request_timeout_s=args.request_timeout_s), SLO()))
-            extra["alone_p99_ttft_s_urgent"] = real_metrics(ra, _PRIORITIES)["p99_ttft_s_urgent"]
+            extra["alone_p99_ttft_s_urgent"] = real_metrics(ra, classes)["p99_ttft_s_urgent"]
             la = run_lab({**lab_opts, "priority_frac": 1.0,
                           "requests": len(alone.requests),
                           "arrival_rate_s": (opts.get("arrival_rate_s") or 1.0)
