@@ -66,11 +66,11 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server did not become ready")
 
 
-async def run_mix(base: str, constrained: bool, seed: int) -> dict:
+async def run_mix(base: str, constrained: bool, seed: int, num_requests: int = 48) -> dict:
     import httpx
 
     from iterserve.bench.workloads import build_workload
-    w = build_workload("mix", seed=seed)
+    w = build_workload("mix", seed=seed, num_requests=num_requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900, connect=30)) as c:
         async def one(req):
@@ -108,10 +108,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-requests", type=int, default=48, help="mix's size (default 48)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     base = f"http://127.0.0.1:{args.port}"
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # stop the server on the way out
     proc = start_server(args)
     rounds = []
     try:
@@ -121,7 +124,8 @@ def main() -> None:
             "prompt": "warm up", "max_tokens": 8, "response_format": RESPONSE_FORMAT})
         for i in range(args.repeats):
             order = (False, True) if i % 2 == 0 else (True, False)
-            res = {c: asyncio.run(run_mix(base, c, args.seed)) for c in order}
+            res = {c: asyncio.run(run_mix(base, c, args.seed, args.num_requests))
+                   for c in order}
             plain, cons = res[False], res[True]
             ratio = cons["tok_per_s"] / plain["tok_per_s"]
             rounds.append({"order": ["constrained" if c else "plain" for c in order],
