@@ -66,15 +66,17 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server did not become ready")
 
 
-async def run_mix(base: str, constrained: bool, seed: int) -> dict:
+async def run_mix(base: str, constrained: bool, seed: int, num_requests: int = 48,
+                  max_tokens: int | None = None) -> dict:
     import httpx
 
     from iterserve.bench.workloads import build_workload
-    w = build_workload("mix", seed=seed)
+    w = build_workload("mix", seed=seed, num_requests=num_requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900, connect=30)) as c:
         async def one(req):
-            body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
+            cap = req.max_tokens if max_tokens is None else min(max_tokens, req.max_tokens)
+            body = {"prompt": req.prompt, "max_tokens": cap, "temperature": 0.0,
                     "ignore_eos": True}
             if constrained:
                 body["response_format"] = RESPONSE_FORMAT
@@ -108,10 +110,15 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-requests", type=int, default=48, help="mix's size (default 48)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="cap every request's max_tokens (a quick smoke run; default: mix's)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     base = f"http://127.0.0.1:{args.port}"
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # stop the server on the way out
     proc = start_server(args)
     rounds = []
     try:
@@ -121,8 +128,12 @@ def main() -> None:
             "prompt": "warm up", "max_tokens": 8, "response_format": RESPONSE_FORMAT})
         for i in range(args.repeats):
             order = (False, True) if i % 2 == 0 else (True, False)
-            res = {c: asyncio.run(run_mix(base, c, args.seed)) for c in order}
+            res = {c: asyncio.run(run_mix(base, c, args.seed, args.num_requests,
+                                          args.max_tokens)) for c in order}
             plain, cons = res[False], res[True]
+            if plain["output_tokens"] != cons["output_tokens"]:
+                print(f"note: token counts differ (plain {plain['output_tokens']}, "
+                      f"constrained {cons['output_tokens']})", flush=True)
             ratio = cons["tok_per_s"] / plain["tok_per_s"]
             rounds.append({"order": ["constrained" if c else "plain" for c in order],
                            "plain": plain, "constrained": cons, "ratio": ratio})

@@ -367,3 +367,39 @@ def test_constrained_requests_with_prefix_cache_hits(tiny_model_dir):
     assert second.num_cached_tokens > 0
     assert re.fullmatch(REGEX, second.outputs[0].text)
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failing_mask_fill_ends_only_its_sequence(tiny_model_dir, monkeypatch, overlap):
+    """The step's masks are filled on a worker thread while the forward pass runs (or before
+    it, overlap off); either way a matcher that fails ends its own sequence with "error" and
+    the batch goes on."""
+    from iterserve.structured import backend
+
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256)
+    llm.engine.output_processor.overlap_bitmask_fill = overlap
+    real = backend.GrammarMatcher.fill_bitmask
+    calls = {"n": 0}
+
+    def flaky(self, bitmask, row=0):
+        if self.grammar.kind == "regex" and self.num_tokens == 2:
+            raise RuntimeError("matcher broke")
+        calls["n"] += 1
+        return real(self, bitmask, row)
+
+    monkeypatch.setattr(backend.GrammarMatcher, "fill_bitmask", flaky)
+    bad = SamplingParams(max_tokens=8, temperature=0.0,
+                         structured_outputs=StructuredOutputsParams(regex=REGEX))
+    good = SamplingParams(max_tokens=8, temperature=0.0,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["a", "b", "c"], [bad, good, free], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "matcher broke" in outs[0].error
+    # overlapped, the failure is known after the step sampled its row (unmasked), so that
+    # token is in token_ids but never in the text; serial, the step never ran for it
+    bad_out = outs[0].outputs[0]
+    assert len(bad_out.token_ids) == (3 if overlap else 2)
+    assert bad_out.text == llm.get_tokenizer().decode(bad_out.token_ids[:2])
+    assert outs[1].outputs[0].text in ("yes", "no") and outs[1].error is None
+    assert len(outs[2].outputs[0].token_ids) == 8
+    assert calls["n"] > 0 and not llm.engine.has_unfinished_requests()

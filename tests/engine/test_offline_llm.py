@@ -233,3 +233,8 @@ def test_chat_with_tools_renders_them_and_returns_parsed_calls(tiny_model_dir):
     with pytest.raises(ToolChoiceError, match="not in tools"):
         llm.chat(msgs, tools=[WEATHER], use_tqdm=False,
                  tool_choice={"type": "function", "function": {"name": "missing"}})
+
+
+def test_beam_search_says_it_is_not_implemented_and_names_best_of(llm):
+    with pytest.raises(NotImplementedError, match="best_of"):
+        llm.beam_search(["Hello"], None)

@@ -153,6 +153,14 @@ class LLM:
             plan.parse(outputs)
         return outputs
 
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's LLM.beam_search: not implemented here (the server's use_beam_search is a
+        400 too). The nearest thing iterserve has is best_of: sample best_of sequences and
+        keep the n with the highest cumulative logprob."""
+        raise NotImplementedError(
+            "beam search is not implemented in iterserve; SamplingParams(n=N, best_of=K) "
+            "samples K sequences and returns the N with the highest cumulative logprob")
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)

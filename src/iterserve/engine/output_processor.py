@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 ToEnd = list[tuple[str, FinishReason]]      # scheduler request ids the engine must end
 
+OVERLAP_BITMASK_FILL = True    # measured by benchmarks/bench_constrained_overhead.py
+
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, *, clock: Callable[[], float],
@@ -54,6 +56,11 @@ class OutputProcessor:
         self._seqs: dict[str, tuple[RequestState, SequenceState]] = {}    # by scheduler id
         self._changed: dict[str, RequestState] = {}      # requests with something to emit
         self._matchers: dict[str, Any] = {}              # scheduler id -> GrammarMatcher (live)
+        # Fill the step's grammar masks on a worker thread, overlapped with the forward pass
+        # (structured.bitmask.PendingGrammarBitmask); False: fill them before execute().
+        self.overlap_bitmask_fill = OVERLAP_BITMASK_FILL
+        self._fill_pool: Any = None
+        self._pending_mask: Any = None
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, req: ProcessedRequest) -> RequestState:
@@ -101,8 +108,17 @@ class OutputProcessor:
                 sampling[rid] = matchers[rid]
         if not sampling:
             return None
-        from iterserve.structured.bitmask import GrammarBitmask
-        return GrammarBitmask.fill(sampling)
+        from iterserve.structured.bitmask import GrammarBitmask, PendingGrammarBitmask
+        if not self.overlap_bitmask_fill:
+            return GrammarBitmask.fill(sampling)
+        if self._fill_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        # Filled while the forward pass runs; a matcher that fails there is named in the
+        # result and its sequence ended when its token comes back (process_tokens).
+        self._pending_mask = PendingGrammarBitmask(
+            self._fill_pool.submit(GrammarBitmask.fill, sampling, isolate=True))
+        return self._pending_mask
 
     def discard(self, request_id: str) -> None:
         """Forget a request that never reached the scheduler (its add failed)."""
@@ -178,8 +194,14 @@ class OutputProcessor:
                        stats: StepStats) -> ToEnd:
         """Detokenise this step's tokens; the sequences a stop string (or a failure) ends."""
         to_end: ToEnd = []
+        pending, self._pending_mask = self._pending_mask, None
+        # Waits for the step's fill if the executor did not (the matchers change below).
+        failed = pending.failed_rows() if pending is not None else {}
         for rid, token_id in sampled.items():
             state, seq = self._seqs[rid]
+            if rid in failed:                    # its mask could not be computed this step
+                to_end += self.fail([rid], f"grammar error: {failed[rid]}")
+                continue
             try:
                 if self._process_token(state, seq, token_id, results[rid], stats):
                     to_end.append((rid, FinishReason.STOP))

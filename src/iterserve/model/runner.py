@@ -9,7 +9,9 @@ The step's chunks are flattened into one token batch with no padding: decodes fi
 attention can batch them), then each prefill chunk. The K/V of every computed token is
 written to the paged pool at the slots its request's block table names; logits are computed
 only for the rows that sample (the last token of a chunk that reaches the request's end),
-then one batched Sampler call picks the tokens from the runner's own rows. A step with
+then one batched Sampler call picks the tokens from the runner's own rows. A request with
+prompt_logprobs also gets the LM head over its prompt rows, chunk by chunk
+(model/prompt_logprobs.py); they go back with its first sampled token. A step with
 constrained sequences carries their token masks (`SchedulerOutput.grammar_bitmask`), applied
 to those rows' logits before the sampler (which applies logit_bias, allowed_token_ids,
 bad_words and min_tokens itself, from each row's params).

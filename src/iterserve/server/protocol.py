@@ -34,7 +34,10 @@ Structured outputs (`response_format`, `structured_outputs`, `guided_json` / `gu
 `guided_choice` / `guided_grammar`) and `logit_bias`, `min_tokens`, `bad_words`,
 `allowed_token_ids`, `include_stop_str_in_output` are implemented: they become SamplingParams
 fields, compiled / checked by the engine's input processor (a bad schema is a 400 naming it).
-So are vLLM's `echo`, `truncate_prompt_tokens`, `return_tokens_as_token_ids`,
+So are vLLM's `prompt_logprobs` (computed by the runner over the prompt rows), completions'
+`best_of` > n (V0: the n best of best_of by cumulative logprob; not streamed), `echo`
+(with `logprobs`: the prompt's tokens lead them), `truncate_prompt_tokens`,
+`return_tokens_as_token_ids`,
 `stream_options.continuous_usage_stats` (the server's response writers) and the chat
 template's inputs `add_generation_prompt`, `continue_final_message`, `chat_template` (on a
 server with --trust-request-chat-template) and `chat_template_kwargs`.

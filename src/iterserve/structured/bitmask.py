@@ -8,7 +8,8 @@ row; `rows` says which logits row each bitmask row belongs to.
 and adds it: no Python loop over the vocabulary or the rows. The logits may be wider
 than the mask (a model whose embedding table is padded past the tokenizer): the extra ids
 are never allowed; a mask wider than the logits is cut to their width. Works on any device
-(the mask is copied to the logits' device).
+(the mask is copied to the logits' device). `PendingGrammarBitmask` is one being filled on a
+worker thread while the forward pass runs.
 """
 
 from __future__ import annotations
@@ -131,14 +132,30 @@ class GrammarBitmask:
     bitmask: torch.Tensor
     row_of: dict[str, int]
 
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)   # seq id -> error
+
     @classmethod
-    def fill(cls, matchers: Mapping[str, object]) -> "GrammarBitmask | None":
-        """Masks for `{seq_id: GrammarMatcher}` (None when there is none to fill)."""
+    def fill(cls, matchers: Mapping[str, object], *, isolate: bool = False
+             ) -> "GrammarBitmask | None":
+        """Masks for `{seq_id: GrammarMatcher}` (None when there is none to fill).
+
+        `isolate`: a matcher that fails leaves its row all-allowed and is named in `failed`
+        (the caller ends that sequence) instead of failing the whole fill."""
         if not matchers:
             return None
         ids = list(matchers)
-        bitmask = fill_bitmasks([matchers[i] for i in ids])
-        return cls(bitmask, {sid: r for r, sid in enumerate(ids)})
+        if not isolate:
+            bitmask = fill_bitmasks([matchers[i] for i in ids])
+            return cls(bitmask, {sid: r for r, sid in enumerate(ids)})
+        bitmask = allocate_bitmask(len(ids), next(iter(matchers.values())).grammar.vocab_size)
+        failed: dict[str, str] = {}
+        for r, sid in enumerate(ids):
+            try:
+                matchers[sid].fill_bitmask(bitmask, r)
+            except Exception as e:             # noqa: BLE001 - reported per sequence
+                bitmask[r].fill_(-1)
+                failed[sid] = f"{type(e).__name__}: {e}"
+        return cls(bitmask, {sid: r for r, sid in enumerate(ids)}, failed)
 
     def apply(self, logits: torch.Tensor, seq_ids: Sequence[str]) -> torch.Tensor:
         """`seq_ids[i]` is the sequence of logits row i; rows without a mask are untouched."""
@@ -153,3 +170,41 @@ class GrammarBitmask:
         bm = self.bitmask if mask_rows == list(range(self.bitmask.shape[0])) else \
             self.bitmask[torch.tensor(mask_rows, dtype=torch.long)]
         return apply_bitmask(logits, bm, rows)
+
+
+class PendingGrammarBitmask:
+    """A step's GrammarBitmask being filled on a worker thread while the forward pass runs.
+
+    Why: filling costs ~0.2-1 ms per constrained row (llguidance's mask computation over the
+    whole vocabulary) and needs only the matchers' state after the previous step, not the
+    logits; the forward pass runs in native code without the GIL. So the engine starts the
+    fill before execute() and the runner's `apply` waits for it (usually done by then).
+    Same interface as GrammarBitmask for the runner (`apply`); TP strips it like the other.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future) -> None:
+        self._future = future
+
+    def result(self) -> GrammarBitmask:
+        return self._future.result()
+
+    @property
+    def row_of(self) -> dict[str, int]:
+        return self.result().row_of
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        return self.result().bitmask
+
+    def apply(self, logits: torch.Tensor, seq_ids: Sequence[str]) -> torch.Tensor:
+        return self.result().apply(logits, seq_ids)
+
+    def failed_rows(self) -> dict[str, str]:
+        """Wait for the fill; the sequences whose matcher failed ({} if it all failed: the
+        executor, which applies it, reported that already)."""
+        try:
+            return self._future.result().failed
+        except Exception:                       # noqa: BLE001
+            return {}
