@@ -247,28 +247,76 @@ def test_qwen_files_load_without_unpermuting_and_match_transformers(tmp_path, ar
         assert torch.equal(state[name], hf_state[name]), name
 
 
-def test_fast_string_array_parse_gives_the_readers_own_fields(default_model):
-    """open_gguf's reader builds vocabulary string arrays on a fast path; every field (parts,
-    indices, types, contents) must be what gguf-py's generic parser builds."""
+def _assert_same_as_gguf_py(path):
+    """open_gguf's header parser and gguf-py's GGUFReader agree on every field and tensor."""
     import gguf
 
-    from iterserve.model.gguf_loader import _reader_class, open_gguf
+    from iterserve.model.gguf_loader import open_gguf
 
-    class Generic(_reader_class()):
-        def _get_field_parts(self, offs, raw_type):
-            return gguf.GGUFReader._get_field_parts(self, offs, raw_type)
-
-    path = default_model[0]
-    fast, ref = open_gguf(path), Generic(path, "c")
+    fast, ref = open_gguf(path), gguf.GGUFReader(os.fspath(path))
     assert list(fast.fields) == list(ref.fields)
-    assert fast.data_offset == ref.data_offset
-    assert len(fast.fields["tokenizer.ggml.tokens"].data) > 40000   # the fast path ran
-    for key, a in fast.fields.items():
-        b = ref.fields[key]
-        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
-        assert [(p.dtype, p.tobytes()) for p in a.parts] == \
-            [(p.dtype, p.tobytes()) for p in b.parts], key
-        assert a.contents() == b.contents(), key
+    for key, field in ref.fields.items():
+        a, b = fast.fields[key].contents(), field.contents()
+        assert a == b and type(a) is type(b), key
+        if isinstance(b, list) and b:
+            assert {type(x) for x in a} == {type(x) for x in b}, key
+    assert len(fast.tensors) == len(ref.tensors)
+    for x, y in zip(fast.tensors, ref.tensors):
+        assert (x.name, x.tensor_type, x.shape.tolist(), x.n_elements, x.n_bytes,
+                x.data_offset) == (y.name, y.tensor_type, y.shape.tolist(), y.n_elements,
+                                   y.n_bytes, y.data_offset), x.name
+    return fast
+
+
+def test_header_parser_reads_what_gguf_py_reads(default_model, tmp_path):
+    """The bundled model (49k-token vocabulary, merges, token types) and a file with every
+    metadata value type, odd alignment and a quantised tensor: same fields, same tensors."""
+    import gguf
+
+    fast = _assert_same_as_gguf_py(default_model[0])
+    assert len(fast.fields["tokenizer.ggml.tokens"].contents()) > 40000
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_custom_alignment(64)
+    for i, (name, value, vtype) in enumerate([
+            ("u8", 7, "UINT8"), ("i8", -7, "INT8"), ("u16", 65535, "UINT16"),
+            ("i16", -300, "INT16"), ("u32", 1 << 31, "UINT32"), ("i32", -(1 << 30), "INT32"),
+            ("f32", 0.25, "FLOAT32"), ("u64", 1 << 40, "UINT64"), ("i64", -(1 << 40), "INT64"),
+            ("f64", 1e-300, "FLOAT64"), ("b", True, "BOOL"), ("s", "héllo", "STRING")]):
+        w.add_key_value(f"t.{name}", value, gguf.GGUFValueType[vtype])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.5])
+    w.add_array("t.strs", ["a", "", "ünï"])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_tensor("a.weight", np.ones((3, 32), dtype=np.float32))
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_K]
+    w.add_tensor("b.weight", np.zeros((2, 256 // block * size), dtype=np.uint8),
+                 raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_same_as_gguf_py(path)
+
+
+def test_big_endian_gguf_is_read_through_gguf_py(tmp_path):
+    """GGUFHeader reads little-endian v2/v3; anything else goes to gguf-py's reader."""
+    import gguf
+
+    from iterserve.model.gguf_loader import GGUFHeader, open_gguf
+
+    path = tmp_path / "be.gguf"
+    w = gguf.GGUFWriter(os.fspath(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(3)
+    w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = open_gguf(path)
+    assert not isinstance(reader, GGUFHeader)
+    assert reader.fields["llama.block_count"].contents() == 3
 
 
 def test_truncated_string_array_is_a_clear_error(tmp_path):
