@@ -3,8 +3,8 @@ stay cut.
 
 - KV pools are kernel-supplied zero pages: allocating a big pool writes nothing (RSS does
   not grow), reads as zeros (the padded SDPA path relies on that), and grows as written.
-- Fused q/k/v and gate/up reference the file's rows in place where they are in file order;
-  only llama's Q/K rows (un-permuted) are copied.
+- Fused q/k/v and gate/up that are one range of the file are one view of the mapping; the
+  rest is one buffer per run of one type, read with one file read per tensor.
 - Serving a GGUF on CPU imports none of the heavy optional libraries.
 - Every load phase logs its time (benchmarks/memory.py reads the lines).
 """
@@ -78,38 +78,68 @@ def test_lazy_zeros_is_zeros_and_keeps_its_mapping_alive():
     assert float(views[63].sum()) == 2.0 and not views[0].any()
 
 
-def test_fused_parts_in_file_order_are_views_of_the_mapping(tmp_path):
+def _write_safetensors(path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file with the tensors in exactly this order (save_file sorts them)."""
+    import json
+    import struct
+    header, blobs, off = {}, [], 0
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    for name, t in tensors:
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def test_fused_neighbours_are_one_view_of_the_mapping_and_the_rest_one_copy(tmp_path):
+    """q/k/v, gate/up: parts that are one range of the file (HF checkpoints store them in
+    order) are one zero-copy segment; parts apart, or whose rows are gathered, are read into
+    one buffer; one segment per run of one type, never more (each is a GEMM call per step)."""
+    from iterserve.model.hf_loader import read_safetensors
     from iterserve.model.loader import load_model
     from iterserve.model.weights import EncodedWeight
 
-    path = tmp_path / "m.gguf"
-    write_tiny_llama_gguf(path, tensor_types={"attn_q.weight": "Q8_0", "attn_k.weight": "Q8_0",
-                                              "attn_v.weight": "Q8_0"})
-    lm = load_model(str(path))
-    layer, refs = lm.model.layers[0], lm.refs
+    g = torch.Generator().manual_seed(0)
+    t = {n: torch.randn(r, 32, generator=g) for n, r in (("a", 4), ("b", 6), ("c", 2),
+                                                          ("gap", 1), ("d", 3))}
+    t["h"] = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    path = tmp_path / "x.safetensors"
+    _write_safetensors(path, [(n, t[n]) for n in ("a", "b", "c", "gap", "d", "h")])
+    refs = read_safetensors(path)
+    base = refs["a"].file_map.ctypes.data
+
+    def in_mapping(w):
+        return base <= w.data_ptr() < base + refs["a"].file_map.size
+
+    def check(names, n_segments, mapped):
+        fused = EncodedWeight.fuse([refs[n] for n in names])
+        assert len(fused.segments) == n_segments, names
+        assert [in_mapping(w) for _, w in fused.segments] == mapped, names
+        assert torch.equal(fused.dequantize(), torch.cat([t[n].float() for n in names]))
+
+    check(["a", "b", "c"], 1, [True])                  # neighbours: one view, no copy
+    check(["a"], 1, [True])
+    check(["a", "d"], 1, [False])                      # apart: one buffer
+    check(["b", "a"], 1, [False])                      # out of file order: one buffer
+    check(["c", "gap", "d", "h"], 2, [True, True])     # F32 run, then the BF16 tensor
+
+    # a GGUF: llama's Q/K rows are gathered (one buffer with v when v has their type)
+    gguf_path = tmp_path / "m.gguf"
+    write_tiny_llama_gguf(gguf_path, tensor_types={
+        "attn_q.weight": "Q8_0", "attn_k.weight": "Q8_0", "attn_v.weight": "Q4_0"})
+    lm = load_model(str(gguf_path))
     p = "model.layers.0."
-
-    def in_mapping(w: torch.Tensor, name: str) -> bool:
-        m = refs[name].mapping
-        return m.data_ptr() <= w.data_ptr() < m.data_ptr() + m.numel()
-
-    gu = layer.mlp.gate_up_proj.encoded
-    assert len(gu.segments) == 2                                        # gate, up: no copy
-    assert in_mapping(gu.segments[0][1], p + "mlp.gate_proj.weight")
-    assert in_mapping(gu.segments[1][1], p + "mlp.up_proj.weight")
-    qkv = layer.self_attn.qkv_proj.encoded
-    (_, qk), (_, v) = qkv.segments                                      # q+k gathered, v in place
-    assert not in_mapping(qk, p + "self_attn.q_proj.weight")
-    assert in_mapping(v, p + "self_attn.v_proj.weight")
-    for fused, names in ((gu, ["mlp.gate_proj", "mlp.up_proj"]),
-                         (qkv, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])):
-        expected = torch.cat([refs[p + n + ".weight"].to_float() for n in names])
-        assert torch.equal(fused.dequantize(), expected)
-    # more in-place parts than the kernels' 3 segments: same-type neighbours are copied
-    parts = [refs[p + "mlp.gate_proj.weight"]] * 4
-    four = EncodedWeight.fuse(parts)
-    assert len(four.segments) == 1 and four.rows == 4 * parts[0].rows
-    assert torch.equal(four.dequantize(), torch.cat([r.to_float() for r in parts]))
+    qkv = lm.model.layers[0].self_attn.qkv_proj.encoded
+    (_, qk), (_, v) = qkv.segments
+    mapping = lm.refs[p + "self_attn.v_proj.weight"].file_map
+    lo, hi = mapping.ctypes.data, mapping.ctypes.data + mapping.size
+    assert not lo <= qk.data_ptr() < hi and lo <= v.data_ptr() < hi
+    expected = torch.cat([lm.refs[p + f"self_attn.{n}_proj.weight"].to_float() for n in "qkv"])
+    assert torch.equal(qkv.dequantize(), expected)
 
 
 def test_every_load_phase_logs_its_time(tmp_path, caplog):

@@ -25,7 +25,7 @@ import torch
 
 from iterserve.model.startup import phase
 from iterserve.model.tokenizer import Tokenizer
-from iterserve.model.weights import SUPPORTED_TYPES, TensorRef, type_name
+from iterserve.model.weights import SUPPORTED_TYPES, TensorRef, map_file, type_name
 
 __all__ = ["load_gguf", "open_gguf", "read_gguf_config", "dequantize_state", "GGUFLoadError"]
 
@@ -120,9 +120,7 @@ class GGUFHeader:
     """
 
     def __init__(self, path: str) -> None:
-        # "c": a private copy-on-write mapping, so tensor views are writable numpy arrays
-        # (torch.from_numpy takes them without a copy); nothing is ever written to them.
-        self.data = np.memmap(path, dtype=np.uint8, mode="c").view(np.ndarray)
+        self.data = map_file(path)
         self.fields: dict[str, _Field] = {}
         self.tensors: list[_Tensor] = []
         self._off = 0
@@ -332,7 +330,8 @@ def _ref(path: str, reader, tensor) -> TensorRef:
         raise GGUFLoadError(f"{path}: tensor {tensor.name!r} ends past the end of the file "
                             f"(truncated download?)")
     mapping = torch.from_numpy(reader.data[start:start + n])
-    return TensorRef(tensor.name, int(qtype), shape, path, start, n, mapping)
+    return TensorRef(tensor.name, int(qtype), shape, path, start, n, mapping,
+                     file_map=reader.data)
 
 
 def load_gguf(path) -> tuple[dict, dict[str, TensorRef], Tokenizer]:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from iterserve.model.config import ModelLoadError
-from iterserve.model.weights import BF16, F16, F32, TensorRef
+from iterserve.model.weights import BF16, F16, F32, TensorRef, map_file
 
 # safetensors dtype -> GGML type of the same bytes
 _DTYPES = {"F32": F32, "F16": F16, "BF16": BF16}
@@ -77,10 +77,7 @@ def read_safetensors(path: Path) -> dict[str, TensorRef]:
             raise ModelLoadError(f"cannot read {path}: bad safetensors header: {e}") from None
     header.pop("__metadata__", None)
     base = 8 + n
-    if size == base:
-        mapping = np.zeros(0, dtype=np.uint8)
-    else:
-        mapping = np.memmap(path, dtype=np.uint8, mode="c")   # copy-on-write: writable views
+    mapping = np.zeros(0, dtype=np.uint8) if size == base else map_file(str(path))
     out: dict[str, TensorRef] = {}
     for name, info in header.items():
         try:
@@ -97,5 +94,5 @@ def read_safetensors(path: Path) -> dict[str, TensorRef]:
                                  f"does not fit its shape or the file (truncated?)")
         view = torch.from_numpy(mapping[base + begin:base + end].view(np.ndarray))
         out[name] = TensorRef(name, _DTYPES[dtype], shape, str(path), base + begin,
-                              end - begin, view)
+                              end - begin, view, file_map=mapping)
     return out

@@ -15,12 +15,15 @@ stays what the file stores, and the memory a model takes is a function of its fi
 - `EncodedWeight` is a [rows, k] matrix as one or more row segments `(ggml_type, uint8
   [rows, row_bytes])` stacked in output order: the layout `kernels.qgemm` and
   `kernels.DecodeLayers` read. `fuse()` builds it from the parts of a fused weight (q/k/v,
-  gate/up): a part in file order is a view of the mapping (gate/up, v, o, down: nothing
-  copied at load, each page read once, at first use); consecutive parts of one type whose
-  rows must be gathered (llama's Q/K) share one anonymous buffer, read straight from the file.
-  Parts of different types (Q4_K_M keeps some v / down tensors in Q6_K) are separate
-  segments in any case. (Copying gate/up and q/k/v into one buffer each made up most of a
-  1.7B GGUF's load time.)
+  gate/up): one segment per run of consecutive parts of one type (Q4_K_M keeps some v /
+  down tensors in Q6_K: those are a segment of their own). A run that is one range of the
+  file - a lone tensor, or neighbours like an HF checkpoint's q/k/v and gate/up - is a view
+  of the mapping (nothing copied, pages read at first use); any other run is read with one
+  file read per tensor into one anonymous buffer (llama's Q/K rows gathered on the way).
+  Why not always separate in-place segments (the kernels take up to 3): each segment is one
+  more GEMM call and thread fork/join per layer per step; measured on 1.7B Q4_0 gate/up,
+  +2% per call quiet and ~1.5x at the median on this loaded 2-core machine, so a decode
+  step would pay every time what the copy costs once at load.
 - `decode_rows()` widens a bounded block of rows to float32 (the reference path's tile and the
   embedding lookup): F32/F16/BF16 by a dtype conversion, block types by `kernels.dequant` where
   the native library has it, else by gguf-py's numpy dequantiser (the numerical reference).
@@ -28,6 +31,7 @@ stays what the file stores, and the memory a model takes is a function of its fi
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -73,6 +77,9 @@ class TensorRef:
     nbytes: int
     mapping: torch.Tensor           # uint8 [nbytes], zero-copy view of the file's mapping
     row_perm: np.ndarray | None = field(default=None, repr=False)   # new row i = old row perm[i]
+    # the whole file's mapping (uint8, offsets are into it), so fuse() can view neighbours
+    # as one range; None where the reference is not a plain range of the file
+    file_map: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -88,7 +95,7 @@ class TensorRef:
 
     def with_row_perm(self, perm: np.ndarray) -> "TensorRef":
         return TensorRef(self.name, self.ggml_type, self.shape, self.path, self.offset,
-                         self.nbytes, self.mapping, np.asarray(perm))
+                         self.nbytes, self.mapping, np.asarray(perm), self.file_map)
 
     def view(self) -> torch.Tensor:
         """uint8 [rows, row_bytes]: the mapping itself when rows are in file order, else the
@@ -151,6 +158,26 @@ def release_read_scratch() -> None:
     _read_buf.buf = None
 
 
+def map_file(path: str) -> np.ndarray:
+    """The whole file as a uint8 array over a private copy-on-write mapping.
+
+    Copy-on-write so tensor views are writable numpy arrays (torch.from_numpy takes them
+    without a copy); nothing is ever written to them. The kernel is told the pages will be
+    needed (MADV_WILLNEED, as llama.cpp's loader does): on a cold page cache it reads ahead
+    in the background while the header, tokenizer and model are set up, instead of page by
+    page at the first forward pass."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return np.zeros(0, dtype=np.uint8)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+        try:
+            mm.madvise(mmap.MADV_WILLNEED)
+        except OSError:
+            pass
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
 # --- decoding rows -----------------------------------------------------------------------
 
 def _native():
@@ -205,8 +232,12 @@ def tile_rows(k: int) -> int:
 
 # --- weights as row segments --------------------------------------------------------------
 
-# Row segments one Linear may have: kernels.MAX_SEGMENTS (ITERSERVE_MAX_SEGMENTS, iterserve.h).
-MAX_SEGMENTS = 3
+def _adjacent(a: TensorRef, b: TensorRef) -> bool:
+    """b's rows start where a's end, in one mapping of one file, both in file order."""
+    return (type(a) is TensorRef and type(b) is TensorRef and a.file_map is not None
+            and b.file_map is a.file_map and a.row_perm is None and b.row_perm is None
+            and a.ggml_type == b.ggml_type and a.row_bytes == b.row_bytes
+            and b.offset == a.offset + a.nbytes)
 
 
 def _groups(parts: list[TensorRef], joins) -> list[list[TensorRef]]:
@@ -274,18 +305,19 @@ class EncodedWeight:
             if p.ggml_type not in SUPPORTED_TYPES:
                 raise ValueError(f"tensor {p.name!r} has type {type_name(p.ggml_type)}, which "
                                  f"is not supported")
-        # A part in file order is referenced in place (a view of the mapping: no copy, its
-        # pages read once, at first use); consecutive parts of one type that need a row
-        # gather (llama's Q/K) share one buffer. Only when that would exceed the kernels'
-        # MAX_SEGMENTS are consecutive parts of one type copied into one buffer.
-        groups = _groups(parts, lambda a, b: a.ggml_type == b.ggml_type
-                         and a.row_perm is not None and b.row_perm is not None)
-        if len(groups) > MAX_SEGMENTS:
-            groups = _groups(parts, lambda a, b: a.ggml_type == b.ggml_type)
+        # One segment per run of consecutive parts of one type (each extra segment is one
+        # more GEMM call, one more thread fork/join, per step). A run that is one range of
+        # the file (a lone tensor; neighbours such as HF's q/k/v or gate/up) is a view of the
+        # mapping; any other run is read into one buffer (llama's Q/K rows gathered).
         segments = []
-        for g in groups:
-            if len(g) == 1 and g[0].row_perm is None:
-                segments.append((g[0].ggml_type, g[0].view()))
+        for g in _groups(parts, lambda a, b: a.ggml_type == b.ggml_type):
+            if g[0].row_perm is None and all(_adjacent(x, y) for x, y in zip(g, g[1:])):
+                if len(g) == 1:
+                    segments.append((g[0].ggml_type, g[0].view()))
+                else:
+                    lo, hi = g[0].offset, g[-1].offset + g[-1].nbytes
+                    segments.append((g[0].ggml_type, torch.from_numpy(
+                        g[0].file_map[lo:hi]).view(-1, g[0].row_bytes)))
                 continue
             buf = torch.empty(sum(p.rows for p in g), g[0].row_bytes, dtype=torch.uint8)
             r = 0
