@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -202,16 +201,9 @@ def _first_token(url: str) -> str | None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    """End the server's whole session group (vLLM forks an engine core): the peers' helper."""
+    from vllm_cpu import stop_server
+    stop_server(proc)
 
 
 def run_engine(engine: str, model: Path, name: str, *, port: int, slots: int, ctx: int,

@@ -207,17 +207,9 @@ def _wait_ready(proc: subprocess.Popen, url: str, health: str, timeout_s: float)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End the server's whole session (vLLM forks an engine core)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    """End the server's whole session group (vLLM forks an engine core): the peers' helper."""
+    from vllm_cpu import stop_server
+    stop_server(proc)
 
 
 # --- the measurements -----------------------------------------------------------------------
