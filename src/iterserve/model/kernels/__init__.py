@@ -10,6 +10,9 @@ blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
 - `prefill.c`: `gemm`, the GEMM for many rows (prefill chunks, large batches) over every type
   `dequant` covers: weight panels decoded into an L1 scratch, register-blocked float32
   micro-kernels (AVX-512 or AVX2, `gemm_isa`);
+- `prefill8.c`: `gemm_int8`, the same GEMM with activations quantised to 8 bits once per call
+  and integer dot products (AVX-512 VNNI / AVX2 maddubs) for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
+  / Q4_K / Q5_K / Q6_K; `gemm` runs it under `--kernel-activations int8` and `auto`;
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
@@ -109,6 +112,8 @@ _ARGTYPES = {
     "iterserve_act8_isa": (_i64, [_i64]),
     "iterserve_set_act_mode": (_i64, [_i64]),
     "iterserve_can_act8": (_i32, [_i64]),
+    "iterserve_gemm8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
+    "iterserve_can_gemm8": (_i32, [_i64]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -523,6 +528,28 @@ def qgemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: to
     args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_int8", "qgemm")
     if args is not None:
         _rc(lib.iterserve_qgemm_act8(*args))
+
+
+def supports_gemm_int8(ggml_type: int) -> bool:
+    """Whether prefill8.c has an int8-activation prefill GEMM for the type (on this CPU: the
+    AVX2 variant has no Q8_0)."""
+    lib = _library()
+    if lib is None or not lib.iterserve_can_gemm8(int(ggml_type)):
+        return False
+    return int(ggml_type) != 8 or lib.iterserve_act8_isa(-1) == 2
+
+
+def gemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+              col0: int = 0) -> None:
+    """`gemm` on the int8-activation prefill GEMM (prefill8.c) whatever the activation mode
+    (tests, benchmarks): x quantised to 8 bits in blocks of 32, weight panels decoded to int8
+    codes, integer dot products (AVX-512 VNNI or AVX2, `int8_isa`)."""
+    lib = _lib()
+    if not supports_gemm_int8(ggml_type):
+        raise ValueError(f"ggml type {ggml_type} has no int8 prefill GEMM here")
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "gemm_int8", "qgemm")
+    if args is not None:
+        _rc(lib.iterserve_gemm8(*args))
 
 
 def dequant(ggml_type, w, k, out) -> torch.Tensor:
