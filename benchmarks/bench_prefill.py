@@ -72,6 +72,64 @@ def child(requests: int, tokens: int, reps: int, threads: int) -> dict:
             "prompt_tok_per_thread_cpu_s": statistics.median(cpu_rates)}
 
 
+def profile(model: str, tokens: int, modes: list[str], threads: int, reps: int) -> dict:
+    """Where one `tokens`-token prefill (one request, max_tokens=1) spends its time, per
+    activation mode: wall time of the step (median of `reps`), then one step under cProfile
+    with the time of each function itself (tottime; a ctypes kernel call is the time of its
+    Python wrapper, e.g. kernels.gemm)."""
+    import cProfile
+    import pstats
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    from iterserve.core.request import SamplingParams
+    from iterserve.engine.args import EngineArgs
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.model import kernels
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=1,
+                                                   max_num_batched_tokens=max(512, tokens),
+                                                   kv_cache_memory=0.25))
+    rng = random.Random(0)
+    doc = {"kind": "prefill-profile", "model": model, "tokens": tokens,
+           "threads": torch.get_num_threads(), "modes": {}}
+
+    def one(tag: str) -> float:
+        ids = [rng.randrange(100, 20000) for _ in range(tokens)]
+        engine.add_request(tag, ids, sp)
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - t
+    n = 0
+    for mode in modes:
+        kernels.set_activations(mode)
+        one(f"warm-{mode}")
+        walls = []
+        for _ in range(reps):
+            n += 1
+            walls.append(one(f"r{n}"))
+        prof = cProfile.Profile()
+        n += 1
+        prof.enable()
+        one(f"p{n}")
+        prof.disable()
+        st = pstats.Stats(prof)
+        total = sum(v[2] for v in st.stats.values())
+        top = sorted(((v[2], f"{Path(k[0]).name}:{k[2]}") for k, v in st.stats.items()),
+                     reverse=True)[:20]
+        doc["modes"][mode] = {"wall_s": walls, "median_s": statistics.median(walls),
+                              "profile_total_s": total,
+                              "top_tottime": [{"fn": f, "s": round(t, 4),
+                                               "share": round(t / total, 3)} for t, f in top]}
+        print(f"{mode}: {tokens}-token prefill median {statistics.median(walls) * 1e3:.0f} ms "
+              f"(all {', '.join(f'{w * 1e3:.0f}' for w in walls)})", flush=True)
+        for t, f in top[:12]:
+            print(f"   {t * 1e3:8.1f} ms {t / total:6.1%}  {f}")
+    doc["load_avg_at_end"] = os.getloadavg()
+    return doc
+
+
 # SmolLM2-1.7B's GEMM shapes (n, k): q/k/v/o, gate/up, down
 GEMM_SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192)]
 
@@ -144,6 +202,9 @@ def main() -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=[64, 128, 256, 512])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--shapes", nargs="+", default=None, help="NxK (default the 1.7B shapes)")
+    ap.add_argument("--profile", metavar="MODEL", help="profile one prefill of --tokens "
+                    "tokens of this model (a .gguf / HF dir) per --modes")
+    ap.add_argument("--modes", nargs="+", default=["float", "auto"])
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--tree", action="append", default=[], help="NAME=PATH of a source tree")
     ap.add_argument("--requests", type=int, default=8)
@@ -155,6 +216,11 @@ def main() -> int:
                     "OpenMP thread stalls every op at its barrier")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.profile:
+        doc = profile(a.profile, a.tokens, a.modes, a.threads, a.reps)
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1))
+        return 0
     if a.gemm:
         shapes = ([tuple(int(v) for v in sh.split("x")) for sh in a.shapes] if a.shapes
                   else GEMM_SHAPES)

@@ -141,14 +141,16 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
         kernels.qgemm_int8(tt, ww, 512, xr, b)
         assert torch.equal(a, b) == want_int8, (tt, rows)
     kernels.set_activations("float")
-    # beyond 32 rows every mode hands large batches to the float kernels
+    # beyond 32 rows the decode kernels hand large batches to the prefill GEMM: the float
+    # one under float, the int8-activation one (prefill8.c, gemm_int8) under int8
     xl = torch.randn(40, 512)
-    a, b = torch.empty(40, 64), torch.empty(40, 64)
+    a, b, c = torch.empty(40, 64), torch.empty(40, 64), torch.empty(40, 64)
     kernels.set_activations("int8")
     kernels.qgemm(t, w, 512, xl, a)
+    kernels.gemm_int8(t, w, 512, xl, c)
     kernels.set_activations("float")
     kernels.qgemm(t, w, 512, xl, b)
-    assert torch.equal(a, b)
+    assert torch.equal(a, c) and not torch.equal(a, b)
 
 
 # --- the bundled model, re-quantised to the int8 kernels' types -------------------------------

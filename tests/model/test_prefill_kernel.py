@@ -259,3 +259,46 @@ def test_activation_mode_routes_the_prefill_gemm():
     kernels.gemm(t, raw, 512, x, out)
     assert_fp32_close(out, x, w)
     kernels.set_activations("float")
+
+
+# --- the kernel build (kernels/__init__.py `_build`): files compiled in parallel ---------------
+
+def test_parallel_build_compiles_each_file_once_under_the_lock(tmp_path, monkeypatch):
+    """Two threads build the same (small) source set into an empty cache at once: the lock
+    makes one of them compile each file once (object files in parallel, then one link), the
+    other waits and gets the same .so; no temporary build directory is left behind, the
+    library loads, and a changed source is a new key (a new build)."""
+    import ctypes
+    import subprocess
+    import threading
+    kdir = kernels._DIR
+    srcs = [kdir / "elementwise.c", kdir / "decode_attention.c"]      # self-contained
+    monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_SOURCES", srcs)
+    compiles = []
+    real_run = subprocess.run
+
+    def spy(cmd, *a, **kw):
+        if "-c" in cmd:
+            compiles.append(cmd[cmd.index("-c") + 1])
+        return real_run(cmd, *a, **kw)
+    monkeypatch.setattr(kernels.subprocess, "run", spy)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(kernels._build(kernels._compiler())))
+               for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(got) == 2 and got[0] == got[1] and got[0].exists()
+    assert sorted(compiles) == sorted(map(str, srcs))            # each file once
+    assert not list((tmp_path / "kernels").glob(".build-*"))     # temporaries removed
+    lib = ctypes.CDLL(str(got[0]))
+    assert hasattr(lib, "iterserve_rmsnorm") and hasattr(lib, "iterserve_decode_attention")
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return }\n")
+    monkeypatch.setattr(kernels, "_SOURCES", [*srcs, broken])
+    with pytest.raises(RuntimeError, match="broken.c"):
+        kernels._build(kernels._compiler())
+    assert not list((tmp_path / "kernels").glob(".build-*"))
+    assert len(list((tmp_path / "kernels").glob("iterserve-*.so"))) == 1

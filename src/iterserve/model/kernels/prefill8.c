@@ -326,12 +326,17 @@ static inline __attribute__((always_inline)) void pack8(
                 p->scale[blk * NP8 + j] = sc[j][s];
                 p->mins[blk * NP8 + j] = mn[j][s];
             }
-            /* -128 * sum of the block's codes, per column */
-            for (int j = 0; j < NP8; j++) {
-                const int8_t *c = tmp + (size_t)j * QB + s * G;
-                int t = 0;
-                for (int i = 0; i < G; i++) t += c[i];
-                p->corr[blk * NP8 + j] = -128 * t;
+            /* -128 * sum of the block's codes, per column, from the packed codes */
+            const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+            const int32_t *cg = dst + (s * G / 4) * NP8;
+            for (int v = 0; v < NP8 / 8; v++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int g = 0; g < G / 4; g++) {
+                    const __m256i c = _mm256_load_si256((const __m256i *)(cg + g * NP8 + 8 * v));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(one8, c), one16));
+                }
+                _mm256_store_si256((__m256i *)(p->corr + blk * NP8 + 8 * v),
+                                   _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(acc, 7)));
             }
         }
     }
