@@ -323,7 +323,9 @@ def test_int8_continues_the_bundled_model_greedily_as_float_does(mixed_model):
     """Same greedy continuation, and decode logits within 8-bit-activation error of float.
     Measured here: the int8 logits differ from float ones by 1.5-2.5% of their spread (RMS;
     8 layers of ~0.5% per GEMM); a wrong scale, offset or sub-block order in any of the
-    four kernels moves them by far more and changes the text."""
+    four kernels moves them by far more and changes the text. int8 mode also runs the prompt
+    through the int8 prefill GEMM (prefill8.c), so the prompt's KV carries 8-bit error too:
+    2.1-6.0% then (1.4-3.5% with a float prefill, same run), hence 0.1."""
     prompt = _prompt(mixed_model)
     f_tokens, f_logits = _greedy(mixed_model, prompt, "float")
     i_tokens, i_logits = _greedy(mixed_model, prompt, "int8")
@@ -331,7 +333,7 @@ def test_int8_continues_the_bundled_model_greedily_as_float_does(mixed_model):
                                   mixed_model.tokenizer.decode(f_tokens))
     for a, b in zip(i_logits[1:], f_logits[1:]):             # the decode steps
         rel = ((a - b).pow(2).mean().sqrt() / b.std()).item()
-        assert 0 < rel < 0.06                                # 0: int8 did not run
+        assert 0 < rel < 0.1                                 # 0: int8 did not run
 
 
 @pytest.mark.slow
