@@ -141,14 +141,16 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
         kernels.qgemm_int8(tt, ww, 512, xr, b)
         assert torch.equal(a, b) == want_int8, (tt, rows)
     kernels.set_activations("float")
-    # beyond 32 rows every mode hands large batches to the float kernels
+    # beyond 32 rows the decode kernels hand large batches to the prefill GEMM: the float
+    # one under float, the int8-activation one (prefill8.c, gemm_int8) under int8
     xl = torch.randn(40, 512)
-    a, b = torch.empty(40, 64), torch.empty(40, 64)
+    a, b, c = torch.empty(40, 64), torch.empty(40, 64), torch.empty(40, 64)
     kernels.set_activations("int8")
     kernels.qgemm(t, w, 512, xl, a)
+    kernels.gemm_int8(t, w, 512, xl, c)
     kernels.set_activations("float")
     kernels.qgemm(t, w, 512, xl, b)
-    assert torch.equal(a, b)
+    assert torch.equal(a, c) and not torch.equal(a, b)
 
 
 # --- the bundled model, re-quantised to the int8 kernels' types -------------------------------
@@ -321,7 +323,9 @@ def test_int8_continues_the_bundled_model_greedily_as_float_does(mixed_model):
     """Same greedy continuation, and decode logits within 8-bit-activation error of float.
     Measured here: the int8 logits differ from float ones by 1.5-2.5% of their spread (RMS;
     8 layers of ~0.5% per GEMM); a wrong scale, offset or sub-block order in any of the
-    four kernels moves them by far more and changes the text."""
+    four kernels moves them by far more and changes the text. int8 mode also runs the prompt
+    through the int8 prefill GEMM (prefill8.c), so the prompt's KV carries 8-bit error too:
+    2.1-6.0% then (1.4-3.5% with a float prefill, same run), hence 0.1."""
     prompt = _prompt(mixed_model)
     f_tokens, f_logits = _greedy(mixed_model, prompt, "float")
     i_tokens, i_logits = _greedy(mixed_model, prompt, "int8")
@@ -329,7 +333,7 @@ def test_int8_continues_the_bundled_model_greedily_as_float_does(mixed_model):
                                   mixed_model.tokenizer.decode(f_tokens))
     for a, b in zip(i_logits[1:], f_logits[1:]):             # the decode steps
         rel = ((a - b).pow(2).mean().sqrt() / b.std()).item()
-        assert 0 < rel < 0.06                                # 0: int8 did not run
+        assert 0 < rel < 0.1                                 # 0: int8 did not run
 
 
 @pytest.mark.slow

@@ -10,6 +10,9 @@ blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
 - `prefill.c`: `gemm`, the GEMM for many rows (prefill chunks, large batches) over every type
   `dequant` covers: weight panels decoded into an L1 scratch, register-blocked float32
   micro-kernels (AVX-512 or AVX2, `gemm_isa`);
+- `prefill8.c`: `gemm_int8`, the same GEMM with activations quantised to 8 bits once per call
+  and integer dot products (AVX-512 VNNI / AVX2 maddubs) for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
+  / Q4_K / Q5_K / Q6_K; `gemm` runs it under `--kernel-activations int8` and `auto`;
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (model/attention.py);
 - `prefill_attention.c` (+ `prefill_attention_impl.h`, its body for AVX2 and AVX-512):
@@ -43,6 +46,7 @@ CPU features are detected at run time (`features()`) and logged once when the li
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -51,6 +55,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +117,8 @@ _ARGTYPES = {
     "iterserve_act8_isa": (_i64, [_i64]),
     "iterserve_set_act_mode": (_i64, [_i64]),
     "iterserve_can_act8": (_i32, [_i64]),
+    "iterserve_gemm8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
+    "iterserve_can_gemm8": (_i32, [_i64]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -219,7 +226,14 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
-    """Compile the sources (once per sources/flags/compiler); return the cached .so path."""
+    """Compile the sources (once per sources/flags/compiler); return the cached .so path.
+
+    Each .c is compiled to an object file on its own core, then they are linked: the same
+    compilation units and flags as one `cc ... *.c -o lib.so` (the cache key is unchanged),
+    but a clean build takes as long as the slowest file (qgemm.c, ~20 s of CPU of the ~30)
+    instead of the sum. An exclusive lock on `<key>.lock` next to the output makes
+    concurrent processes (test workers, an engine and its rank processes) build a given key
+    once: the others wait and load the result. The .so appears atomically (os.replace)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
                          + repr(_FLAGS).encode()
@@ -228,17 +242,33 @@ def _build(cc: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)          # atomic: concurrent processes never load a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(out.parent / f"iterserve-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)           # released when the file closes
+        if out.exists():                           # another process built it meanwhile
+            return out
+        tmpdir = tempfile.mkdtemp(dir=out.parent, prefix=f".build-{key}-")
+        try:
+            compile_flags = [f for f in _FLAGS if f != "-shared"]
+            objs = [os.path.join(tmpdir, f"{src.stem}.o") for src in _SOURCES]
+
+            def compile_one(src_obj: tuple[Path, str]) -> subprocess.CompletedProcess:
+                src, obj = src_obj
+                return subprocess.run([cc, *compile_flags, "-c", str(src), "-o", obj],
+                                      capture_output=True, text=True)
+            workers = max(1, min(len(_SOURCES), len(os.sched_getaffinity(0))
+                                 if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                procs = list(pool.map(compile_one, zip(_SOURCES, objs)))
+            for src, proc in zip(_SOURCES, procs):
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{cc} failed on {src.name}: {proc.stderr.strip()[-2000:]}")
+            tmp = os.path.join(tmpdir, "lib.so")
+            proc = subprocess.run([cc, *_FLAGS, *objs, "-o", tmp], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed to link: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)   # atomic: concurrent processes never load a half-written file
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
     return out
 
 
@@ -530,6 +560,28 @@ def qgemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: to
     args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_int8", "qgemm")
     if args is not None:
         _rc(lib.iterserve_qgemm_act8(*args))
+
+
+def supports_gemm_int8(ggml_type: int) -> bool:
+    """Whether prefill8.c has an int8-activation prefill GEMM for the type (on this CPU: the
+    AVX2 variant has no Q8_0)."""
+    lib = _library()
+    if lib is None or not lib.iterserve_can_gemm8(int(ggml_type)):
+        return False
+    return int(ggml_type) != 8 or lib.iterserve_act8_isa(-1) == 2
+
+
+def gemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+              col0: int = 0) -> None:
+    """`gemm` on the int8-activation prefill GEMM (prefill8.c) whatever the activation mode
+    (tests, benchmarks): x quantised to 8 bits in blocks of 32, weight panels decoded to int8
+    codes, integer dot products (AVX-512 VNNI or AVX2, `int8_isa`)."""
+    lib = _lib()
+    if not supports_gemm_int8(ggml_type):
+        raise ValueError(f"ggml type {ggml_type} has no int8 prefill GEMM here")
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "gemm_int8", "qgemm")
+    if args is not None:
+        _rc(lib.iterserve_gemm8(*args))
 
 
 def dequant(ggml_type, w, k, out) -> torch.Tensor:

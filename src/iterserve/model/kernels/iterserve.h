@@ -113,6 +113,18 @@ int64_t iterserve_set_act_mode(int64_t mode);
 int iterserve_can_act8(int64_t type);
 int iterserve_act8_takes(int64_t type, int64_t M);
 
+/* --- prefill / large-batch GEMM with 8-bit activations (prefill8.c) --------------------- */
+/* iterserve_gemm's product with x quantised to int8 once per call (blocks of 32) and the
+ * weight panels decoded to int8 codes + per-block scales: AVX-512 VNNI vpdpbusd, or AVX2
+ * maddubs (not Q8_0 there). Types: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K. Returns
+ * ITERSERVE_OK, ITERSERVE_ETYPE (type / ISA / k not accepted) or ITERSERVE_ENOMEM. */
+int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+int iterserve_can_gemm8(int64_t type);
+/* internal: whether iterserve_gemm hands a call of this type and row count to
+ * iterserve_gemm8 under the activation mode (iterserve_set_act_mode) */
+int iterserve_gemm8_takes(int64_t type, int64_t M);
+
 /* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
 void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);
 void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I);

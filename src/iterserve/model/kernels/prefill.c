@@ -401,6 +401,10 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
     const iterserve_decode_fn fn = iterserve_block_decoder(type, &QB, &BB);
     if (!fn || K % QB) return ITERSERVE_ETYPE;
     if (M < 1 || N < 1) return ITERSERVE_OK;
+    /* 8-bit activations and integer dot products (prefill8.c) where the mode says so */
+    if (iterserve_gemm8_takes(type, M)
+        && iterserve_gemm8(type, w, N, row_stride, K, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
+        return ITERSERVE_OK;
     if (!isa_in_use) iterserve_gemm_isa(0);
     const int wide = isa_in_use == 2;
     const int nbk = (int)(K / QB);

@@ -1,0 +1,590 @@
+/* Prefill / large-batch GEMM with 8-bit activations and integer dot products:
+ * y[M, n] = x[M, k] . W[n, k]^T for many activation rows (prefill chunks), W one row segment
+ * in its GGUF encoding, x float32 quantised to 8 bits once per call.
+ *
+ * Why: prefill.c's float panel GEMM runs its register-blocked FMA micro-kernel at ~360
+ * GFLOP/s on this 2-core AVX-512 EPYC, close to the fp32 FMA peak, and llama.cpp still
+ * prefilled 512 tokens 1.1-1.25x faster on the same GGUF files (issue 13): it quantises the
+ * activations to 8 bits and multiplies bytes. AVX-512 VNNI's `vpdpbusd` does 64 byte
+ * multiply-adds per instruction where an fp32 FMA does 16. This file is that GEMM for
+ * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K:
+ *
+ *   quantise x once per call: every row in blocks of 32 (scale dx = max|x| / 127, round to
+ *   nearest even: qdot8.c's rule), stored as unsigned bytes xq + 128 (vpdpbusd multiplies
+ *   unsigned by signed bytes), with dx and dx * sum(xq) per block (the min term);
+ *   for each panel of NP = 32 weight rows (threads split the panels):
+ *     decode the panel's whole K into an L2 scratch: the signed integer codes (Q4_0 q - 8,
+ *     Q6_K q - 32, Q4_K q, ...) as bytes, K-major in groups of 4 (one zmm = 16 columns x 4
+ *     k, what vpdpbusd takes), and per G-element block of each column (G = 32; Q6_K's
+ *     scales are per 16, G = 16) its float scale (Q4_K d * sc), its float min (Q4_K's
+ *     dmin * m, Q4_1's m) and -128 * sum(codes) (the +128 of the activations, undone in
+ *     integers by starting the block's accumulator there);
+ *     for every tile of up to MR8 activation rows: per block, int32 accumulators over the
+ *     block (exact), then acc_f += float(acc_i) * scale * dx (+ min * dx * sum(xq)) -
+ *     2 x MR8 zmm of float accumulators over the whole K, stored once.
+ *
+ * Accuracy: the integer part is exact, so the result is gguf-py's dequantised W times the
+ * 8-bit-rounded x up to float32 summation order; against the float x the error is bounded by
+ * sum_j |w_j| * dx_j / 2 (tests/model/test_prefill_kernel.py checks both). Activations are
+ * quantised per 32 even for the K-quants (llama.cpp uses 256 there): 2-4x less rounding
+ * error for the same arithmetic.
+ *
+ * ISA: AVX-512 F/BW/VL/VNNI (MR8 = 6 rows x 32 columns) where the CPU has it, else AVX2
+ * (`vpmaddubsw` + `vpmaddwd`, 4 rows x 16 columns; not Q8_0, whose byte products would
+ * saturate vpmaddubsw's int16 pair sums); iterserve_act8_isa chooses for both int8 files.
+ * prefill.c's iterserve_gemm dispatches here under the activation mode (iterserve_gemm8_takes,
+ * with the measurements). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "iterserve.h"
+
+#define VNNI8 __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+#define NP8 32          /* weight rows per panel */
+#define MR8 6           /* activation rows per AVX-512 micro-tile */
+#define MR8_256 4       /* activation rows per AVX2 micro-tile */
+
+int iterserve_can_gemm8(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0:
+    case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 1;
+    default: return 0;
+    }
+}
+
+static inline int qb8(int type) {          /* elements per type block */
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? 256 : 32;
+}
+static inline int bb8(int type) {          /* bytes per type block */
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    default: return 210;                   /* Q6_K */
+    }
+}
+static inline int g8(int type) { return type == GGML_Q6_K ? 16 : 32; }   /* scale block */
+static inline int has_min8(int type) {
+    return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q4_K || type == GGML_Q5_K;
+}
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 32 bits -> 32 bytes of 0x10 where the bit is set (the Q5 types' fifth bit) */
+static inline __m256i bit5_bytes(uint32_t v) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    const __m256i b = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf),
+                                      _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> lo nibbles, hi nibbles */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* Q4_K / Q5_K's 6-bit scale and min of sub-block j (gguf-py's get_scale_min) */
+static inline void kscale8(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* One type block of one weight row -> its signed codes (qb8 bytes, in element order), the
+ * float scale and min of each G-element scale block: w[e] = scale * code[e] - min (min 0 for
+ * the types without one; Q4_1 / Q5_1 store +m, so their min is -m). The same values as
+ * dequant.c / gguf-py up to the rounding of the scale product (Q4_K: fl(d * sc) exactly as
+ * gguf-py; the product with the code is exact in the integer dot). */
+static inline __attribute__((always_inline)) void decode8(int type, const uint8_t *b,
+                                                          int8_t *codes, float *scale,
+                                                          float *mins) {
+    switch (type) {
+    case GGML_Q4_0:
+        _mm256_storeu_si256((__m256i *)codes, _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)));
+        scale[0] = h2f(b);
+        break;
+    case GGML_Q4_1:
+        _mm256_storeu_si256((__m256i *)codes, nibbles32(b + 4));
+        scale[0] = h2f(b);
+        mins[0] = -h2f(b + 2);
+        break;
+    case GGML_Q5_0: {
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        const __m256i q = _mm256_or_si256(nibbles32(b + 6), bit5_bytes(qh));
+        _mm256_storeu_si256((__m256i *)codes, _mm256_sub_epi8(q, _mm256_set1_epi8(16)));
+        scale[0] = h2f(b);
+        break;
+    }
+    case GGML_Q5_1: {
+        uint32_t qh;
+        memcpy(&qh, b + 4, 4);
+        _mm256_storeu_si256((__m256i *)codes, _mm256_or_si256(nibbles32(b + 8), bit5_bytes(qh)));
+        scale[0] = h2f(b);
+        mins[0] = -h2f(b + 2);
+        break;
+    }
+    case GGML_Q8_0:
+        memcpy(codes, b + 2, 32);
+        scale[0] = h2f(b);
+        break;
+    case GGML_Q4_K: case GGML_Q5_K: {
+        const float d = h2f(b), dmin = h2f(b + 2);
+        const int q5 = type == GGML_Q5_K;
+        const uint8_t *qs = b + (q5 ? 48 : 16);
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (q5) {
+                const __m256i one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+            }
+            _mm256_storeu_si256((__m256i *)(codes + 64 * j), lo);
+            _mm256_storeu_si256((__m256i *)(codes + 64 * j + 32), hi);
+        }
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            kscale8(b + 4, j, &sc, &mn);
+            scale[j] = d * (float)sc;
+            mins[j] = dmin * (float)mn;
+        }
+        break;
+    }
+    default: {                                            /* Q6_K */
+        const float d = h2f(b + 208);
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+        const __m256i off = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qhp = b + 128 + 32 * h;
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+            const __m256i hb[4] = {
+                _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)};
+            const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+            for (int c = 0; c < 4; c++)
+                _mm256_storeu_si256((__m256i *)(codes + 128 * h + 32 * c),
+                                    _mm256_sub_epi8(_mm256_or_si256(lo[c], hb[c]), off));
+        }
+        for (int j = 0; j < 16; j++) scale[j] = d * (float)(int8_t)b[192 + j];
+        break;
+    }
+    }
+}
+
+/* ---- the activations: one pass per call ---------------------------------------------------- */
+typedef struct {
+    int64_t M, K;
+    uint8_t *xu;      /* [M][K]: xq + 128 */
+    float *dx;        /* [M][K / 32] */
+    float *xs;        /* [M][K / 32]: dx * sum(xq) of the block */
+} xq8;
+
+static void quantise_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, xq8 *a) {
+    const int64_t K = a->K, nb = K / 32;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * ldx;
+        uint8_t *q = a->xu + r * K;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = xr + 32 * b;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            int s = 0;
+            for (int i = 0; i < 32; i++) {
+                const int t = (int)nearbyintf(v[i] * id);
+                s += t;
+                q[32 * b + i] = (uint8_t)(t + 128);
+            }
+            a->dx[r * nb + b] = d;
+            a->xs[r * nb + b] = d * (float)s;
+        }
+    }
+}
+
+/* The same, 32 lanes at a time (cvtps rounds to nearest even like nearbyintf) */
+static VNNI8 void quantise_rows512(const float *x, int64_t ldx, int64_t r0, int64_t r1, xq8 *a) {
+    const int64_t K = a->K, nb = K / 32;
+    const __m512i bias = _mm512_set1_epi32(128);
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * ldx;
+        uint8_t *q = a->xu + r * K;
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 v0 = _mm512_loadu_ps(xr + 32 * b), v1 = _mm512_loadu_ps(xr + 32 * b + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            const __m512 vid = _mm512_set1_ps(id);
+            const __m512i t0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
+            const __m512i t1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+            const int s = _mm512_reduce_add_epi32(_mm512_add_epi32(t0, t1));
+            _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(_mm512_add_epi32(t0, bias)));
+            _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(t1, bias)));
+            a->dx[r * nb + b] = d;
+            a->xs[r * nb + b] = d * (float)s;
+        }
+    }
+}
+
+/* ---- the packed panel ---------------------------------------------------------------------- */
+/* codes[K / 4][NP8][4] signed bytes; per G-block b: corr[b][NP8] int32 = -128 * sum(codes),
+ * scale[b][NP8], mins[b][NP8] floats. Columns past `rows` are zero (they write nothing). */
+typedef struct {
+    int8_t *codes;
+    int32_t *corr;
+    float *scale, *mins;
+} panel8;
+
+static __thread uint8_t *pbuf;
+static __thread size_t pbuf_size;
+
+static int panel_alloc(int64_t K, int G, panel8 *p) {
+    const size_t nblk = (size_t)(K / G);
+    const size_t cb = (size_t)K * NP8, sb = nblk * NP8 * 4;
+    const size_t need = cb + 3 * sb + 64;
+    if (need > pbuf_size) {
+        free(pbuf);
+        pbuf = aligned_alloc(64, (need + 63) / 64 * 64);
+        pbuf_size = pbuf ? need : 0;
+        if (!pbuf) return ITERSERVE_ENOMEM;
+    }
+    p->codes = (int8_t *)pbuf;
+    p->corr = (int32_t *)(pbuf + cb);
+    p->scale = (float *)(pbuf + cb + sb);
+    p->mins = (float *)(pbuf + cb + 2 * sb);
+    return ITERSERVE_OK;
+}
+
+/* dst[c][r] = src[r][c] for an 8x8 block of 32-bit values (row strides in 32-bit units) */
+static inline void tr8x8d(const int32_t *src, int64_t lds, int32_t *dst, int64_t ldd) {
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(src + i * lds));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        const int a = 4 * i;
+        s[a] = _mm256_shuffle_ps(t[a], t[a + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[a + 1] = _mm256_shuffle_ps(t[a], t[a + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[a + 2] = _mm256_shuffle_ps(t[a + 1], t[a + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[a + 3] = _mm256_shuffle_ps(t[a + 1], t[a + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps((float *)(dst + i * ldd), _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_storeu_ps((float *)(dst + (i + 4) * ldd), _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+}
+
+/* Decode rows [p0, p0 + rows) of W (all K) into p. tmp: NP8 x 256 bytes. */
+static inline __attribute__((always_inline)) void pack8(
+        int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows, int64_t K,
+        int8_t *tmp, panel8 *p) {
+    const int QB = qb8(type), BB = bb8(type), G = g8(type), SB = QB / G;
+    const int64_t nbk = K / QB;
+    float sc[NP8][16], mn[NP8][16];
+    memset(tmp + (size_t)rows * QB, 0, (size_t)(NP8 - rows) * QB);
+    for (int j = rows; j < NP8; j++)
+        for (int s = 0; s < SB; s++) sc[j][s] = mn[j][s] = 0.f;
+    for (int64_t b = 0; b < nbk; b++) {
+        for (int j = 0; j < rows; j++) {
+            sc[j][0] = mn[j][0] = 0.f;
+            decode8(type, w + (p0 + j) * row_stride + b * BB, tmp + (size_t)j * QB, sc[j], mn[j]);
+        }
+        /* codes: tmp[col][QB] as [col][QB/4] dwords -> codes[k/4][col] */
+        int32_t *dst = (int32_t *)p->codes + (b * QB / 4) * NP8;
+        for (int c0 = 0; c0 < QB / 4; c0 += 8)
+            for (int n0 = 0; n0 < NP8; n0 += 8)
+                tr8x8d((const int32_t *)tmp + n0 * (QB / 4) + c0, QB / 4, dst + c0 * NP8 + n0, NP8);
+        for (int s = 0; s < SB; s++) {
+            const int64_t blk = b * SB + s;
+            for (int j = 0; j < NP8; j++) {
+                p->scale[blk * NP8 + j] = sc[j][s];
+                p->mins[blk * NP8 + j] = mn[j][s];
+            }
+            /* -128 * sum of the block's codes, per column, from the packed codes */
+            const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+            const int32_t *cg = dst + (s * G / 4) * NP8;
+            for (int v = 0; v < NP8 / 8; v++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int g = 0; g < G / 4; g++) {
+                    const __m256i c = _mm256_load_si256((const __m256i *)(cg + g * NP8 + 8 * v));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(one8, c), one16));
+                }
+                _mm256_store_si256((__m256i *)(p->corr + blk * NP8 + 8 * v),
+                                   _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(acc, 7)));
+            }
+        }
+    }
+}
+
+/* ---- AVX-512 VNNI micro-kernel: R <= MR8 rows x 32 columns, all of K -------------------- */
+static inline __attribute__((always_inline)) VNNI8 void tile8_512(
+        int R, int G, int MIN, const xq8 *a, int64_t r0, const panel8 *p, float *y, int64_t ldy,
+        __mmask16 k0, __mmask16 k1) {
+    const int64_t K = a->K, nb32 = K / 32, nblk = K / G;
+    const uint8_t *xr = a->xu + r0 * K;
+    const float *dxr = a->dx + r0 * nb32, *xsr = a->xs + r0 * nb32;
+    __m512 fa[2 * MR8];
+    for (int r = 0; r < 2 * R; r++) fa[r] = _mm512_setzero_ps();
+    const int32_t *cw = (const int32_t *)p->codes;
+    for (int64_t b = 0; b < nblk; b++) {
+        const __m512i c0 = _mm512_load_si512(p->corr + b * NP8), c1 = _mm512_load_si512(p->corr + b * NP8 + 16);
+        __m512i ia[2 * MR8];
+        for (int r = 0; r < R; r++) ia[2 * r] = c0, ia[2 * r + 1] = c1;
+        const int32_t *wb = cw + b * (G / 4) * NP8;
+        const int64_t kk = b * G;
+#pragma GCC unroll 8
+        for (int g = 0; g < G / 4; g++) {
+            const __m512i w0 = _mm512_load_si512(wb + g * NP8), w1 = _mm512_load_si512(wb + g * NP8 + 16);
+            for (int r = 0; r < R; r++) {
+                int32_t v;
+                memcpy(&v, xr + r * K + kk + 4 * g, 4);
+                const __m512i av = _mm512_set1_epi32(v);
+                ia[2 * r] = _mm512_dpbusd_epi32(ia[2 * r], av, w0);
+                ia[2 * r + 1] = _mm512_dpbusd_epi32(ia[2 * r + 1], av, w1);
+            }
+        }
+        const __m512 s0 = _mm512_load_ps(p->scale + b * NP8), s1 = _mm512_load_ps(p->scale + b * NP8 + 16);
+        const int64_t xb = kk / 32;
+        for (int r = 0; r < R; r++) {
+            const __m512 d = _mm512_set1_ps(dxr[r * nb32 + xb]);
+            fa[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[2 * r]), _mm512_mul_ps(s0, d), fa[2 * r]);
+            fa[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[2 * r + 1]), _mm512_mul_ps(s1, d), fa[2 * r + 1]);
+        }
+        if (MIN) {
+            const __m512 m0 = _mm512_load_ps(p->mins + b * NP8), m1 = _mm512_load_ps(p->mins + b * NP8 + 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 s = _mm512_set1_ps(xsr[r * nb32 + xb]);
+                fa[2 * r] = _mm512_fnmadd_ps(m0, s, fa[2 * r]);
+                fa[2 * r + 1] = _mm512_fnmadd_ps(m1, s, fa[2 * r + 1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, k0, fa[2 * r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, k1, fa[2 * r + 1]);
+    }
+}
+
+static VNNI8 void rows8_512(int G, int MIN, const xq8 *a, const panel8 *p, float *y, int64_t ldy,
+                            int cols) {
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    const int64_t M = a->M;
+    for (int64_t m = 0; m < M; m += MR8) {
+        const int R = M - m < MR8 ? (int)(M - m) : MR8;
+        float *ym = y + m * ldy;
+#define T8(n, g, mn) tile8_512(n, g, mn, a, m, p, ym, ldy, k0, k1)
+#define T8R(g, mn) switch (R) { case 6: T8(6, g, mn); break; case 5: T8(5, g, mn); break;  \
+        case 4: T8(4, g, mn); break; case 3: T8(3, g, mn); break; case 2: T8(2, g, mn); break; \
+        default: T8(1, g, mn); }
+        if (G == 16) { T8R(16, 0) }
+        else if (MIN) { T8R(32, 1) }
+        else { T8R(32, 0) }
+#undef T8R
+#undef T8
+    }
+}
+
+/* ---- AVX2 micro-kernel: R <= MR8_256 rows x 16 columns (one half of the panel) ------------ */
+static inline __attribute__((always_inline)) __m256i dp8_256(__m256i acc, __m256i a, __m256i w) {
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, w), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, p);
+}
+
+static inline __attribute__((always_inline)) void tile8_256(
+        int R, int G, int MIN, const xq8 *a, int64_t r0, const panel8 *p, int h, float *y,
+        int64_t ldy, int cols) {
+    const int64_t K = a->K, nb32 = K / 32, nblk = K / G;
+    const uint8_t *xr = a->xu + r0 * K;
+    const float *dxr = a->dx + r0 * nb32, *xsr = a->xs + r0 * nb32;
+    __m256 fa[2 * MR8_256];
+    for (int r = 0; r < 2 * R; r++) fa[r] = _mm256_setzero_ps();
+    const int32_t *cw = (const int32_t *)p->codes + 16 * h;
+    for (int64_t b = 0; b < nblk; b++) {
+        const int32_t *cb = p->corr + b * NP8 + 16 * h;
+        const __m256i c0 = _mm256_load_si256((const __m256i *)cb), c1 = _mm256_load_si256((const __m256i *)(cb + 8));
+        __m256i ia[2 * MR8_256];
+        for (int r = 0; r < R; r++) ia[2 * r] = c0, ia[2 * r + 1] = c1;
+        const int32_t *wb = cw + b * (G / 4) * NP8;
+        const int64_t kk = b * G;
+#pragma GCC unroll 8
+        for (int g = 0; g < G / 4; g++) {
+            const __m256i w0 = _mm256_load_si256((const __m256i *)(wb + g * NP8));
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(wb + g * NP8 + 8));
+            for (int r = 0; r < R; r++) {
+                int32_t v;
+                memcpy(&v, xr + r * K + kk + 4 * g, 4);
+                const __m256i av = _mm256_set1_epi32(v);
+                ia[2 * r] = dp8_256(ia[2 * r], av, w0);
+                ia[2 * r + 1] = dp8_256(ia[2 * r + 1], av, w1);
+            }
+        }
+        const float *sp = p->scale + b * NP8 + 16 * h;
+        const __m256 s0 = _mm256_load_ps(sp), s1 = _mm256_load_ps(sp + 8);
+        const int64_t xb = kk / 32;
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_set1_ps(dxr[r * nb32 + xb]);
+            fa[2 * r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[2 * r]), _mm256_mul_ps(s0, d), fa[2 * r]);
+            fa[2 * r + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[2 * r + 1]), _mm256_mul_ps(s1, d), fa[2 * r + 1]);
+        }
+        if (MIN) {
+            const float *mp = p->mins + b * NP8 + 16 * h;
+            const __m256 m0 = _mm256_load_ps(mp), m1 = _mm256_load_ps(mp + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 s = _mm256_set1_ps(xsr[r * nb32 + xb]);
+                fa[2 * r] = _mm256_fnmadd_ps(m0, s, fa[2 * r]);
+                fa[2 * r + 1] = _mm256_fnmadd_ps(m1, s, fa[2 * r + 1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (cols >= 16) {
+            _mm256_storeu_ps(y + r * ldy, fa[2 * r]);
+            _mm256_storeu_ps(y + r * ldy + 8, fa[2 * r + 1]);
+        } else {
+            float buf[16];
+            _mm256_storeu_ps(buf, fa[2 * r]);
+            _mm256_storeu_ps(buf + 8, fa[2 * r + 1]);
+            memcpy(y + r * ldy, buf, sizeof(float) * (size_t)cols);
+        }
+    }
+}
+
+static void rows8_256(int G, int MIN, const xq8 *a, const panel8 *p, float *y, int64_t ldy,
+                      int cols) {
+    const int64_t M = a->M;
+    for (int h = 0; h < 2 && 16 * h < cols; h++) {
+        const int c = cols - 16 * h > 16 ? 16 : cols - 16 * h;
+        for (int64_t m = 0; m < M; m += MR8_256) {
+            const int R = M - m < MR8_256 ? (int)(M - m) : MR8_256;
+            float *ym = y + m * ldy + 16 * h;
+#define T8(n, g, mn) tile8_256(n, g, mn, a, m, p, h, ym, ldy, c)
+#define T8R(g, mn) switch (R) { case 4: T8(4, g, mn); break; case 3: T8(3, g, mn); break; \
+        case 2: T8(2, g, mn); break; default: T8(1, g, mn); }
+            if (G == 16) { T8R(16, 0) }
+            else if (MIN) { T8R(32, 1) }
+            else { T8R(32, 0) }
+#undef T8R
+#undef T8
+        }
+    }
+}
+
+/* ---- the driver ---------------------------------------------------------------------------- */
+static __thread uint8_t *xbuf;
+static __thread size_t xbuf_size;
+
+static VNNI8 void pack8_512(int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows,
+                            int64_t K, int8_t *tmp, panel8 *p) {
+    switch (type) {
+    case GGML_Q4_0: pack8(GGML_Q4_0, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q4_1: pack8(GGML_Q4_1, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q5_0: pack8(GGML_Q5_0, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q5_1: pack8(GGML_Q5_1, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q8_0: pack8(GGML_Q8_0, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q4_K: pack8(GGML_Q4_K, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q5_K: pack8(GGML_Q5_K, w, row_stride, p0, rows, K, tmp, p); break;
+    default: pack8(GGML_Q6_K, w, row_stride, p0, rows, K, tmp, p); break;
+    }
+}
+
+static void pack8_256(int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows,
+                      int64_t K, int8_t *tmp, panel8 *p) {
+    switch (type) {
+    case GGML_Q4_0: pack8(GGML_Q4_0, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q4_1: pack8(GGML_Q4_1, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q5_0: pack8(GGML_Q5_0, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q5_1: pack8(GGML_Q5_1, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q4_K: pack8(GGML_Q4_K, w, row_stride, p0, rows, K, tmp, p); break;
+    case GGML_Q5_K: pack8(GGML_Q5_K, w, row_stride, p0, rows, K, tmp, p); break;
+    default: pack8(GGML_Q6_K, w, row_stride, p0, rows, K, tmp, p); break;
+    }
+}
+
+int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads) {
+    if (!iterserve_can_gemm8(type) || K <= 0 || K % qb8((int)type)) return ITERSERVE_ETYPE;
+    if (M < 1 || N < 1) return ITERSERVE_OK;
+    const int wide = iterserve_act8_isa(-1) == 2;
+    if (!wide && type == GGML_Q8_0) return ITERSERVE_ETYPE;     /* vpmaddubsw would saturate */
+    const int64_t nb = K / 32;
+    const size_t need = (size_t)(M * K) + 2 * (size_t)(M * nb) * sizeof(float) + 128;
+    if (need > xbuf_size) {
+        free(xbuf);
+        xbuf = aligned_alloc(64, (need + 63) / 64 * 64);
+        xbuf_size = xbuf ? need : 0;
+        if (!xbuf) return ITERSERVE_ENOMEM;
+    }
+    xq8 a = {M, K, xbuf, (float *)(xbuf + (M * K + 63) / 64 * 64), NULL};
+    a.xs = a.dx + M * nb;
+    const int64_t npanels = (N + NP8 - 1) / NP8;
+    if (nthreads < 1) nthreads = 1;
+    const int G = g8((int)type), MIN = has_min8((int)type);
+    int err = ITERSERVE_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t r0 = M * t / T, r1 = M * (t + 1) / T;
+        if (wide) quantise_rows512(x, ldx, r0, r1, &a);
+        else quantise_rows(x, ldx, r0, r1, &a);
+        panel8 p;
+        int8_t tmp[NP8 * 256] __attribute__((aligned(64)));
+        const int rc = panel_alloc(K, G, &p);
+        if (rc) {
+#pragma omp atomic write
+            err = rc;
+        }
+#pragma omp barrier
+        if (!err) {
+            const int64_t q0 = npanels * t / T, q1 = npanels * (t + 1) / T;
+            for (int64_t q = q0; q < q1; q++) {
+                const int64_t p0 = q * NP8;
+                const int rows = N - p0 < NP8 ? (int)(N - p0) : NP8;
+                if (wide) {
+                    pack8_512((int)type, w, row_stride, p0, rows, K, tmp, &p);
+                    rows8_512(G, MIN, &a, &p, y + p0, ldy, rows);
+                } else {
+                    pack8_256((int)type, w, row_stride, p0, rows, K, tmp, &p);
+                    rows8_256(G, MIN, &a, &p, y + p0, ldy, rows);
+                }
+            }
+        }
+    }
+    return err;
+}
+
+/* ---- the mode iterserve_gemm dispatches on -------------------------------------------------- */
+/* "float" (act mode 0): never (prefill.c's float panel GEMM, the numerical reference);
+ * "int8" (1): every type above on either ISA; "auto" (2): where it measured faster (below). */
+int iterserve_gemm8_takes(int64_t type, int64_t M) {
+    const int64_t mode = iterserve_set_act_mode(-1);
+    if (mode == 0 || !iterserve_can_gemm8(type)) return 0;
+    if (mode == 1) return 1;
+    return M > 32 && iterserve_act8_isa(-1) == 2;
+}
