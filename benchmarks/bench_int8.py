@@ -52,6 +52,7 @@ def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.
 
 
 CLOCK = time.perf_counter
+COPY_BYTES = 0          # --cold MB: weight copies cycled per call, at least this many bytes
 
 
 def _time(fn, min_s: float) -> float:
@@ -71,14 +72,16 @@ def gemm_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[di
         for shape in shapes:
             n, k = SHAPES[shape]
             t, w = random_blocks(name, n, k)
+            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
             for th in threads:
                 torch.set_num_threads(th)
                 for m in rows:
                     x = torch.randn(m, k)
                     y = torch.empty(m, n)
                     kernels.set_activations("float")
-                    fl = lambda: kernels.qgemm(t, w, k, x, y)           # noqa: E731
-                    i8 = lambda: kernels.qgemm_int8(t, w, k, x, y)      # noqa: E731
+                    it = iter(range(1 << 62))
+                    fl = lambda: kernels.qgemm(t, ws[next(it) % len(ws)], k, x, y)       # noqa: E731
+                    i8 = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
                     a, b = [], []
                     for _ in range(repeats):
                         a.append(_time(fl, min_s))
@@ -90,6 +93,44 @@ def gemm_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[di
                            "int8_weight_gbs": round(w.numel() / ib / 1e9, 2)}
                     print(json.dumps(row), flush=True)
                     out.append(row)
+    return out
+
+
+def variants_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[dict]:
+    """The int8 kernels' two AVX-512 variants for the 32-element types, same process,
+    alternating: `groups` (qdot8.c's 4-block VBMI kernels, the default) against `pairs` (the
+    two-block kernels before them); pairs/groups > 1 means the 4-block kernels are faster.
+    Also GB/s of weight bytes per call for each."""
+    lib = kernels._lib()
+    out = []
+    for name in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            t, w = random_blocks(name, n, k)
+            # distinct copies cycled per call, so the weights come from memory, not the L3
+            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    it = iter(range(1 << 62))
+                    fn = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
+                    a, b = [], []
+                    for _ in range(repeats):
+                        lib.iterserve_act8_variant(1)
+                        a.append(_time(fn, min_s))
+                        lib.iterserve_act8_variant(0)
+                        b.append(_time(fn, min_s))
+                    pa, gb = statistics.median(a), statistics.median(b)
+                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th,
+                           "rows": m, "pairs_us": round(pa * 1e6, 1),
+                           "groups_us": round(gb * 1e6, 1), "pairs_over_groups": round(pa / gb, 3),
+                           "pairs_weight_gbs": round(w.numel() / pa / 1e9, 2),
+                           "groups_weight_gbs": round(w.numel() / gb / 1e9, 2)}
+                    print(json.dumps(row), flush=True)
+                    out.append(row)
+    lib.iterserve_act8_variant(0)
     return out
 
 
@@ -141,11 +182,18 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (one thread on a loaded machine: "
                          "time lost to other processes does not count)")
+    ap.add_argument("--variants", action="store_true",
+                    help="int8 only: the 4-block AVX-512 VBMI kernels against the pair kernels "
+                         "(32-element types)")
+    ap.add_argument("--cold", type=int, default=0, metavar="MB",
+                    help="cycle distinct weight copies of at least MB megabytes in "
+                         "all (more than the L3), so each call streams its weights from memory")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable}")
-    global CLOCK
+    global CLOCK, COPY_BYTES
+    COPY_BYTES = a.cold << 20
     if a.clock == "cpu":
         CLOCK = time.process_time
     if a.isa:
@@ -162,11 +210,13 @@ def main() -> None:
     else:
         if a.quick:
             a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
-        rows = gemm_ab(a.types.split(","), a.shapes.split(","),
+        fn = variants_ab if a.variants else gemm_ab
+        rows = fn(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
                        a.repeats, a.min_s)
         result = {**meta, "results": rows}
-        out = a.out or "benchmarks/results/int8-qgemm.json"
+        out = a.out or ("benchmarks/results/int8-variants.json" if a.variants
+                        else "benchmarks/results/int8-qgemm.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", out)

@@ -371,3 +371,64 @@ def test_kernel_activations_knob_reaches_the_kernels(tiny_model_dir):
     kernels.set_activations("int8")
     LLM(model=str(tiny_model_dir), kernel_activations="float", num_kv_blocks=8)
     assert kernels.activations() == "float"
+
+
+VARIANTS = {"groups": 0, "pairs": 1}     # qdot8.c's AVX-512 kernels of the 32-element types
+
+
+@pytest.fixture(params=list(VARIANTS))
+def vnni_variant(request):
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= kernels.features():
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    lib = kernels._lib()
+    kernels.int8_isa("avx512vnni")
+    lib.iterserve_act8_variant(VARIANTS[request.param])
+    yield request.param
+    lib.iterserve_act8_variant(0)
+    kernels.int8_isa()
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("blocks", [1, 3, 5, 6, 7, 9])
+def test_int8_32_element_types_any_block_count_rows_and_columns(name, blocks, vnni_variant):
+    """K of 1-9 blocks (the 4-block kernels' short last group, Q8_0's leftover blocks), 1-6
+    rows (row tiles of 1-4) and 1-9 columns (column tiles of 1-4 and their remainders)."""
+    k = 32 * blocks
+    for rows, n in ((1, 9), (2, 7), (3, 5), (6, 1), (4, 6)):
+        t, w, ref = gguf_blocks(name, n, k, seed=blocks * 10 + rows)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
+        out = torch.empty(rows, n)
+        kernels.qgemm_int8(t, w, k, x, out)
+        check(name, out, x, ref)
+
+
+def _guarded(raw: np.ndarray):
+    """raw's bytes copied to the very end of a readable mapping followed by an inaccessible
+    page: a kernel that reads one byte past the tensor faults (the test process dies)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    size = (raw.nbytes + page - 1) // page * page
+    m = mmap.mmap(-1, size + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + size, page, 0) == 0
+    arr = np.frombuffer(m, dtype=np.uint8, count=raw.nbytes, offset=size - raw.nbytes)
+    arr[:] = raw.reshape(-1)
+    return m, torch.from_numpy(arr).reshape(raw.shape)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_int8_32_element_kernels_read_nothing_past_the_tensor(name, vnni_variant):
+    """The 4-block kernels load whole windows; the last one of the last row must stop at the
+    tensor's end (weights are mmapped: the next page need not exist)."""
+    for blocks in (4, 5, 8, 11):
+        k = 32 * blocks
+        t, w, ref = gguf_blocks(name, 5, k, seed=blocks)
+        m, wg = _guarded(w.numpy())
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(blocks))
+        out = torch.empty(3, 5)
+        kernels.qgemm_int8(t, wg, k, x, out)
+        check(name, out, x, ref)
+        del wg

@@ -105,6 +105,9 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
 /* Instruction set of the int8 kernels: want 1 = AVX2, 2 = AVX-512 F/BW/VL/VNNI, -1 = only
  * report, anything else (or more than the CPU has) = the best; returns the one in use. */
 int64_t iterserve_act8_isa(int64_t want);
+/* Which AVX-512 kernels the 32-element types take: 0 = the 4-block VBMI kernels (default where
+ * the CPU has VBMI), 1 = the two-block pair kernels (A/B); another value only reports. */
+int64_t iterserve_act8_variant(int64_t v);
 /* Activation mode of iterserve_qgemm: 0 float (qgemm.c's kernels), 1 int8 (qdot8.c for the
  * types it has, up to 32 rows), 2 auto (int8 up to the measured per-type row counts in
  * qdot8.c); another value only reports. Returns the mode. */

@@ -38,6 +38,7 @@
  * than the AVX-512 float kernels for Q4_K / Q6_K at 1-16 rows, 1.1-1.9x for Q4_0 / Q8_0 at
  * 1-8 rows (one thread, CPU time).
  */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -633,6 +634,340 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
     }
 }
 
+
+/* ---- AVX-512 VNNI, 32-element nibble types in groups of 4 blocks (the default) ------------
+ * The pair kernel above converts two f16 scales per pair of blocks in scalar code, builds the
+ * scale vector with inserts, reads three activation arrays and spends ~22 instructions per 36
+ * weight bytes: at batch 1 it ran Q4_0 at ~0.43 of the memory-bandwidth bound. Here four
+ * blocks of a row (72-96 bytes, the row as in the file) are two loads, and everything else is
+ * vector shuffles (AVX-512 VBMI `vpermt2b` / `vpermt2w` over that 128-byte window):
+ *   t    = the 4 blocks' 64 nibble bytes, block i in bytes 16i..16i+15 (vpermt2b);
+ *   lo   = t & 15, hi = (t >> 4) & 15: int32 lane j of either holds 4 codes of block j / 4;
+ *   dw   = the 4 f16 scales, each repeated in its block's 4 lanes (vpermt2w + vcvtph2ps);
+ * and the activations are quantised in the matching order (per group of 4 blocks and row:
+ * xlo = elements 0-15 of each block, xhi = elements 16-31, g = -off * the lane's 8-element
+ * sum or, for Q4_1 / Q5_1, d_x * that sum as float, dx = the block's activation scale per
+ * lane), so a group is two vpdpbusd into one int32 vector whose lanes each belong to one
+ * block, one convert and one FMA by dw * dx: ~12 instructions per 72 bytes at one row.
+ * Q5_0 / Q5_1 add their fifth bits with a masked byte add (the 4 blocks' qh words gathered
+ * by vpermt2w make the two 64-bit masks). A last group of fewer than 4 blocks loads under a
+ * byte mask (zeros beyond the row, so nothing past the tensor is read) and its missing
+ * blocks' activations are zero. */
+#define VBMI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi")))
+/* Measured (bench_int8.py --variants --cold 96, Q4_0, 1.7B shapes, one thread, under load):
+ * one column at a time (the matrix streams linearly at one row: 2-4 columns per activation
+ * load ran at 0.3-0.6x), K chunks of 32 KB of activations for the row tile (64 KB and 16 KB:
+ * 0.5x at 4 rows of K = 8192) and a software prefetch 4 columns ahead (the chunks break the
+ * linear stream: 2x at 2 rows of K = 8192). */
+#define G32_TILE_BYTES (32 * 1024)
+#define G32_PREFETCH 4
+#define G32_BYTES 256                 /* activation bytes per group of 4 blocks and row */
+
+/* The 4-block activation layout (see above) for the nibble types; off = 8 (Q4_0), 16 (Q5_0),
+ * 0 with min = 1 (Q4_1 / Q5_1: g holds d_x * sums as float). */
+static int quantise32g(const float *x, int64_t M, int64_t ldx, int64_t K, int off, int min,
+                       act8 *a) {
+    const int64_t nb = K / 32, ng = (nb + 3) / 4;
+    uint8_t *p = scratch((size_t)(M * ng * G32_BYTES) + 64);
+    if (!p) return ITERSERVE_ENOMEM;
+    a->M = M, a->K = K;
+    a->q = (int8_t *)p;
+    memset(p, 0, (size_t)(M * ng * G32_BYTES));
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *gp = p + (r * ng + b / 4) * G32_BYTES;
+            const int i = (int)(b % 4);
+            int8_t *xlo = (int8_t *)gp + 16 * i, *xhi = (int8_t *)gp + 64 + 16 * i;
+            int32_t *g = (int32_t *)(gp + 128) + 4 * i;
+            float *dx = (float *)(gp + 192) + 4 * i;
+            float amax = 0.f;
+            for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(xr[32 * b + e]));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            for (int e = 0; e < 16; e++) {
+                xlo[e] = q8(xr[32 * b + e], id);
+                xhi[e] = q8(xr[32 * b + 16 + e], id);
+            }
+            for (int l = 0; l < 4; l++) {
+                int s = 0;
+                for (int e = 0; e < 4; e++) s += xlo[4 * l + e] + xhi[4 * l + e];
+                if (min) {
+                    const float v = d * (float)s;
+                    memcpy(g + l, &v, 4);
+                } else {
+                    g[l] = -off * s;
+                }
+                dx[l] = d;
+            }
+        }
+    }
+    return ITERSERVE_OK;
+}
+
+/* R activation rows by NC weight rows (columns c0.. at row_stride), K groups [g0, g1):
+ * out[r * NC + c]. The activations of a group are loaded once for the NC columns. */
+static inline __attribute__((always_inline)) VBMI void dot32g_vnni(
+        int R, int NC, int type, const act8 *a, int64_t r0, int64_t g0, int64_t g1,
+        const uint8_t *wrow, int64_t row_stride, float *out) {
+    const int bb = bb32(type), qo = qs32(type), wb = 4 * bb;
+    const int64_t nb = a->K / 32, ng = (nb + 3) / 4;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), c16 = _mm512_set1_epi8(0x10);
+    /* byte i of t <- window byte bb * (i / 16) + qo + i % 16 */
+    __m512i iq, id;
+    {
+        uint8_t tq[64];
+        uint16_t td[32];
+        /* window byte B: v0 byte B below 64, else v1 byte B - (wb - 32), index 64 + that */
+#define WB(B) ((B) < 64 ? (B) : 64 + (B) - (wb - 32))
+        for (int i = 0; i < 64; i++) tq[i] = (uint8_t)WB(bb * (i / 16) + qo + i % 16);
+        for (int j = 0; j < 16; j++) {
+            td[j] = (uint16_t)(WB(bb * (j / 4)) / 2);             /* d of block j / 4 */
+            td[16 + j] = (uint16_t)(WB(bb * (j / 4) + 2) / 2);    /* m of block j / 4 */
+        }
+        if (is_q5(type)) {                                      /* qh low / high words */
+            const int ho = type == GGML_Q5_0 ? 2 : 4;
+            for (int j = 0; j < 4; j++) {
+                td[16 + j] = (uint16_t)(WB(bb * j + ho) / 2);
+                td[20 + j] = (uint16_t)(WB(bb * j + ho + 2) / 2);
+            }
+            if (type == GGML_Q5_1)                              /* keep m in 24..27 */
+                for (int j = 0; j < 4; j++) td[24 + j] = (uint16_t)(WB(bb * j + 2) / 2);
+        }
+#undef WB
+        iq = _mm512_loadu_si512((const void *)tq);
+        id = _mm512_loadu_si512((const void *)td);
+    }
+    const __m512i im = _mm512_set_epi16(27, 27, 27, 27, 26, 26, 26, 26, 25, 25, 25, 25, 24, 24,
+                                        24, 24, 27, 27, 27, 27, 26, 26, 26, 26, 25, 25, 25, 25,
+                                        24, 24, 24, 24);
+    __m512 acc[ROW_TILE * 4];
+    for (int i = 0; i < R * NC; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t pfo = G32_PREFETCH * row_stride;
+    for (int64_t G = g0; G < g1; G++) {
+        const int64_t left = (nb - 4 * G) * bb;                 /* bytes of this row left */
+        __mmask64 k0 = ~(__mmask64)0, k1 = 0;
+        if (left < wb) {
+            const int64_t l1 = left - (wb - 32);       /* bytes of v1 inside the row */
+            k0 = left >= 64 ? ~(__mmask64)0 : (__mmask64)((1ULL << left) - 1);
+            k1 = l1 > 0 ? (__mmask64)((1ULL << l1) - 1) : 0;
+        }
+        __m512i lo[4], hi[4];
+        __m512 dw[4], mw[4];
+        for (int c = 0; c < NC; c++) {
+            const uint8_t *p = wrow + c * row_stride + G * wb;
+            if (pfo)               /* a later column's K chunk: its rows are not contiguous */
+                _mm_prefetch((const char *)(p + pfo), _MM_HINT_T0);
+            __m512i v0, v1;
+            if (left >= wb) {                  /* v1: the 32 bytes ending at the group's end */
+                v0 = _mm512_loadu_si512((const void *)p);
+                v1 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + wb - 32)));
+            } else {                           /* a short last group: nothing past the row */
+                v0 = _mm512_maskz_loadu_epi8(k0, p);
+                v1 = _mm512_maskz_loadu_epi8(k1, p + wb - 32);
+            }
+            const __m512i t = _mm512_permutex2var_epi8(v0, iq, v1);
+            lo[c] = _mm512_and_si512(t, m4);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(t, 4), m4);
+            const __m512i sc = _mm512_permutex2var_epi16(v0, id, v1);
+            dw[c] = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
+            mw[c] = dw[c];
+            if (is_q5(type)) {
+                const __m128i h = _mm512_extracti32x4_epi32(sc, 2);  /* words 16..23 */
+                lo[c] = _mm512_mask_add_epi8(lo[c], (__mmask64)_mm_cvtsi128_si64(h), lo[c], c16);
+                hi[c] = _mm512_mask_add_epi8(hi[c], (__mmask64)_mm_extract_epi64(h, 1), hi[c], c16);
+            }
+            if (type == GGML_Q4_1)
+                mw[c] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sc, 1));
+            else if (type == GGML_Q5_1)
+                mw[c] = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(im, sc)));
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *ap = (const uint8_t *)a->q + ((r0 + r) * ng + G) * G32_BYTES;
+            const __m512i xl = _mm512_loadu_si512((const void *)ap);
+            const __m512i xh = _mm512_loadu_si512((const void *)(ap + 64));
+            const __m512i gx = _mm512_loadu_si512((const void *)(ap + 128));
+            const __m512 dx = _mm512_loadu_ps((const float *)(ap + 192));
+            for (int c = 0; c < NC; c++) {
+                __m512i s = has_min(type) ? _mm512_setzero_si512() : gx;
+                s = _mm512_dpbusd_epi32(s, lo[c], xl);
+                s = _mm512_dpbusd_epi32(s, hi[c], xh);
+                acc[r * NC + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw[c], dx),
+                                                  acc[r * NC + c]);
+                if (has_min(type))
+                    acc[r * NC + c] = _mm512_fmadd_ps(mw[c], _mm512_castsi512_ps(gx), acc[r * NC + c]);
+            }
+        }
+    }
+    for (int i = 0; i < R * NC; i++) out[i] = hsum16f(acc[i]);
+}
+
+/* Q8_0 (34-byte blocks, the old activation layout: q in order, g4 = -128 * sums of 4, dx per
+ * 8 lanes): four blocks per step from a 136-byte window, codes gathered two blocks per zmm by
+ * vpermt2b and flipped to unsigned (w + 128), the four scales by one vpermt2w; the blocks
+ * left over at the end of a K chunk take the 256-bit one-block step. */
+static inline __attribute__((always_inline)) VBMI void dot8_vnni(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, float *out) {
+    (void)type;
+    const int64_t K = a->K, nb = K / 32;
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    __m512i i01, i23, idw;
+    {
+        uint8_t t01[64], t23[64];
+        uint16_t td[32];
+        for (int i = 0; i < 64; i++) {
+            t01[i] = (uint8_t)(34 * (i / 32) + 2 + i % 32);          /* from p */
+            t23[i] = (uint8_t)(34 * (2 + i / 32) + 2 + i % 32 - 64); /* from p + 64 */
+        }
+        for (int j = 0; j < 32; j++) td[j] = (uint16_t)(17 * (j / 8));
+        i01 = _mm512_loadu_si512((const void *)t01);
+        i23 = _mm512_loadu_si512((const void *)t23);
+        idw = _mm512_loadu_si512((const void *)td);
+    }
+    __m512 acc[ROW_TILE];
+    __m256 acc1[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), acc1[r] = _mm256_setzero_ps();
+    int64_t b = b0;
+    for (; b + 4 <= b1; b += 4) {
+        const uint8_t *p = wrow + b * 34;
+        const __m512i v0 = _mm512_loadu_si512((const void *)p);
+        const __m512i v1 = _mm512_loadu_si512((const void *)(p + 64));
+        const __m512i v2 = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(p + 128)));
+        const __m512i w01 = _mm512_xor_si512(_mm512_permutex2var_epi8(v0, i01, v1), x80);
+        const __m512i w23 = _mm512_xor_si512(_mm512_permutex2var_epi8(v1, i23, v2), x80);
+        const __m512i sc = _mm512_permutex2var_epi16(v0, idw, v1);
+        const __m512 d01 = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
+        const __m512 d23 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sc, 1));
+        for (int r = 0; r < R; r++) {
+            const int64_t rr = r0 + r;
+            const int32_t *g = a->g4 + rr * (K / 4) + 8 * b;
+            const int8_t *xq = a->q + rr * K + 32 * b;
+            const float *dx = a->dx + (rr * nb + b) * 8;
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)g), w01,
+                                             _mm512_loadu_si512((const void *)xq));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(g + 16)), w23,
+                                             _mm512_loadu_si512((const void *)(xq + 64)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d01, _mm512_loadu_ps(dx)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d23, _mm512_loadu_ps(dx + 16)), acc[r]);
+        }
+    }
+    for (; b < b1; b++) {
+        const uint8_t *blk = wrow + b * 34;
+        const __m256 dw = _mm256_set1_ps(f16(blk));
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                                           _mm256_set1_epi8((char)0x80));
+        for (int r = 0; r < R; r++) {
+            const int64_t rr = r0 + r;
+            __m256i p = _mm256_loadu_si256((const __m256i *)(a->g4 + rr * (K / 4) + 8 * b));
+            p = _mm256_dpbusd_epi32(p, w, _mm256_loadu_si256((const __m256i *)(a->q + rr * K + 32 * b)));
+            const __m256 s = _mm256_mul_ps(dw, _mm256_loadu_ps(a->dx + (rr * nb + b) * 8));
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]) + hsum8f(acc1[r]);
+}
+
+
+#define GCALL(R, NC, TYPE) dot32g_vnni(R, NC, TYPE, &a, r0, b0, b1, wn, row_stride, o)
+/* R rows by nc columns (nc <= 4 for R <= 2, <= 2 for R = 3, 4) */
+#define GTILE(TYPE)                                                                       \
+    switch (R * 8 + nc) {                                                                 \
+    case 4 * 8 + 2: GCALL(4, 2, TYPE); break;                                             \
+    case 4 * 8 + 1: GCALL(4, 1, TYPE); break;                                             \
+    case 3 * 8 + 2: GCALL(3, 2, TYPE); break;                                             \
+    case 3 * 8 + 1: GCALL(3, 1, TYPE); break;                                             \
+    case 2 * 8 + 4: GCALL(2, 4, TYPE); break;                                             \
+    case 2 * 8 + 3: GCALL(2, 3, TYPE); break;                                             \
+    case 2 * 8 + 2: GCALL(2, 2, TYPE); break;                                             \
+    case 2 * 8 + 1: GCALL(2, 1, TYPE); break;                                             \
+    case 1 * 8 + 4: GCALL(1, 4, TYPE); break;                                             \
+    case 1 * 8 + 3: GCALL(1, 3, TYPE); break;                                             \
+    case 1 * 8 + 2: GCALL(1, 2, TYPE); break;                                             \
+    default: GCALL(1, 1, TYPE); break;                                                    \
+    }
+
+/* Driver of the two kernels above: as run_vnni, K chunks in groups of 4 blocks (nibble types,
+ * their own activation layout) or in blocks (Q8_0). */
+static VBMI void run_vbmi(int type, const act8 *ap, const uint8_t *w, int64_t n,
+                          int64_t row_stride, float *y, int64_t ldy, int nthreads) {
+    const act8 a = *ap;
+    const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
+    const int q8 = type == GGML_Q8_0;
+    const int64_t nb = a.K / 32, nu = q8 ? nb : (nb + 3) / 4;   /* K units: blocks / groups */
+    const int64_t per_unit = q8 ? 32 + 32 + 32 : G32_BYTES;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = n * t / T, n1 = n * (t + 1) / T;
+        for (int64_t c0 = n0; c0 < n1; c0 += COL_CHUNK) {
+            const int64_t c1 = c0 + COL_CHUNK < n1 ? c0 + COL_CHUNK : n1;
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
+                const int R = (int)(r1 - r0);
+                int64_t kc = G32_TILE_BYTES / (R * per_unit);
+                if (kc < 4) kc = 4;
+                if (q8) kc &= ~(int64_t)3;
+                const int64_t nk = (nu + kc - 1) / kc;
+                for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
+                    int64_t b0 = nu * kchunk / nk, b1 = nu * (kchunk + 1) / nk;
+                    if (q8) {                          /* chunk starts on 4 blocks */
+                        b0 &= ~(int64_t)3;
+                        if (kchunk + 1 < nk) b1 &= ~(int64_t)3;
+                    }
+                    if (q8) {
+                        for (int64_t c = c0; c < c1; c++) {
+                            const uint8_t *wn = w + c * row_stride;
+                            float o[ROW_TILE] = {0};
+                            TILE(dot8_vnni, GGML_Q8_0)
+                            for (int r = 0; r < R; r++) {
+                                float *yy = y + (r0 + r) * ldy + c;
+                                *yy = kchunk ? *yy + o[r] : o[r];
+                            }
+                        }
+                        continue;
+                    }
+                    const int NC = 1;
+                    for (int64_t c = c0; c < c1; c += NC) {
+                        const int nc = c + NC <= c1 ? NC : (int)(c1 - c);
+                        const uint8_t *wn = w + c * row_stride;
+                        float o[ROW_TILE * 4] = {0};
+                        switch (type) {
+                        case GGML_Q4_0: GTILE(GGML_Q4_0) break;
+                        case GGML_Q4_1: GTILE(GGML_Q4_1) break;
+                        case GGML_Q5_0: GTILE(GGML_Q5_0) break;
+                        default: GTILE(GGML_Q5_1) break;
+                        }
+                        for (int r = 0; r < R; r++)
+                            for (int j = 0; j < nc; j++) {
+                                float *yy = y + (r0 + r) * ldy + c + j;
+                                *yy = kchunk ? *yy + o[r * nc + j] : o[r * nc + j];
+                            }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* 0: the 4-block kernels above where the CPU has AVX-512 VBMI (the default); 1: the pair
+ * kernels (dot32_vnni), kept for same-process A/B (benchmarks/bench_int8.py --variants). */
+static int vnni_variant = 0;
+static int has_vbmi = -1;
+
+int64_t iterserve_act8_variant(int64_t v) {
+    if (v == 0 || v == 1) vnni_variant = (int)v;
+    return vnni_variant;
+}
+
+static int cpu_vbmi(void) {
+    if (has_vbmi < 0) {
+        unsigned a, b, c, d;
+        has_vbmi = ((iterserve_cpu_features() >> 3) & 1) && __get_cpuid_count(7, 0, &a, &b, &c, &d)
+                   && ((c >> 1) & 1);
+    }
+    return has_vbmi;
+}
+
 int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
                          int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
                          int64_t ldy, int nthreads) {
@@ -643,6 +978,18 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
     if (!isa8) iterserve_act8_isa(0);
     act8 a;
     int rc;
+    if (!kq && isa8 == 2 && vnni_variant == 0 && cpu_vbmi()) {
+        if (type == GGML_Q8_0)
+            rc = quantise32(x, M, ldx, k, 7, &a);
+        else
+            rc = quantise32g(x, M, ldx, k, type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : 0,
+                             has_min((int)type), &a);
+        if (rc) return rc;
+        if (nthreads < 1) nthreads = 1;
+        if (n < 64 * nthreads) nthreads = 1;
+        run_vbmi((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+        return ITERSERVE_OK;
+    }
     if (kq)
         rc = quantise256(x, M, ldx, k, &a);
     else     /* g4 offsets: Q4_0 8, Q5_0 16; Q8_0 128 under VNNI (w + 128), none under AVX2's
