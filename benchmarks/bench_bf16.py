@@ -16,6 +16,13 @@ Under load: medians of alternating repeats; threads via --threads (default 1: CP
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --quick   # ~1 min
     PYTHONPATH=src python benchmarks/bench_bf16.py           # ~4-6 min
+
+`--e2e MODEL` instead runs greedy generation of `--batch` sequences through the offline LLM,
+float and auto (bf16 dot for BF16 weights) alternating (bench_int8.decode_ab), and reports
+the process RSS after loading (the weights must stay bf16: ~1 x the file, not 2x):
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/hf-bf16 --batch 8 --steps 16 --repeats 3 --threads 2
 """
 
 from __future__ import annotations
@@ -120,7 +127,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="rows 1 8 128, qo and down, BF16, 3 repeats")
     ap.add_argument("--out", default="benchmarks/results/bf16-kernels.json")
+    ap.add_argument("--e2e", metavar="MODEL", help="end-to-end float vs auto decode A/B instead")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     a = ap.parse_args()
+    if a.e2e:
+        import sys
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_int8 import decode_ab
+        res = decode_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads)
+        with open("/proc/self/status") as f:
+            res["rss_gb"] = [round(int(line.split()[1]) / 2 ** 20, 3) for line in f
+                             if line.startswith("VmRSS")][0]
+        print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
     if not kernels.available() or kernels.bf16_isa() != "avx512bf16":
         raise SystemExit(f"needs the native kernels on an avx512bf16 CPU ({kernels.unavailable})")
     if a.quick:

@@ -24,13 +24,19 @@
  *   hide the instruction's latency): per 32 elements, C weight loads, R activation loads and
  *   R*C vdpbf16ps; threads split the weight rows.
  * - panel (prefill, large batches): BLIS-style like prefill.c, but a "packed" panel is just
- *   the weight's own bf16 pairs transposed: bp[k/2][32] 32-bit lanes = (w[c][k], w[c][k+1])
- *   for 32 weight rows c, by 16x16 transposes of 32-bit words (no conversion at all for
- *   BF16); micro-kernel 12 rows x 32 columns = 24 zmm accumulators, per k pair one broadcast
- *   of the activation pair and 2 vdpbf16ps per row.
+ *   the weight's own bf16 pairs transposed: bp[k/2][48] 32-bit lanes = (w[c][k], w[c][k+1])
+ *   for 48 weight rows c, by 16x16 transposes of 32-bit words (no conversion at all for
+ *   BF16); activations packed per tile of MR rows as [k/2][MR] pairs (plain rows K * 2 bytes
+ *   apart share L1 sets); micro-kernel MR = 8 rows x NP = 48 columns = 24 zmm accumulators,
+ *   per k pair 3 weight loads, one broadcast of the activation pair and 3 vdpbf16ps per row.
+ *   Tile shapes, same process, alternating, one thread, 512 rows of 2048x2048 / 2048x8192,
+ *   loaded machine (GFLOP/s): 12x32 110 / 104, 8x48 123 / 114, 6x64 125 / 103; torch's own
+ *   bf16 matmul (oneDNN) 133 / 130 in the same run (bf16 output; see the report of issue 13:
+ *   kept ours for float32 outputs, one entry point for the fused and per-module paths and
+ *   no per-shape oneDNN primitives).
  *
- * F16 weights (f16 GGUFs): see F16_DOT below for what was measured; F16 -> bf16 drops 3 of
- * the 10 mantissa bits of every weight, which the F16C float path does not.
+ * F16 weights (f16 GGUFs): see F16_DOT_ROWS below for what was measured; F16 -> bf16 drops 3
+ * of the 10 mantissa bits of every weight, which the F16C float path does not.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -47,14 +53,29 @@
 #ifndef BF16_PANEL_ROWS
 #define BF16_PANEL_ROWS 16
 #endif
-/* Whether the auto mode also takes F16 weights (weights rounded f16 -> bf16 in registers). */
-#ifndef F16_DOT
-#define F16_DOT 0
+/* F16 weights (f16 GGUFs) in the auto mode: from F16_DOT_ROWS rows on (0: never) each weight
+ * is widened (F16C) and rounded to bf16 in registers, then dotted like BF16. The cost is 3 of
+ * f16's 10 mantissa bits per weight (relative 2^-9, the size of the activation rounding; auto
+ * already accepts int8 activations, ~0.5% per output, for the K-quants). Measured
+ * (bench_bf16.py --types F16, one thread, 2048x2048, same process, alternating, loaded
+ * machine): F16C float path / bf16 dot 0.74x at 1 row (the 3 conversion instructions per 32
+ * weights cost more than the FMAs they save when one row shares them; batch-1 decode is
+ * bound by DRAM anyway), 1.80x at 8 rows, 1.98x at 128 rows. Hence 2: one-row steps keep the
+ * exact F16C kernel, batches and prefill take the bf16 dot. `float` keeps F16C everywhere. */
+#ifndef F16_DOT_ROWS
+#define F16_DOT_ROWS 2
 #endif
 
-#define NP 32                  /* weight rows per panel */
-#define KC 256                 /* K elements per panel chunk (bp: 128 pairs x 32 x 4 B = 16 KB) */
-#define MR 12                  /* activation rows per micro-tile */
+#ifndef NP
+#define NP 48                  /* weight rows per panel (a multiple of 16) */
+#endif
+#define NB (NP / 16)           /* zmm accumulators per activation row */
+#ifndef KC
+#define KC 256                 /* K elements per panel chunk (bp: 128 pairs x 48 x 4 B = 24 KB) */
+#endif
+#ifndef MR
+#define MR 8                   /* activation rows per micro-tile (MR * NB <= 24, MR <= 12) */
+#endif
 #define MB_MAX 256             /* activation rows per row block (prefill.c's reasoning) */
 /* decode: K is split into chunks of X_TILE bytes of bf16 activations once a row tile's
  * activations exceed X_WHOLE (qgemm.c's kchunks rule: unsplit reads of weights streamed from
@@ -74,7 +95,7 @@ int64_t iterserve_bf16_isa(int64_t want) {
 
 int iterserve_bf16_takes(int64_t type, int64_t M) {
     if (M < 1 || iterserve_set_act_mode(-1) != 2) return 0;
-    if (!(type == GGML_BF16 || (F16_DOT && type == GGML_F16))) return 0;
+    if (!(type == GGML_BF16 || (F16_DOT_ROWS && type == GGML_F16 && M >= F16_DOT_ROWS))) return 0;
     return iterserve_bf16_isa(-1) == 1;
 }
 
@@ -273,40 +294,41 @@ static BF16 void pack_bf16(int type, const uint8_t *w, int64_t row_stride, int64
 }
 
 BF16_INLINE void micro(int R, const uint32_t *xp, const uint32_t *bp, int kc,
-                       float *y, int64_t ldy, int add, __mmask16 m0, __mmask16 m1) {
-    __m512 acc[2 * MR];
-    for (int r = 0; r < R; r++) {
-        acc[2 * r] = add ? _mm512_maskz_loadu_ps(m0, y + r * ldy) : _mm512_setzero_ps();
-        acc[2 * r + 1] = add ? _mm512_maskz_loadu_ps(m1, y + r * ldy + 16) : _mm512_setzero_ps();
-    }
+                       float *y, int64_t ldy, int add, const __mmask16 *mk) {
+    __m512 acc[NB * 12];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < NB; i++)
+            acc[NB * r + i] = add ? _mm512_maskz_loadu_ps(mk[i], y + r * ldy + 16 * i)
+                                  : _mm512_setzero_ps();
     for (int p = 0; p < kc / 2; p++) {
-        const __m512bh b0 = (__m512bh)_mm512_load_si512((const void *)(bp + p * NP));
-        const __m512bh b1 = (__m512bh)_mm512_load_si512((const void *)(bp + p * NP + 16));
+        __m512bh b[NB];
+        for (int i = 0; i < NB; i++)
+            b[i] = (__m512bh)_mm512_load_si512((const void *)(bp + p * NP + 16 * i));
         for (int r = 0; r < R; r++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[p * MR + r]);
-            acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], a, b0);
-            acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], a, b1);
+            for (int i = 0; i < NB; i++) acc[NB * r + i] = _mm512_dpbf16_ps(acc[NB * r + i], a, b[i]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, m0, acc[2 * r]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[2 * r + 1]);
-    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < NB; i++) _mm512_mask_storeu_ps(y + r * ldy + 16 * i, mk[i], acc[NB * r + i]);
 }
 
 /* rows [0, M) of a row block: xp its first tile at pair k0/2 (tile stride K/2 * MR) */
 static BF16 void micro_rows(int64_t M, const uint32_t *xp, int64_t K, const uint32_t *bp,
                             int kc, float *y, int64_t ldy, int add, int cols) {
-    const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    __mmask16 mk[NB];
+    for (int i = 0; i < NB; i++) {
+        const int c = cols - 16 * i;
+        mk[i] = c >= 16 ? 0xFFFF : c <= 0 ? 0 : (__mmask16)((1u << c) - 1);
+    }
     for (int64_t m = 0; m < M; m += MR) {
         const int R = M - m < MR ? (int)(M - m) : MR;
         const uint32_t *xm = xp + (m / MR) * (K / 2) * MR;
         float *ym = y + m * ldy;
-#define MT(n) case n: micro(n, xm, bp, kc, ym, ldy, add, m0, m1); break;
+#define MT(n) case n: if (n <= MR) micro(n, xm, bp, kc, ym, ldy, add, mk); break;
         switch (R) {
         MT(12) MT(11) MT(10) MT(9) MT(8) MT(7) MT(6) MT(5) MT(4) MT(3) MT(2)
-        default: micro(1, xm, bp, kc, ym, ldy, add, m0, m1);
+        default: micro(1, xm, bp, kc, ym, ldy, add, mk);
         }
 #undef MT
     }
