@@ -19,7 +19,7 @@ Under load: medians of alternating repeats; threads via --threads (default 1: CP
 
 `--e2e MODEL` instead runs greedy generation of `--batch` sequences through the offline LLM,
 float and auto (bf16 dot for BF16 weights) alternating (bench_int8.decode_ab), and reports
-the process RSS after loading (the weights must stay bf16: ~1 x the file, not 2x):
+the peak RSS beside the file size (the weights must stay bf16: ~1 x the file, not 2x):
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
         smollm2-1.7b/hf-bf16 --batch 8 --steps 16 --repeats 3 --threads 2
@@ -136,9 +136,12 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         from bench_int8 import decode_ab
         res = decode_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads)
-        with open("/proc/self/status") as f:
-            res["rss_gb"] = [round(int(line.split()[1]) / 2 ** 20, 3) for line in f
-                             if line.startswith("VmRSS")][0]
+        with open("/proc/self/status") as f:          # peak: the LLM is gone by now
+            res["peak_rss_gb"] = [round(int(line.split()[1]) / 2 ** 20, 3) for line in f
+                                  if line.startswith("VmHWM")][0]
+        res["file_gb"] = round(sum(p.stat().st_size for p in Path(a.e2e).expanduser().glob(
+            "*.safetensors")) / 2 ** 30, 3) if Path(a.e2e).expanduser().is_dir() else \
+            round(Path(a.e2e).expanduser().stat().st_size / 2 ** 30, 3)
         print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
         Path(a.out).write_text(json.dumps(res, indent=1))
         return
