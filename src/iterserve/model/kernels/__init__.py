@@ -120,6 +120,10 @@ _ARGTYPES = {
     "iterserve_can_act8": (_i32, [_i64]),
     "iterserve_gemm8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
     "iterserve_can_gemm8": (_i32, [_i64]),
+    "iterserve_bf16_gemm": (_i32, [_i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64,
+                                   _i32]),
+    "iterserve_bf16_isa": (_i64, [_i64]),
+    "iterserve_bf16_takes": (_i32, [_i64, _i64]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -583,6 +587,43 @@ def gemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: tor
     args = _gemm_args(ggml_type, w, k, x, out, col0, "gemm_int8", "qgemm")
     if args is not None:
         _rc(lib.iterserve_gemm8(*args))
+
+
+# --- bf16 dot products for BF16 / F16 weights (bf16dot.c) --------------------------------
+
+_ISASBF16 = {"none": 0, "avx512bf16": 1}
+_BF16_PATHS = {"auto": 0, "decode": 1, "panel": 2, "decode_nosplit": 3}
+
+
+def bf16_isa(want: str | None = None) -> str:
+    """Choose whether the bf16 dot-product kernels may run ("none" switches them off,
+    "avx512bf16" or None: on where the CPU has avx512bf16) and return the state in use. In
+    the `auto` activation mode BF16 weights take them (see `set_activations`)."""
+    got = _lib().iterserve_bf16_isa(-2 if want in (None, "avx512bf16") else _ISASBF16[want])
+    return {v: k for k, v in _ISASBF16.items()}[int(got)]
+
+
+def bf16_takes(ggml_type: int, rows: int) -> bool:
+    """Whether `qgemm` / `gemm` run a call of this type and row count on the bf16 kernels."""
+    lib = _library()
+    return bool(lib is not None and lib.iterserve_bf16_takes(int(ggml_type), int(rows)))
+
+
+def qgemm_bf16(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+               col0: int = 0, path: str = "auto") -> None:
+    """`qgemm` on the bf16 dot-product kernels whatever the mode (tests, benchmarks): BF16 or
+    F16 weights, x rounded to bf16 once per call, vdpbf16ps into float32 sums. path: "decode"
+    (the register kernel), "panel" (the prefill GEMM) or "auto" (by row count). Raises
+    ValueError where the CPU has no avx512bf16 (bf16_isa() == "none")."""
+    lib = _lib()
+    if int(ggml_type) not in (1, 30):
+        raise ValueError(f"ggml type {ggml_type} has no bf16 dot-product kernel (F16 or BF16)")
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_bf16", "qgemm")
+    if args is not None:
+        rc = lib.iterserve_bf16_gemm(_BF16_PATHS[path], *args)
+        if rc == 4:
+            raise ValueError("the bf16 dot-product kernels are not available on this CPU")
+        _rc(rc)
 
 
 def dequant(ggml_type, w, k, out) -> torch.Tensor:

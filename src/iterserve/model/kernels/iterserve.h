@@ -127,6 +127,17 @@ int iterserve_can_gemm8(int64_t type);
 /* internal: whether iterserve_gemm hands a call of this type and row count to
  * iterserve_gemm8 under the activation mode (iterserve_set_act_mode) */
 int iterserve_gemm8_takes(int64_t type, int64_t M);
+/* --- bf16 dot products for BF16 (F16) weights (bf16dot.c, AVX-512 BF16) ------------------ */
+/* The same product as iterserve_qgemm with x rounded to bf16 once per call and vdpbf16ps
+ * (float32 accumulators): path 0 by row count, 1 the decode kernel, 2 the panel GEMM.
+ * Returns ITERSERVE_ETYPE (not BF16/F16, k % 32, or no avx512bf16 in use) or ENOMEM. */
+int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
+                        int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                        float *y, int64_t ldy, int nthreads);
+/* 0 = off, 1 = avx512bf16 (if the CPU has it); -1 only reports, anything else = the best. */
+int64_t iterserve_bf16_isa(int64_t want);
+/* internal: whether iterserve_qgemm / iterserve_gemm hand this call to iterserve_bf16_gemm */
+int iterserve_bf16_takes(int64_t type, int64_t M);
 
 /* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
 void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);

@@ -405,6 +405,10 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride
     if (iterserve_gemm8_takes(type, M)
         && iterserve_gemm8(type, w, N, row_stride, K, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
         return ITERSERVE_OK;
+    /* bf16 dot products (bf16dot.c) for BF16 weights in the auto mode on avx512bf16 CPUs */
+    if (iterserve_bf16_takes(type, M)
+        && iterserve_bf16_gemm(0, type, w, N, row_stride, K, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
+        return ITERSERVE_OK;
     if (!isa_in_use) iterserve_gemm_isa(0);
     const int wide = isa_in_use == 2;
     const int nbk = (int)(K / QB);

@@ -1,0 +1,162 @@
+"""bf16 dot products (kernels/bf16dot.c) against the float path for BF16 / F16 weights, same
+process, alternating.
+
+For SmolLM2-1.7B shapes (q/o 2048x2048, gate_up 16384x2048, down 2048x8192) and row counts,
+times, alternating `--repeats` times and keeping each side's median:
+- "old": `kernels.qgemm` in the float activation mode (what iterserve_qgemm ran before: the
+  AVX-512 register kernel at 1-2 rows, the float32 panel GEMM from 3 rows on); for prefill
+  rows (> 32) `kernels.gemm` in float mode (what layers.py calls there);
+- "new": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 9 rows, the bf16
+  panel GEMM from 9), also "new_decode" / "new_panel" forced, for the row threshold;
+- "torch": torch's own bf16 matmul (oneDNN, avx512bf16) of x.bfloat16() @ W^T, then .float()
+  (bf16 output rounding), for the prefill comparison.
+Decode rows report GB/s of weight bytes streamed; prefill rows GFLOP/s (2 M N K / s). F16
+weights: "old" (F16C float path) against "new" (weights rounded to bf16 in registers).
+Under load: medians of alternating repeats; threads via --threads (default 1: CPU time).
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --quick   # ~1 min
+    PYTHONPATH=src python benchmarks/bench_bf16.py           # ~4-6 min
+
+`--e2e MODEL` instead runs greedy generation of `--batch` sequences through the offline LLM,
+float and auto (bf16 dot for BF16 weights) alternating (bench_int8.decode_ab), and reports
+the peak RSS beside the file size (the weights must stay bf16: ~1 x the file, not 2x):
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/hf-bf16 --batch 8 --steps 16 --repeats 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from iterserve.model import kernels
+
+SHAPES = {"qo": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+BF16, F16 = 30, 1
+
+
+def _time(fn, min_s: float) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_s and n >= 2:
+            return dt / n
+
+
+def _weight(t: int, n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16 if t == BF16 else torch.float16)
+    return w.view(torch.uint8).view(n, 2 * k)
+
+
+def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor, torch_too: bool):
+    m = x.shape[0]
+
+    def old():
+        kernels.set_activations("float")
+        (kernels.qgemm if m <= 32 else kernels.gemm)(t, w, k, x, out)
+
+    def new(path="auto"):
+        return lambda: kernels.qgemm_bf16(t, w, k, x, out, 0, path)
+
+    v = {"old": old, "new": new()}
+    if m <= 32:
+        v["new_decode"], v["new_panel"] = new("decode"), new("panel")
+    if torch_too and t == BF16:
+        wt = w.view(torch.bfloat16)
+
+        def tmm():
+            out.copy_(torch.mm(x.bfloat16(), wt.t()))
+        v["torch"] = tmm
+    return v
+
+
+def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    res = []
+    for tname in types:
+        t = {"BF16": BF16, "F16": F16}[tname]
+        for sname in shapes:
+            n, k = SHAPES[sname]
+            w = _weight(t, n, k, 0)
+            for m in rows:
+                x = torch.randn(m, k)
+                out = torch.empty(m, n)
+                vs = variants(t, w, k, x, out, torch_too=m > 32)
+                times = {name: [] for name in vs}
+                for _ in range(repeats):
+                    for name, fn in vs.items():
+                        times[name].append(_time(fn, min_s))
+                kernels.set_activations("float")
+                med = {name: statistics.median(ts) for name, ts in times.items()}
+                row = {"type": tname, "shape": sname, "n": n, "k": k, "rows": m,
+                       "threads": threads, "median_s": med}
+                if m <= 32:
+                    row["GB_s"] = {name: 2 * n * k / s / 1e9 for name, s in med.items()}
+                row["GFLOP_s"] = {name: 2 * m * n * k / s / 1e9 for name, s in med.items()}
+                row["old_over_new"] = med["old"] / med["new"]
+                if "torch" in med:
+                    row["torch_over_new"] = med["torch"] / med["new"]
+                res.append(row)
+                unit = "GB_s" if m <= 32 else "GFLOP_s"
+                print(f"{tname} {sname:8s} m={m:4d} " + " ".join(
+                    f"{name}={row[unit][name]:.1f}" for name in med) +
+                    f" {unit}  old/new={row['old_over_new']:.2f}"
+                    + (f" torch/new={row['torch_over_new']:.2f}" if "torch" in med else ""),
+                    flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 32, 128, 512])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--types", nargs="+", default=["BF16", "F16"], choices=["BF16", "F16"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-s", type=float, default=0.05)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="rows 1 8 128, qo and down, BF16, 3 repeats")
+    ap.add_argument("--out", default="benchmarks/results/bf16-kernels.json")
+    ap.add_argument("--e2e", metavar="MODEL", help="end-to-end float vs auto decode A/B instead")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
+    a = ap.parse_args()
+    if a.e2e:
+        import sys
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_int8 import decode_ab
+        res = decode_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads)
+        with open("/proc/self/status") as f:          # peak: the LLM is gone by now
+            res["peak_rss_gb"] = [round(int(line.split()[1]) / 2 ** 20, 3) for line in f
+                                  if line.startswith("VmHWM")][0]
+        res["file_gb"] = round(sum(p.stat().st_size for p in Path(a.e2e).expanduser().glob(
+            "*.safetensors")) / 2 ** 30, 3) if Path(a.e2e).expanduser().is_dir() else \
+            round(Path(a.e2e).expanduser().stat().st_size / 2 ** 30, 3)
+        print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
+    if not kernels.available() or kernels.bf16_isa() != "avx512bf16":
+        raise SystemExit(f"needs the native kernels on an avx512bf16 CPU ({kernels.unavailable})")
+    if a.quick:
+        a.rows, a.shapes, a.types, a.repeats = [1, 8, 128], ["qo", "down"], ["BF16"], 3
+    res = run(a.rows, a.shapes, a.types, a.repeats, a.min_s, a.threads)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({
+        "machine": platform.processor() or platform.machine(), "features": sorted(kernels.features()),
+        "note": "same process, alternating, medians; loaded shared 2-core machine",
+        "results": res}, indent=1))
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+/* BF16 (and optionally F16) weight GEMMs on AVX-512 BF16 dot products (vdpbf16ps), for the
+ * decode steps and the prefill chunks of bf16 checkpoints (HF safetensors, BF16 GGUFs).
+ *
+ * Why: the float path (qgemm.c's register kernels, prefill.c's panels) widens every bf16
+ * weight to float32 and multiplies it with float32 FMAs: 16 products per instruction, plus
+ * the widening. vdpbf16ps multiplies 32 bf16 pairs and adds them into 16 float32
+ * accumulators in one instruction, straight from the weight bytes as they lie in the file,
+ * so a bf16 GEMM does twice the products per instruction and no widening; at decode batches
+ * of 8 and in prefill a 1.7B bf16 model is bound by exactly those instructions (vLLM's CPU
+ * build, via oneDNN, uses the same instruction, and was 1.6x iterserve on `mix`).
+ *
+ * The price is the activations: vdpbf16ps takes bf16 on both sides, so each activation row is
+ * rounded to bf16 (round to nearest even, like torch's .to(bfloat16)) once per call into a
+ * per-thread scratch. Products of two bf16 are exact in float32 and are summed in float32,
+ * so the result is x rounded to bf16, times W, in float32 (denormal inputs flushed to zero by
+ * the instruction): relative error per output about 2^-9 of sum |x_j w_j| (tests check this
+ * against x.bfloat16() @ W in float64, and the float path with bf16 tolerances). It is used in
+ * the `auto` activation mode (iterserve_bf16_takes) on CPUs with avx512bf16 only; `float`
+ * keeps the exact float32 path (the numerical reference), `int8` treats BF16 like `float`.
+ *
+ * Two kernels, both reading the weight rows unchanged (no copy of the checkpoint):
+ * - decode (M <= BF16_PANEL_ROWS - 1 activation rows): tiles of R <= 8 rows times C weight
+ *   rows at a time (C = 8 at 1 row ... 3 at 8, so R*C >= 8 independent accumulator chains
+ *   hide the instruction's latency): per 32 elements, C weight loads, R activation loads and
+ *   R*C vdpbf16ps; threads split the weight rows.
+ * - panel (prefill, large batches): BLIS-style like prefill.c, but a "packed" panel is just
+ *   the weight's own bf16 pairs transposed: bp[k/2][48] 32-bit lanes = (w[c][k], w[c][k+1])
+ *   for 48 weight rows c, by 16x16 transposes of 32-bit words (no conversion at all for
+ *   BF16); activations packed per tile of MR rows as [k/2][MR] pairs (plain rows K * 2 bytes
+ *   apart share L1 sets); micro-kernel MR = 8 rows x NP = 48 columns = 24 zmm accumulators,
+ *   per k pair 3 weight loads, one broadcast of the activation pair and 3 vdpbf16ps per row.
+ *   Tile shapes, same process, alternating, one thread, 512 rows of 2048x2048 / 2048x8192,
+ *   loaded machine (GFLOP/s): 12x32 110 / 104, 8x48 123 / 114, 6x64 125 / 103; torch's own
+ *   bf16 matmul (oneDNN) 133 / 130 in the same run (bf16 output; see the report of issue 13:
+ *   kept ours for float32 outputs, one entry point for the fused and per-module paths and
+ *   no per-shape oneDNN primitives).
+ *
+ * F16 weights (f16 GGUFs): see F16_DOT_ROWS below for what was measured; F16 -> bf16 drops 3
+ * of the 10 mantissa bits of every weight, which the F16C float path does not.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "iterserve.h"
+
+#define BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16")))
+#define BF16_INLINE static inline __attribute__((always_inline)) BF16
+
+/* From this many rows on the panel kernel runs (measured: benchmarks/bench_bf16.py rows). */
+#ifndef BF16_PANEL_ROWS
+#define BF16_PANEL_ROWS 16
+#endif
+/* F16 weights (f16 GGUFs) in the auto mode: from F16_DOT_ROWS rows on (0: never) each weight
+ * is widened (F16C) and rounded to bf16 in registers, then dotted like BF16. The cost is 3 of
+ * f16's 10 mantissa bits per weight (relative 2^-9, the size of the activation rounding; auto
+ * already accepts int8 activations, ~0.5% per output, for the K-quants). Measured
+ * (bench_bf16.py --types F16, one thread, 2048x2048, same process, alternating, loaded
+ * machine): F16C float path / bf16 dot 0.74x at 1 row (the 3 conversion instructions per 32
+ * weights cost more than the FMAs they save when one row shares them; batch-1 decode is
+ * bound by DRAM anyway), 1.80x at 8 rows, 1.98x at 128 rows. Hence 2: one-row steps keep the
+ * exact F16C kernel, batches and prefill take the bf16 dot. `float` keeps F16C everywhere. */
+#ifndef F16_DOT_ROWS
+#define F16_DOT_ROWS 2
+#endif
+
+#ifndef NP
+#define NP 48                  /* weight rows per panel (a multiple of 16) */
+#endif
+#define NB (NP / 16)           /* zmm accumulators per activation row */
+#ifndef KC
+#define KC 256                 /* K elements per panel chunk (bp: 128 pairs x 48 x 4 B = 24 KB) */
+#endif
+#ifndef MR
+#define MR 8                   /* activation rows per micro-tile (MR * NB <= 24, MR <= 12) */
+#endif
+#define MB_MAX 256             /* activation rows per row block (prefill.c's reasoning) */
+/* decode: K is split into chunks of X_TILE bytes of bf16 activations once a row tile's
+ * activations exceed X_WHOLE (qgemm.c's kchunks rule: unsplit reads of weights streamed from
+ * DRAM beat L1-sized x tiles up to ~64 KB) */
+#define X_WHOLE (64 * 1024)
+#define X_TILE (24 * 1024)
+#define COLS_CHUNK 64          /* decode: weight rows per chunk (row tiles reuse them in L2) */
+
+static int bf16_isa = -1;      /* -1 not chosen yet; 0 off; 1 avx512bf16 */
+
+int64_t iterserve_bf16_isa(int64_t want) {
+    const int have = (iterserve_cpu_features() >> 7) & 1;
+    if (want == -1 && bf16_isa >= 0) return bf16_isa;
+    bf16_isa = want == 0 ? 0 : have;
+    return bf16_isa;
+}
+
+int iterserve_bf16_takes(int64_t type, int64_t M) {
+    if (M < 1 || iterserve_set_act_mode(-1) != 2) return 0;
+    if (!(type == GGML_BF16 || (F16_DOT_ROWS && type == GGML_F16 && M >= F16_DOT_ROWS))) return 0;
+    return iterserve_bf16_isa(-1) == 1;
+}
+
+/* --- activations rounded to bf16, once per call --------------------------------------- */
+static __thread uint16_t *xb_buf = NULL;
+static __thread size_t xb_cap = 0;
+
+static uint16_t *xb_scratch(size_t elems) {
+    if (elems > xb_cap) {
+        free(xb_buf);
+        xb_cap = (elems + 4095) & ~(size_t)4095;
+        xb_buf = aligned_alloc(64, xb_cap * sizeof(uint16_t));
+        if (!xb_buf) xb_cap = 0;
+    }
+    return xb_buf;
+}
+
+static BF16 void round_rows(const float *x, int64_t M, int64_t ldx, int64_t K, uint16_t *xb,
+                            int64_t ldb, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        uint16_t *d = xb + m * ldb;
+        for (int64_t j = 0; j < K; j += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + j + 16),
+                                                   _mm512_loadu_ps(xr + j));
+            _mm512_storeu_si512((void *)(d + j), (__m512i)v);
+        }
+    }
+}
+
+/* The panel kernel's activations: tiles of MR rows, each [K/2][MR] bf16 pairs (the pairs one
+ * micro-kernel step broadcasts lie side by side; rows of a plain layout K * 2 bytes apart
+ * fall into the same L1 sets when K is a multiple of 2,048); rows past M are zero. */
+static BF16 void pack_rows(const float *x, int64_t M, int64_t ldx, int64_t K, uint32_t *xp,
+                           int nthreads) {
+    const int64_t tiles = (M + MR - 1) / MR;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t tl = 0; tl < tiles; tl++) {
+        uint32_t *d = xp + tl * (K / 2) * MR;
+        for (int r = 0; r < MR; r++) {
+            const int64_t m = tl * MR + r;
+            if (m >= M) {
+                for (int64_t p = 0; p < K / 2; p++) d[p * MR + r] = 0;
+                continue;
+            }
+            const float *xr = x + m * ldx;
+            for (int64_t j = 0; j < K; j += 32) {
+                uint32_t v[16];
+                _mm512_storeu_si512((void *)v, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(xr + j + 16), _mm512_loadu_ps(xr + j)));
+                for (int i = 0; i < 16; i++) d[(j / 2 + i) * MR + r] = v[i];
+            }
+        }
+    }
+}
+
+/* 32 weights of a row at element j as 32 bf16 (F16: widened, then rounded to bf16) */
+BF16_INLINE __m512bh wload(int type, const uint8_t *row, int64_t j) {
+    if (type == GGML_F16) {
+        const __m256i *p = (const __m256i *)(row + 2 * j);
+        return _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm256_loadu_si256(p + 1)),
+                                   _mm512_cvtph_ps(_mm256_loadu_si256(p)));
+    }
+    return (__m512bh)_mm512_loadu_si512((const void *)(row + 2 * j));
+}
+
+/* --- decode: R activation rows x C weight rows ---------------------------------------- */
+BF16_INLINE void tile_rc(int R, int C, int type, const uint16_t *xb, int64_t ldb, int64_t j0,
+                         int64_t j1, const uint8_t *w, int64_t row_stride, float *y, int64_t ldy) {
+    __m512 acc[24];
+    for (int i = 0; i < R * C; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j += 32) {
+        __m512bh wv[8];
+        for (int c = 0; c < C; c++) wv[c] = wload(type, w + c * row_stride, j);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + r * ldb + j));
+            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const float v = _mm512_reduce_add_ps(acc[r * C + c]);
+            y[r * ldy + c] = j0 > 0 ? y[r * ldy + c] + v : v;
+        }
+}
+
+/* weight rows per tile for R activation rows: R*C chains, C + 1 + R*C <= 32 registers */
+#define COLS_FOR(R) ((R) == 1 ? 8 : (R) == 2 ? 6 : (R) <= 6 ? 4 : 3)
+
+#define TILE_R(R, TYPE)                                                                     \
+    case R: {                                                                               \
+        int64_t c = c0;                                                                     \
+        for (; c + COLS_FOR(R) <= c1; c += COLS_FOR(R))                                     \
+            tile_rc(R, COLS_FOR(R), TYPE, xt, ldb, j0, j1, w + c * row_stride, row_stride, yt + c, ldy); \
+        for (; c < c1; c++) tile_rc(R, 1, TYPE, xt, ldb, j0, j1, w + c * row_stride, row_stride, yt + c, ldy); \
+        break;                                                                              \
+    }
+
+BF16_INLINE void decode_cols(int type, int R, const uint16_t *xt, int64_t ldb, int64_t j0, int64_t j1, const uint8_t *w,
+                             int64_t row_stride, int64_t c0, int64_t c1, float *yt, int64_t ldy) {
+    switch (R) {
+    TILE_R(8, type) TILE_R(7, type) TILE_R(6, type) TILE_R(5, type)
+    TILE_R(4, type) TILE_R(3, type) TILE_R(2, type) default: TILE_R(1, type)
+    }
+}
+
+static BF16 void decode_bf16(int type, const uint8_t *w, int64_t N, int64_t row_stride,
+                             int64_t K, const uint16_t *xb, int64_t ldb, int64_t M, float *y,
+                             int64_t ldy, int nthreads, int kchunks) {
+    if (N < 64 * nthreads) nthreads = 1;
+    const int64_t ntiles = (M + 7) / 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        /* split on multiples of 8 weight rows so every thread runs whole tiles */
+        const int64_t g = (N + 7) / 8;
+        const int64_t n0 = g * t / T * 8, n1e = g * (t + 1) / T * 8, n1 = n1e < N ? n1e : N;
+        for (int64_t c0 = n0; c0 < n1; c0 += COLS_CHUNK) {
+            const int64_t c1 = c0 + COLS_CHUNK < n1 ? c0 + COLS_CHUNK : n1;
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
+                const uint16_t *xt = xb + r0 * ldb;
+                float *yt = y + r0 * ldy;
+                const int R = (int)(r1 - r0);
+                /* K chunks whose x tile fits L1 next to the weight rows (X_TILE) */
+                const int64_t xbytes = (int64_t)R * K * 2;
+                const int64_t nk = kchunks && xbytes > X_WHOLE ? (xbytes + X_TILE - 1) / X_TILE : 1;
+                for (int64_t kq = 0; kq < nk; kq++) {
+                    const int64_t j0 = K / 32 * kq / nk * 32, j1 = K / 32 * (kq + 1) / nk * 32;
+                    if (type == GGML_F16) decode_cols(GGML_F16, R, xt, ldb, j0, j1, w, row_stride, c0, c1, yt, ldy);
+                    else decode_cols(GGML_BF16, R, xt, ldb, j0, j1, w, row_stride, c0, c1, yt, ldy);
+                }
+            }
+        }
+    }
+}
+
+/* --- panel GEMM -------------------------------------------------------------------------- */
+/* dst[c][r] = src[r][c] for 16x16 32-bit words (prefill.c's tr16x16, on integers) */
+BF16_INLINE void tr16x16_32(const uint32_t *src, int64_t lds, uint32_t *dst, int64_t ldd) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(src + i * lds)));
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + i * ldd), _mm512_castps_si512(r[i]));
+}
+
+/* bp[p][c] (p < kc/2, c < NP) = the bf16 pair (w[p0+c][k0+2p], w[p0+c][k0+2p+1]); rows past
+ * `rows` are zero. F16 rows are rounded to bf16 into tmp (16 rows x KC) first. */
+static BF16 void pack_bf16(int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows,
+                           int64_t k0, int kc, uint16_t *tmp, uint32_t *bp) {
+    for (int h = 0; h < NP / 16; h++) {
+        const int live = rows - 16 * h < 16 ? rows - 16 * h : 16;
+        if (live <= 0) {
+            for (int p = 0; p < kc / 2; p++)
+                _mm512_store_si512((void *)(bp + p * NP + 16 * h), _mm512_setzero_si512());
+            continue;
+        }
+        const uint8_t *w0 = w + (p0 + 16 * h) * row_stride + 2 * k0;
+        if (type == GGML_BF16 && live == 16 && row_stride % 4 == 0) {
+            for (int q = 0; q < kc / 2; q += 16)
+                tr16x16_32((const uint32_t *)w0 + q, row_stride / 4, bp + q * NP + 16 * h, NP);
+            continue;
+        }
+        for (int j = 0; j < 16; j++) {
+            uint16_t *d = tmp + j * KC;
+            if (j >= live) { memset(d, 0, sizeof(uint16_t) * (size_t)kc); continue; }
+            const uint8_t *row = w0 + j * row_stride;
+            for (int e = 0; e < kc; e += 32)
+                _mm512_storeu_si512((void *)(d + e), (__m512i)wload(type, row, e));
+        }
+        for (int q = 0; q < kc / 2; q += 16)
+            tr16x16_32((const uint32_t *)tmp + q, KC / 2, bp + q * NP + 16 * h, NP);
+    }
+}
+
+BF16_INLINE void micro(int R, const uint32_t *xp, const uint32_t *bp, int kc,
+                       float *y, int64_t ldy, int add, const __mmask16 *mk) {
+    __m512 acc[NB * 12];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < NB; i++)
+            acc[NB * r + i] = add ? _mm512_maskz_loadu_ps(mk[i], y + r * ldy + 16 * i)
+                                  : _mm512_setzero_ps();
+    for (int p = 0; p < kc / 2; p++) {
+        __m512bh b[NB];
+        for (int i = 0; i < NB; i++)
+            b[i] = (__m512bh)_mm512_load_si512((const void *)(bp + p * NP + 16 * i));
+        for (int r = 0; r < R; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[p * MR + r]);
+            for (int i = 0; i < NB; i++) acc[NB * r + i] = _mm512_dpbf16_ps(acc[NB * r + i], a, b[i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < NB; i++) _mm512_mask_storeu_ps(y + r * ldy + 16 * i, mk[i], acc[NB * r + i]);
+}
+
+/* rows [0, M) of a row block: xp its first tile at pair k0/2 (tile stride K/2 * MR) */
+static BF16 void micro_rows(int64_t M, const uint32_t *xp, int64_t K, const uint32_t *bp,
+                            int kc, float *y, int64_t ldy, int add, int cols) {
+    __mmask16 mk[NB];
+    for (int i = 0; i < NB; i++) {
+        const int c = cols - 16 * i;
+        mk[i] = c >= 16 ? 0xFFFF : c <= 0 ? 0 : (__mmask16)((1u << c) - 1);
+    }
+    for (int64_t m = 0; m < M; m += MR) {
+        const int R = M - m < MR ? (int)(M - m) : MR;
+        const uint32_t *xm = xp + (m / MR) * (K / 2) * MR;
+        float *ym = y + m * ldy;
+#define MT(n) case n: if (n <= MR) micro(n, xm, bp, kc, ym, ldy, add, mk); break;
+        switch (R) {
+        MT(12) MT(11) MT(10) MT(9) MT(8) MT(7) MT(6) MT(5) MT(4) MT(3) MT(2)
+        default: micro(1, xm, bp, kc, ym, ldy, add, mk);
+        }
+#undef MT
+    }
+}
+
+static BF16 int panel_bf16(int type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                           const uint32_t *xp, int64_t M, float *y, int64_t ldy, int nthreads) {
+    const int64_t npanels = (N + NP - 1) / NP;
+    if (npanels < nthreads) nthreads = (int)npanels;
+    int err = ITERSERVE_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t *bp = aligned_alloc(64, sizeof(uint32_t) * NP * (KC / 2));
+        uint16_t *tmp = aligned_alloc(64, sizeof(uint16_t) * 16 * KC);
+        if (!bp || !tmp) {
+#pragma omp atomic write
+            err = ITERSERVE_ENOMEM;
+        } else {
+            const int t = omp_get_thread_num(), T = omp_get_num_threads();
+            const int64_t q0 = npanels * t / T, q1 = npanels * (t + 1) / T;
+            const int64_t nmb = (M + MB_MAX - 1) / MB_MAX;
+            const int64_t MB = ((M + nmb - 1) / nmb + MR - 1) / MR * MR;
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                const int64_t mb = M - m0 < MB ? M - m0 : MB;
+                for (int64_t q = q0; q < q1; q++) {
+                    const int64_t p0 = q * NP;
+                    const int rows = N - p0 < NP ? (int)(N - p0) : NP;
+                    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                        const int kc = K - k0 < KC ? (int)(K - k0) : KC;
+                        pack_bf16(type, w, row_stride, p0, rows, k0, kc, tmp, bp);
+                        micro_rows(mb, xp + (m0 / MR) * (K / 2) * MR + (k0 / 2) * MR, K, bp, kc, y + m0 * ldy + p0, ldy,
+                                   k0 > 0, rows);
+                    }
+                }
+            }
+        }
+        free(bp);
+        free(tmp);
+    }
+    return err;
+}
+
+/* path 0: by row count (BF16_PANEL_ROWS); 1: the decode kernel; 2: the panel kernel; 3: the
+ * decode kernel without K chunks (benchmarks). */
+int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
+                        int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                        float *y, int64_t ldy, int nthreads) {
+    if ((type != GGML_BF16 && type != GGML_F16) || k % 32 || iterserve_bf16_isa(-1) != 1)
+        return ITERSERVE_ETYPE;
+    if (M < 1 || n < 1) return ITERSERVE_OK;
+    if (nthreads < 1) nthreads = 1;
+    const int panel = path == 2 || (path != 1 && M >= BF16_PANEL_ROWS);
+    if (panel) {
+        const int64_t tiles = (M + MR - 1) / MR;
+        uint16_t *xp = xb_scratch((size_t)tiles * MR * (size_t)k);
+        if (!xp) return ITERSERVE_ENOMEM;
+        pack_rows(x, M, ldx, k, (uint32_t *)xp, nthreads);
+        return panel_bf16((int)type, w, n, row_stride, k, (const uint32_t *)xp, M, y, ldy, nthreads);
+    }
+    /* rows 64 bytes more than K apart, so that they do not share L1 sets */
+    const int64_t ldb = k + 32;
+    uint16_t *xb = xb_scratch((size_t)M * (size_t)ldb);
+    if (!xb) return ITERSERVE_ENOMEM;
+    round_rows(x, M, ldx, k, xb, ldb, nthreads);
+    decode_bf16((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads, path != 3);
+    return ITERSERVE_OK;
+}
