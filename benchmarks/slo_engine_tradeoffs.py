@@ -16,11 +16,22 @@ at context 1,500, next to 16 decodes) are timed on the model runner and compared
 linear fit (`step_shapes`): the ratio real / lab says how much the lab understates a long
 prefill's stall (and so the gain of chunking).
 
-Cases (bounded; the request counts keep each preset within ~3 min on a quiet 2-core
-machine): longprompt with chunked prefill off and on at budgets 128 and 512; priority-flood
-under priority and fcfs, plus the interactive class alone; kv-pressure with recompute and
-swap. Per case: real and lab throughput, p99 ITL, p99 TTFT (and the interactive class's
-p99 TTFT; p99 latency for kv-pressure), and lab / real - 1 for each.
+Cases (bounded; the request counts keep the whole run within ~8 min on a quiet 2-core
+machine): longprompt with chunked prefill off and on at budgets 128, 256 and 512, and budget
+512 with a 256-token long-prefill threshold, 2 partial prefills of which 1 long
+(`max_long_partial_prefills`); priority-flood under priority, under priority with the less
+urgent class capped at 4 tokens per step while the urgent one is active
+(`priority_less_urgent_tokens`), and fcfs, plus the interactive class alone (same server);
+kv-pressure with recompute and swap. Per case: real and lab throughput, p99 ITL, p99 TTFT
+overall and per class (interactive / batch, or long / short prompts; p99 latency for
+kv-pressure), and lab / real - 1 for each. The `targets` block at the end states issue 18's
+targets against these numbers (real and lab): the best chunked setting's p99 ITL gain and
+throughput cost against chunking off, and the interactive p99 TTFT over its value alone.
+
+Note on the lab's TTFT: the lab measures it from the start of the first step after the
+arrival, so it does not see the wait for the step in flight when a request arrives (up to
+one whole step); on the real engine that wait is most of the priority flood's extra TTFT
+(benchmarks/slo_engine_priority_trace.py splits it up).
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine_tradeoffs.py
         [--presets longprompt,priority-flood,kv-pressure] [--requests-scale 1.0]
@@ -56,10 +67,16 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "longprompt": [
         ("chunking off", {"enable_chunked_prefill": False, "max_num_batched_tokens": None}),
         ("chunked, budget 128", {"max_num_batched_tokens": 128}),
+        ("chunked, budget 256", {"max_num_batched_tokens": 256}),
         ("chunked, budget 512", {"max_num_batched_tokens": 512}),
+        ("chunked, budget 512, threshold 256, 2 partial / 1 long",
+         {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
     ],
     "priority-flood": [
         ("priority", {"scheduling_policy": "priority"}),
+        ("priority, less urgent <= 4 tokens/step", {"scheduling_policy": "priority",
+                                                    "priority_less_urgent_tokens": 4}),
         ("fcfs", {"scheduling_policy": "fcfs"}),
     ],
     "kv-pressure": [
@@ -67,7 +84,7 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("swap", {"preemption_mode": "swap"}),
     ],
 }
-REQUESTS = {"longprompt": 40, "priority-flood": 80, "kv-pressure": 48}
+REQUESTS = {"longprompt": 32, "priority-flood": 80, "kv-pressure": 48}
 
 # The priority of each request the bench client sends (it has no field for it).
 _PRIORITIES: dict[int, int] = {}
@@ -138,21 +155,38 @@ def step_shapes(cost) -> list[dict[str, Any]]:
     return rows
 
 
-def real_metrics(res: dict[str, Any], priorities: dict[int, int]) -> dict[str, Any]:
+def _p99(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))] if values else None
+
+
+def real_metrics(res: dict[str, Any], priorities: dict[int, int],
+                 long_idx: set[int] = frozenset()) -> dict[str, Any]:
     s = res["summary"]
-    urgent = [r["ttft"] for r in res["requests"]
-              if priorities.get(r["index"]) == 0 and r.get("ttft") is not None]
-    urgent.sort()
-    p99 = urgent[min(len(urgent) - 1, int(0.99 * len(urgent)))] if urgent else None
+    done = [r for r in res["requests"] if r.get("ttft") is not None]
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-    return {"throughput_tokens_per_s": s["output_throughput"],
-            "p99_itl_s": ms(s["itl"]["p99_ms"]), "p99_ttft_s": ms(s["ttft"]["p99_ms"]),
-            "p99_latency_s": ms(s["e2e"]["p99_ms"]) if "e2e" in s else None,
-            "p99_ttft_s_urgent": p99, "failed": s["failed"]}
+    out = {"throughput_tokens_per_s": s["output_throughput"],
+           "p99_itl_s": ms(s["itl"]["p99_ms"]), "p99_ttft_s": ms(s["ttft"]["p99_ms"]),
+           "p99_latency_s": ms(s["e2e"]["p99_ms"]) if "e2e" in s else None,
+           "p99_ttft_s_urgent": _p99([r["ttft"] for r in done
+                                      if priorities.get(r["index"]) == 0]),
+           "p99_ttft_s_normal": _p99([r["ttft"] for r in done
+                                      if priorities.get(r["index"], 0) != 0]),
+           "failed": s["failed"]}
+    if priorities:      # the classes' own output throughput (what the cap costs the batch)
+        dur = s.get("duration_s") or 0.0
+        for cls, keep in (("urgent", lambda p: p == 0), ("normal", lambda p: p != 0)):
+            tok = sum(r.get("output_tokens") or 0 for r in done
+                      if keep(priorities.get(r["index"], 0)))
+            out[f"throughput_tokens_per_s_{cls}"] = tok / dur if dur else None
+    if long_idx:
+        out["p99_ttft_s_long"] = _p99([r["ttft"] for r in done if r["index"] in long_idx])
+        out["p99_ttft_s_short"] = _p99([r["ttft"] for r in done if r["index"] not in long_idx])
+    return out
 
 
 LAB_KEYS = ("throughput_tokens_per_s", "p99_itl_s", "p99_ttft_s", "p99_latency_s",
-            "p99_ttft_s_urgent")
+            "p99_ttft_s_urgent", "p99_ttft_s_normal")
 
 
 def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scale: float,
@@ -166,6 +200,8 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
     p = plan(preset, **opts)
     w = bench_workload(p, preset)
     classes = w.extra["priorities"] if preset == "priority-flood" else {}
+    long_idx = {r.index for r in w.requests if r.kind == "long"} if preset == "longprompt" \
+        else set()
     _PRIORITIES.clear()
     if over.get("scheduling_policy") == "priority":    # a fcfs server refuses the field
         _PRIORITIES.update(classes)
@@ -177,9 +213,9 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
         slo_engine.warm_up(srv.url, args)
         res = asyncio.run(run_workload(srv.url, w, ClientOptions(
             request_timeout_s=args.request_timeout_s), SLO()))
-        real = real_metrics(res, classes)
+        real = real_metrics(res, classes, long_idx)
         extra = {}
-        if preset == "priority-flood" and name == "priority":
+        if preset == "priority-flood" and over.get("scheduling_policy") == "priority":
             # The interactive class alone: its requests at their arrival times, nothing else.
             alone = type(w)(w.name, w.seed, w.rate, tuple(
                 r for r in w.requests if classes.get(r.index) == 0), w.description, w.extra)
@@ -203,6 +239,57 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
         f"{k} real {fmt(real.get(k))} lab {fmt(lab_m.get(k))} ({'-' if err[k] is None else f'{err[k]:+.0%}'})"
         for k in LAB_KEYS if real.get(k) is not None), flush=True)
     return row
+
+
+def targets(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 18's trade-off targets against this run's numbers, real and lab."""
+    out: dict[str, Any] = {}
+    by = {(c["preset"], c["case"]): c for c in cases}
+    off = by.get(("longprompt", "chunking off"))
+    if off:
+        rows = []
+        for c in cases:
+            if c["preset"] != "longprompt" or c is off:
+                continue
+            row = {"case": c["case"]}
+            for src in ("real", "lab"):
+                a, b = off[src], c[src]
+                if a.get("p99_itl_s") and b.get("p99_itl_s") and a.get("throughput_tokens_per_s"):
+                    row[f"{src}_p99_itl_gain"] = a["p99_itl_s"] / b["p99_itl_s"]
+                    row[f"{src}_throughput_cost"] = (
+                        1 - b["throughput_tokens_per_s"] / a["throughput_tokens_per_s"])
+            rows.append(row)
+        ok = [r for r in rows if r.get("real_p99_itl_gain", 0) >= 3]
+        best = min(ok, key=lambda r: r["real_throughput_cost"]) if ok else (
+            max(rows, key=lambda r: r.get("real_p99_itl_gain", 0)) if rows else None)
+        out["longprompt"] = {"target": "p99 ITL gain >= 3x at <= 5% throughput cost",
+                             "cases": rows, "best": best,
+                             "met": bool(best and best.get("real_p99_itl_gain", 0) >= 3
+                                         and best["real_throughput_cost"] <= 0.05)}
+    pf = [c for c in cases if c["preset"] == "priority-flood"
+          and c.get("alone_p99_ttft_s_urgent")]
+    if pf:
+        base = by.get(("priority-flood", "priority"))
+        rows = []
+        for c in pf:
+            r, alone = c["real"], c["alone_p99_ttft_s_urgent"]
+            row = {"case": c["case"], "real_ratio": r["p99_ttft_s_urgent"] / alone,
+                   "real_p99_ttft_s_urgent": r["p99_ttft_s_urgent"], "real_alone": alone}
+            la, lu = c.get("lab_alone_p99_ttft_s_urgent"), c["lab"].get("p99_ttft_s_urgent")
+            if la and lu:
+                row["lab_ratio"] = lu / la
+            if base is not None and base is not c:
+                bt, ct = (base["real"].get("throughput_tokens_per_s_normal"),
+                          c["real"].get("throughput_tokens_per_s_normal"))
+                if bt and ct:
+                    row["real_batch_throughput_vs_priority"] = ct / bt
+            rows.append(row)
+        fc = by.get(("priority-flood", "fcfs"))
+        out["priority-flood"] = {
+            "target": "interactive p99 TTFT under priority <= 1.2x its value alone",
+            "cases": rows, "met": any(r["real_ratio"] <= 1.2 for r in rows),
+            "fcfs_p99_ttft_s_urgent": fc["real"]["p99_ttft_s_urgent"] if fc else None}
+    return out
 
 
 def main() -> None:
@@ -254,6 +341,8 @@ def main() -> None:
             port += 1
             out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"  ({preset}: {time.time() - t_p:.0f} s)", flush=True)
+    doc["targets"] = targets(doc["cases"])
+    print(json.dumps(doc["targets"], indent=1), flush=True)
     with open("/proc/loadavg") as fh:
         doc["loadavg_after"] = fh.read().split()[:3]
     doc["wall_s"] = time.time() - t0

@@ -17,7 +17,14 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
    `max_num_seqs`, the partial-prefill cap and the KV pool allow (prefix-cache hits are
    claimed first). Under the `priority` policy a waiting request may preempt a strictly less
    urgent running one, both when `max_num_seqs` is full and when the KV pool is, and
-   running requests less urgent than the waiting head sit the step out (`_yield_to`). Under the
+   running requests less urgent than the waiting head sit the step out (`_yield_to`); with
+   `priority_less_urgent_tokens`, while a more urgent class is active (running, waiting, or
+   seen in the last `priority_guard_steps` steps) the less urgent requests share that many
+   tokens per step, round robin, so the step in flight when an urgent request arrives is
+   short (`_low_cap_now`). With `max_long_partial_prefills` (vLLM's) below
+   `max_num_partial_prefills`, a long prompt (more than `long_prefill_token_threshold`
+   tokens left) over the long cap is passed over, keeping its place, and shorter prompts
+   behind it start. Under the
    `slo` policy (core/slo_policy.py) the queue is ordered by slack, a request that cannot
    meet its TTFT target is refused in add_request, and admission holds while one more
    decode would push the running requests past their TPOT target.
@@ -391,8 +398,12 @@ class Scheduler:
             # Once a long prompt is passed over (max_long_partial_prefills), the queue is
             # read in order from a snapshot and admitted requests are taken out of it.
             scan = None
+            retry = None            # (scan mode) the request to try again after a preemption
             while budget > 0:
-                req = source.peek() if scan is None else next(scan, None)
+                if retry is not None:
+                    req, retry = retry, None
+                else:
+                    req = source.peek() if scan is None else next(scan, None)
                 if req is None or req.status is RequestStatus.PREEMPTED and \
                         req.request_id in out.preempted_req_ids:
                     break                   # never re-admit a victim of this very step
@@ -407,6 +418,7 @@ class Scheduler:
                             req, running, out, new, cached, swapped_in_now):
                         budget, num_partial = self._recount(num_sched)
                         num_preempted += 1
+                        retry = req if scan is not None else None
                         continue
                     break
                 low = low_p is not None and req.priority > low_p
@@ -434,6 +446,7 @@ class Scheduler:
                             req, running, out, new, cached, swapped_in_now):
                         budget, num_partial = self._recount(num_sched)
                         num_preempted += 1
+                        retry = req if scan is not None else None
                         continue
                     break
                 if scan is None:
