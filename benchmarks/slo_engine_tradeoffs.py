@@ -16,11 +16,22 @@ at context 1,500, next to 16 decodes) are timed on the model runner and compared
 linear fit (`step_shapes`): the ratio real / lab says how much the lab understates a long
 prefill's stall (and so the gain of chunking).
 
-Cases (bounded; the request counts keep each preset within ~3 min on a quiet 2-core
-machine): longprompt with chunked prefill off and on at budgets 128 and 512; priority-flood
-under priority and fcfs, plus the interactive class alone; kv-pressure with recompute and
-swap. Per case: real and lab throughput, p99 ITL, p99 TTFT (and the interactive class's
-p99 TTFT; p99 latency for kv-pressure), and lab / real - 1 for each.
+Cases (bounded; the request counts keep the whole run within ~8 min on a quiet 2-core
+machine): longprompt with chunked prefill off and on at budgets 128, 256 and 512, and budget
+512 with a 256-token long-prefill threshold, 2 partial prefills of which 1 long
+(`max_long_partial_prefills`); priority-flood under priority, under priority with the less
+urgent class capped at 4 tokens per step while the urgent one is active
+(`priority_less_urgent_tokens`), and fcfs, plus the interactive class alone (same server);
+kv-pressure with recompute and swap. Per case: real and lab throughput, p99 ITL, p99 TTFT
+overall and per class (interactive / batch, or long / short prompts; p99 latency for
+kv-pressure), and lab / real - 1 for each. The `targets` block at the end states issue 18's
+targets against these numbers (real and lab): the best chunked setting's p99 ITL gain and
+throughput cost against chunking off, and the interactive p99 TTFT over its value alone.
+
+Note on the lab's TTFT: the lab measures it from the start of the first step after the
+arrival, so it does not see the wait for the step in flight when a request arrives (up to
+one whole step); on the real engine that wait is most of the priority flood's extra TTFT
+(benchmarks/slo_engine_priority_trace.py splits it up).
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine_tradeoffs.py
         [--presets longprompt,priority-flood,kv-pressure] [--requests-scale 1.0]
@@ -56,10 +67,16 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "longprompt": [
         ("chunking off", {"enable_chunked_prefill": False, "max_num_batched_tokens": None}),
         ("chunked, budget 128", {"max_num_batched_tokens": 128}),
+        ("chunked, budget 256", {"max_num_batched_tokens": 256}),
         ("chunked, budget 512", {"max_num_batched_tokens": 512}),
+        ("chunked, budget 512, threshold 256, 2 partial / 1 long",
+         {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
     ],
     "priority-flood": [
         ("priority", {"scheduling_policy": "priority"}),
+        ("priority, less urgent <= 4 tokens/step", {"scheduling_policy": "priority",
+                                                    "priority_less_urgent_tokens": 4}),
         ("fcfs", {"scheduling_policy": "fcfs"}),
     ],
     "kv-pressure": [
@@ -67,7 +84,7 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("swap", {"preemption_mode": "swap"}),
     ],
 }
-REQUESTS = {"longprompt": 40, "priority-flood": 80, "kv-pressure": 48}
+REQUESTS = {"longprompt": 32, "priority-flood": 80, "kv-pressure": 48}
 
 # The priority of each request the bench client sends (it has no field for it).
 _PRIORITIES: dict[int, int] = {}
@@ -138,21 +155,125 @@ def step_shapes(cost) -> list[dict[str, Any]]:
     return rows
 
 
-def real_metrics(res: dict[str, Any], priorities: dict[int, int]) -> dict[str, Any]:
+def _p99(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))] if values else None
+
+
+def chunk_cost(repeats: int = 3, prompt: int = 2000, decodes: int = 16,
+               budgets: tuple[int, ...] = (128, 256, 512)) -> dict[str, Any]:
+    """What chunking one long prompt costs the engine, on the model runner, per budget.
+
+    Chunked, the prompt's chunks (budget - decodes tokens each, at a growing context) ride in
+    steps with `decodes` running decodes; unchunked, one step prefills it whole next to the
+    decodes and the other steps are decode-only. Both give the decodes the same number of
+    tokens, so `extra_s` = sum(chunk steps) - (whole step + (chunks - 1) decode steps) is
+    the time chunking adds per long prompt: what longprompt's throughput cost is made of.
+    With the native paged prefill attention (model/attention.py PREFILL_NATIVE) and without
+    it, alternating, medians of `repeats`."""
+    import random
+
+    from iterserve.core.request import SamplingParams
+    from iterserve.core.scheduler_output import NewRequestData, SchedulerOutput
+    from iterserve.model import attention
+    from iterserve.model.loader import load_model
+    from iterserve.model.runner import ModelRunner
+
+    rng, bs = random.Random(1), 16
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ctx = 256
+    dec_blocks = -(-(ctx + 1) // bs)
+    long_blocks = -(-prompt // bs)
+    nb = decodes * dec_blocks + long_blocks
+    dec_tokens = [[rng.randrange(3, 1000) for _ in range(ctx + 1)] for _ in range(decodes)]
+    long_tokens = [rng.randrange(3, 1000) for _ in range(prompt)]
+    seq = [0]
+
+    def step(chunk: tuple[int, int] | None, with_decodes: bool = True) -> SchedulerOutput:
+        seq[0] += 1
+        new, num = [], {}
+        if with_decodes:
+            for j in range(decodes):
+                rid = f"d{seq[0]}-{j}"
+                new.append(NewRequestData(rid, dec_tokens[j], params,
+                                          tuple(range(j * dec_blocks, (j + 1) * dec_blocks)), ctx))
+                num[rid] = 1
+        if chunk is not None:
+            start, n = chunk
+            rid = f"L{seq[0]}"
+            new.append(NewRequestData(rid, long_tokens[:start + n], params,
+                                      tuple(range(decodes * dec_blocks, nb)), start))
+            num[rid] = n
+        return SchedulerOutput(step=seq[0], scheduled_new_reqs=new, num_scheduled_tokens=num,
+                               num_batched_tokens=sum(num.values()))
+
+    plans: dict[str, list[SchedulerOutput]] = {"unchunked": [step((0, prompt))],
+                                                "decode step": [step(None)]}
+    for b in budgets:
+        c = b - decodes
+        plans[f"budget {b}"] = [step((s0, min(c, prompt - s0))) for s0 in range(0, prompt, c)]
+    runner = ModelRunner(load_model(None), num_blocks=nb, block_size=bs)
+    times: dict[tuple[str, bool], list[float]] = {}
+    native_default = attention.PREFILL_NATIVE
+    try:
+        for native in (True, False):                       # warm both paths
+            attention.PREFILL_NATIVE = native
+            for outs in plans.values():
+                runner.execute(outs[0])
+        for _ in range(repeats):
+            for native in (True, False):
+                attention.PREFILL_NATIVE = native
+                for name, outs in plans.items():
+                    t = time.perf_counter()
+                    for o in outs:
+                        runner.execute(o)
+                    times.setdefault((name, native), []).append(time.perf_counter() - t)
+    finally:
+        attention.PREFILL_NATIVE = native_default
+    rows = []
+    for native in (True, False):
+        med = {name: statistics.median(times[(name, native)]) for name in plans}
+        for b in budgets:
+            n = len(plans[f"budget {b}"])
+            base = med["unchunked"] + (n - 1) * med["decode step"]
+            extra = med[f"budget {b}"] - base
+            rows.append({"native_prefill_attention": native, "budget": b, "chunks": n,
+                         "chunked_s": med[f"budget {b}"], "unchunked_s": base,
+                         "extra_s": extra, "extra_frac": extra / base})
+            print(f"  {'native' if native else 'torch '} budget {b:4d}: {n:3d} chunks "
+                  f"{med[f'budget {b}']:.3f} s vs whole + decode steps {base:.3f} s: "
+                  f"+{extra:.3f} s ({extra / base:+.1%}) per {prompt}-token prompt", flush=True)
+    return {"prompt": prompt, "decodes": decodes, "context": ctx, "repeats": repeats,
+            "rows": rows}
+
+
+def real_metrics(res: dict[str, Any], priorities: dict[int, int],
+                 long_idx: set[int] = frozenset()) -> dict[str, Any]:
     s = res["summary"]
-    urgent = [r["ttft"] for r in res["requests"]
-              if priorities.get(r["index"]) == 0 and r.get("ttft") is not None]
-    urgent.sort()
-    p99 = urgent[min(len(urgent) - 1, int(0.99 * len(urgent)))] if urgent else None
+    done = [r for r in res["requests"] if r.get("ttft") is not None]
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-    return {"throughput_tokens_per_s": s["output_throughput"],
-            "p99_itl_s": ms(s["itl"]["p99_ms"]), "p99_ttft_s": ms(s["ttft"]["p99_ms"]),
-            "p99_latency_s": ms(s["e2e"]["p99_ms"]) if "e2e" in s else None,
-            "p99_ttft_s_urgent": p99, "failed": s["failed"]}
+    out = {"throughput_tokens_per_s": s["output_throughput"],
+           "p99_itl_s": ms(s["itl"]["p99_ms"]), "p99_ttft_s": ms(s["ttft"]["p99_ms"]),
+           "p99_latency_s": ms(s["e2e"]["p99_ms"]) if "e2e" in s else None,
+           "p99_ttft_s_urgent": _p99([r["ttft"] for r in done
+                                      if priorities.get(r["index"]) == 0]),
+           "p99_ttft_s_normal": _p99([r["ttft"] for r in done
+                                      if priorities.get(r["index"], 0) != 0]),
+           "failed": s["failed"]}
+    if priorities:      # the classes' own output throughput (what the cap costs the batch)
+        dur = s.get("duration_s") or 0.0
+        for cls, keep in (("urgent", lambda p: p == 0), ("normal", lambda p: p != 0)):
+            tok = sum(r.get("output_tokens") or 0 for r in done
+                      if keep(priorities.get(r["index"], 0)))
+            out[f"throughput_tokens_per_s_{cls}"] = tok / dur if dur else None
+    if long_idx:
+        out["p99_ttft_s_long"] = _p99([r["ttft"] for r in done if r["index"] in long_idx])
+        out["p99_ttft_s_short"] = _p99([r["ttft"] for r in done if r["index"] not in long_idx])
+    return out
 
 
 LAB_KEYS = ("throughput_tokens_per_s", "p99_itl_s", "p99_ttft_s", "p99_latency_s",
-            "p99_ttft_s_urgent")
+            "p99_ttft_s_urgent", "p99_ttft_s_normal")
 
 
 def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scale: float,
@@ -166,6 +287,8 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
     p = plan(preset, **opts)
     w = bench_workload(p, preset)
     classes = w.extra["priorities"] if preset == "priority-flood" else {}
+    long_idx = {r.index for r in w.requests if r.kind == "long"} if preset == "longprompt" \
+        else set()
     _PRIORITIES.clear()
     if over.get("scheduling_policy") == "priority":    # a fcfs server refuses the field
         _PRIORITIES.update(classes)
@@ -177,9 +300,9 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
         slo_engine.warm_up(srv.url, args)
         res = asyncio.run(run_workload(srv.url, w, ClientOptions(
             request_timeout_s=args.request_timeout_s), SLO()))
-        real = real_metrics(res, classes)
+        real = real_metrics(res, classes, long_idx)
         extra = {}
-        if preset == "priority-flood" and name == "priority":
+        if preset == "priority-flood" and over.get("scheduling_policy") == "priority":
             # The interactive class alone: its requests at their arrival times, nothing else.
             alone = type(w)(w.name, w.seed, w.rate, tuple(
                 r for r in w.requests if classes.get(r.index) == 0), w.description, w.extra)
@@ -205,6 +328,57 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
     return row
 
 
+def targets(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 18's trade-off targets against this run's numbers, real and lab."""
+    out: dict[str, Any] = {}
+    by = {(c["preset"], c["case"]): c for c in cases}
+    off = by.get(("longprompt", "chunking off"))
+    if off:
+        rows = []
+        for c in cases:
+            if c["preset"] != "longprompt" or c is off:
+                continue
+            row = {"case": c["case"]}
+            for src in ("real", "lab"):
+                a, b = off[src], c[src]
+                if a.get("p99_itl_s") and b.get("p99_itl_s") and a.get("throughput_tokens_per_s"):
+                    row[f"{src}_p99_itl_gain"] = a["p99_itl_s"] / b["p99_itl_s"]
+                    row[f"{src}_throughput_cost"] = (
+                        1 - b["throughput_tokens_per_s"] / a["throughput_tokens_per_s"])
+            rows.append(row)
+        ok = [r for r in rows if r.get("real_p99_itl_gain", 0) >= 3]
+        best = min(ok, key=lambda r: r["real_throughput_cost"]) if ok else (
+            max(rows, key=lambda r: r.get("real_p99_itl_gain", 0)) if rows else None)
+        out["longprompt"] = {"target": "p99 ITL gain >= 3x at <= 5% throughput cost",
+                             "cases": rows, "best": best,
+                             "met": bool(best and best.get("real_p99_itl_gain", 0) >= 3
+                                         and best["real_throughput_cost"] <= 0.05)}
+    pf = [c for c in cases if c["preset"] == "priority-flood"
+          and c.get("alone_p99_ttft_s_urgent")]
+    if pf:
+        base = by.get(("priority-flood", "priority"))
+        rows = []
+        for c in pf:
+            r, alone = c["real"], c["alone_p99_ttft_s_urgent"]
+            row = {"case": c["case"], "real_ratio": r["p99_ttft_s_urgent"] / alone,
+                   "real_p99_ttft_s_urgent": r["p99_ttft_s_urgent"], "real_alone": alone}
+            la, lu = c.get("lab_alone_p99_ttft_s_urgent"), c["lab"].get("p99_ttft_s_urgent")
+            if la and lu:
+                row["lab_ratio"] = lu / la
+            if base is not None and base is not c:
+                bt, ct = (base["real"].get("throughput_tokens_per_s_normal"),
+                          c["real"].get("throughput_tokens_per_s_normal"))
+                if bt and ct:
+                    row["real_batch_throughput_vs_priority"] = ct / bt
+            rows.append(row)
+        fc = by.get(("priority-flood", "fcfs"))
+        out["priority-flood"] = {
+            "target": "interactive p99 TTFT under priority <= 1.2x its value alone",
+            "cases": rows, "met": any(r["real_ratio"] <= 1.2 for r in rows),
+            "fcfs_p99_ttft_s_urgent": fc["real"]["p99_ttft_s_urgent"] if fc else None}
+    return out
+
+
 def main() -> None:
     slo_engine.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -212,6 +386,9 @@ def main() -> None:
     ap.add_argument("--requests-scale", type=float, default=1.0)
     ap.add_argument("--no-shapes", action="store_true", help="skip the long-prefill steps")
     ap.add_argument("--cost-model", help="skip the calibration: use this fit (file or name)")
+    ap.add_argument("--chunk-cost", action="store_true",
+                    help="also time what chunking a 2000-token prompt adds, with and without "
+                         "the native prefill attention (~1-2 min quiet)")
     ap.add_argument("--port", type=int, default=18620)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--serve-arg", action="append", help=argparse.SUPPRESS)
@@ -246,6 +423,11 @@ def main() -> None:
     if not args.no_shapes:
         print("long-prefill steps, model runner vs the lab's linear cost model:", flush=True)
         doc["step_shapes"] = step_shapes(cost)
+    if args.chunk_cost:
+        print("chunking one long prompt, model runner (native vs torch prefill attention):",
+              flush=True)
+        doc["chunk_cost"] = chunk_cost()
+        out.write_text(json.dumps(doc, indent=2) + "\n")
     port = args.port
     for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
         t_p = time.time()
@@ -254,6 +436,8 @@ def main() -> None:
             port += 1
             out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"  ({preset}: {time.time() - t_p:.0f} s)", flush=True)
+    doc["targets"] = targets(doc["cases"])
+    print(json.dumps(doc["targets"], indent=1), flush=True)
     with open("/proc/loadavg") as fh:
         doc["loadavg_after"] = fh.read().split()[:3]
     doc["wall_s"] = time.time() - t0

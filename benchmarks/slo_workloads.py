@@ -68,6 +68,11 @@ def serve_args(p: LabPlan) -> list[str]:
             "--num-kv-blocks", str(cc.num_kv_blocks), "--block-size", str(cc.block_size)]
     if sc.long_prefill_token_threshold:
         args += ["--long-prefill-token-threshold", str(sc.long_prefill_token_threshold)]
+    if sc.max_long_partial_prefills is not None:
+        args += ["--max-long-partial-prefills", str(sc.max_long_partial_prefills)]
+    if sc.priority_less_urgent_tokens:
+        args += ["--priority-less-urgent-tokens", str(sc.priority_less_urgent_tokens),
+                 "--priority-guard-steps", str(sc.priority_guard_steps)]
     if cc.num_swap_blocks:
         args += ["--num-swap-blocks", str(cc.num_swap_blocks)]
     # The lab's max_model_len is what the workload needs (the longest prompt + output); the

@@ -622,3 +622,109 @@ def test_end_of_step_asserts_catch_more_running_than_max_num_seqs():
     s.config.max_num_seqs = 1                    # the books broken behind its back
     with pytest.raises(AssertionError, match="max_num_seqs is 1"):
         s.schedule()
+
+
+# --- max_long_partial_prefills (vLLM's): short prompts pass long ones mid-prefill -----------
+def test_max_long_partial_prefills_passes_a_long_prompt_over_for_short_ones_behind_it():
+    s = make(max_num_batched_tokens=32, long_prefill_token_threshold=8,
+             max_num_partial_prefills=3, max_long_partial_prefills=1)
+    for rid, n in (("long1", 40), ("long2", 40), ("short1", 6), ("long3", 40), ("short2", 6)):
+        s.add_request(req(rid, prompt_len=n))
+    out, _ = step(s)
+    # long1 is the one long partial allowed; long2 and long3 keep their places while the
+    # short prompts behind them start.
+    assert scheduled(out) == {"long1": 8, "short1": 6, "short2": 6}
+    assert ids(s.waiting) == ["long2", "long3"]
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 8, "short1": 1, "short2": 1}
+    for _ in range(2):
+        out, _ = step(s)
+        assert "long2" not in scheduled(out)
+    out, _ = step(s)      # long1 has 8 tokens left: no longer long, so long2 may start
+    assert scheduled(out) == {"long1": 8, "long2": 8}
+
+
+def test_max_long_partial_prefills_two_lets_two_long_prompts_prefill_together():
+    s = make(max_num_batched_tokens=32, long_prefill_token_threshold=8,
+             max_num_partial_prefills=3, max_long_partial_prefills=2)
+    for rid in ("long1", "long2", "long3"):
+        s.add_request(req(rid, prompt_len=40))
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 8, "long2": 8}
+
+
+def test_max_long_partial_prefills_is_checked_and_off_by_default():
+    from iterserve.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_long_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=1, max_long_partial_prefills=2).validate()
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        SchedulerConfig(max_num_partial_prefills=2, max_long_partial_prefills=1).validate()
+    assert SchedulerConfig().validate().max_long_partial_prefills is None
+    # Default (None): as many long partial prefills as partial prefills.
+    s = make(max_num_batched_tokens=32, long_prefill_token_threshold=8,
+             max_num_partial_prefills=2)
+    for rid in ("long1", "long2"):
+        s.add_request(req(rid, prompt_len=40))
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 8, "long2": 8}
+    # One partial prefill: the cap cannot apply (the partial cap is the stricter one).
+    s = make(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    s.add_request(req("long1", prompt_len=40))
+    s.add_request(req("short", prompt_len=6))
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 8, "short": 6}
+
+
+# --- priority_less_urgent_tokens: short steps while an urgent class is active --------------
+def _flood(cap, guard=50):
+    s = make(scheduling_policy="priority", max_num_seqs=8, max_num_batched_tokens=64,
+             priority_less_urgent_tokens=cap, priority_guard_steps=guard)
+    for i in range(6):
+        s.add_request(req(f"b{i}", priority=1, max_tokens=50, arrival_time=i * 0.01))
+    step(s)
+    return s
+
+
+def test_priority_less_urgent_tokens_cap_the_batch_class_only_while_an_urgent_one_is_active():
+    s = _flood(cap=2, guard=3)
+    out, _ = step(s)
+    assert len(scheduled(out)) == 6           # no urgent class seen: the batch runs whole
+    s.add_request(req("u", priority=0, prompt_len=5, max_tokens=2, arrival_time=1.0))
+    out, _ = step(s)
+    assert scheduled(out) == {"u": 5}        # the batch yields the urgent prefill's step
+    out, _ = step(s)                         # u decodes: batch capped at 2 tokens
+    assert scheduled(out)["u"] == 1 and sum(scheduled(out).values()) == 3
+    seen = set(scheduled(out)) - {"u"}
+    for _ in range(4):                       # u finished; the guard keeps the cap 3 steps
+        out, _ = step(s)
+        assert "u" not in scheduled(out)
+        if len(scheduled(out)) == 6:
+            break
+        assert len(scheduled(out)) == 2
+        seen |= set(scheduled(out))
+    assert len(scheduled(out)) == 6          # the guard ran out: full steps again
+    assert seen == {f"b{i}" for i in range(6)}   # round robin: every batch request ran
+
+
+def test_priority_less_urgent_tokens_bound_an_arriving_batch_prefill_too():
+    s = make(scheduling_policy="priority", max_num_seqs=8, max_num_batched_tokens=64,
+             priority_less_urgent_tokens=4, priority_guard_steps=100)
+    s.add_request(req("u", priority=0, max_tokens=20))
+    step(s)
+    s.add_request(req("b-long", priority=1, prompt_len=30, arrival_time=0.5))
+    out, _ = step(s)
+    assert scheduled(out) == {"u": 1, "b-long": 4}
+    s.add_request(req("u2", priority=0, prompt_len=9, arrival_time=0.7))
+    out, _ = step(s)
+    assert scheduled(out) == {"u": 1, "u2": 9}   # urgent prefills are never capped
+
+
+def test_priority_less_urgent_tokens_off_by_default_and_fcfs_ignores_it():
+    assert SchedulerConfig().priority_less_urgent_tokens == 0
+    s = make(scheduling_policy="fcfs", max_num_seqs=8, max_num_batched_tokens=64,
+             priority_less_urgent_tokens=1)
+    s.add_request(req("u", priority=0, max_tokens=20))
+    s.add_request(req("b-long", priority=1, prompt_len=30))
+    out, _ = step(s)
+    assert scheduled(out) == {"u": 1, "b-long": 30}

@@ -51,3 +51,46 @@ def test_an_unattainable_ttft_is_refused_and_nothing_leaks(tiny_model_dir):
     assert exc.value.predicted_ttft_s > 0.001
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.stats().num_free_blocks == free
+
+
+def _run_flood(model_dir, **kw):
+    """6 batch requests decoding, then an urgent one: per-step scheduled tokens + outputs."""
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=8,
+        scheduling_policy="priority", **kw))
+    sched = engine.scheduler
+    steps = []
+    orig = sched.schedule
+
+    def schedule():
+        out = orig()
+        steps.append(dict(out.num_scheduled_tokens))
+        return out
+
+    sched.schedule = schedule
+    for i in range(6):
+        engine.add_request(f"b{i}", [5 + i, 6, 7], SamplingParams(max_tokens=12, **GREEDY),
+                           priority=1)
+    engine.step()
+    engine.add_request("u", [9, 10, 11, 12], SamplingParams(max_tokens=4, **GREEDY), priority=0)
+    texts = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                texts[out.request_id] = out.outputs[0].token_ids
+    return steps, texts
+
+
+def test_priority_less_urgent_tokens_caps_the_batch_steps_and_changes_no_token(tiny_model_dir):
+    """The cap changes when batch requests run (at most 2 of their tokens per step while the
+    urgent class is active, round robin), never what they compute: the same greedy tokens
+    as without it, every request complete."""
+    free_steps, free = _run_flood(tiny_model_dir)
+    capped_steps, capped = _run_flood(tiny_model_dir, priority_less_urgent_tokens=2,
+                                      priority_guard_steps=1000)
+    assert capped == free and sorted(capped) == ["b0", "b1", "b2", "b3", "b4", "b5", "u"]
+    assert all(len(t) == (4 if rid == "u" else 12) for rid, t in capped.items())
+    after = capped_steps[1:]                      # from the urgent arrival on
+    assert max(sum(n for r, n in s.items() if r != "u") for s in after) <= 2
+    assert max(sum(n for r, n in s.items() if r != "u") for s in free_steps[2:]) == 6
+    assert len(capped_steps) > len(free_steps)    # what the batch class pays: more steps

@@ -190,6 +190,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = knob(
         0, "cap on one request's prefill chunk (0: none)", int, minimum=0)
     max_num_partial_prefills: int = knob(1, "prompts mid-prefill at once", int, minimum=1)
+    max_long_partial_prefills: int | None = knob(
+        None, "of the prompts mid-prefill, how many may be long (more than "
+        "long_prefill_token_threshold tokens left); a long prompt over the cap is passed over "
+        "for shorter ones behind it (vLLM's, whose default is 1; applies when "
+        "max_num_partial_prefills > 1)", int, minimum=1, nullable=True)
     scheduling_policy: SchedulingPolicy = knob(
         SchedulingPolicy.FCFS, "queue order (priority: lower value first, may preempt)",
         SchedulingPolicy)
@@ -205,6 +210,15 @@ class SchedulerConfig:
     queue_timeout: float | None = knob(
         None, "seconds a request may wait before admission", float, minimum=0,
         exclusive_minimum=True, nullable=True)
+    # --- scheduling_policy "priority": short steps while an urgent class is active -----
+    priority_less_urgent_tokens: int = knob(
+        0, "scheduling_policy priority: while a more urgent request runs, waits or was seen "
+        "in the last priority_guard_steps steps, less urgent requests get at most this many "
+        "tokens per step in all, so the step in flight when an urgent request arrives is "
+        "short (0: no cap)", int, minimum=0)
+    priority_guard_steps: int = knob(
+        500, "scheduling_policy priority: steps an urgent class stays active after its last "
+        "request was seen (for priority_less_urgent_tokens)", int, minimum=0)
     # --- scheduling_policy "slo" (core/slo_policy.py) -----------------------------------
     slo_ttft_ms: float | None = knob(
         None, "scheduling_policy slo: default time-to-first-token target (ms); a request "
@@ -223,6 +237,19 @@ class SchedulerConfig:
         """Check every knob, then resolve the budget (None: the caller's default, raised to
         max_model_len without chunked prefill). Idempotent."""
         _check_fields(self)
+        if (self.max_long_partial_prefills is not None
+                and self.max_long_partial_prefills > self.max_num_partial_prefills):
+            raise ConfigError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})",
+                "max_long_partial_prefills")
+        if (self.max_long_partial_prefills is not None and not self.long_prefill_token_threshold
+                and self.max_long_partial_prefills < self.max_num_partial_prefills):
+            # vLLM then makes "long" 4% of the context and caps every chunk there; here the
+            # chunk cap stays what the user set, so the threshold must be given.
+            raise ConfigError(
+                "max_long_partial_prefills needs long_prefill_token_threshold (the prompt "
+                "length above which a prefill counts as long)", "max_long_partial_prefills")
         if self.max_num_batched_tokens is None:
             budget = default_max_num_batched_tokens
             if not self.enable_chunked_prefill:

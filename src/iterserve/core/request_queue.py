@@ -65,6 +65,12 @@ class RequestQueue:
         self._drop_head()
         return request
 
+    def take(self, request: Request) -> None:
+        """Admit `request` from anywhere in the queue (pop() for a request not at the head:
+        the scheduler passes over a long prompt for shorter ones behind it)."""
+        if not self.remove(request):
+            raise KeyError(request.request_id)
+
     def _drop_head(self) -> None:
         raise NotImplementedError
 

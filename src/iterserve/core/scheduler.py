@@ -17,7 +17,14 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
    `max_num_seqs`, the partial-prefill cap and the KV pool allow (prefix-cache hits are
    claimed first). Under the `priority` policy a waiting request may preempt a strictly less
    urgent running one, both when `max_num_seqs` is full and when the KV pool is, and
-   running requests less urgent than the waiting head sit the step out (`_yield_to`). Under the
+   running requests less urgent than the waiting head sit the step out (`_yield_to`); with
+   `priority_less_urgent_tokens`, while a more urgent class is active (running, waiting, or
+   seen in the last `priority_guard_steps` steps) the less urgent requests share that many
+   tokens per step, round robin, so the step in flight when an urgent request arrives is
+   short (`_low_cap_now`). With `max_long_partial_prefills` (vLLM's) below
+   `max_num_partial_prefills`, a long prompt (more than `long_prefill_token_threshold`
+   tokens left) over the long cap is passed over, keeping its place, and shorter prompts
+   behind it start. Under the
    `slo` policy (core/slo_policy.py) the queue is ordered by slack, a request that cannot
    meet its TTFT target is refused in add_request, and admission holds while one more
    decode would push the running requests past their TPOT target.
@@ -103,6 +110,16 @@ class Scheduler:
         self._swap = config.preemption_mode is PreemptionMode.SWAP
         self._chunked = config.enable_chunked_prefill
         self._threshold = config.long_prefill_token_threshold
+        # vLLM's max_long_partial_prefills: only with several partial prefills and a
+        # threshold that says what "long" is (validate() defaults it to 4% of the context).
+        # None (the default) is max_num_partial_prefills: no cap of its own.
+        long_cap = config.max_long_partial_prefills
+        self._max_long = (long_cap if long_cap and long_cap < config.max_num_partial_prefills
+                          and self._threshold else 0)
+        # Priority: the most urgent class seen lately and the step it was last seen
+        # (priority_less_urgent_tokens caps the others while it is active).
+        self._low_cap = config.priority_less_urgent_tokens if self._priority else 0
+        self._urgent: tuple[int, int] | None = None
         # Requests whose state the executors hold (sent as NewRequestData and not finished
         # or preempted by recompute since): a swapped-in one of these comes back as a diff.
         self._sent: set[str] = set()
@@ -266,6 +283,13 @@ class Scheduler:
         block_size = bm.block_size
         num_preempted = 0
         num_partial = 0       # requests that will still be mid-prefill after this step
+        num_long = 0          # of those, long ones (max_long_partial_prefills)
+        threshold = self._threshold
+        # Priority with priority_less_urgent_tokens: requests less urgent than `low_p` share
+        # `low_left` tokens this step (None: no cap); `low_sched` are those scheduled.
+        low_p, low_left = self._low_cap_now(step) if self._low_cap else (None, 0)
+        low_sched: list[Request] = []
+        low_skipped = False
 
         # Priority: a waiting request more urgent than running ones is admitted this step
         # ahead of them (see _yield_to): those of a strictly lower priority sit it out.
@@ -281,8 +305,15 @@ class Scheduler:
             if yield_below is not None and req.priority > yield_below:
                 i += 1                      # yields this step to a more urgent arrival
                 continue
+            low = low_p is not None and req.priority > low_p
+            if low and low_left <= 0:
+                low_skipped = True
+                i += 1                      # the less urgent share of this step is spent
+                continue
             if n > 1:
-                n = clamp(n, budget)
+                if threshold and n > threshold:
+                    num_long += 1           # a long prefill (or recompute) mid-way
+                n = clamp(n, low_left if low and low_left < budget else budget)
                 if not n:
                     i += 1                  # a whole recompute that does not fit this step
                     continue
@@ -306,6 +337,9 @@ class Scheduler:
             num_sched[rid] = n
             cached.append(CachedRequestData(rid, new_blocks, start))
             budget -= n
+            if low:
+                low_left -= n
+                low_sched.append(req)
             if start + n < num_tokens:          # still mid-prefill after this step
                 num_partial += 1
                 req.record("prefill_chunk", now, step, start=start, num_tokens=n)
@@ -322,7 +356,8 @@ class Scheduler:
                 if req is None:
                     break
                 start = req.num_computed_tokens
-                n = clamp(req.num_tokens - start, budget)
+                low = low_p is not None and req.priority > low_p
+                n = clamp(req.num_tokens - start, min(budget, low_left) if low else budget)
                 if not n or not bm.can_swap_in(req, n):
                     break
                 self.swapped.pop()
@@ -344,6 +379,9 @@ class Scheduler:
                 else:                       # swapped out the step it was admitted
                     new[rid] = self._new_data(req, table)
                 budget -= n
+                if low:
+                    low_left -= n
+                    low_sched.append(req)
                 if start + n < req.num_tokens:
                     num_partial += 1
 
@@ -357,8 +395,15 @@ class Scheduler:
                 source = self.waiting
             preempt_for_urgent = self._priority and not self._static
             bs = bm.block_size
+            # Once a long prompt is passed over (max_long_partial_prefills), the queue is
+            # read in order from a snapshot and admitted requests are taken out of it.
+            scan = None
+            retry = None            # (scan mode) the request to try again after a preemption
             while budget > 0:
-                req = source.peek()
+                if retry is not None:
+                    req, retry = retry, None
+                else:
+                    req = source.peek() if scan is None else next(scan, None)
                 if req is None or req.status is RequestStatus.PREEMPTED and \
                         req.request_id in out.preempted_req_ids:
                     break                   # never re-admit a victim of this very step
@@ -373,25 +418,41 @@ class Scheduler:
                             req, running, out, new, cached, swapped_in_now):
                         budget, num_partial = self._recount(num_sched)
                         num_preempted += 1
+                        retry = req if scan is not None else None
                         continue
                     break
+                low = low_p is not None and req.priority > low_p
+                if low and low_left <= 0:
+                    break                   # (queue order: the rest are no more urgent)
                 hits = bm.find_cached_blocks(req)
                 num_hit = len(hits) * bs
-                n = clamp(req.num_tokens - num_hit, budget)
+                left = req.num_tokens - num_hit
+                n = clamp(left, low_left if low and low_left < budget else budget)
                 if not n:
                     break
                 partial = num_hit + n < req.num_tokens
                 if partial and num_partial >= cfg.max_num_partial_prefills:
                     break
+                is_long = self._max_long and left > threshold
+                if is_long and num_long >= self._max_long:
+                    # vLLM's max_long_partial_prefills: pass this long prompt over (it keeps
+                    # its place) so that shorter prompts behind it can start.
+                    if scan is None:
+                        scan = iter([r for r in source if r is not req])
+                    continue
                 blocks = allocate(req, n, hits)
                 if blocks is None:
                     if preempt_for_urgent and self._preempt_less_urgent(
                             req, running, out, new, cached, swapped_in_now):
                         budget, num_partial = self._recount(num_sched)
                         num_preempted += 1
+                        retry = req if scan is not None else None
                         continue
                     break
-                source.pop()
+                if scan is None:
+                    source.pop()
+                else:
+                    source.take(req)
                 req.num_computed_tokens = num_hit
                 req.status = _RUNNING
                 self._add_running(req)
@@ -409,8 +470,21 @@ class Scheduler:
                 granted[rid] = len(blocks.block_ids) * block_size
                 req.record("prefill_chunk", now, step, start=num_hit, num_tokens=n)
                 budget -= n
+                if low:
+                    low_left -= n
                 if partial:
                     num_partial += 1
+                    if is_long:
+                        num_long += 1
+
+        if low_skipped and low_sched:
+            # Round robin among the less urgent: those that ran go to the back of their
+            # priority class, so the ones that sat out run first next step.
+            done = {r.request_id for r in low_sched}
+            running[:] = [r for r in running if r.request_id not in done]
+            for r in low_sched:
+                if r.status is _RUNNING:
+                    self._add_running(r)
 
         bm.end_step()
         if new:
@@ -484,6 +558,31 @@ class Scheduler:
             running.insert(i, req)
         else:
             running.append(req)
+
+    def _low_cap_now(self, step: int) -> tuple[int | None, int]:
+        """(priority, tokens): requests less urgent than `priority` share `tokens` this step;
+        (None, 0) when no more urgent class is active (priority_less_urgent_tokens).
+
+        The most urgent class present (running, whose list is in priority order, or at the
+        head of the waiting queue) is remembered with the step; it stays active for
+        priority_guard_steps steps after it was last seen, so a class whose requests come
+        one at a time finds short steps when the next one arrives, not a full batch step
+        in flight."""
+        p_now = None
+        if self.running:
+            p_now = self.running[0].priority
+        head = self.waiting.peek() if self.waiting else None
+        if head is not None and (p_now is None or head.priority < p_now):
+            p_now = head.priority
+        u = self._urgent
+        if u is not None and step - u[1] > self.config.priority_guard_steps:
+            u = None
+        if p_now is not None and (u is None or p_now <= u[0]):
+            u = (p_now, step)
+        self._urgent = u
+        if u is None:
+            return None, 0
+        return u[0], self._low_cap
 
     def _yield_to(self) -> int | None:
         """The priority that running requests of a lower one yield to this step, or None.

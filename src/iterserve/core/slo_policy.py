@@ -140,6 +140,10 @@ class SloQueue(RequestQueue):
             heapq.heappop(self._heap)
         self.num_popped += 1
 
+    def take(self, request: Request) -> None:
+        super().take(request)
+        self.num_popped += 1
+
     def num_ahead(self, key: float) -> int:
         """Live on-time (and front) requests that would be served before a new `key`."""
         live = self._live

@@ -62,6 +62,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int | None = None   # None: max_num_partial_prefills
+    priority_less_urgent_tokens: int = 0     # scheduling_policy priority: cap while urgent
+    priority_guard_steps: int = 500
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     batching: str = "continuous"
