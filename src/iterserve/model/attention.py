@@ -10,18 +10,32 @@ sequence's context from. Then in every layer:
   one batched SDPA: context slots are gathered and padded to the longest context with a key
   mask; grouped-query heads stay grouped (SDPA enable_gqa) - expanding K/V per query head
   was measured 4-20x slower from batch 32 up.
-- prefill chunks: one SDPA per chunk over [its cached prefix + the chunk] with a causal mask
-  offset by the prefix length (measured faster than a block-diagonal mask over all chunks).
+- prefill chunks: with the native kernels (CPU float32, float32/f16 pools: whenever the
+  decodes get the native kernel) all chunks of the step go to one call of
+  kernels/prefill_attention.c, which reads each chunk's context straight from the pools
+  through its block table (flash-style online softmax, causal within the chunk, GQA grouped,
+  sliding windows). A 128-token chunk at context 1500 was ~8x its cost at context 0 on the
+  torch path below (index_select of the whole context, then SDPA with an explicit
+  [chunk, context] mask); benchmarks/bench_attention.py measures both. Otherwise (and with
+  PREFILL_NATIVE off): one SDPA per chunk over [its cached prefix + the chunk] with a causal
+  mask offset by the prefix length (measured faster than a block-diagonal mask over all
+  chunks).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from iterserve.model import kernels
+
+# Prefill chunks through kernels/prefill_attention.c wherever the decodes use the native
+# kernel. ITERSERVE_PREFILL_ATTENTION=0 (or setting this False) keeps the torch path for A/B.
+PREFILL_NATIVE = os.environ.get("ITERSERVE_PREFILL_ATTENTION", "1").lower() not in (
+    "0", "false", "no", "off")
 
 
 @dataclass(slots=True)
@@ -44,7 +58,13 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None      # [D] int32 context lengths (new token included)
     sliding_window: int = 0                      # 0 = none
     block_size: int = 0
-    prefills: list[PrefillSeq] = field(default_factory=list)
+    prefills: list[PrefillSeq] = field(default_factory=list)    # chunks on the torch path
+    # chunks on the native prefill kernel (then all of the step's chunks), int32 CPU tensors
+    prefill_kernel: object = None
+    prefill_q_starts: torch.Tensor | None = None  # [P] first row of each chunk
+    prefill_ctx: torch.Tensor | None = None       # [P] cached tokens before each chunk
+    prefill_lens: torch.Tensor | None = None      # [P] tokens of each chunk
+    prefill_tables: torch.Tensor | None = None    # [P, max blocks] block tables
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -59,7 +79,9 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     """seqs: (start, num_tokens, block_ids) in flattened order, decodes (num_tokens == 1) first.
 
     With `decode_kernel` (kernels.decode_attention(), CPU float32 only) the decodes get block
-    tables and lengths for it instead of gather slots and a padding mask."""
+    tables and lengths for it instead of gather slots and a padding mask, and (PREFILL_NATIVE)
+    the prefill chunks block tables for kernels.prefill_attention instead of context slots
+    and masks."""
     for start, n, block_ids in seqs:
         if len(block_ids) * block_size < start + n:
             raise ValueError(f"block table of {len(block_ids)} blocks cannot hold {start + n} "
@@ -98,7 +120,28 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                 meta.decode_mask = _additive(valid[:, None, None, :], dtype, device)
 
     row = num_decodes
-    for start, n, block_ids in seqs[num_decodes:]:
+    prefill_seqs = seqs[num_decodes:]
+    if decode_kernel is not None and PREFILL_NATIVE and prefill_seqs:
+        # The new tokens' slots straight from the tables; no context slots, no masks.
+        nbs = [(start + n + block_size - 1) // block_size for start, n, _ in prefill_seqs]
+        mb = max(nbs)
+        rows, q_starts = [], []
+        for (start, n, block_ids), nb in zip(prefill_seqs, nbs):
+            rows.append(block_ids[:nb] + [0] * (mb - nb))
+            q_starts.append(row)
+            pos = torch.arange(start, start + n)
+            new_slots.append(torch.tensor(block_ids[:nb], dtype=torch.long)[pos // block_size]
+                             * block_size + pos % block_size)
+            row += n
+        meta.prefill_kernel = kernels.prefill_attention
+        meta.prefill_tables = torch.tensor(rows, dtype=torch.int32)
+        meta.prefill_q_starts = torch.tensor(q_starts, dtype=torch.int32)
+        meta.prefill_ctx = torch.tensor([s for s, _, _ in prefill_seqs], dtype=torch.int32)
+        meta.prefill_lens = torch.tensor([n for _, n, _ in prefill_seqs], dtype=torch.int32)
+        meta.sliding_window = sliding_window or 0
+        meta.block_size = block_size
+        prefill_seqs = []
+    for start, n, block_ids in prefill_seqs:
         total = start + n
         blocks = torch.tensor(block_ids[:(total + block_size - 1) // block_size], dtype=torch.long)
         ctx = (blocks[:, None] * block_size + offsets).flatten()[:total]
@@ -133,9 +176,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     D = meta.num_decodes
     if D == T:                                  # decode-only step: nothing to assemble
         return _decode_attention(q, k_slots, v_slots, meta, scale, kvh, d)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if D:
         out[:D] = _decode_attention(q[:D], k_slots, v_slots, meta, scale, kvh, d)
+    if meta.prefill_kernel is not None:
+        meta.prefill_kernel(q.contiguous(), k_slots, v_slots, meta.prefill_q_starts,
+                            meta.prefill_ctx, meta.prefill_lens, meta.prefill_tables,
+                            meta.sliding_window, meta.block_size, scale, out)
     for p in meta.prefills:
         L = p.context_slots.shape[0]
         kc = k_slots.index_select(0, p.context_slots).to(q.dtype).view(L, kvh, d) \

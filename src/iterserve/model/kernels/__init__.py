@@ -124,6 +124,10 @@ _ARGTYPES = {
     "iterserve_decode_layers_kv": (_i32, [_p, _i32, _p, _p, _i64, _p, _i64, _i64, _i32, _i32,
                                           _i32, _i64, _f32, _p, _p, _p, _p, _i32, _p, _i32, _i32,
                                           _f32, _i32, _i32]),
+    # prefill chunks over the pool (prefill_attention.c): float32 / f16 / bf16 pools
+    "iterserve_prefill_attention": (_i32, [_p, _p, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32,
+                                           _i32, _i32, _i32, _i32, _f32, _p, _i32, _i32, _i32]),
+    "iterserve_prefill_attention_isa": (_i64, [_i64, _i64]),
 }
 _ERRORS = {1: "a block table entry lies outside the KV pool",
            2: "a slot lies outside the KV pool",
@@ -622,13 +626,18 @@ def _tables(tables, lens, D: int) -> None:
 KV_TYPES = {torch.float32: 0, torch.float16: 1}   # iterserve.h's ITERSERVE_KV_F32 / _F16
 
 
-def _pools(kpool, vpool, d: int) -> int:
+PREFILL_KV_TYPES = {**KV_TYPES, torch.bfloat16: 2}   # prefill attention also reads bf16
+
+
+def _pools(kpool, vpool, d: int, types=KV_TYPES) -> int:
     """KV heads of a (kpool, vpool) pair: contiguous [slots, kvh * d] CPU tensors of one
     dtype, float32 or float16 (kv_type(kpool) says which)."""
     for name, t in (("kpool", kpool), ("vpool", vpool)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in KV_TYPES or not t.is_cpu \
+        if not isinstance(t, torch.Tensor) or t.dtype not in types or not t.is_cpu \
                 or t.dim() != 2 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous 2-D float32 or float16 CPU tensor")
+            raise ValueError(f"{name} must be a contiguous 2-D "
+                             f"{' or '.join(str(k).removeprefix('torch.') for k in types)} "
+                             "CPU tensor")
     if kpool.dtype != vpool.dtype:
         raise ValueError(f"kpool is {kpool.dtype}, vpool {vpool.dtype}")
     if kpool.shape != vpool.shape or kpool.shape[1] % d:
@@ -679,6 +688,54 @@ def decode_attention(q=None, kpool=None, vpool=None, tables=None, lens=None, win
         q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[0], tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), window, D, H, kvh, d, block_size, scale,
         out.data_ptr(), _threads(), kv_type(kpool)))
+    return out
+
+
+PREFILL_ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
+
+
+def prefill_attention_isa(d: int, isa: str = "auto") -> str:
+    """The vector ISA prefill_attention runs with for head_dim d ("avx2" / "avx512")."""
+    got = int(_lib().iterserve_prefill_attention_isa(PREFILL_ISAS[isa], d))
+    return {1: "avx2", 2: "avx512"}[got]
+
+
+def prefill_attention(q, kpool, vpool, q_starts, ctx, qlens, tables, window: int,
+                      block_size: int, scale: float, out, isa: str = "auto"):
+    """Causal attention of prefill chunks over the paged pool (prefill_attention.c): q, out
+    float32 contiguous [T, H, d]; chunk s has qlens[s] queries at rows q_starts[s].. at
+    positions ctx[s].. (its cached context before it), block table tables[s]; kpool/vpool
+    float32, float16 or bfloat16 (both alike) contiguous [slots, kvh * d]; q_starts / ctx /
+    qlens int32 [P], tables int32 [P, max_blocks]; window 0 or a sliding window. Writes only
+    the chunks' rows of out; returns out."""
+    lib = _lib()
+    _f32(q, "q", 3)
+    _f32(out, "out", 3)
+    T, H, d = q.shape
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} is not like q {tuple(q.shape)}")
+    if d % 8:
+        raise ValueError(f"head_dim {d} is not a multiple of 8")
+    kvh = _pools(kpool, vpool, d, PREFILL_KV_TYPES)
+    if kvh < 1 or H % kvh:
+        raise ValueError(f"{H} query heads cannot share {kvh} KV heads")
+    P = tables.shape[0] if isinstance(tables, torch.Tensor) else -1
+    _tables(tables, qlens, P)
+    for name, t in (("q_starts", q_starts), ("ctx", ctx)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device.type != "cpu" \
+                or tuple(t.shape) != (P,) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 CPU tensor [{P}]")
+    if block_size <= 0 or window < 0:
+        raise ValueError(f"block_size {block_size} / window {window}")
+    if P == 0:
+        return out
+    if int(q_starts.min()) < 0 or int((q_starts.long() + qlens.long()).max()) > T:
+        raise ValueError(f"a chunk's rows lie outside q's {T} rows")
+    _rc(lib.iterserve_prefill_attention(
+        q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[0], P,
+        q_starts.data_ptr(), ctx.data_ptr(), qlens.data_ptr(), tables.data_ptr(),
+        tables.shape[1], window, H, kvh, d, block_size, scale, out.data_ptr(), _threads(),
+        PREFILL_KV_TYPES[kpool.dtype], PREFILL_ISAS[isa]))
     return out
 
 

@@ -148,6 +148,22 @@ int iterserve_decode_attention_kv(const float *q, const void *kpool, const void 
                                   int64_t pool_slots, const int32_t *tables, int max_blocks,
                                   const int32_t *lens, int window, int D, int H, int kvh, int d,
                                   int bs, float scale, float *out, int nthreads, int kv_type);
+
+/* --- attention of prefill chunks over the paged KV pool (prefill_attention.c) ------------ */
+/* bf16 pools: only the prefill attention reads them (the decode kernels return ETYPE). */
+enum { ITERSERVE_KV_BF16 = 2 };
+/* nseq chunks; chunk s has qlens[s] queries at rows q_starts[s].. of q / out ([T, H, d]
+ * float32), at positions ctx[s].. after ctx[s] cached tokens, its block table at
+ * tables + s * max_blocks. Causal within the chunk; window 0 or a sliding window.
+ * isa: 0 auto, 1 AVX2, 2 AVX-512 (AVX2 where unsupported). Returns ITERSERVE_OK, ELEN /
+ * EBLOCK (nothing computed), ETYPE or ENOMEM. */
+int iterserve_prefill_attention(const float *q, const void *kpool, const void *vpool,
+                                int64_t pool_slots, int nseq, const int32_t *q_starts,
+                                const int32_t *ctx, const int32_t *qlens, const int32_t *tables,
+                                int max_blocks, int window, int H, int kvh, int d, int bs,
+                                float scale, float *out, int nthreads, int kv_type, int isa);
+/* The ISA that `isa` resolves to for head_dim d on this CPU (1 AVX2, 2 AVX-512). */
+int64_t iterserve_prefill_attention_isa(int64_t isa, int64_t d);
 int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void *const *kpools,
                                void *const *vpools, int64_t pool_slots, float *h, int64_t T,
                                int64_t hidden, int H, int kvh, int d, int64_t inter, float eps,
