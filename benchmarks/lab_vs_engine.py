@@ -364,7 +364,8 @@ def compare_preset(preset: str, cost: CostModel, args) -> dict:
         load_after = machine_info()["loadavg"]
     finally:
         del engine
-    lab = summarize(simulate_plan(p)["continuous"])
+    sim = simulate_plan(p)["continuous"]
+    lab = summarize(sim)
     got = real_metrics(w, real["token_times"], prios, real["wall_s"])
     lab_m = {k: lab.get(k) for k in METRICS}
     lab_m["time_s"] = lab["time_s"]
@@ -381,6 +382,8 @@ def compare_preset(preset: str, cost: CostModel, args) -> dict:
             "rel_error": round(err["time_s"], 4) if err["time_s"] is not None else None,
             "within_10pct": err["time_s"] is not None and abs(err["time_s"]) <= 0.10,
             "real_steps": len(real["steps"]), "lab_steps": lab["steps"],
+            "real_busy_slot_steps": sum(st[1] for st in real["steps"]),
+            "lab_busy_slot_steps": sim.busy_slot_steps,
             "real": got, "lab": lab_m,
             "lab_error": {k: (round(v, 4) if v is not None else None) for k, v in err.items()},
             "breakdown": _breakdown(real, cost),
