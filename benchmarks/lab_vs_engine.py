@@ -43,6 +43,7 @@ real and lab, with lab / real - 1 each.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -364,6 +365,7 @@ def compare_preset(preset: str, cost: CostModel, args) -> dict:
         load_after = machine_info()["loadavg"]
     finally:
         del engine
+        gc.collect()
     sim = simulate_plan(p)["continuous"]
     lab = summarize(sim)
     got = real_metrics(w, real["token_times"], prios, real["wall_s"])
@@ -422,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name in PRESETS:
             engine = None                   # one model in memory at a time
+            gc.collect()
             row = compare_preset(name, cost, args)
         else:
             if engine is None:

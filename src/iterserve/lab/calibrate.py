@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from iterserve.lab.cost_model import COEFFICIENTS, FORMAT, OVERHEADS, VERSION, CostModel
+from iterserve.lab.cost_model import COEFFICIENTS, FORMAT, VERSION, CostModel
 
 
 class CalibrationError(ValueError):
