@@ -147,7 +147,8 @@ def step_shapes(cost) -> list[dict[str, Any]]:
     for name, sh, _ in outs:
         tok = sum(n for _, n in sh)
         pre = sum(n for _, n in sh if n > 1)
-        pred = cost.step_time(tok, len(sh), sum(s + n for s, n in sh), pre)
+        pred = cost.step_time(tok, len(sh), sum(s + n for s, n in sh), pre,
+                              sum(n * (s + n) for s, n in sh if n > 1))
         real = statistics.median(times[name])
         rows.append({"shape": name, "real_s": real, "lab_s": pred, "real_over_lab": real / pred})
         print(f"  {name:36s} real {real * 1e3:8.1f} ms, lab {pred * 1e3:8.1f} ms "

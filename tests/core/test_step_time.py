@@ -132,3 +132,49 @@ def test_a_measured_prefill_cost_keeps_its_ratio_through_decode_only_stretches()
     assert m.confidence()["c_prefill_tok"] < 1.0
     assert m.coefficients["c_prefill_tok"] == pytest.approx(slower["c_prefill_tok"], rel=0.15)
     assert m.predict(8, 8, 2048, 0) == pytest.approx(seconds(slower, 8, 8, 2048, 0), rel=0.03)
+
+
+# --- the attention term: chunks deep into a prompt cost more (issues 13 / 18) ---------------
+
+ATTN = dict(TRUE, c_attn=9e-7)
+
+
+def attn_seconds(c, tokens, seqs, kv, prefill, pairs):
+    return seconds(c, tokens, seqs, kv, prefill) + c["c_attn"] * pairs
+
+
+def chunked_shapes(rng, n):
+    """Decodes plus, often, a prefill chunk at some depth into a long prompt."""
+    for _ in range(n):
+        d = rng.randint(1, 16)
+        kv = sum(rng.randint(16, 1024) for _ in range(d))
+        if rng.random() < 0.5:
+            c, start = rng.choice([64, 128]), rng.choice([0, 256, 768, 1536])
+            yield d + c, d + 1, kv + start + c, c, c * (start + c)
+        else:
+            yield d, d, kv, 0, 0
+
+
+def test_learns_the_attention_term_from_a_seed_without_it():
+    """Seeded from a fit of before (five coefficients, no c_attn): chunks deep into long
+    prompts teach it the term, and a 128-token chunk at context 1,500 is then predicted."""
+    m = StepTimeModel([TRUE[k] for k in COEFFICIENTS[:5]])      # an old 5-term seed
+    assert m.coefficients["c_attn"] == 0.0
+    deep = (16 + 128, 17, 16 * 257 + 1628, 128, 128 * 1628)
+    assert m.predict(*deep) < 0.8 * attn_seconds(ATTN, *deep)
+    rng = random.Random(21)
+    for t, s, kv, p, a in chunked_shapes(rng, 1500):
+        m.observe(t, s, kv, p, attn_seconds(ATTN, t, s, kv, p, a), a)
+    assert m.coefficients["c_attn"] == pytest.approx(ATTN["c_attn"], rel=0.15)
+    # the machine did not change speed: the new term explains the chunk steps, the speed
+    # fit must not try to (it ran away to its clip when the term was held near 0)
+    assert m.speed == pytest.approx(1.0, rel=0.05)
+    assert m.predict(*deep) == pytest.approx(attn_seconds(ATTN, *deep), rel=0.03)
+    assert m.predict(8, 8, 2048, 0) == pytest.approx(seconds(ATTN, 8, 8, 2048, 0), rel=0.03)
+
+
+def test_steps_given_without_attention_pairs_still_fit_as_before():
+    m = StepTimeModel(ATTN)
+    rng = random.Random(22)
+    m.observe_many((*s, seconds(TRUE, *s)) for s in shapes(rng, 400))
+    assert mean_rel_error(m, TRUE, random.Random(23)) < 0.05

@@ -9,18 +9,21 @@ import pytest
 from iterserve.cli import main
 from iterserve.lab.api import run_lab
 from iterserve.lab.calibrate import (
-    CalibrationError, GridPoint, check_point, default_grid, fit_coefficients, fit_errors, nnls)
+    CalibrationError, GridPoint, check_point, default_grid, fit_coefficients, fit_errors,
+    fit_overhead, nnls)
 from iterserve.lab.cost_model import (
     COEFFICIENTS, CostModelError, load_cost_model, shipped_cost_models)
 
-TRUE = {"c0": 0.025, "c_tok": 1.2e-3, "c_seq": 4e-4, "c_kv": 2e-6, "c_prefill_tok": 3e-4}
+TRUE = {"c0": 0.025, "c_tok": 1.2e-3, "c_seq": 4e-4, "c_kv": 2e-6, "c_prefill_tok": 3e-4,
+        "c_attn": 8e-7}
 
 
 def _synthetic(grid, coef, noise=0.0, seed=0):
     rng = np.random.default_rng(seed)
     feats = [p.features() for p in grid]
     y = [coef["c0"] + coef["c_tok"] * t + coef["c_seq"] * s + coef["c_kv"] * kv
-         + coef["c_prefill_tok"] * pf for t, s, kv, pf in feats]
+         + coef["c_prefill_tok"] * pf + coef.get("c_attn", 0.0) * at
+         for t, s, kv, pf, at in feats]
     return feats, [v * (1 + noise * rng.standard_normal()) for v in y]
 
 
@@ -30,6 +33,57 @@ def test_fit_recovers_known_coefficients_from_exact_linear_timings():
     for k in COEFFICIENTS:
         assert got[k] == pytest.approx(TRUE[k], rel=1e-6), k
     assert max(abs(e) for e in fit_errors(got, feats, y)) < 1e-9
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_both_grids_identify_the_attention_term(quick):
+    """The grids time chunks deep into a prompt, so c_attn comes back from exact timings
+    (and the quick grid, for big models, separates all six coefficients too)."""
+    grid = default_grid(quick=quick)
+    assert any(p.prefill_context for p in grid)
+    feats, y = _synthetic(grid, TRUE)
+    got = fit_coefficients(feats, y)
+    for k in COEFFICIENTS:
+        assert got[k] == pytest.approx(TRUE[k], rel=1e-5), k
+
+
+def test_a_context_chunk_costs_what_its_attention_pairs_say():
+    """The linear model of before (no attention pairs) fitted to chunks at context 0
+    underprices a chunk deep into a prompt; the model with c_attn predicts it."""
+    grid = default_grid()
+    flat = [p for p in grid if not p.prefill_context]
+    feats, y = _synthetic(flat, TRUE)
+    blind = fit_coefficients([f[:4] for f in feats], y)
+    deep = GridPoint(16, 256, prefill_tokens=128, prefill_chunks=1, prefill_context=1500)
+    df, dy = _synthetic([deep], TRUE)
+    fit_all = fit_coefficients(*_synthetic(grid, TRUE))
+    err_blind = fit_errors(blind, df, dy)[0]
+    err_fit = fit_errors(fit_all, df, dy)[0]
+    assert err_blind < -0.2 and abs(err_fit) < 1e-6
+
+
+def test_old_four_wide_feature_rows_still_fit():
+    coef = {k: v for k, v in TRUE.items() if k != "c_attn"}
+    grid = [p for p in default_grid() if not p.prefill_context]
+    feats, y = _synthetic(grid, coef)
+    got = fit_coefficients([f[:4] for f in feats], y)
+    assert got["c_attn"] == 0.0 and got["c0"] == pytest.approx(coef["c0"], rel=1e-6)
+
+
+def test_overhead_fit_recovers_per_step_and_per_sequence_costs():
+    rng = np.random.default_rng(5)
+    samples = []
+    for _ in range(400):
+        n = int(rng.integers(1, 9))
+        o = 0.0004 + 0.00005 * n
+        if rng.random() < 0.05:
+            o += 0.05                                     # a GC pause: the median drops it
+        samples.append((n, o * (1 + 0.01 * rng.standard_normal())))
+    got = fit_overhead(samples)
+    assert got["overhead_s"] == pytest.approx(0.0004, rel=0.05)
+    assert got["overhead_seq_s"] == pytest.approx(0.00005, rel=0.05)
+    assert fit_overhead([(4, 0.001)] * 3) == {"overhead_s": 0.001, "overhead_seq_s": 0.0}
+    assert fit_overhead([]) == {"overhead_s": 0.0, "overhead_seq_s": 0.0}
 
 
 def test_fit_stays_close_under_two_percent_noise():
@@ -50,7 +104,7 @@ def test_fit_never_returns_a_negative_coefficient():
     # Timings that fall with the KV length would need c_kv < 0: NNLS clamps it to 0.
     grid = default_grid()
     feats = [p.features() for p in grid]
-    y = [0.05 + 1e-3 * t - 1e-7 * kv for t, _, kv, _ in feats]
+    y = [0.05 + 1e-3 * t - 1e-7 * kv for t, _, kv, _, _ in feats]
     got = fit_coefficients(feats, y)
     assert all(v >= 0 for v in got.values())
     assert got["c_kv"] == 0.0
@@ -73,7 +127,13 @@ def test_fit_rejects_too_few_points_and_non_positive_times():
 def test_grid_point_features_count_what_the_lab_counts():
     # 3 decodes at kv 100 (each reads 101 positions) + 50 prompt tokens in 2 chunks of 25
     p = GridPoint(3, 100, prefill_tokens=50, prefill_chunks=2)
-    assert p.features() == (53, 5, 3 * 101 + 50, 50)
+    assert p.features() == (53, 5, 3 * 101 + 50, 50, 2 * 25 * 25)
+    # ... and chunks 700 tokens into their prompts: each of the 25 queries sees 725 positions
+    p = GridPoint(3, 100, prefill_tokens=50, prefill_chunks=2, prefill_context=700)
+    assert p.features() == (53, 5, 3 * 101 + 2 * 725, 50, 2 * 25 * 725)
+    assert p.chunk_shapes()[-1] == (700, 25) and "@ctx 700" in p.label()
+    with pytest.raises(CalibrationError):
+        check_point(GridPoint(2, 10, prefill_context=5))
     with pytest.raises(CalibrationError):
         check_point(GridPoint(prefill_tokens=10, prefill_chunks=0))
     with pytest.raises(CalibrationError):
@@ -95,8 +155,13 @@ def test_quick_calibration_on_a_tiny_model_writes_a_cost_model_the_lab_loads(tmp
     assert src["model"] == model.name and src["grid"] == "quick" and src["repeats"] == 2
     assert len(src["points"]) == len(default_grid(quick=True))
     assert all(p["median_s"] > 0 for p in src["points"])
+    assert any(p["attn_pairs"] > 0 for p in src["points"])
+    assert src["overhead"]["engine_steps"] > 0
     cost = load_cost_model(out)
-    assert cost.c0 + cost.c_tok > 0 and model.name in cost.description
+    assert cost.runner_time(1, 1, 33) > 0 and model.name in cost.description
+    # the serving loop around the runner was measured: a step costs more than the runner
+    assert cost.overhead_s + cost.overhead_seq_s > 0
+    assert cost.step_time(4, 4, 100) > cost.runner_time(4, 4, 100)
     # ... and the lab runs with it
     res = run_lab({"requests": 4, "batching": "continuous", "cost_model": data})
     assert res["continuous"]["time_s"] > 0

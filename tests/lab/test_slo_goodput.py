@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.lab.preset_scale import speed
 from iterserve.lab.slo import PRESET, capacity_rps, goodput_comparison
 
 SEED = 1001
@@ -23,7 +24,10 @@ def comparison():
 
 def test_capacity_is_measured_from_the_shipped_cost_model():
     cap = capacity_rps({"seed": SEED, "requests": 240})
-    assert 1.5 < cap < 3.0         # smollm2-cpu: ~0.45 s of steps per request at full batch
+    # the session-13 smollm2-cpu fit: ~0.45 s of steps per request at full batch; a
+    # re-fitted file scales it by its speed (lab/preset_scale.py)
+    s = speed()
+    assert 1.5 * s < cap < 3.0 * s
 
 
 def test_slo_goodput_is_at_least_1_5x_fcfs_above_capacity(comparison):

@@ -90,3 +90,34 @@ def test_the_cli_takes_a_preset(capsys):
     assert main(["lab", "--preset", "kv-pressure", "--requests", "12", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["continuous"] and out["continuous"]["requests"] == 12
+
+
+def test_presets_follow_the_shipped_fit_speed():
+    """A re-fitted smollm2-cpu that runs every step 2.5x faster keeps each preset the same
+    experiment: rates x 2.5, time targets / 2.5, so the same steps, in 2.5x less time."""
+    from iterserve.lab.cost_model import CostModel
+    from iterserve.lab.preset_scale import (
+        DECODE_STEP, LONGPROMPT_STEP, REFERENCE_FIT, scale_options, speed)
+
+    ref = CostModel.from_dict(REFERENCE_FIT)
+    fast = CostModel.from_dict({k: v / 2.5 for k, v in REFERENCE_FIT.items()})
+    assert speed(DECODE_STEP, ref) == 1.0
+    assert speed(DECODE_STEP, fast) == pytest.approx(2.5)
+    # a fit whose chunks with context cost more: the long-prompt preset slows, decodes not
+    attn = CostModel.from_dict({**REFERENCE_FIT, "c_attn": 1e-6})
+    assert speed(DECODE_STEP, attn) == 1.0 and speed(LONGPROMPT_STEP, attn) < 0.8
+    base = PRESETS["slo-overload"]["options"]
+    s = speed(DECODE_STEP)
+    scaled = scale_options(base, 2.5)
+    assert scaled["arrival_rate_s"] == pytest.approx(base["arrival_rate_s"] * 2.5, rel=0.01)
+    assert scaled["slo_tpot_ms"] == pytest.approx(base["slo_tpot_ms"] / 2.5, rel=0.01)
+    assert scale_options(base, 1.0) == base
+    # the same experiment: in steps, the fast fit's run of the scaled preset is the run of
+    # the preset on the reference fit (same scheduling decisions, all times / 2.5)
+    opts = {**base, "requests": 60}
+    a = run_lab({**scale_options(opts, 1 / s), "cost_model": REFERENCE_FIT})["continuous"]
+    b = run_lab({**scale_options(opts, 2.5 / s),
+                 "cost_model": fast.to_dict()})["continuous"]
+    assert b["steps"] == pytest.approx(a["steps"], rel=0.05)
+    assert b["slo_met"] == pytest.approx(a["slo_met"], abs=3)
+    assert b["time_s"] == pytest.approx(a["time_s"] / 2.5, rel=0.05)

@@ -76,7 +76,8 @@ def test_cost_model_file_round_trips_and_idle_defaults_to_c0(tmp_path):
     ({"c_kv": -1e-9}, "c_kv must be non-negative"),
     ({"c0": 1, "cO": 2}, "unknown key"),
     ({"format": "vidur"}, "format must be"),
-    ({"version": 2}, "version must be 1"),
+    ({"version": 3}, "version must be one of 1, 2"),
+    ({"version": True}, "version must be one of"),
 ])
 def test_bad_cost_models_are_rejected_with_the_key_named(data, words):
     with pytest.raises(CostModelError, match=words):
@@ -91,3 +92,67 @@ def test_missing_cost_model_file_is_a_clear_error(tmp_path):
 def test_the_shipped_default_cost_model_loads_and_documents_itself():
     m = default_cost_model()
     assert m.c0 > 0 and m.c_tok > 0 and m.c_kv > 0 and m.description
+
+
+# --- the attention (context) term and the serving overhead (issues 13 / 18) -------------------
+
+def test_step_time_charges_attention_pairs_and_the_serving_overhead():
+    m = CostModel(c0=1.0, c_tok=0.1, c_attn=1e-3, overhead_s=0.5, overhead_seq_s=0.25)
+    # 2 sequences, 10 tokens, 300 query-key pairs: runner 1 + 1 + 0.3, overhead 0.5 + 0.5
+    assert m.runner_time(10, 2, 0, 0, 300) == pytest.approx(2.3)
+    assert m.step_time(10, 2, 0, 0, 300) == pytest.approx(3.3)
+    assert m.step_time(0, 0, 0) == m.idle_step_s == 0.0
+    assert CostModel.from_dict(m.to_dict()) == m
+
+
+def test_a_version_1_file_loads_with_no_attention_term_and_no_overhead(tmp_path):
+    """Fits written before c_attn (version 1, five coefficients) still load and mean what
+    they meant: the shipped default is one, and so is any user's old calibration."""
+    old = {"format": "iterserve-lab-cost-model", "version": 1, "description": "old fit",
+           "c0": 0.007, "c_tok": 0.0, "c_seq": 0.0027, "c_kv": 4.1e-6,
+           "c_prefill_tok": 0.002, "idle_step_s": 0.007, "source": {"tool": "x"}}
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps(old))
+    m = load_cost_model(f)
+    assert (m.c_attn, m.overhead_s, m.overhead_seq_s) == (0.0, 0.0, 0.0)
+    assert m.step_time(9, 9, 2000, 0, 10**6) == pytest.approx(
+        0.007 + 0.0027 * 9 + 4.1e-6 * 2000)
+    assert m.to_dict()["version"] == 2 and CostModel.from_dict(m.to_dict()) == m
+    assert default_cost_model().c_attn == 0.0
+
+
+def _one_long_prompt(cost, prompt_len=1000, budget=128):
+    from iterserve.core.config import CacheConfig, SchedulerConfig
+    from iterserve.lab.simulator import SimSettings, simulate
+    from iterserve.lab.workload import RequestSpec
+
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                         enable_chunked_prefill=True, max_model_len=prompt_len + 8)
+    cc = CacheConfig(num_kv_blocks=200, block_size=16)
+    res = simulate([RequestSpec(0, 0, prompt_len, 2, True, 0)],
+                   SimSettings(sc, cc, prefill_ignored=False), cost, record=True)
+    return res
+
+
+def test_the_simulator_charges_each_chunk_its_query_key_pairs():
+    """A 1000-token prompt in 128-token chunks: chunk k (ending at e_k) costs c_attn x its
+    tokens x e_k on top of the linear price; the decode after it pays no attention term."""
+    base = CostModel(c0=0.01, c_tok=1e-4, c_seq=1e-3, c_kv=1e-6, c_prefill_tok=1e-4)
+    with_attn = CostModel.from_dict({**base.to_dict(), "c_attn": 2e-8})
+    a, b = _one_long_prompt(base), _one_long_prompt(with_attn)
+    assert a.steps == b.steps
+    ends = list(range(128, 1000, 128)) + [1000]
+    pairs = sum((e - s) * e for s, e in zip([0] + ends[:-1], ends))
+    extra = float(b.step_start_s[-1] - a.step_start_s[-1])
+    assert extra == pytest.approx(2e-8 * pairs, rel=1e-9)
+    # ... so each full 128-token chunk costs more than the one before it
+    d = [float(x) for x in (b.step_start_s[1:] - b.step_start_s[:-1])][:len(ends) - 1]
+    assert all(x < y for x, y in zip(d, d[1:]))
+
+
+def test_the_simulator_adds_the_serving_overhead_to_every_busy_step():
+    plain = CostModel(c0=0.01, c_tok=1e-4)
+    over = CostModel(c0=0.01, c_tok=1e-4, overhead_s=0.002, overhead_seq_s=0.001)
+    a, b = _one_long_prompt(plain), _one_long_prompt(over)
+    # one sequence in every step: 3 ms more per step
+    assert float(b.step_start_s[-1] - a.step_start_s[-1]) == pytest.approx(0.003 * a.steps)

@@ -174,7 +174,7 @@ class SloPolicy:
         self.queue = SloQueue(self)
         # The last step's shape (for predictions) and what is needed to time it.
         self._t0 = 0.0
-        self._features = (0, 0, 0, 0)
+        self._features = (0, 0, 0, 0, 0)
         self._last_seqs = 0
         self._last_kv = 0
         self._last_step_s = 0.0
@@ -217,7 +217,10 @@ class SloPolicy:
         """Predicted seconds to prefill n tokens next to `decodes` running decodes."""
         c = self._chunk(n)
         steps = -(-n // c)
-        return steps * (self.model.predict(decodes + c, decodes + 1, kv + c * steps, c)
+        # Chunk k (1-based) attends to k * c tokens: c * c * steps * (steps + 1) / 2 pairs in
+        # all, spread evenly over the steps.
+        pairs = c * c * (steps + 1) / 2
+        return steps * (self.model.predict(decodes + c, decodes + 1, kv + c * steps, c, pairs)
                         + self.overhead_s)
 
     def queue_key(self, request: Request) -> float:
@@ -325,14 +328,15 @@ class SloPolicy:
             self._features = None
             return
         requests = self.scheduler.requests
-        kv = prefill = 0
+        kv = prefill = pairs = 0
         for rid, n in scheduled.items():
             req = requests[rid]
             start = req.num_computed_tokens      # not advanced until update_from_output
             kv += start + n
             if n > 1 or start < len(req.prompt_token_ids):
                 prefill += n
-        self._features = (out.num_batched_tokens, len(scheduled), kv, prefill)
+                pairs += n * (start + n)
+        self._features = (out.num_batched_tokens, len(scheduled), kv, prefill, pairs)
 
     def step_done(self) -> None:
         """update_from_output(): the executor has run; fold its measured time in."""
@@ -341,9 +345,9 @@ class SloPolicy:
         if self.scheduler.running or self.queue:
             self._t_done = now
         if self._features is not None:
-            tokens, seqs, kv, prefill = self._features
+            tokens, seqs, kv, prefill, pairs = self._features
             if seqs:
-                self.model.observe(tokens, seqs, kv, prefill, dt)
+                self.model.observe(tokens, seqs, kv, prefill, dt, pairs)
                 self._last_step_s = dt
             self._last_seqs = seqs
             self._last_kv = kv

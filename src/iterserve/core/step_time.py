@@ -7,15 +7,19 @@ cost model (lab/cost_model.py) has the right form, fitted once offline by `iters
 calibrate`:
 
     step_s = c0 + c_tok * tokens + c_seq * seqs + c_kv * kv_tokens + c_prefill_tok * prefill_tokens
+           + c_attn * attn_pairs
 
-This module keeps that form and refits the five coefficients online from every measured
+(`attn_pairs`: query-key pairs of the step's prefill chunks, sum of chunk tokens x
+(context before the chunk + chunk tokens); a chunk deep into a long prompt costs more than
+the same chunk at its start, and only this term can say so.) This module keeps that form
+and refits the six coefficients online from every measured
 step (features of the step, seconds it took): exponentially forgotten least squares (the
 normal equations of recursive least squares, kept as sums so they cannot lose positive
 definiteness), with a ridge pull towards the seed and a non-negative solve, so it follows
 the machine (other load, thermal limits, a different model) within ~1 / (1 - FORGETTING)
 steps. Design points, all about staying cheap and stable:
 
-- Pure Python on fixed 5x5 lists: `observe` is 20 multiply-adds; the 5x5 solve (~0.1k
+- Pure Python on fixed 6x6 lists: `observe` is 27 multiply-adds; the 6x6 solve (~0.2k
   flops) runs only when a prediction is asked for after new observations.
 - Features are scaled to O(1) (`_SCALE`) so the covariance stays well conditioned.
 - Each observation is weighted by 1 / seconds^2, i.e. the fit minimises *relative* error, as
@@ -37,6 +41,10 @@ steps. Design points, all about staying cheap and stable:
   decode-only stretch on a machine twice as slow as the seed doubles the predicted prefill
   cost too (before, it kept the seed's), and a prefill cost once measured keeps its measured
   ratio to the rest while only decodes run, scaling with the machine's speed.
+- `c_attn` seeded at 0 (every fit from before the term) is "never measured": its prior is
+  weak (a whole step, not 5% of one) and it takes its anchor shape from the data as soon as
+  chunks with context excite it, so the first long prompts teach it instead of being
+  explained away as a slower machine.
 """
 
 from __future__ import annotations
@@ -44,9 +52,11 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Sequence
 
-COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok")
-# Typical magnitude of each feature (1, tokens, seqs, kv tokens, prefill tokens).
-_SCALE = (1.0, 256.0, 32.0, 16384.0, 256.0)
+COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok", "c_attn")
+_N = len(COEFFICIENTS)
+# Typical magnitude of each feature (1, tokens, seqs, kv tokens, prefill tokens, attention
+# pairs: a 128-token chunk at ~1k tokens of context).
+_SCALE = (1.0, 256.0, 32.0, 16384.0, 256.0, 131072.0)
 FORGETTING = 0.99           # memory ~100 steps: a few seconds of a busy engine
 MAX_REL_RESIDUAL = 0.5      # a step more than 50% off the prediction counts as 50% off
 PRIOR_WEIGHT = 1.0         # fixed pull of the seed (dominates only the first few steps)
@@ -54,6 +64,11 @@ RIDGE_SHARE = 0.001          # ... plus this share of the data's weight on each 
 TRUST_AFTER = 100           # observations before the outlier clip applies
 REFIT_EVERY = 16            # refresh the fit the outlier clip compares against (~2 us/step)
 MIN_PRIOR_SHARE = 0.05      # prior scale of a coefficient seeded at 0, as a share of a step
+# ... except c_attn: every fit from before the term has none, so a 0 there means "never
+# measured", not "free"; its prior scale is a whole step, and a few dozen chunks deep into a
+# prompt decide it. (A tight prior would hold it near 0, leave the chunk steps unexplained,
+# and the speed fit would blow up trying to explain them instead.)
+_PRIOR_SHARE = (MIN_PRIOR_SHARE,) * 5 + (1.0,)
 CONFIDENT_INFO = 4.0        # decayed sum of (term's share of the step)^2 to trust a term
 SPEED_RANGE = (0.02, 50.0)  # the speed fit is clipped to this (a broken clock stays bounded)
 
@@ -84,7 +99,8 @@ class StepTimeModel:
     """Predicts a step's seconds from its batch shape; `observe()` refits it online."""
 
     __slots__ = ("_theta", "_seed", "_ridge", "_A", "_b", "_dirty", "forgetting",
-                 "num_observed", "last_seconds", "_fitted_at", "_shape", "_info", "_seen")
+                 "num_observed", "last_seconds", "_fitted_at", "_shape", "_info", "_seen",
+                 "_unmeasured")
 
     def __init__(self, coefficients: Mapping[str, float] | Sequence[float],
                  forgetting: float = FORGETTING) -> None:
@@ -92,8 +108,10 @@ class StepTimeModel:
             coefs = [float(coefficients.get(k, 0.0)) for k in COEFFICIENTS]
         else:
             coefs = [float(c) for c in coefficients]
-        if len(coefs) != len(COEFFICIENTS):
-            raise ValueError(f"expected {len(COEFFICIENTS)} coefficients, got {len(coefs)}")
+        if len(coefs) == _N - 1:          # a seed from before c_attn: no attention term
+            coefs.append(0.0)
+        if len(coefs) != _N:
+            raise ValueError(f"expected {_N} coefficients, got {len(coefs)}")
         if any(not math.isfinite(c) or c < 0 for c in coefs):
             raise ValueError(f"coefficients must be finite and non-negative, got {coefs}")
         if not 0 < forgetting <= 1:
@@ -104,12 +122,15 @@ class StepTimeModel:
         ref = max(sum(self._seed), 1e-6)
         # Ridge: (theta_i - seed_i) of one prior scale costs PRIOR_WEIGHT relative-error
         # observations (the fit is in relative units, see observe()).
-        self._ridge = [PRIOR_WEIGHT / max(t, MIN_PRIOR_SHARE * ref) ** 2 for t in self._seed]
-        self._A = [[0.0] * 5 for _ in range(5)]
-        self._b = [0.0] * 5
+        self._ridge = [PRIOR_WEIGHT / max(t, share * ref) ** 2
+                       for t, share in zip(self._seed, _PRIOR_SHARE)]
+        self._unmeasured = [t == 0.0 and share >= 1.0
+                            for t, share in zip(self._seed, _PRIOR_SHARE)]
+        self._A = [[0.0] * _N for _ in range(_N)]
+        self._b = [0.0] * _N
         self._shape = list(self._seed)          # anchor_i = speed * shape_i
-        self._info = [0.0] * 5
-        self._seen = [False] * 5        # terms present in a step since the last refit
+        self._info = [0.0] * _N
+        self._seen = [False] * _N       # terms present in a step since the last refit
         self._dirty = False
         self.forgetting = forgetting
         self.num_observed = 0
@@ -118,8 +139,10 @@ class StepTimeModel:
 
     @classmethod
     def from_cost_model(cls, cost) -> "StepTimeModel":
-        """Seed from anything with the lab cost model's attributes (a `CostModel`)."""
-        return cls({k: getattr(cost, k) for k in COEFFICIENTS})
+        """Seed from anything with the lab cost model's attributes (a `CostModel`; a term
+        it lacks is 0). Only the runner's terms: the serving overhead around a step is
+        measured by the policy itself (`SloPolicy.overhead_s`)."""
+        return cls({k: getattr(cost, k, 0.0) for k in COEFFICIENTS})
 
     # --- use --------------------------------------------------------------------------------
     @property
@@ -135,9 +158,9 @@ class StepTimeModel:
 
     def _speed_of(self, shape: list[float]) -> float:
         A, b = self._A, self._b
-        num = sum(shape[i] * b[i] for i in range(5))
+        num = sum(shape[i] * b[i] for i in range(_N))
         den = sum(shape[i] * shape[j] * A[min(i, j)][max(i, j)]
-                  for i in range(5) for j in range(5))
+                  for i in range(_N) for j in range(_N))
         if den <= 0.0 or num <= 0.0:
             return 1.0
         lo, hi = SPEED_RANGE
@@ -150,19 +173,21 @@ class StepTimeModel:
         return {k: self._info[i] * th[i] ** 2 for i, k in enumerate(COEFFICIENTS)}
 
     def predict(self, tokens: float, seqs: float, kv_tokens: float,
-                prefill_tokens: float = 0.0) -> float:
+                prefill_tokens: float = 0.0, attn_pairs: float = 0.0) -> float:
         """Seconds a step with this shape is expected to take (an empty step: c0).
 
         Uses the fit as of the last refit, at most REFIT_EVERY observations old (the solve
         costs ~30 us; the memory is ~100 steps, so a few steps' lag changes nothing)."""
         th = self._theta if self._fresh() else self._fit()
         return (th[0] + th[1] * tokens / 256.0 + th[2] * seqs / 32.0
-                + th[3] * kv_tokens / 16384.0 + th[4] * prefill_tokens / 256.0)
+                + th[3] * kv_tokens / 16384.0 + th[4] * prefill_tokens / 256.0
+                + th[5] * attn_pairs / 131072.0)
 
     # --- learn ------------------------------------------------------------------------------
     def observe(self, tokens: float, seqs: float, kv_tokens: float, prefill_tokens: float,
-                seconds: float) -> None:
-        """Fold one measured step into the fit (ignored unless 0 < seconds < inf)."""
+                seconds: float, attn_pairs: float = 0.0) -> None:
+        """Fold one measured step into the fit (ignored unless 0 < seconds < inf).
+        `attn_pairs` comes after `seconds` so callers from before the term still work."""
         if not (seconds > 0.0 and seconds < math.inf) or seqs <= 0:
             return
         self.last_seconds = seconds
@@ -170,9 +195,10 @@ class StepTimeModel:
         # error. A residual beyond MAX_REL_RESIDUAL is shrunk by moving the target (Huber-like).
         inv = 1.0 / seconds
         x = (inv, tokens / 256.0 * inv, seqs / 32.0 * inv, kv_tokens / 16384.0 * inv,
-             prefill_tokens / 256.0 * inv)
+             prefill_tokens / 256.0 * inv, attn_pairs / 131072.0 * inv)
         th = self._theta if self._fresh() else self._fit()
-        pred = th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4]
+        pred = (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4]
+                + th[5] * x[5])
         target = 1.0
         if self.num_observed >= TRUST_AFTER:          # the fit is data now, not the seed
             if pred - 1.0 > MAX_REL_RESIDUAL * 2:     # measured far below the prediction
@@ -181,19 +207,20 @@ class StepTimeModel:
                 target = pred + MAX_REL_RESIDUAL      # an outlier step (GC pause, ...)
         lam = self.forgetting
         seen = self._seen
-        for i in range(5):
+        for i in range(_N):
             if x[i] > 0.0:
                 seen[i] = True
         A, b = self._A, self._b
-        for i in range(5):
+        for i in range(_N):
             Ai, xi = A[i], x[i]
-            for j in range(i, 5):
+            for j in range(i, _N):
                 Ai[j] = Ai[j] * lam + xi * x[j]
             b[i] = b[i] * lam + xi * target
         self._dirty = True
         self.num_observed += 1
 
-    def observe_many(self, steps: Iterable[tuple[float, float, float, float, float]]) -> None:
+    def observe_many(self, steps: Iterable[tuple[float, ...]]) -> None:
+        """Each step: (tokens, seqs, kv_tokens, prefill_tokens, seconds[, attn_pairs])."""
         for s in steps:
             self.observe(*s)
 
@@ -212,12 +239,12 @@ class StepTimeModel:
         # so it is worth the same at any speed) plus RIDGE_SHARE of the data's own
         # curvature, so it stays a fixed small share however much data there is.
         inv_s2 = 1.0 / (speed * speed)
-        rr = [r[i] * inv_s2 + RIDGE_SHARE * A0[i][i] for i in range(5)]
-        A = [[A0[min(i, j)][max(i, j)] + (rr[i] if i == j else 0.0) for j in range(5)]
-             for i in range(5)]
-        b = [b0[i] + rr[i] * anchor[i] for i in range(5)]
-        free = list(range(5))
-        theta = [0.0] * 5
+        rr = [r[i] * inv_s2 + RIDGE_SHARE * A0[i][i] for i in range(_N)]
+        A = [[A0[min(i, j)][max(i, j)] + (rr[i] if i == j else 0.0) for j in range(_N)]
+             for i in range(_N)]
+        b = [b0[i] + rr[i] * anchor[i] for i in range(_N)]
+        free = list(range(_N))
+        theta = [0.0] * _N
         while free:                      # active set: pin negative coefficients at 0
             try:
                 sol = _solve(A, b, free)
@@ -234,10 +261,15 @@ class StepTimeModel:
         # Only a term present in the steps since the last refit: while its data only decay,
         # its fitted value drifts with the other terms' changes (the old steps are
         # re-explained), and that drift must not become its shape.
-        info = [A0[i][i] for i in range(5)]
+        info = [A0[i][i] for i in range(_N)]
         seen = self._seen
-        for i in range(5):
-            if seen[i] and info[i] * max(theta[i], anchor[i]) ** 2 >= CONFIDENT_INFO:
+        for i in range(_N):
+            # A weak-prior term never measured (c_attn from an old seed) takes its shape
+            # from the data whenever they excite it: its 0 was a blank, not a measurement.
+            weak = self._unmeasured[i]
+            if seen[i] and (weak or info[i] * max(theta[i], anchor[i]) ** 2 >= CONFIDENT_INFO):
+                if weak and info[i] * theta[i] ** 2 >= CONFIDENT_INFO:
+                    self._unmeasured[i] = False
                 self._shape[i] = theta[i] / speed
             seen[i] = False
         self._info = info

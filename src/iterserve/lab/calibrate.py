@@ -3,14 +3,20 @@
 The lab turns scheduler steps into seconds with a linear cost model (lab/cost_model.py):
 
     step_s = c0 + c_tok*tokens + c_seq*seqs + c_kv*kv_tokens_read + c_prefill_tok*prefill_tokens
+           + c_attn*attn_pairs + overhead_s + overhead_seq_s*seqs
 
 This module measures what those coefficients are for one model on one machine. It builds
 SchedulerOutputs by hand over a grid of batch shapes (decode-only steps of D sequences at KV
-length L, prefill-only steps of P prompt tokens in one or two chunks, and mixed steps),
-times `ModelRunner.execute` on each (the same call the engine makes, sampler included),
-takes the median of several repeats, and fits the five coefficients by non-negative least
-squares. The fit's error per grid point is reported, and the result is written in the cost
-model's JSON format with a `source` block saying what it was fitted on.
+length L, prefill-only steps of P prompt tokens in one or more chunks, chunks that start deep
+into a prompt (context C before them, so their attention reads C + P positions per query:
+what `c_attn` prices), and mixed steps), times `ModelRunner.execute` on each (the same call
+the engine makes, sampler included), takes the median of several repeats, and fits the six
+runner coefficients by non-negative least squares. Then it serves a short batch of requests
+on the real engine (`LLMEngine.step`, the same model in the same process) and fits the time
+per step outside `execute` (scheduling, output processing, detokenisation) as
+`overhead_s + overhead_seq_s * seqs`. The fit's error per grid point is reported, and the
+result is written in the cost model's JSON format with a `source` block saying what it was
+fitted on.
 
 Why these choices:
 - Decode steps need a KV history but not a *correct* one: a request whose prompt is L + 1
@@ -24,6 +30,9 @@ Why these choices:
   prefill steps.
 - Non-negativity (Lawson-Hanson NNLS, numpy only): a negative cost has no meaning and would
   let the lab produce negative step times outside the grid.
+- The model is loaded by building the engine (`LLMEngine.from_engine_args`), so the runner
+  timed is configured exactly as the engine's (kernel activation mode, KV dtype), and the
+  overhead run needs no second copy of the weights.
 - `idle_step_s` is left to default to c0: the lab advances its clock by it while nothing is
   scheduled (waiting for arrivals), so it is the lab's time resolution between arrivals.
 
@@ -57,39 +66,48 @@ class CalibrationError(ValueError):
 @dataclass(frozen=True, slots=True)
 class GridPoint:
     """One batch shape: `num_decodes` decode sequences with `decode_kv` tokens of context
-    each, plus `prefill_tokens` prompt tokens split evenly over `prefill_chunks` new prompts."""
+    each, plus `prefill_tokens` prompt tokens split evenly over `prefill_chunks` prompts,
+    each chunk starting after `prefill_context` tokens of its prompt already computed (a
+    later chunk of a chunked prefill: it attends to that context too)."""
 
     num_decodes: int = 0
     decode_kv: int = 0
     prefill_tokens: int = 0
     prefill_chunks: int = 0
+    prefill_context: int = 0
 
     def chunk_shapes(self) -> list[tuple[int, int]]:
         """(start, num_tokens) per chunk: decodes first, then the prefill chunks."""
         shapes = [(self.decode_kv, 1)] * self.num_decodes
         if self.prefill_chunks:
             base, extra = divmod(self.prefill_tokens, self.prefill_chunks)
-            shapes += [(0, base + (1 if i < extra else 0)) for i in range(self.prefill_chunks)]
+            shapes += [(self.prefill_context, base + (1 if i < extra else 0))
+                       for i in range(self.prefill_chunks)]
         return shapes
 
-    def features(self) -> tuple[int, int, int, int]:
-        """(tokens, seqs, kv_tokens_read, prefill_tokens): the cost model's inputs, counted
-        as the lab counts them (kv read = start + tokens computed, summed over chunks)."""
+    def features(self) -> tuple[int, int, int, int, int]:
+        """(tokens, seqs, kv_tokens_read, prefill_tokens, attn_pairs): the cost model's
+        inputs, counted as the lab counts them (kv read = start + tokens computed, summed
+        over chunks; attention pairs = tokens x (start + tokens), summed over prefill
+        chunks)."""
         shapes = self.chunk_shapes()
+        pre = shapes[self.num_decodes:]
         return (sum(n for _, n in shapes), len(shapes), sum(s + n for s, n in shapes),
-                self.prefill_tokens)
+                self.prefill_tokens, sum(n * (s + n) for s, n in pre))
 
     def label(self) -> str:
         parts = []
         if self.num_decodes:
             parts.append(f"{self.num_decodes} decode @kv {self.decode_kv}")
         if self.prefill_chunks:
-            parts.append(f"{self.prefill_tokens} prefill in {self.prefill_chunks}")
+            ctx = f" @ctx {self.prefill_context}" if self.prefill_context else ""
+            parts.append(f"{self.prefill_tokens} prefill in {self.prefill_chunks}{ctx}")
         return " + ".join(parts)
 
 
 def check_point(p: GridPoint) -> GridPoint:
-    for name in ("num_decodes", "decode_kv", "prefill_tokens", "prefill_chunks"):
+    for name in ("num_decodes", "decode_kv", "prefill_tokens", "prefill_chunks",
+                 "prefill_context"):
         v = getattr(p, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise CalibrationError(f"grid point {p}: {name} must be a non-negative integer")
@@ -98,6 +116,8 @@ def check_point(p: GridPoint) -> GridPoint:
     if (p.prefill_tokens > 0) != (p.prefill_chunks > 0) or p.prefill_tokens < p.prefill_chunks:
         raise CalibrationError(f"grid point {p}: prefill_tokens must be >= prefill_chunks, "
                                "both zero or both positive")
+    if p.prefill_context and not p.prefill_chunks:
+        raise CalibrationError(f"grid point {p}: prefill_context without prefill chunks")
     if not (p.num_decodes or p.prefill_chunks):
         raise CalibrationError(f"grid point {p} schedules nothing")
     return p
@@ -105,12 +125,18 @@ def check_point(p: GridPoint) -> GridPoint:
 
 def default_grid(quick: bool = False) -> list[GridPoint]:
     """The shapes timed. The full grid covers what the engine's defaults produce (up to 32
-    sequences, a 256-token budget, contexts up to ~1k); --quick is a handful of points."""
+    sequences, a 256-token budget, decode contexts up to ~1k, prefill chunks at contexts up
+    to 1.5k: the long-prompt presets' chunked prefills); --quick is a dozen points that still
+    separate every coefficient (decodes at two context lengths, chunks at context 0 and deep
+    into a prompt, one step of each kind mixed), for a big model on a small machine."""
     if quick:
-        return [GridPoint(1, 16), GridPoint(4, 64), GridPoint(2, 32),
-                GridPoint(prefill_tokens=16, prefill_chunks=1),
-                GridPoint(prefill_tokens=32, prefill_chunks=2),
-                GridPoint(2, 16, prefill_tokens=16, prefill_chunks=1)]
+        return [GridPoint(1, 32), GridPoint(4, 64), GridPoint(8, 64), GridPoint(4, 512),
+                GridPoint(prefill_tokens=32, prefill_chunks=1),
+                GridPoint(prefill_tokens=64, prefill_chunks=2),
+                GridPoint(prefill_tokens=64, prefill_chunks=1, prefill_context=512),
+                GridPoint(prefill_tokens=64, prefill_chunks=1, prefill_context=896),
+                GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1),
+                GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1, prefill_context=768)]
     grid = [GridPoint(d, kv) for d in (1, 2, 4, 8, 16, 32) for kv in (32, 256, 1024)]
     grid += [GridPoint(prefill_tokens=p, prefill_chunks=1) for p in (16, 64, 128, 256)]
     grid += [GridPoint(prefill_tokens=p, prefill_chunks=c) for p, c in ((64, 2), (128, 4),
@@ -118,6 +144,11 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
     grid += [GridPoint(d, 256, prefill_tokens=p, prefill_chunks=1)
              for d in (4, 8) for p in (32, 128)]
     grid += [GridPoint(8, kv, prefill_tokens=64, prefill_chunks=2) for kv in (64, 512)]
+    # Chunks deep into a long prompt (what chunked prefill of a 2k-token prompt runs).
+    grid += [GridPoint(prefill_tokens=p, prefill_chunks=1, prefill_context=c)
+             for p in (64, 128, 256) for c in (512, 1536)]
+    grid += [GridPoint(8, 256, prefill_tokens=128, prefill_chunks=1, prefill_context=c)
+             for c in (768, 1536)]
     return grid
 
 
@@ -155,8 +186,15 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
 
 
 def design_matrix(features: Sequence[Sequence[float]]) -> np.ndarray:
-    """Rows [1, tokens, seqs, kv_tokens_read, prefill_tokens], columns in COEFFICIENTS order."""
-    f = np.asarray(features, dtype=float).reshape(len(features), 4)
+    """Rows [1, tokens, seqs, kv_tokens_read, prefill_tokens, attn_pairs], columns in
+    COEFFICIENTS order (4-wide feature rows, from before attn_pairs, mean no pairs)."""
+    f = np.asarray(features, dtype=float)
+    f = f.reshape(len(features), -1) if len(features) else f.reshape(0, len(COEFFICIENTS) - 1)
+    if f.shape[1] == len(COEFFICIENTS) - 2:
+        f = np.column_stack([f, np.zeros(len(f))])
+    if f.shape[1] != len(COEFFICIENTS) - 1:
+        raise CalibrationError(f"feature rows must have {len(COEFFICIENTS) - 1} entries, "
+                               f"got {f.shape[1]}")
     return np.column_stack([np.ones(len(f)), f])
 
 
@@ -164,13 +202,15 @@ def fit_coefficients(features: Sequence[Sequence[float]], seconds: Sequence[floa
                      ) -> dict[str, float]:
     """Non-negative least squares on relative error: each row (and its time) is divided by
     the measured time, and the columns are scaled to unit norm so their very different
-    magnitudes (1 vs. thousands of KV tokens) do not upset the solver."""
+    magnitudes (1 vs. thousands of KV tokens) do not upset the solver. A coefficient whose
+    feature is zero in every row (no chunk with context on the grid) comes back 0."""
     y = np.asarray(seconds, dtype=float)
     if len(y) != len(features):
         raise CalibrationError(f"{len(features)} feature rows but {len(y)} timings")
-    if len(y) < len(COEFFICIENTS):
-        raise CalibrationError(f"need at least {len(COEFFICIENTS)} timed points to fit "
-                               f"{len(COEFFICIENTS)} coefficients, got {len(y)}")
+    need = len(COEFFICIENTS) - 1        # c_attn is only fitted when the grid has chunks
+    if len(y) < need:
+        raise CalibrationError(f"need at least {need} timed points to fit "
+                               f"the coefficients, got {len(y)}")
     if not np.all(np.isfinite(y)) or np.any(y <= 0):
         raise CalibrationError("timings must be positive finite seconds")
     x = design_matrix(features) / y[:, None]
@@ -296,12 +336,92 @@ class CalibrationResult:
 DEFAULT_KV_BUDGET_GIB = 2.0
 
 
+OVERHEAD_REQUESTS = 16          # the overhead run: 16 requests on 8 slots ...
+OVERHEAD_SLOTS = 8
+OVERHEAD_PROMPT = 16            # ... of 16-token prompts and 24 output tokens each
+OVERHEAD_OUTPUT = 24
+
+
+class _ExecuteTimer:
+    """Wraps the engine's executor: per forward step, its sequences and `execute`'s time."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.last: tuple[int, float] | None = None
+
+    def execute(self, output):
+        t = time.perf_counter()
+        try:
+            return self.inner.execute(output)
+        finally:
+            n = len(output.num_scheduled_tokens)
+            self.last = (n, time.perf_counter() - t) if n else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def fit_overhead(samples: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """overhead_s + overhead_seq_s * seqs from (seqs, seconds outside execute) per step:
+    the median per batch size (one GC pause must not set the price), then non-negative
+    least squares over the batch sizes (a single batch size gives a per-step cost only)."""
+    by: dict[int, list[float]] = {}
+    for n, o in samples:
+        if n > 0 and o >= 0 and np.isfinite(o):
+            by.setdefault(int(n), []).append(float(o))
+    if not by:
+        return {"overhead_s": 0.0, "overhead_seq_s": 0.0}
+    ns = sorted(by)
+    med = np.array([statistics.median(by[n]) for n in ns])
+    if len(ns) == 1:
+        return {"overhead_s": float(med[0]), "overhead_seq_s": 0.0}
+    w = np.sqrt([len(by[n]) for n in ns])          # a batch size seen often counts more
+    a = np.column_stack([np.ones(len(ns)), ns]) * w[:, None]
+    o0, o1 = nnls(a, med * w)
+    return {"overhead_s": float(o0), "overhead_seq_s": float(o1)}
+
+
+def measure_overhead(engine, *, num_requests: int = OVERHEAD_REQUESTS,
+                     prompt_tokens: int = OVERHEAD_PROMPT, output_tokens: int = OVERHEAD_OUTPUT,
+                     seed: int = 0) -> tuple[dict[str, float], list[tuple[int, float]]]:
+    """Serve `num_requests` short requests (random token prompts, ignore_eos) on `engine`
+    and return (the fitted overhead terms, per step (seqs, seconds outside execute)). A step's
+    time is the loop iteration that ran it (`engine.step()` and the loop itself), so what a
+    caller of the offline engine waits for between two forward passes is counted."""
+    from iterserve.core.request import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    timer = _ExecuteTimer(engine.executor)
+    engine.executor = timer
+    samples: list[tuple[int, float]] = []
+    try:
+        for i in range(num_requests):
+            engine.add_request(f"cal-overhead-{i}",
+                               [rng.randrange(3, vocab) for _ in range(prompt_tokens)], params)
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            timer.last = None
+            engine.step()
+            now = time.perf_counter()
+            if timer.last is not None:
+                n, ex = timer.last
+                samples.append((n, max(0.0, now - t - ex)))
+            t = now
+    finally:
+        engine.executor = timer.inner
+    return fit_overhead(samples), samples
+
+
 def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | None = None,
               grid: Sequence[GridPoint] | None = None, block_size: int = 16,
-              kv_budget_gib: float = DEFAULT_KV_BUDGET_GIB,
+              kv_budget_gib: float = DEFAULT_KV_BUDGET_GIB, overhead: bool = True,
               progress: Callable[[str], None] | None = None) -> CalibrationResult:
-    """Load the model, time the grid, fit; `model` None is the bundled default. Grid points
-    whose KV would exceed `kv_budget_gib` are left out (and listed in the source block)."""
+    """Load the model (by building the engine), time the grid, fit; then, unless
+    `overhead` is False, measure the serving overhead on a short engine run. `model` None is
+    the bundled default. Grid points whose KV would exceed `kv_budget_gib` are left out (and
+    listed in the source block)."""
     if repeats is None:
         repeats = 3 if quick else 7
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -317,10 +437,18 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
 
     import torch
 
-    from iterserve.model.loader import load_model
+    from iterserve.engine.args import EngineArgs
+    from iterserve.engine.llm_engine import LLMEngine
     from iterserve.model.runner import ModelRunner
 
-    loaded = load_model(model)
+    t_load = time.perf_counter()
+    # The engine's own KV pool only serves the overhead run (16 short requests); the grid
+    # gets a runner of its own over the same weights.
+    pool = -(-(OVERHEAD_PROMPT + OVERHEAD_OUTPUT) // block_size) * OVERHEAD_REQUESTS + 8
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=model, max_num_seqs=OVERHEAD_SLOTS, num_kv_blocks=pool, block_size=block_size))
+    loaded = engine.loaded_model
+    load_s = time.perf_counter() - t_load
     per_token = ModelRunner.kv_cache_bytes_per_block(loaded.config, block_size) // block_size
     grid, dropped = fit_grid_to_memory(grid, per_token, int(kv_budget_gib * (1 << 30)),
                                        block_size)
@@ -333,13 +461,30 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
         progress(f"{len(dropped)} grid points left out (KV over {kv_budget_gib:g} GiB): "
                  + ", ".join(p.label() for p in dropped))
     limit = loaded.config.max_position_embeddings
-    longest = max(max(s + n for s, n in p.chunk_shapes()) for p in grid)
-    if limit and longest > limit:
-        raise CalibrationError(f"the grid needs {longest}-token contexts; the model allows {limit}")
+    if limit:           # a short-context model: leave out the points it cannot hold
+        too_long = [p for p in grid if max(s + n for s, n in p.chunk_shapes()) > limit]
+        if too_long:
+            grid = [p for p in grid if p not in too_long]
+            dropped += too_long
+            if progress:
+                progress(f"{len(too_long)} grid points left out (context over the model's "
+                         f"{limit}): " + ", ".join(p.label() for p in too_long))
+        if len(grid) < len(COEFFICIENTS):
+            raise CalibrationError(f"only {len(grid)} grid points fit the model's "
+                                   f"{limit}-token context; the fit needs {len(COEFFICIENTS)}")
     load_before = load_average()
     t0 = time.perf_counter()
     times = time_grid(loaded, grid, repeats=repeats, block_size=block_size, progress=progress)
     elapsed = time.perf_counter() - t0
+    over = {"overhead_s": 0.0, "overhead_seq_s": 0.0}
+    over_samples: list[tuple[int, float]] = []
+    if overhead:
+        t1 = time.perf_counter()
+        over, over_samples = measure_overhead(engine)
+        if progress:
+            progress(f"serving overhead: {len(over_samples)} engine steps in "
+                     f"{time.perf_counter() - t1:.1f} s")
+    elapsed_all = time.perf_counter() - t0
     load_after = load_average()
 
     feats = [p.features() for p in grid]
@@ -352,12 +497,13 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
     for p, f, med, t, e in zip(grid, feats, medians, times, errors):
         points.append({"shape": asdict(p), "label": p.label(),
                        "tokens": f[0], "seqs": f[1], "kv_tokens_read": f[2],
-                       "prefill_tokens": f[3], "median_s": round(med, 6),
+                       "prefill_tokens": f[3], "attn_pairs": f[4], "median_s": round(med, 6),
                        "min_s": round(min(t), 6), "max_s": round(max(t), 6),
                        "predicted_s": round(med * (1 + e), 6), "rel_error": round(e, 4)})
     model_name = (Path(model).name if model else
                   "SmolLM2-135M-Instruct.Q4_1.gguf (bundled default)")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from iterserve.model import kernels
     machine = (f"{_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
                f"({torch.get_num_threads()} threads), {loaded.config.dtype}")
     source = {
@@ -365,28 +511,51 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
         "date": date, "grid": grid_name,
         "num_points": len(grid), "repeats": repeats, "statistic": "median",
         "block_size": block_size, "timing_s": round(elapsed, 1),
+        "total_s": round(elapsed_all + load_s, 1), "load_s": round(load_s, 1),
+        "kernel_activations": _activation_mode(kernels),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "kv_budget_gib": kv_budget_gib, "dropped_points": [p.label() for p in dropped],
         "load_average_before": load_before, "load_average_after": load_after,
         "fit": "non-negative least squares on relative error",
         "mean_abs_rel_error": round(mean_err, 4), "max_abs_rel_error": round(max_err, 4),
+        "overhead": ({"engine_steps": len(over_samples), "requests": OVERHEAD_REQUESTS,
+                      "slots": OVERHEAD_SLOTS, "prompt_tokens": OVERHEAD_PROMPT,
+                      "output_tokens": OVERHEAD_OUTPUT,
+                      "median_ms": round(1e3 * statistics.median(o for _, o in over_samples), 4)
+                      if over_samples else None,
+                      "fit": "median per batch size, then non-negative least squares"}
+                     if overhead else "not measured (--no-overhead)"),
     }
+    over_txt = (f"; serving overhead {over['overhead_s'] * 1e3:.2f} ms + "
+                f"{over['overhead_seq_s'] * 1e3:.3f} ms/seq per step" if overhead else "")
     description = (f"Fitted by `iterserve lab calibrate` to ModelRunner.execute of {model_name} "
                    f"on {machine}, {date}: {len(grid)} batch shapes x {repeats} repeats "
-                   f"(median), fit error mean {mean_err:.1%} / max {max_err:.1%}; "
+                   f"(median), fit error mean {mean_err:.1%} / max {max_err:.1%}{over_txt}; "
                    f"1-min load average {load_before[0] if load_before else '?'} before.")
     cost = CostModel.from_dict({"format": FORMAT, "version": VERSION,
-                                "description": description, **coef})
+                                "description": description, **coef, **over})
+    del engine
     return CalibrationResult(cost, points, mean_err, max_err, source)
 
 
+def _activation_mode(kernels) -> str | None:
+    try:
+        return kernels.activations()
+    except Exception:       # noqa: BLE001 - reporting only
+        return None
+
+
 def format_report(res: CalibrationResult) -> str:
-    lines = [f"{'shape':38} {'median ms':>10} {'fit ms':>8} {'error':>7}"]
+    lines = [f"{'shape':46} {'median ms':>10} {'fit ms':>8} {'error':>7}"]
     for p in res.points:
-        lines.append(f"{p['label']:38} {p['median_s'] * 1e3:>10.2f} "
+        lines.append(f"{p['label']:46} {p['median_s'] * 1e3:>10.2f} "
                      f"{p['predicted_s'] * 1e3:>8.2f} {p['rel_error']:>+7.1%}")
     c = res.cost_model
     lines += ["", f"c0 = {c.c0:.4g} s   c_tok = {c.c_tok:.4g} s   c_seq = {c.c_seq:.4g} s   "
-                  f"c_kv = {c.c_kv:.4g} s   c_prefill_tok = {c.c_prefill_tok:.4g} s",
+                  f"c_kv = {c.c_kv:.4g} s   c_prefill_tok = {c.c_prefill_tok:.4g} s   "
+                  f"c_attn = {c.c_attn:.4g} s",
+              f"serving overhead per step: {c.overhead_s * 1e3:.3f} ms + "
+              f"{c.overhead_seq_s * 1e3:.4f} ms per sequence",
               f"fit error over {len(res.points)} points: mean {res.mean_abs_rel_error:.1%}, "
               f"max {res.max_abs_rel_error:.1%}",
               f"load average before/after: {res.source['load_average_before']} / "
@@ -409,6 +578,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a tiny grid and 3 repeats (tests)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per grid point (default 7, --quick 3)")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the short engine run that measures the serving overhead per "
+                        "step (overhead_s / overhead_seq_s stay 0: runner time only)")
     p.add_argument("--kv-budget-gib", type=float, default=DEFAULT_KV_BUDGET_GIB,
                    help="leave out grid points whose KV cache would exceed this (default "
                         f"{DEFAULT_KV_BUDGET_GIB:g}; big models need it)")
@@ -431,7 +603,8 @@ def run(args: argparse.Namespace) -> int:
             return err(f"--out: directory {str(parent)!r} does not exist")
     try:
         res = calibrate(args.model, quick=args.quick, repeats=args.repeats,
-                        kv_budget_gib=args.kv_budget_gib, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                        kv_budget_gib=args.kv_budget_gib, overhead=not args.no_overhead,
+                        progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (CalibrationError, ValueError, FileNotFoundError) as e:   # ModelLoadError too
         return err(str(e))
     print(format_report(res), file=sys.stderr)

@@ -1,26 +1,42 @@
 """How long one simulated step takes, so the lab can report seconds as well as steps.
 
 The lab counts in scheduler steps; a cost model turns each step's batch into seconds. The
-model is linear in what a forward pass costs on a GPU or CPU:
+model is linear in what a forward pass costs on a GPU or CPU, plus the engine's own time
+around it:
 
     step_s = c0                         fixed per step (weights read once, kernel launches)
            + c_tok * tokens_in_step      every token computed (prefill chunks and decodes)
            + c_seq * seqs_in_step        per scheduled sequence (sampling, bookkeeping)
            + c_kv * kv_tokens_read       K/V positions attention reads, summed over sequences
            + c_prefill_tok * prefill_tokens   extra cost of prompt tokens, if any
+           + c_attn * attn_pairs         query-key pairs of prefill chunks: sum over chunks of
+                                         chunk_tokens * (context before it + chunk_tokens)
+           + overhead_s + overhead_seq_s * seqs_in_step   the serving loop outside the
+                                         model runner (scheduling, output processing,
+                                         detokenisation), per step and per sequence
+
+Why `c_attn`: a decode reads its context once (`c_kv`), but every token of a prefill chunk
+attends to the whole context, so a 128-token chunk at context 1,500 costs far more than the
+same chunk at context 0 (on the session-13 runner 220 ms vs 132 ms with 16 decodes, where
+the linear terms said 139 ms for both). Why the overhead terms: the model runner is what
+`lab calibrate` times, but a client waits for the whole engine step; the calibration measures
+the rest on a short run of the real engine (`overhead_*`), so the lab's seconds are the
+engine's wall clock, not the runner's.
 
 A step with nothing scheduled (waiting for the next arrival) takes `idle_step_s`.
 
 File format (JSON object, all times in seconds; unknown keys are an error so a typo cannot
 silently fall back to a default):
 
-    {"format": "iterserve-lab-cost-model", "version": 1,
+    {"format": "iterserve-lab-cost-model", "version": 2,
      "description": "free text: what the numbers were fitted on",
      "c0": 0.010, "c_tok": 7e-05, "c_seq": 2e-05, "c_kv": 3.5e-07,
-     "c_prefill_tok": 0.0, "idle_step_s": 0.010}
+     "c_prefill_tok": 0.0, "c_attn": 1e-9, "overhead_s": 4e-4, "overhead_seq_s": 5e-5,
+     "idle_step_s": 0.010}
 
 `format`, `version`, `description` and `source` are optional; missing coefficients are 0
-(`idle_step_s` defaults to `c0`). The shipped default (lab/data/default_cost_model.json) is
+(`idle_step_s` defaults to `c0`), so a version-1 file (no `c_attn`, no overhead) loads and
+means what it meant. The shipped default (lab/data/default_cost_model.json) is
 an order-of-magnitude guess for a 7B fp16 model on one A100-class GPU; fitting it to the real
 model runner is `iterserve lab calibrate`'s job (benchmarks issue), which writes this format.
 """
@@ -35,8 +51,12 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "iterserve-lab-cost-model"
-VERSION = 1
-COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok")
+VERSION = 2
+VERSIONS = (1, 2)            # readable; version 1 files lack c_attn and the overhead terms
+# The model runner's coefficients (what `lab calibrate` fits to ModelRunner.execute) ...
+COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok", "c_attn")
+# ... and the serving loop around it (fitted to a short run of the real engine).
+OVERHEADS = ("overhead_s", "overhead_seq_s")
 _META_KEYS = ("format", "version", "description", "source")
 
 
@@ -51,33 +71,47 @@ class CostModel:
     c_seq: float = 0.0
     c_kv: float = 0.0
     c_prefill_tok: float = 0.0
+    c_attn: float = 0.0
+    overhead_s: float = 0.0
+    overhead_seq_s: float = 0.0
     idle_step_s: float = 0.0
     description: str = ""
 
     def step_time(self, tokens: int, seqs: int, kv_tokens_read: int,
-                  prefill_tokens: int = 0) -> float:
-        """Seconds one step takes; an empty step (seqs == 0) takes `idle_step_s`."""
+                  prefill_tokens: int = 0, attn_pairs: int = 0) -> float:
+        """Seconds one engine step takes (runner + serving overhead); an empty step
+        (seqs == 0) takes `idle_step_s`."""
         if seqs == 0:
             return self.idle_step_s
+        return (self.runner_time(tokens, seqs, kv_tokens_read, prefill_tokens, attn_pairs)
+                + self.overhead_s + self.overhead_seq_s * seqs)
+
+    def runner_time(self, tokens: int, seqs: int, kv_tokens_read: int,
+                    prefill_tokens: int = 0, attn_pairs: int = 0) -> float:
+        """Seconds of the model runner alone (what `lab calibrate` times), no overhead."""
         return (self.c0 + self.c_tok * tokens + self.c_seq * seqs
-                + self.c_kv * kv_tokens_read + self.c_prefill_tok * prefill_tokens)
+                + self.c_kv * kv_tokens_read + self.c_prefill_tok * prefill_tokens
+                + self.c_attn * attn_pairs)
 
     @classmethod
     def from_dict(cls, data: Any) -> "CostModel":
         if not isinstance(data, dict):
             raise CostModelError(f"cost model must be a JSON object, got {type(data).__name__}")
-        allowed = set(COEFFICIENTS) | {"idle_step_s"} | set(_META_KEYS)
+        numeric = COEFFICIENTS + OVERHEADS + ("idle_step_s",)
+        allowed = set(numeric) | set(_META_KEYS)
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise CostModelError(
                 f"unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"expected some of {', '.join(COEFFICIENTS + ('idle_step_s',))}")
+                f"expected some of {', '.join(numeric)}")
         if "format" in data and data["format"] != FORMAT:
             raise CostModelError(f"format must be {FORMAT!r}, got {data['format']!r}")
-        if "version" in data and data["version"] != VERSION:
-            raise CostModelError(f"version must be {VERSION}, got {data['version']!r}")
+        if "version" in data and (isinstance(data["version"], bool)
+                                  or data["version"] not in VERSIONS):
+            raise CostModelError(f"version must be one of {', '.join(map(str, VERSIONS))}, "
+                                 f"got {data['version']!r}")
         values: dict[str, float] = {}
-        for key in COEFFICIENTS + ("idle_step_s",):
+        for key in numeric:
             if key not in data:
                 continue
             v = data[key]
@@ -96,7 +130,7 @@ class CostModel:
         d: dict[str, Any] = {"format": FORMAT, "version": VERSION}
         if self.description:
             d["description"] = self.description
-        for key in COEFFICIENTS + ("idle_step_s",):
+        for key in COEFFICIENTS + OVERHEADS + ("idle_step_s",):
             d[key] = getattr(self, key)
         return d
 

@@ -170,8 +170,11 @@ class SimExecutor:
         self.cost = cost
         self.max_num_seqs = max_num_seqs
         self.prefill_ignored = prefill_ignored
-        # Prefill tokens only matter to the cost when they have their own price.
-        self.count_prefill = cost.c_prefill_tok > 0 or recorder is not None
+        # Prefill tokens (and their query-key pairs) only matter to the cost when they
+        # have their own price.
+        self.price_prefill = cost.c_prefill_tok > 0
+        self.price_attn = cost.c_attn > 0
+        self.count_prefill = self.price_prefill or self.price_attn or recorder is not None
         self.recorder = recorder
         # request id -> [tokens it has (prompt + outputs), prompt length]: one lookup a chunk.
         self.state: dict[str, list[int]] = {}
@@ -191,7 +194,7 @@ class SimExecutor:
                 f"step {out.step}: the scheduler ran {len(sched)} requests, more than "
                 f"max_num_seqs={self.max_num_seqs}")
         sampled: dict[str, int] = {}
-        tokens = kv_read = prefill = 0
+        tokens = kv_read = prefill = attn = 0
         count_prefill = self.count_prefill
         ignored = self.prefill_ignored
         rec = self.recorder
@@ -213,6 +216,7 @@ class SimExecutor:
                     is_prefill = nt > 1 or (not ignored and start < st[1])
                     if is_prefill:
                         prefill += nt
+                        attn += nt * end        # every chunk token against the context
                     if rec is not None:
                         kinds[rid] = is_prefill
         if rec is not None:                 # slots are handed out in scheduling order
@@ -220,7 +224,8 @@ class SimExecutor:
                 rec.chunk(rid, step, kinds[rid])
         self.last_tokens = tokens
         self.step_seconds = self.cost.step_time(tokens, len(sched), kv_read,
-                                                prefill if self.cost.c_prefill_tok > 0 else 0)
+                                                prefill if self.price_prefill else 0,
+                                                attn if self.price_attn else 0)
         return sampled
 @dataclass
 class SimResult:
