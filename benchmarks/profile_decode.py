@@ -16,6 +16,9 @@ ways, each a view the others cannot give:
    (the timers' own cost is the difference; it is small: ~25 clock reads per layer).
 3. **cProfile** over the steps: the Python functions that cost most (`--top`), to find what
    to cut outside the kernels.
+4. **Python alone**: the same step loop with every native call a no-op (runs last: the tokens
+   are garbage afterwards): the Python per step in wall ms and in this thread's CPU ms, the
+   figure a loaded machine disturbs least.
 
     python benchmarks/profile_decode.py --model ~/.cache/iterserve-models/smollm2-1.7b/\\
 smollm2-1.7b.Q4_K_M.gguf --batch 8 --steps 16 --bandwidth --out results/bench-profile.json
@@ -258,6 +261,44 @@ def profile(engine, steps: int, top: int = 25) -> dict:
     return doc
 
 
+def python_only(engine, steps: int) -> dict:
+    """The step loop with every native kernel call made a no-op (the fused layers, the LM
+    head's and the embedding's kernels, the norms): what is left is the Python of a decode
+    step (scheduler, runner, metadata, sampler, outputs, ctypes marshalling), in wall and in
+    this thread's CPU ms (the latter barely moves with the machine's load). The tokens are
+    garbage afterwards, so this runs last."""
+    from iterserve.model import kernels
+    lib = kernels._lib()
+    names = [n for n in ("iterserve_qgemm", "iterserve_dequant", "iterserve_rmsnorm",
+                         "iterserve_rope", "iterserve_silu_mul", "iterserve_decode_attention",
+                         "iterserve_decode_attention_kv") if hasattr(lib, n)]
+    saved = {n: getattr(lib, n) for n in names}
+    runner = engine.executor.runner if hasattr(engine.executor, "runner") else engine.executor
+    fused = getattr(runner.model, "_fused", None)
+    fused_fn = fused._fn if fused is not None else None
+    try:
+        for n in names:
+            setattr(lib, n, lambda *a: 0)
+        if fused is not None:
+            fused._fn = lambda *a: 0
+        for _ in range(3):
+            engine.step()
+        wall, cpu = [], []
+        for _ in range(steps):
+            t, c = time.perf_counter(), time.thread_time()
+            engine.step()
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.thread_time() - c)
+    finally:
+        for n, fn in saved.items():
+            setattr(lib, n, fn)
+        if fused is not None:
+            fused._fn = fused_fn
+    return {"python_only_step_ms_median": round(statistics.median(wall) * 1e3, 3),
+            "python_only_step_thread_cpu_ms_median": round(statistics.median(cpu) * 1e3, 3),
+            "python_only_steps": steps}
+
+
 def table(doc: dict) -> str:
     bw = doc.get("bandwidth_gbs_best")
     total = doc["step_ms_timed_mean"]
@@ -277,6 +318,12 @@ def table(doc: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     acc = sum(r["ms"] for r in doc["breakdown_ms"])
     lines.append(f"| **sum** | {acc:.3f} | {100 * acc / total:.1f}% | | |" + (" |" if bw else ""))
+    if "python_only_step_ms_median" in doc:
+        lines += ["", f"Python alone (every native call a no-op, {doc['python_only_steps']} "
+                  f"steps): {doc['python_only_step_ms_median']:.3f} ms per step wall, "
+                  f"{doc['python_only_step_thread_cpu_ms_median']:.3f} ms of this thread's "
+                  f"CPU ({100 * doc['python_only_step_thread_cpu_ms_median'] / doc['step_ms_plain_median']:.1f}% "
+                  "of the plain step)."]
     if doc.get("gemm_by_type_ms"):
         lines += ["", "| layer GEMMs by weight type | ms per step | weight MB | GB/s |"
                   + (" of bw |" if bw else ""), "|---|---|---|---|" + ("---|" if bw else "")]
@@ -332,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["bandwidth_gbs"] = bw
         doc["bandwidth_gbs_best"] = max(bw.values())
     doc.update(profile(engine, args.steps, args.top))
+    doc.update(python_only(engine, max(20, args.steps)))
     import os
     doc["load_1m"] = round(os.getloadavg()[0], 2)
     md = table(doc)

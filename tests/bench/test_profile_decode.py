@@ -45,6 +45,12 @@ def test_profile_rows_add_up_to_the_step_and_split_the_layer_gemms_by_type(tmp_p
     assert doc["gemm_by_type_ms"]["Q4_0"] == pytest.approx(gemms, rel=0.05, abs=0.01)
     head = next(r for r in doc["breakdown_ms"] if r["what"].startswith("LM head"))
     assert head["weight_bytes"] > 0 and "native" in head["what"]
-    doc.update(batch=2, model="m.gguf", threads=1, load_1m=0.0)
+    py = profile_decode.python_only(engine, 5)
+    assert 0 < py["python_only_step_thread_cpu_ms_median"] < doc["step_ms_plain_median"] * 2
+    assert engine.executor.model._fused._fn is not None          # the kernels are back
+    from iterserve.model import kernels
+    assert not getattr(kernels._lib().iterserve_qgemm, "__name__", "") == "<lambda>"
+    doc.update(py, batch=2, model="m.gguf", threads=1, load_1m=0.0)
     md = profile_decode.table(doc)
     assert "| layers: gemm gate/up |" in md and "| Q4_0 |" in md and "**sum**" in md
+    assert "Python alone (every native call a no-op" in md
