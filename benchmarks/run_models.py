@@ -40,7 +40,12 @@ figures are also given as a fraction of the bandwidth bound.
     python benchmarks/run_models.py --models smollm2-1.7b:Q4_K_M smollm2-1.7b:Q4_0 \\
         --engines iterserve llama-server --sweep-slots 16 --tag q4
     python benchmarks/run_models.py --models smollm2-1.7b:Q4_K_M --engines iterserve \\
-        llama-server --measures sat --sat-slots 4,8,16 --tag sat   # each at its best slots
+        llama-server --measures sat --sat-slots 4,8,16,32 --tag sat   # each at its best slots
+        # ~6.5 min quiet: 8 servers x (start + warm-up + --sat-ramp-s 8 + --sat-window-s 30)
+    python benchmarks/run_models.py --models bundled --engines iterserve llama-server \\
+        --measures mix b1 ttft sat --tag bundled                      # ~5 min quiet
+    python benchmarks/run_models.py --models bundled --engines iterserve hf --measures mix
+        # HF transformers' continuous batching on the same GGUF (float32), in-process
     python benchmarks/run_models.py --models smollm2-1.7b:hf-bf16 smollm2-1.7b:F16 \\
         --engines iterserve vllm-cpu vllm-cpu-bind --tag bf16
     python benchmarks/run_models.py --models smollm2-1.7b:Q4_K_M --engines iterserve \\
