@@ -179,6 +179,8 @@ def profile(engine, steps: int, top: int = 25) -> dict:
     acc = (ctypes.c_double * native[1])() if native else None
 
     # timed steps, plain steps, timed again (alternating halves the drift between them)
+    import resource
+    flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     plain, timed = [], []
     for half in range(2):
         for _ in range(steps // 2):
@@ -196,6 +198,9 @@ def profile(engine, steps: int, top: int = 25) -> dict:
         if native:
             native[0](None)
     n = len(timed)
+    # minor page faults per step: first writes into the lazily mapped KV pool (a fresh page
+    # per 4 KiB of K or V rows) show up here, and in the "kv write" phase
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0) / (len(plain) + n)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(max(2, steps // 2)):
@@ -208,7 +213,8 @@ def profile(engine, steps: int, top: int = 25) -> dict:
     a = {k: ms(v) for k, v in T.acc.items()}
     doc: dict = {"steps_timed": n, "step_ms_plain_median": round(statistics.median(plain) * 1e3, 3),
                  "step_ms_timed_median": round(statistics.median(timed) * 1e3, 3),
-                 "step_ms_timed_mean": ms(sum(timed)), "wrappers_ms": a}
+                 "step_ms_timed_mean": ms(sum(timed)), "wrappers_ms": a,
+                 "minor_page_faults_per_step": round(faults, 1)}
     wb = weight_bytes(model)
     doc["weight_bytes_per_step"] = {"roles": wb["roles"],
                                     "types": {_type_name(t): b for t, b in wb["types"].items()},
@@ -306,7 +312,8 @@ def table(doc: dict) -> str:
     lines = [f"### One decode step at batch {doc['batch']}: {doc['model']} "
              f"({doc['threads']} threads)", "",
              f"Step {doc['step_ms_timed_mean']:.2f} ms timed (mean), plain median "
-             f"{doc['step_ms_plain_median']:.2f} ms; load average {doc['load_1m']}.", "",
+             f"{doc['step_ms_plain_median']:.2f} ms; load average {doc['load_1m']}; "
+             f"{doc.get('minor_page_faults_per_step', '?')} minor page faults per step.", "",
              head, "|---|---|---|---|---|" + ("---|" if bw else "")]
     for r in doc["breakdown_ms"]:
         b = r.get("weight_bytes")

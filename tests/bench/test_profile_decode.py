@@ -36,6 +36,7 @@ def test_profile_rows_add_up_to_the_step_and_split_the_layer_gemms_by_type(tmp_p
     doc = profile_decode.profile(engine, 6, top=10)
     rows = {r["what"]: r["ms"] for r in doc["breakdown_ms"]}
     assert sum(rows.values()) == pytest.approx(doc["step_ms_timed_mean"], abs=0.02)
+    assert doc["minor_page_faults_per_step"] >= 0
     assert all(v > -0.05 for v in rows.values()), rows     # remainders: nesting holds
     for part in ("layers: gemm q/k/v", "layers: gemm o", "layers: gemm gate/up",
                  "layers: gemm down", "layers: attention", "sampler"):
