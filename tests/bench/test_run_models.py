@@ -104,13 +104,34 @@ def test_summary_takes_medians_the_best_slot_count_and_the_bound_fraction():
     assert r["b1_tok_s"] == 5.0 and r["ttft_ms"] == 800.0 and r["b1_fraction_of_bound"] == 0.5
 
 
+def test_saturated_sweep_takes_each_engines_best_slot_count_and_compares_bests():
+    """`sat`: per engine the best slot count; the ratio is best over the peer's best."""
+    es = [run_models.Engine("iterserve", "iterserve"),
+          run_models.Engine("llama-server", "llama-server")]
+    m = run_models.ModelFile("x", Path("x.gguf"), None)
+    tok = lambda v: {"sat": {"output_tok_s": v}}  # noqa: E731
+    samples = {"iterserve": {"s4": [tok(20.0)], "s8": [tok(30.0), tok(32.0), tok(31.0)],
+                             "s16": [tok(45.0)]},
+               "llama-server": {"s4": [tok(25.0)], "s8": [tok(28.0)], "s16": [tok(27.0)]}}
+    rows = run_models.summarise(samples, es, m, 8, [], None, [4, 8, 16])
+    assert rows["iterserve"]["sat_by_slots"] == {4: 20.0, 8: 31.0, 16: 45.0}
+    assert (rows["iterserve"]["sat_best"], rows["iterserve"]["sat_best_slots"]) == (45.0, 16)
+    assert (rows["llama-server"]["sat_best"], rows["llama-server"]["sat_best_slots"]) == (28.0, 8)
+    doc = {"files": [{"model": "x", "file": "x.gguf", "rows": rows, "notes": []}], "slots": 8,
+           "ttft_prompt": 512, "machine": {}, "repeats": 1, "sat_window_s": 30.0}
+    md = run_models.table(doc)
+    assert "| iterserve | 20.0 | 31.0 | 45.0 | 45.0 (16) | 1.61x |" in md
+    assert "| llama-server | 25.0 | 28.0 | 27.0 | 28.0 (8) | 1.00x |" in md
+
+
 def test_run_models_end_to_end_on_a_tiny_model(tmp_path):
     """The script as the integrator runs it: a real server, the same client, JSON + table."""
     from fixtures.tiny_models import make_tiny_model_dir
     model = make_tiny_model_dir(tmp_path)
     out = tmp_path / "bench-tiny.json"
     rc = run_models.main(["--models", str(model), "--engines", "iterserve", "--measures",
-                          "mix", "b1", "ttft", "--num-requests", "2", "--b1-tokens", "8",
+                          "mix", "b1", "ttft", "sat", "--sat-slots", "8", "--sat-ramp-s", "0.5",
+                          "--sat-window-s", "2", "--num-requests", "2", "--b1-tokens", "8",
                           "--ttft-prompt", "32", "--ttft-samples", "1", "--iterserve-args",
                           "--max-num-batched-tokens 64", "--bandwidth-mb", "64", "--out", str(out),
                           "--tag", "t"])
@@ -124,5 +145,13 @@ def test_run_models_end_to_end_on_a_tiny_model(tmp_path):
     assert r["b1_fraction_of_bound"] == pytest.approx(r["b1_tok_s"] / bound, rel=1e-2)
     sample = f["samples"]["iterserve"]["s8"][0]
     assert sample["mix"]["failed"] == 0 and "--max-num-batched-tokens 64" in sample["command"]
+    # the bounded sweep, on the same server: a closed loop of 8, tokens counted in the window
+    sat = sample["sat"]
+    assert sat["failed"] == 0 and sat["chunks_in_window"] > 0 and sat["output_tok_s"] > 0
+    # usage tokens per text chunk of the completed requests (> 1: the detokeniser held back
+    # a random model's partial characters), so the figure counts tokens, not chunks
+    assert 1.0 <= sat["tokens_per_chunk"] < 3.0 and sat["completed_requests"] > 0
+    assert r["sat_by_slots"] == {"8": sat["output_tok_s"]} and r["sat_best_slots"] == 8
     md = out.with_suffix(".md").read_text()
     assert "| iterserve |" in md and "batch-1 bound" in md and "TTFT 32 ms" in md
+    assert "Saturated (closed loop, 2.0 s window)" in md and "| 8 slots |" in md

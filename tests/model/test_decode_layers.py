@@ -172,3 +172,32 @@ def test_gguf_lm_head_runs_on_the_native_kernel_tied_or_not(tmp_path, qtype, tie
     head = lm.model.lm_head
     assert (head.encoded is lm.model.embed_tokens.encoded) == tied
     assert head.compute_path() == "native" and runner.fused_decode
+
+
+def test_phase_timers_change_no_result_and_account_for_the_call(quant_model):
+    """decode_layers.c's opt-in phase timers (benchmarks/profile_decode.py): the same logits
+    bit for bit with them on; every GEMM role, the attention and each segment's weight type
+    get time, and the phases add up to no more than the whole call."""
+    import ctypes
+    fn = kernels._lib().iterserve_decode_profile
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    n = fn(None)
+    acc = (ctypes.c_double * n)()
+    off, _, _ = _run(quant_model, fused=True)
+    fn(ctypes.addressof(acc))
+    try:
+        on, _, _ = _run(quant_model, fused=True)
+    finally:
+        fn(None)
+    assert len(on) == len(off) and all(torch.equal(a, b) for a, b in zip(on, off))
+    phases, call = list(acc[:11]), acc[11]
+    assert all(phases[i] > 0 for i in (0, 1, 5, 6, 8, 10))    # norms, 4 GEMMs, attention
+    assert 0 < sum(phases) <= call
+    types = {int(t) for layer in quant_model.model.layers
+             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj)
+             for t, _ in lin.encoded.segments}
+    timed = {t for t in range(n - 16) if acc[16 + t] > 0}
+    assert timed == types
+    assert sum(acc[16:]) == pytest.approx(phases[1] + phases[6] + phases[8] + phases[10],
+                                          rel=0.05)

@@ -271,6 +271,15 @@ class KernelActivations(enum.StrEnum):
     INT8 = "int8"      # rows quantised to 8 bits, integer dot products (llama.cpp's scheme)
 
 
+class OmpWaitPolicy(enum.StrEnum):
+    """What idle OpenMP threads of the CPU kernels do between parallel regions
+    (engine/omp_policy.py applies it before torch loads libgomp)."""
+    ENV = "env"          # leave OMP_WAIT_POLICY as the environment has it (libgomp's default)
+    AUTO = "auto"        # passive when the CPUs are already busy at start, else as env
+    ACTIVE = "active"    # spin: the fastest hand-off between regions on an idle machine
+    PASSIVE = "passive"  # sleep: no spinning thread takes a core another process needs
+
+
 @dataclass(slots=True)
 class KernelConfig:
     """How the model's native CPU kernels compute (issue 13), set when the model loads."""
@@ -280,6 +289,13 @@ class KernelConfig:
         "products, as llama.cpp; about 0.5 percent relative error per output), float (float32, equal to "
         "a float GEMM up to summation order) or auto (int8 where it measured faster: K-quants "
         "up to 32 rows, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 up to 8)", KernelActivations, group="model")
+    omp_wait_policy: OmpWaitPolicy = knob(
+        OmpWaitPolicy.ENV, "idle OpenMP threads: env (as OMP_WAIT_POLICY says, libgomp "
+        "spins by default), active, passive (sleep: on a machine whose cores other "
+        "processes use, spinning threads made a decode step 10-100x slower), or auto "
+        "(passive when the 1-minute load average at start is at least the usable CPUs); "
+        "applied by `iterserve serve` before torch loads, an OMP_WAIT_POLICY in the "
+        "environment wins", OmpWaitPolicy, group="model")
 
     def validate(self) -> "KernelConfig":
         _check_fields(self)

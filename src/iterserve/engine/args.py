@@ -89,6 +89,7 @@ class EngineArgs:
     threads_per_replica: int | None = None
     # kernels (core/config.py KernelConfig)
     kernel_activations: str = "auto"
+    omp_wait_policy: str = "env"             # applied by the CLI (engine/omp_policy.py)
     # observability
     max_finished_requests: int = 1000        # finished requests kept for /trace
     step_history_len: int = 300              # steps kept for the live view

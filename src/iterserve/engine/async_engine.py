@@ -246,29 +246,47 @@ class AsyncEngine:
         self.health_violations.extend(problems)
         return problems
 
+    # Off by default: pipelined, an abort (a consumer that left) lands behind the step
+    # already running, so its blocks are freed one step later (tests/engine/test_async_engine
+    # holds the loop to "within one step"); benchmarks/step_gap.py measures what it buys.
+    pipeline_steps = False
+
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         busy = False
-        while not self._closed:
-            if not self.engine.has_unfinished_requests():
-                if busy:                    # just went idle: check the books once
-                    busy = False
-                    if await loop.run_in_executor(self._thread, self._check_health):
-                        continue            # ended requests emit their outputs next step
-                self._work.clear()
+        pending: asyncio.Future | None = None      # the next step, already on the engine thread
+        while not self._closed or pending is not None:
+            if pending is None:
                 if not self.engine.has_unfinished_requests():
-                    await self._work.wait()
-                continue
-            busy = True
+                    if busy:                    # just went idle: check the books once
+                        busy = False
+                        if await loop.run_in_executor(self._thread, self._check_health):
+                            continue            # ended requests emit their outputs next step
+                    self._work.clear()
+                    if not self.engine.has_unfinished_requests():
+                        await self._work.wait()
+                    continue
+                busy = True
+                pending = loop.run_in_executor(self._thread, self._step)
             try:
-                outputs = await loop.run_in_executor(self._thread, self._step)
+                outputs = await pending
             except Exception as e:           # the engine itself broke: fail everyone, go on
+                pending = None
                 logger.exception("engine step failed")
                 for rid, q in list(self._streams.items()):
                     q.put_nowait(e)
                     self._thread.submit(self.engine.abort_request, rid)
                 await asyncio.sleep(0.01)
                 continue
+            pending = None
+            # Pipelined (opt-in): the next step is on the engine thread before this one's outputs go
+            # to the streams, so the streams' Python (one SSE chunk each) runs during the
+            # forward pass instead of idling the engine between steps (benchmarks/step_gap.py
+            # measured that gap). Outputs are snapshots (output_processor), so the running
+            # step cannot change what a stream reads; aborts queue behind it as before.
+            if self.pipeline_steps and outputs and not self._closed \
+                    and self.engine.has_unfinished_requests():
+                pending = loop.run_in_executor(self._thread, self._step)
             for out in outputs:
                 q = self._streams.get(out.request_id)
                 if q is not None:

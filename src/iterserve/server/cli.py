@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from iterserve.engine import omp_policy        # before anything loads torch (libgomp)
+    omp_policy.apply(getattr(args, "omp_wait_policy", "env"))
     from iterserve.replicas.launch import RayNotInstalledError
 
     try:

@@ -30,8 +30,42 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "iterserve.h"
+
+/* Opt-in phase timing for benchmarks/profile_decode.py (where one decode step's time goes):
+ * a decode step runs every layer in this one call, which neither cProfile nor torch.profiler
+ * can look into. iterserve_decode_profile(acc) points the accumulator at `acc` (NULL turns
+ * it off, the default): each phase below adds its wall seconds (CLOCK_MONOTONIC, on the
+ * calling thread, around kernels that are themselves parallel) to acc[phase], and each GEMM
+ * segment to acc[PROF_TYPE0 + ggml type] as well (per weight type). Off, it costs one
+ * predictable branch per phase; the arithmetic is the same either way. Not thread-safe: one
+ * profiler per process. Returns the number of slots acc must have. */
+enum { PROF_NORM = 0, PROF_QKV, PROF_BIAS_QKNORM, PROF_ROPE, PROF_KV_WRITE, PROF_ATTN, PROF_O,
+       PROF_RESIDUAL, PROF_GATE_UP, PROF_SILU, PROF_DOWN, PROF_CALL, PROF_TYPE0 = 16,
+       PROF_SLOTS = PROF_TYPE0 + 48 };
+static double *prof_acc = NULL;
+
+int iterserve_decode_profile(double *acc) {
+    prof_acc = acc;
+    return PROF_SLOTS;
+}
+
+static inline double prof_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* t0 = the phase's start (0 when off); adds now - t0 to acc[slot]; returns now */
+static inline double prof_add(int slot, double t0) {
+    if (!prof_acc) return 0.0;
+    const double t = prof_now();
+    prof_acc[slot] += t - t0;
+    return t;
+}
+#define PROF_START() (prof_acc ? prof_now() : 0.0)
 
 /* y[T][ldy] = x . W^T over the linear's segments, side by side in y's columns. */
 static void gemm(const iterserve_linear *w, const float *x, int64_t T, float *y, int64_t ldy,
@@ -39,8 +73,10 @@ static void gemm(const iterserve_linear *w, const float *x, int64_t T, float *y,
     int64_t col = 0;
     for (int s = 0; s < w->nseg; s++) {
         const iterserve_segment *g = w->seg + s;
+        const double t0 = PROF_START();
         iterserve_qgemm(g->type, g->data, g->rows, g->row_stride, w->k, x, T, w->k, y + col, ldy,
                         nthreads);
+        if (g->type >= 0 && g->type < PROF_SLOTS - PROF_TYPE0) prof_add(PROF_TYPE0 + (int)g->type, t0);
         col += g->rows;
     }
 }
@@ -70,6 +106,7 @@ int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void 
                                const float *cos, const float *sin, const int64_t *slot_mapping,
                                const int32_t *tables, int max_blocks, const int32_t *lens,
                                int window, int bs, float scale, int nthreads, int kv_type) {
+    const double tcall = PROF_START();
     if (kv_type != ITERSERVE_KV_F32 && kv_type != ITERSERVE_KV_F16) return ITERSERVE_ETYPE;
     if (kv_type == ITERSERVE_KV_F16 && d % 8) return ITERSERVE_ETYPE;
     for (int64_t t = 0; t < T; t++)
@@ -93,14 +130,19 @@ int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void 
     for (int l = 0; l < nlayers; l++) {
         const iterserve_layer *L = layers + l;
         void *kpool = kpools[l], *vpool = vpools[l];
+        double tp = PROF_START();
         iterserve_rmsnorm(h, L->ln1, x, T, hidden, eps);
+        tp = prof_add(PROF_NORM, tp);
         gemm(&L->qkv, x, T, qkv, qkvw, nthreads);
+        tp = prof_add(PROF_QKV, tp);
         if (L->qkv_bias)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < qkvw; i++) qkv[t * qkvw + i] = qkv[t * qkvw + i] + L->qkv_bias[i];
         if (L->q_norm)
             iterserve_qk_norm(qkv, T, qkvw, H, kvh, d, L->q_norm, L->k_norm, eps);
+        tp = prof_add(PROF_BIAS_QKNORM, tp);
         iterserve_rope(qkv, T, qkvw, H + kvh, d, cos, sin);
+        tp = prof_add(PROF_ROPE, tp);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkvw;
             memcpy(q + t * qsz, row, sizeof(float) * (size_t)qsz);
@@ -114,16 +156,26 @@ int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void 
                        sizeof(float) * (size_t)kvsz);
             }
         }
+        tp = prof_add(PROF_KV_WRITE, tp);
         iterserve_decode_attention_kv(q, kpool, vpool, pool_slots, tables, max_blocks, lens,
                                       window, (int)T, H, kvh, d, bs, scale, a, nthreads, kv_type);
+        tp = prof_add(PROF_ATTN, tp);
         gemm(&L->o, a, T, y, hidden, nthreads);
+        tp = prof_add(PROF_O, tp);
         for (int64_t i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
+        tp = prof_add(PROF_RESIDUAL, tp);
         iterserve_rmsnorm(h, L->ln2, x, T, hidden, eps);
+        tp = prof_add(PROF_NORM, tp);
         gemm(&L->gate_up, x, T, gu, 2 * inter, nthreads);
+        tp = prof_add(PROF_GATE_UP, tp);
         iterserve_silu_mul(gu, act, T, inter);
+        tp = prof_add(PROF_SILU, tp);
         gemm(&L->down, act, T, y, hidden, nthreads);
+        tp = prof_add(PROF_DOWN, tp);
         for (int64_t i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
+        prof_add(PROF_RESIDUAL, tp);
     }
     free(buf);
+    prof_add(PROF_CALL, tcall);
     return ITERSERVE_OK;
 }

@@ -1,0 +1,57 @@
+"""`--omp-wait-policy`: what idle OpenMP threads do, decided before torch loads libgomp.
+
+Why a knob: the CPU kernels (and torch) run each parallel region on libgomp's thread pool.
+By default (OMP_WAIT_POLICY unset) libgomp's idle threads spin for a while before they sleep;
+on an idle machine that makes the hand-off between the ~200 parallel regions of a decode
+step cheap, but on a machine whose cores other processes use, a spinning thread holds a core
+that the thread it waits for needs: a bundled-model batch-1 step went from ~1 s to 11-65 ms
+with OMP_WAIT_POLICY=PASSIVE at load average 20 (session 13). libgomp reads the variable once,
+when it is loaded (with torch), so the policy must be in the environment before that:
+`iterserve serve` calls `apply` first thing. An OMP_WAIT_POLICY already in the environment
+always wins (the user said so explicitly). torch-free on purpose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def decide(policy: str, env: dict | None = None, load1: float | None = None,
+           cpus: int | None = None) -> str | None:
+    """The OMP_WAIT_POLICY value to set (None: leave the environment as it is)."""
+    env = os.environ if env is None else env
+    policy = str(policy).lower()
+    if policy == "env" or env.get("OMP_WAIT_POLICY"):
+        return None
+    if policy == "auto":
+        load1 = os.getloadavg()[0] if load1 is None else load1
+        cpus = usable_cpus() if cpus is None else cpus
+        return "PASSIVE" if load1 >= cpus else None
+    if policy in ("active", "passive"):
+        return policy.upper()
+    raise ValueError(f"omp_wait_policy must be env, auto, active or passive, not {policy!r}")
+
+
+def apply(policy: str) -> str | None:
+    """Set OMP_WAIT_POLICY for this process per `policy`; returns the value it now has."""
+    value = decide(policy)
+    if value is not None:
+        if "torch" in sys.modules:   # libgomp is loaded: too late for this process
+            logger.warning("--omp-wait-policy %s: torch is already imported, so OpenMP keeps "
+                           "its policy; set OMP_WAIT_POLICY=%s in the environment instead",
+                           policy, value)
+            return os.environ.get("OMP_WAIT_POLICY")
+        os.environ["OMP_WAIT_POLICY"] = value
+        logger.info("OMP_WAIT_POLICY=%s (--omp-wait-policy %s)", value, policy)
+    return os.environ.get("OMP_WAIT_POLICY")
