@@ -134,7 +134,8 @@ def variants_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> lis
     return out
 
 
-def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
+def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
+              variants: bool = False) -> dict:
     """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
     alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
     tokens/s per mode (random-weight models: greedy tokens need not agree)."""
@@ -143,11 +144,16 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) ->
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    res = {"float": [], "auto": []}
+    modes = ("pairs", "groups") if variants else ("float", "auto")
+    res = {m: [] for m in modes}
     texts = {}
     for rep in range(repeats + 1):
-        for mode in ("float", "auto"):
-            kernels.set_activations(mode)
+        for mode in modes:
+            if variants:             # both auto; the AVX-512 kernels of the 32-element types
+                kernels.set_activations("auto")
+                kernels._lib().iterserve_act8_variant(1 if mode == "pairs" else 0)
+            else:
+                kernels.set_activations(mode)
             t0 = CLOCK()
             outs = llm.generate(prompts, sp)
             dt = CLOCK() - t0
@@ -155,13 +161,15 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) ->
             if rep:                                    # the first round warms up
                 res[mode].append(toks / dt)
             texts[mode] = [list(o.outputs[0].token_ids) for o in outs]
-    agree = sum(a == b for x, y in zip(texts["float"], texts["auto"]) for a, b in zip(x, y))
-    total = sum(len(x) for x in texts["float"])
+    if variants:
+        kernels._lib().iterserve_act8_variant(0)
+    a_, b_ = modes
+    agree = sum(a == b for x, y in zip(texts[a_], texts[b_]) for a, b in zip(x, y))
+    total = sum(len(x) for x in texts[a_])
     return {"model": model, "batch": batch, "steps": steps, "threads": threads,
-            "float_tok_s": round(statistics.median(res["float"]), 3),
-            "auto_tok_s": round(statistics.median(res["auto"]), 3),
-            "auto_over_float": round(statistics.median(res["auto"]) /
-                                     statistics.median(res["float"]), 3),
+            f"{a_}_tok_s": round(statistics.median(res[a_]), 3),
+            f"{b_}_tok_s": round(statistics.median(res[b_]), 3),
+            f"{b_}_over_{a_}": round(statistics.median(res[b_]) / statistics.median(res[a_]), 3),
             "greedy_tokens_equal": f"{agree}/{total}", "raw": res}
 
 
@@ -183,8 +191,8 @@ def main() -> None:
                     help="cpu: this process's CPU time (one thread on a loaded machine: "
                          "time lost to other processes does not count)")
     ap.add_argument("--variants", action="store_true",
-                    help="int8 only: the 4-block AVX-512 VBMI kernels against the pair kernels "
-                         "(32-element types)")
+                    help="the 4-block AVX-512 VBMI kernels of the 32-element types against the "
+                         "pair kernels before them (int8 GEMMs; with --decode: auto mode)")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="cycle distinct weight copies of at least MB megabytes in "
                          "all (more than the L3), so each call streams its weights from memory")
@@ -204,7 +212,7 @@ def main() -> None:
             "clock": a.clock}
     if a.decode:
         result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,
-                                              int(a.threads.split(",")[-1]))}
+                                              int(a.threads.split(",")[-1]), a.variants)}
         print(json.dumps(result["decode"]))
         out = a.out or f"benchmarks/results/int8-decode-b{a.batch}.json"
     else:

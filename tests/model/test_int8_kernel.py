@@ -44,6 +44,14 @@ def isa(request):
     kernels.int8_isa()
 
 
+def _has_vbmi() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and " avx512vbmi " in ln + " " for ln in f)
+    except OSError:
+        return False
+
+
 def block_of(name: str) -> int:
     return 256 if name.endswith("_K") else 32
 
@@ -131,9 +139,13 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
         kernels.qgemm_int8(t5, w5, 512, x, a)
     with pytest.raises(ValueError):
         kernels.set_activations("int4")
-    # auto: K-quants in int8 up to 32 rows, the 32-element types up to 8
+    # auto: K-quants in int8 up to 32 rows, Q8_0 up to 8, the nibble types up to 32 where the
+    # 4-block AVX-512 VBMI kernels run, else 8
     t4, w4, _ = gguf_blocks("Q4_0", 64, 512, seed=2)
-    for tt, ww, rows, want_int8 in ((t, w, 32, True), (t4, w4, 8, True), (t4, w4, 9, False)):
+    t8, w8, _ = gguf_blocks("Q8_0", 64, 512, seed=2)
+    groups = _has_vbmi() and kernels.int8_isa() == "avx512vnni"
+    for tt, ww, rows, want_int8 in ((t, w, 32, True), (t4, w4, 8, True), (t4, w4, 9, groups),
+                                    (t4, w4, 32, groups), (t8, w8, 8, True), (t8, w8, 9, False)):
         xr = torch.randn(rows, 512)
         a, b = torch.empty(rows, 64), torch.empty(rows, 64)
         kernels.set_activations("auto")

@@ -34,7 +34,8 @@
  * chunks whose quantised activations stay in L1.
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
- * rows, for the 32-element types up to 8) are at the bottom of this file: 1.9-4.6x faster
+ * rows, for Q4_0 / Q4_1 / Q5_0 / Q5_1 up to 32 where the 4-block VBMI kernels run, else and
+ * for Q8_0 up to 8) are at the bottom of this file: 1.9-4.6x faster
  * than the AVX-512 float kernels for Q4_K / Q6_K at 1-16 rows, 1.1-1.9x for Q4_0 / Q8_0 at
  * 1-8 rows (one thread, CPU time).
  */
@@ -1028,7 +1029,18 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
  * hands over to the panel GEMM.
  * Hence "auto" (the engine's default, --kernel-activations auto): int8 for the K-quants up
  * to 32 rows (all decode row counts, layers.QUANT_MAX_ROWS), for Q4_0 / Q4_1 / Q5_0 / Q5_1 /
- * Q8_0 up to 8; "int8": every int8 type up to 32 rows; "float": never. */
+ * Q8_0 up to 8; "int8": every int8 type up to 32 rows; "float": never.
+ * Session 14, the 4-block VBMI kernels (dot32g_vnni / dot8_vnni; bench_int8.py --cold 96:
+ * weights cycled through 96 MB so they come from memory, one thread, CPU time, load ~11,
+ * benchmarks/results/q32-int8-float.json), float time / int8 time, gate_up | down:
+ *            1 row       8           16          32
+ *   Q4_0   1.8 | 7.0  4.6 | 3.0  2.2 | 1.7  1.8 | 1.7
+ *   Q4_1   1.7 | 6.7  3.8 | 2.2  2.0 | 1.5  1.7 | 1.5
+ *   Q5_0   2.4 | 3.8  2.7 | 1.4  1.9 | 1.5  1.4 | 1.2
+ *   Q5_1   2.1 | 3.5  3.2 | 1.6  1.9 | 1.3  1.5 | 1.3
+ *   Q8_0   0.9 | 2.2  2.2 | 1.3  1.2 | 1.0  1.1 | 0.9
+ * so auto takes int8 up to 32 rows for the nibble types where those kernels run (AVX-512
+ * VBMI), Q8_0 stays at 8 (it is memory-bound either way, and even from 16 rows). */
 static int act_mode = 0;        /* 0 float (qgemm.c), 1 int8, 2 auto (the measured limits) */
 
 int64_t iterserve_set_act_mode(int64_t mode) {
@@ -1040,5 +1052,8 @@ int64_t iterserve_set_act_mode(int64_t mode) {
 
 int iterserve_act8_takes(int64_t type, int64_t M) {
     if (act_mode == 0 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
-    return act_mode == 1 || M <= (is_kq(type) ? 32 : 8);
+    if (act_mode == 1 || is_kq(type)) return 1;
+    if (!isa8) iterserve_act8_isa(0);
+    const int groups = isa8 == 2 && vnni_variant == 0 && cpu_vbmi() && type != GGML_Q8_0;
+    return M <= (groups ? 32 : 8);
 }
