@@ -118,7 +118,8 @@ def profile(model: str, tokens: int, modes: list[str], threads: int, reps: int) 
         total = sum(v[2] for v in st.stats.values())
         top = sorted(((v[2], f"{Path(k[0]).name}:{k[2]}") for k, v in st.stats.items()),
                      reverse=True)[:20]
-        doc["modes"][mode] = {"wall_s": walls, "median_s": statistics.median(walls),
+        key = mode if mode not in doc["modes"] else f"{mode}#{len(doc['modes'])}"
+        doc["modes"][key] = {"wall_s": walls, "median_s": statistics.median(walls),
                               "profile_total_s": total,
                               "top_tottime": [{"fn": f, "s": round(t, 4),
                                                "share": round(t / total, 3)} for t, f in top]}

@@ -231,12 +231,12 @@ def test_int8_gemm_rejects_bad_arguments_and_types():
         kernels.gemm_int8(tf, rawf, 64, torch.randn(40, 64), torch.empty(40, 8))
 
 
-def test_activation_mode_routes_the_prefill_gemm():
+@pytest.mark.parametrize("isa8", INT8_ISAS, indirect=True)
+def test_activation_mode_routes_the_prefill_gemm(isa8):
     """`gemm` (what layers.Linear calls for prefill rows) runs the float panel GEMM under
-    --kernel-activations float (fp32 tolerance), the int8 one under int8 and, from 33 rows on
-    a VNNI CPU, under auto (exactly gemm_int8's result); types without an int8 GEMM (F16,
-    Q2_K) stay float in every mode."""
-    vnni = "avx512vnni" in INT8_ISAS
+    --kernel-activations float (fp32 tolerance), the int8 one under int8 and, from 33 rows,
+    under auto (exactly gemm_int8's result); types without an int8 GEMM here (F16, Q2_K; Q8_0
+    on AVX2) stay float in every mode."""
     for name in ("Q4_K", "Q6_K", "Q8_0", "F16", "Q2_K"):
         t, raw, w = gguf_blocks(name, 40, 512, seed=2)
         x = torch.randn(64, 512)
@@ -248,7 +248,7 @@ def test_activation_mode_routes_the_prefill_gemm():
             kernels.set_activations(mode)
             out = torch.empty(64, 40)
             kernels.gemm(t, raw, 512, x, out)
-            if int8 and (mode == "int8" or (mode == "auto" and vnni)):
+            if int8 and mode in ("int8", "auto"):
                 assert torch.equal(out, ref8), (name, mode)
             else:
                 assert_fp32_close(out, x, w)

@@ -285,11 +285,12 @@ class KernelConfig:
     """How the model's native CPU kernels compute (issue 13), set when the model loads."""
 
     kernel_activations: KernelActivations = knob(
-        KernelActivations.AUTO, "decode GEMM activations: int8 (quantised rows, integer dot "
+        KernelActivations.AUTO, "GEMM activations over GGUF weights: int8 (quantised rows, integer dot "
         "products, as llama.cpp; about 0.5 percent relative error per output), float (float32, equal to "
-        "a float GEMM up to summation order) or auto (int8 where it measured faster: K-quants "
-        "up to 32 rows, Q4_0/Q4_1/Q5_0/Q5_1 up to 32 on AVX-512 VBMI CPUs, else 8, Q8_0 up to "
-        "8)", KernelActivations, group="model")
+        "a float GEMM up to summation order) or auto (int8 where it measured faster: decode "
+        "K-quants up to 32 rows, Q4_0/Q4_1/Q5_0/Q5_1 up to 32 on AVX-512 VBMI CPUs, else 8, "
+        "Q8_0 up to 8; prefill chunks of more than 32 rows of these types)", KernelActivations,
+        group="model")
     omp_wait_policy: OmpWaitPolicy = knob(
         OmpWaitPolicy.ENV, "idle OpenMP threads: env (as OMP_WAIT_POLICY says, libgomp "
         "spins by default), active, passive (sleep: on a machine whose cores other "

@@ -506,7 +506,9 @@ def set_activations(mode: str) -> str:
     "int8" (rows quantised to 8 bits once per call and dotted in integers, as llama.cpp does,
     for the types `supports_int8` names, up to 32 rows; other calls stay float) or "auto"
     (int8 up to the row counts where qdot8.c measured it faster: 32 for the K-quants, 8 for
-    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0). Process-wide; returns the mode now in use."""
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0). The same mode routes `gemm` (prefill chunks): "int8"
+    and "auto" (from 33 rows) run the int8-activation prefill GEMM (prefill8.c) for the types
+    `supports_gemm_int8` names. Process-wide; returns the mode now in use."""
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {mode!r}")
     got = _lib().iterserve_set_act_mode(ACTIVATION_MODES[mode])

@@ -581,10 +581,18 @@ int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_strid
 
 /* ---- the mode iterserve_gemm dispatches on -------------------------------------------------- */
 /* "float" (act mode 0): never (prefill.c's float panel GEMM, the numerical reference);
- * "int8" (1): every type above on either ISA; "auto" (2): where it measured faster (below). */
+ * "int8" (1): every type above at any row count; "auto" (2): from 33 rows (what layers.py
+ * sends to the prefill GEMM; 9-32 rows of the 32-element types stay with the decode kernels'
+ * measured rule, qdot8.c / qgemm.c's panel_rows). Measured (one thread, CPU time, same
+ * process, alternating, 2-core AVX-512 EPYC under load ~9; bench_prefill.py --gemm,
+ * benchmarks/results/i8gemm-prefill-gemm-t1.json): float time / int8 time on the 1.7B
+ * shapes at 64 / 512 rows, AVX-512 VNNI 2.1-2.5x / 2.7-3.1x (Q4_K, Q6_K, Q4_0; the int8
+ * micro-kernel ~520-610 GOP/s per core, the panel decode ~5% of a 512-row call); the AVX2
+ * variants of both kernels on the same CPU 1.4-1.6x / 1.3-1.6x (not measured on an AVX2-only
+ * CPU). So auto takes it on both ISAs (Q8_0 only with VNNI: iterserve_gemm8 refuses it on
+ * AVX2 and iterserve_gemm keeps the float path). */
 int iterserve_gemm8_takes(int64_t type, int64_t M) {
     const int64_t mode = iterserve_set_act_mode(-1);
     if (mode == 0 || !iterserve_can_gemm8(type)) return 0;
-    if (mode == 1) return 1;
-    return M > 32 && iterserve_act8_isa(-1) == 2;
+    return mode == 1 || M > 32;
 }
