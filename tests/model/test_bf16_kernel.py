@@ -99,7 +99,7 @@ def test_auto_mode_routes_bf16_weights_through_the_bf16_kernels(m):
     exact = x.double() @ w.double().t()
     for fn in (kernels.qgemm, kernels.gemm):
         kernels.set_activations("auto")
-        assert kernels.bf16_takes(BF16, m) and kernels.bf16_takes(F16, m) == (m >= 2)
+        assert kernels.bf16_takes(BF16, m) and kernels.bf16_takes(F16, m) == (m >= 16)
         auto = torch.empty(m, n)
         fn(BF16, wu, k, x, auto)
         assert torch.equal(auto, direct)                   # the same kernel, bit for bit

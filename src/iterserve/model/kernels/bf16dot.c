@@ -54,16 +54,20 @@
 #define BF16_PANEL_ROWS 16
 #endif
 /* F16 weights (f16 GGUFs) in the auto mode: from F16_DOT_ROWS rows on (0: never) each weight
- * is widened (F16C) and rounded to bf16 in registers, then dotted like BF16. The cost is 3 of
- * f16's 10 mantissa bits per weight (relative 2^-9, the size of the activation rounding; auto
- * already accepts int8 activations, ~0.5% per output, for the K-quants). Measured
- * (bench_bf16.py --types F16, one thread, 2048x2048, same process, alternating, loaded
- * machine): F16C float path / bf16 dot 0.74x at 1 row (the 3 conversion instructions per 32
- * weights cost more than the FMAs they save when one row shares them; batch-1 decode is
- * bound by DRAM anyway), 1.80x at 8 rows, 1.98x at 128 rows. Hence 2: one-row steps keep the
- * exact F16C kernel, batches and prefill take the bf16 dot. `float` keeps F16C everywhere. */
+ * is widened (F16C) and rounded to bf16 (in the panel packer: once per call, shared by all
+ * rows), then dotted like BF16. The cost is 3 of f16's 10 mantissa bits per weight (relative
+ * 2^-9, the size of the activation rounding; auto already accepts int8 activations, ~0.5%
+ * per output, for the K-quants). Measured, same process, alternating, loaded machine:
+ * bench_bf16.py --types F16 (one thread, F16C float path / bf16 dot): 0.74x at 1 row, 0.80-
+ * 2.54x at 8 rows by shape (2048x8192 slower), 1.98x at 128 rows; end to end (bench_bf16.py
+ * --e2e on the 1.7B F16 GGUF, batch 8, 2 threads, decode kernel at 8 rows) auto / float
+ * 0.78x in 2 of 2 repeats, while the same A/B on the hf-bf16 directory gave 1.54x. In the
+ * decode kernel the 3 conversion instructions per 32 weights are paid once per tile of <= 8
+ * rows and compete with the dot products; in the panel GEMM they are paid once per call.
+ * Hence F16_DOT_ROWS = BF16_PANEL_ROWS: decode steps keep the exact F16C kernels, prefill
+ * chunks and large batches take the bf16 panel GEMM. `float` keeps F16C everywhere. */
 #ifndef F16_DOT_ROWS
-#define F16_DOT_ROWS 2
+#define F16_DOT_ROWS BF16_PANEL_ROWS
 #endif
 
 #ifndef NP
