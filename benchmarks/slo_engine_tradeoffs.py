@@ -303,7 +303,8 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
             request_timeout_s=args.request_timeout_s), SLO()))
         real = real_metrics(res, classes, long_idx)
         extra = {}
-        if preset == "priority-flood" and over.get("scheduling_policy") == "priority":
+        if preset == "priority-flood" and over.get("scheduling_policy") == "priority" \
+                and any(v == 0 for v in classes.values()):
             # The interactive class alone: its requests at their arrival times, nothing else.
             alone = type(w)(w.name, w.seed, w.rate, tuple(
                 r for r in w.requests if classes.get(r.index) == 0), w.description, w.extra)

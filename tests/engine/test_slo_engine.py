@@ -94,3 +94,48 @@ def test_priority_less_urgent_tokens_caps_the_batch_steps_and_changes_no_token(t
     assert max(sum(n for r, n in s.items() if r != "u") for s in after) <= 2
     assert max(sum(n for r, n in s.items() if r != "u") for s in free_steps[2:]) == 6
     assert len(capped_steps) > len(free_steps)    # what the batch class pays: more steps
+
+
+@pytest.mark.parametrize("grace, most_steps", [(2.0, 1), (0.0, None)])
+def test_a_request_still_tokenising_between_steps_makes_the_next_step(tiny_model_dir, grace,
+                                                                        most_steps):
+    """AsyncEngine holds a step (up to add_grace) while a request is between add_request's
+    entry and its queueing, so it is not left waiting for a whole step it just missed. A
+    tokeniser made 0.4 s slow: with the grace, at most the step already in flight passes
+    before the request is queued; without it (the control), the engine keeps stepping."""
+    import asyncio
+    import time
+
+    from iterserve.engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine.from_engine_args(EngineArgs(
+        model=str(tiny_model_dir), num_kv_blocks=64, max_model_len=512), add_grace=grace)
+    sched = eng.engine.scheduler
+    orig = eng._encode
+
+    def slow(*a, **k):
+        time.sleep(0.4)
+        return orig(*a, **k)
+
+    async def main():
+        stream = await eng.generate([5, 6, 7], SamplingParams(max_tokens=400, **GREEDY),
+                                    request_id="busy")
+        n = 0
+        async for _ in stream:                 # the engine is stepping
+            n += 1
+            if n == 3:
+                break
+        eng._encode = slow
+        before = sched.step
+        _, q = await eng.add_request("late", "Hello world", SamplingParams(max_tokens=1,
+                                                                          **GREEDY))
+        queued = next(e for e in (await eng.get_trace("late"))["events"]
+                      if e["event"] == "queued")
+        await eng.shutdown()
+        return queued["step"] - before
+
+    passed = asyncio.run(main())
+    if most_steps is not None:
+        assert passed <= most_steps
+    else:
+        assert passed >= 2
