@@ -192,3 +192,28 @@ def test_engine_tokens_with_prefix_hits_and_recompute_preemption(tiny_model_dir,
             ids = torch.tensor([p])
             ref = hf.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
             assert toks == ref[0, len(p):].tolist()
+
+
+def test_sliding_window_model_through_the_engine_matches_hf(tmp_path, monkeypatch):
+    """A Mistral-style sliding window (6) with prompts chunked 8 tokens at a time: every
+    chunk after the first attends over a window that starts inside the cached context."""
+    from fixtures.tiny_models import load_hf_reference, make_tiny_model_dir
+    from iterserve import LLM, SamplingParams
+
+    d = make_tiny_model_dir(tmp_path, "mistral", sliding_window=6)
+    calls = []
+    real = kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention",
+                        lambda *a, **k: calls.append(a[7]) or real(*a, **k))
+    llm = LLM(str(d), block_size=4, max_num_batched_tokens=8, max_model_len=64,
+              num_kv_blocks=64)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (30, 13)]
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    assert calls and set(calls) == {6}                     # the window reached the kernel
+    hf = load_hf_reference(d)
+    for p, o in zip(prompts, res):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()

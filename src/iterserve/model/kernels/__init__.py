@@ -12,6 +12,9 @@ blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
   micro-kernels (AVX-512 or AVX2, `gemm_isa`);
 - `decode_attention.c`: attention for one query per sequence read straight from the paged
   KV pool (model/attention.py);
+- `prefill_attention.c` (+ `prefill_attention_impl.h`, its body for AVX2 and AVX-512):
+  causal attention of prefill chunks (with or without cached context) from the paged KV
+  pool, flash-style, float32 / f16 / bf16 pools (model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
 - `decode_layers.c`: all decoder layers of a small decode-only step in one call
   (`DecodeLayers`, used by llama.py's fused decode).

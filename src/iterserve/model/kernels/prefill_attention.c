@@ -192,7 +192,8 @@ static inline __m512 exp512(__m512 x) {
 
 /* The ISA `isa` (0 auto, 1 AVX2, 2 AVX-512) resolves to for head_dim d on this CPU. */
 int64_t iterserve_prefill_attention_isa(int64_t isa, int64_t d) {
-    const int has512 = (iterserve_cpu_features() >> 3) & 1;
+    const int64_t f = iterserve_cpu_features();
+    const int has512 = ((f >> 3) & 7) == 7;                 /* avx512f, avx512bw, avx512vl */
     if (isa == 1 || !has512 || d % 16) return 1;
     return 2;
 }
