@@ -250,6 +250,11 @@ def test_activation_mode_routes_the_prefill_gemm(isa8):
             kernels.gemm(t, raw, 512, x, out)
             if int8 and mode in ("int8", "auto"):
                 assert torch.equal(out, ref8), (name, mode)
+            elif mode == "auto" and kernels.bf16_takes(t, 64):
+                # F16 in auto on an avx512bf16 CPU: bf16 dot products (test_bf16_kernel.py)
+                ref16 = torch.empty(64, 40)
+                kernels.qgemm_bf16(t, raw, 512, x, ref16, path="panel")
+                assert torch.equal(out, ref16), (name, mode)
             else:
                 assert_fp32_close(out, x, w)
     kernels.set_activations("auto")

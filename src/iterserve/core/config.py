@@ -289,7 +289,8 @@ class KernelConfig:
         "products, as llama.cpp; about 0.5 percent relative error per output), float (float32, equal to "
         "a float GEMM up to summation order) or auto (int8 where it measured faster: decode "
         "K-quants up to 32 rows, Q4_0/Q4_1/Q5_0/Q5_1 up to 32 on AVX-512 VBMI CPUs, else 8, "
-        "Q8_0 up to 8; prefill chunks of more than 32 rows of these types)", KernelActivations,
+        "Q8_0 up to 8; prefill chunks of more than 32 rows of these types; bf16 dot products "
+        "for BF16 weights, and F16 from 16 rows, on avx512bf16 CPUs)", KernelActivations,
         group="model")
     omp_wait_policy: OmpWaitPolicy = knob(
         OmpWaitPolicy.ENV, "idle OpenMP threads: env (as OMP_WAIT_POLICY says, libgomp "
