@@ -888,7 +888,9 @@ static inline __attribute__((always_inline)) VBMI void dot8_vnni(
     }
 
 /* Driver of the two kernels above: as run_vnni, K chunks in groups of 4 blocks (nibble types,
- * their own activation layout) or in blocks (Q8_0). */
+ * their own activation layout) or in blocks (Q8_0). One Q8_0 row takes the pair kernel
+ * (dot32_vnni) in this driver: bench_int8.py --variants --cold 96 ran dot8_vnni at 0.8x of it
+ * at one row of K = 2048 and 1.4-1.5x at 4-8 rows (q32-int8-variants.json). */
 static VBMI void run_vbmi(int type, const act8 *ap, const uint8_t *w, int64_t n,
                           int64_t row_stride, float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
@@ -919,7 +921,10 @@ static VBMI void run_vbmi(int type, const act8 *ap, const uint8_t *w, int64_t n,
                         for (int64_t c = c0; c < c1; c++) {
                             const uint8_t *wn = w + c * row_stride;
                             float o[ROW_TILE] = {0};
-                            TILE(dot8_vnni, GGML_Q8_0)
+                            if (R == 1)        /* measured: the pair kernel, 1.25x here */
+                                CALL(1, dot32_vnni, GGML_Q8_0);
+                            else
+                                TILE(dot8_vnni, GGML_Q8_0)
                             for (int r = 0; r < R; r++) {
                                 float *yy = y + (r0 + r) * ldy + c;
                                 *yy = kchunk ? *yy + o[r] : o[r];
