@@ -14,7 +14,7 @@ sequence's context from. Then in every layer:
   decodes get the native kernel) all chunks of the step go to one call of
   kernels/prefill_attention.c, which reads each chunk's context straight from the pools
   through its block table (flash-style online softmax, causal within the chunk, GQA grouped,
-  sliding windows). A 128-token chunk at context 1500 was ~8x its cost at context 0 on the
+  sliding windows). A 128-token chunk at context 1500 was ~11x its cost at context 0 on the
   torch path below (index_select of the whole context, then SDPA with an explicit
   [chunk, context] mask); benchmarks/bench_attention.py measures both. Otherwise (and with
   PREFILL_NATIVE off): one SDPA per chunk over [its cached prefix + the chunk] with a causal
