@@ -48,7 +48,11 @@ def test_lab_vs_engine_reports_the_lab_error_on_mix_and_a_preset(lve, tmp_path, 
         assert r["real_steps"] == r["lab_steps"] > 0
         assert r["real_busy_slot_steps"] == r["lab_busy_slot_steps"]
         assert r["real_wall_s"] > 0 and r["predicted_s"] > 0
-        assert r["rel_error"] == pytest.approx(r["predicted_s"] / r["real_wall_s"] - 1, abs=2e-3)
+        # the report rounds both times to the ms: allow what that rounding can move the ratio
+        # (a tiny model's run is a few ms of wall time on a fast machine)
+        ratio = r["predicted_s"] / r["real_wall_s"]
+        slack = 2e-3 + (1 + ratio) * 5e-4 / r["real_wall_s"]
+        assert r["rel_error"] == pytest.approx(ratio - 1, abs=slack)
         b = r["breakdown"]
         assert b["real_attn_pairs"] > 0 and b["fit_overhead_on_real_steps_s"] > 0
     kv = rows["kv-pressure"]
