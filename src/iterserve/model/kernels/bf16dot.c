@@ -45,6 +45,7 @@
 #include <omp.h>
 
 #include "iterserve.h"
+#include "transpose.h"
 
 #define BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16")))
 #define BF16_INLINE static inline __attribute__((always_inline)) BF16
@@ -239,35 +240,6 @@ static BF16 void decode_bf16(int type, const uint8_t *w, int64_t N, int64_t row_
 }
 
 /* --- panel GEMM -------------------------------------------------------------------------- */
-/* dst[c][r] = src[r][c] for 16x16 32-bit words (prefill.c's tr16x16, on integers) */
-BF16_INLINE void tr16x16_32(const uint32_t *src, int64_t lds, uint32_t *dst, int64_t ldd) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(src + i * lds)));
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int c = 0; c < 4; c++) {
-        t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-        t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-        t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-        t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    }
-    for (int c = 0; c < 4; c++) {
-        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
-        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
-        r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
-        r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
-    }
-    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + i * ldd), _mm512_castps_si512(r[i]));
-}
-
 /* bp[p][c] (p < kc/2, c < NP) = the bf16 pair (w[p0+c][k0+2p], w[p0+c][k0+2p+1]); rows past
  * `rows` are zero. F16 rows are rounded to bf16 into tmp (16 rows x KC) first. */
 static BF16 void pack_bf16(int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows,
@@ -282,7 +254,7 @@ static BF16 void pack_bf16(int type, const uint8_t *w, int64_t row_stride, int64
         const uint8_t *w0 = w + (p0 + 16 * h) * row_stride + 2 * k0;
         if (type == GGML_BF16 && live == 16 && row_stride % 4 == 0) {
             for (int q = 0; q < kc / 2; q += 16)
-                tr16x16_32((const uint32_t *)w0 + q, row_stride / 4, bp + q * NP + 16 * h, NP);
+                tr16x16((const uint32_t *)w0 + q, row_stride / 4, bp + q * NP + 16 * h, NP);
             continue;
         }
         for (int j = 0; j < 16; j++) {
@@ -293,7 +265,7 @@ static BF16 void pack_bf16(int type, const uint8_t *w, int64_t row_stride, int64
                 _mm512_storeu_si512((void *)(d + e), (__m512i)wload(type, row, e));
         }
         for (int q = 0; q < kc / 2; q += 16)
-            tr16x16_32((const uint32_t *)tmp + q, KC / 2, bp + q * NP + 16 * h, NP);
+            tr16x16((const uint32_t *)tmp + q, KC / 2, bp + q * NP + 16 * h, NP);
     }
 }
 

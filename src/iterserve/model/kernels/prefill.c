@@ -69,6 +69,7 @@
 #define MR256 6
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512bw")))
 #include "blocks512.h"
+#include "transpose.h"
 
 static int isa_in_use = 0;    /* 0: not chosen yet; 1: AVX2; 2: AVX-512F */
 
@@ -77,58 +78,6 @@ int64_t iterserve_gemm_isa(int64_t want) {
     const int have = (iterserve_cpu_features() >> 3) & 1 ? 2 : 1;
     isa_in_use = want >= 1 && want <= have ? (int)want : have;
     return isa_in_use;
-}
-
-/* dst[c][r] = src[r][c] for an 8x8 block (row strides lds, ldd floats). */
-static inline void tr8x8(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    __m256 r[8], t[8], s[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        const int a = 4 * i;
-        s[a] = _mm256_shuffle_ps(t[a], t[a + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        s[a + 1] = _mm256_shuffle_ps(t[a], t[a + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        s[a + 2] = _mm256_shuffle_ps(t[a + 1], t[a + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        s[a + 3] = _mm256_shuffle_ps(t[a + 1], t[a + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
-    }
-}
-
-/* dst[c][r] = src[r][c] for a 16x16 block: unpack, shuffle, then two rounds of 128-bit lane
- * shuffles (64 shuffles for 256 floats; four tr8x8 take 96). */
-static inline __attribute__((always_inline)) AVX512 void tr16x16(
-        const float *src, int64_t lds, float *dst, int64_t ldd) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
-    for (int i = 0; i < 8; i++) {               /* lane L: rows 2i, 2i+1 at columns 4L.. */
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {               /* r[4i + c] lane L: rows 4i..4i+3, column 4L + c */
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int c = 0; c < 4; c++) {
-        t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-        t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-        t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-        t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    }
-    for (int c = 0; c < 4; c++) {               /* r[i] = column i of the 16 rows */
-        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
-        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
-        r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
-        r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
-    }
-    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldd, r[i]);
 }
 
 /* Decode the panel's rows [p0, p0 + rows) (rows <= NP) over blocks [b0, b0 + nb) into

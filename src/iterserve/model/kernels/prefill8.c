@@ -42,6 +42,7 @@
 #include <omp.h>
 
 #include "iterserve.h"
+#include "transpose.h"
 
 #define VNNI8 __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 #define NP8 32          /* weight rows per panel */
@@ -279,27 +280,6 @@ static int panel_alloc(int64_t K, int G, panel8 *p) {
     return ITERSERVE_OK;
 }
 
-/* dst[c][r] = src[r][c] for an 8x8 block of 32-bit values (row strides in 32-bit units) */
-static inline void tr8x8d(const int32_t *src, int64_t lds, int32_t *dst, int64_t ldd) {
-    __m256 r[8], t[8], s[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(src + i * lds));
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        const int a = 4 * i;
-        s[a] = _mm256_shuffle_ps(t[a], t[a + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        s[a + 1] = _mm256_shuffle_ps(t[a], t[a + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        s[a + 2] = _mm256_shuffle_ps(t[a + 1], t[a + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        s[a + 3] = _mm256_shuffle_ps(t[a + 1], t[a + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps((float *)(dst + i * ldd), _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
-        _mm256_storeu_ps((float *)(dst + (i + 4) * ldd), _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
-    }
-}
-
 /* Decode rows [p0, p0 + rows) of W (all K) into p. tmp: NP8 x 256 bytes. */
 static inline __attribute__((always_inline)) void pack8(
         int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows, int64_t K,
@@ -319,7 +299,7 @@ static inline __attribute__((always_inline)) void pack8(
         int32_t *dst = (int32_t *)p->codes + (b * QB / 4) * NP8;
         for (int c0 = 0; c0 < QB / 4; c0 += 8)
             for (int n0 = 0; n0 < NP8; n0 += 8)
-                tr8x8d((const int32_t *)tmp + n0 * (QB / 4) + c0, QB / 4, dst + c0 * NP8 + n0, NP8);
+                tr8x8((const int32_t *)tmp + n0 * (QB / 4) + c0, QB / 4, dst + c0 * NP8 + n0, NP8);
         for (int s = 0; s < SB; s++) {
             const int64_t blk = b * SB + s;
             for (int j = 0; j < NP8; j++) {
