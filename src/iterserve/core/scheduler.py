@@ -111,7 +111,8 @@ class Scheduler:
         self._chunked = config.enable_chunked_prefill
         self._threshold = config.long_prefill_token_threshold
         # vLLM's max_long_partial_prefills: only with several partial prefills and a
-        # threshold that says what "long" is (validate() defaults it to 4% of the context).
+        # threshold that says what "long" is (validate() requires it when
+        # the cap binds).
         # None (the default) is max_num_partial_prefills: no cap of its own.
         long_cap = config.max_long_partial_prefills
         self._max_long = (long_cap if long_cap and long_cap < config.max_num_partial_prefills

@@ -45,8 +45,12 @@ def kv_cache_config(args: Any, loaded: Any) -> CacheConfig:
 
 
 def build_engine_parts(args: Any) -> EngineParts:
+    from iterserve.engine import omp_policy
     from iterserve.model.startup import log_imports, phase
     log_imports()
+    # The offline API reaches here without `iterserve serve`'s early call: apply the knob
+    # before torch loads libgomp (a no-op when serve already set it).
+    omp_policy.apply(getattr(args, "omp_wait_policy", "env"))
     with phase("torch"):
         import torch
 

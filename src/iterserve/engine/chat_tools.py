@@ -72,7 +72,7 @@ class OfflineToolPlan:
                                             parallel_tool_calls=parallel, tokenizer=tokenizer)
         return cls(tool_dicts, choice, parser, parallel, constraint)
 
-    def params(self, sampling_params: Any, num_prompts: int) -> Any:
+    def params(self, sampling_params: Any) -> Any:
         """Sampling params with the forcing grammar (required / named) and the special
         tokens kept when the parser's markers are special (mistral)."""
         from iterserve.tools import get_tool_parser

@@ -147,7 +147,7 @@ class LLM:
                                                chat_template=chat_template, **kw),
             add_special_tokens=False) for conv in conversations]
         if plan is not None:
-            sampling_params = plan.params(sampling_params, len(prompts))
+            sampling_params = plan.params(sampling_params)
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         if plan is not None:
             plan.parse(outputs)

@@ -16,6 +16,7 @@ batch for the short-prompt presets, decodes next to a chunk deep into a long pro
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -29,17 +30,23 @@ REFERENCE_FIT = {"c0": 0.007143531336648523, "c_tok": 0.0, "c_seq": 0.0027297687
 DECODE_STEP = (16, 16, 16 * 257, 0, 0)                   # 16 decodes at 256 tokens
 # ... and 16 decodes next to a 128-token chunk 1,000 tokens into a long prompt.
 LONGPROMPT_STEP = (16 + 128, 17, 16 * 257 + 1128, 128, 128 * 1128)
+_REFERENCE = CostModel.from_dict(REFERENCE_FIT)
 RATE_KEYS = ("arrival_rate_s",)
 TIME_KEYS = ("slo_ttft_ms", "slo_tpot_ms")
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped() -> CostModel:
+    """The shipped fit, parsed once (every preset asks for it at import)."""
+    return load_cost_model(SHIPPED)
 
 
 def speed(step: tuple[int, ...] = DECODE_STEP, cost: CostModel | None = None) -> float:
     """How many times faster `cost` (default: the shipped smollm2-cpu) runs `step` than
     the reference fit."""
-    ref = CostModel.from_dict(REFERENCE_FIT)
-    cur = cost if cost is not None else load_cost_model(SHIPPED)
+    cur = cost if cost is not None else _shipped()
     t = cur.step_time(*step)
-    return ref.step_time(*step) / t if t > 0 else 1.0
+    return _REFERENCE.step_time(*step) / t if t > 0 else 1.0
 
 
 def _round(v: float) -> float:
