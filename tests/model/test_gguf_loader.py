@@ -334,3 +334,31 @@ def test_truncated_string_array_is_a_clear_error(tmp_path):
     cut.write_bytes(data[:data.index(b"tok150")])
     with pytest.raises(GGUFLoadError):
         load_gguf(cut)
+
+
+def test_metadata_only_header_has_the_same_fields_and_no_tensors(tiny_file):
+    from iterserve.model.gguf_loader import open_gguf
+    full, meta = open_gguf(tiny_file[0]), open_gguf(tiny_file[0], tensors=False)
+    assert meta.tensors == [] and len(full.tensors) > 0
+    assert {k: f.contents() for k, f in meta.fields.items()} == \
+        {k: f.contents() for k, f in full.fields.items()}
+
+
+def test_a_separate_tokenizer_skips_building_the_files_own(tiny_file, tmp_path, monkeypatch):
+    """`--tokenizer` replaces a GGUF's tokenizer: the file's own is never built (it was
+    built and thrown away), and the model loads the same."""
+    from iterserve.model.loader import load_model
+    config, refs, tok = load_gguf(tiny_file[0], tokenizer=False)
+    assert tok is None
+    ref_config, ref_refs, _ = load_gguf(tiny_file[0])
+    assert config == ref_config and refs.keys() == ref_refs.keys()
+    tok_dir = tmp_path / "tok"
+    write_tiny_tokenizer(tok_dir, TINY_LLAMA["vocab_size"])
+    built = []
+    real = Tokenizer.from_gguf_metadata.__func__
+    monkeypatch.setattr(Tokenizer, "from_gguf_metadata",
+                        classmethod(lambda cls, r: built.append(r) or real(cls, r)))
+    loaded = load_model(str(tiny_file[0]), tokenizer=str(tok_dir))
+    assert built == [] and loaded.tokenizer.vocab_size == TINY_LLAMA["vocab_size"]
+    load_model(str(tiny_file[0]))
+    assert len(built) == 1                                   # the spy does see the own one

@@ -246,3 +246,41 @@ def test_sentencepiece_gguf_matches_transformers(spm_gguf):
     for text in SPM_SAMPLES:
         assert tok.encode(text) == hf.encode(text), text
         assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
+
+
+# --- `--tokenizer x.gguf`: Tokenizer.from_path reads the metadata only -------------------
+def test_from_path_gguf_reads_metadata_only_and_matches_gguf_py(smollm2, monkeypatch):
+    """`Tokenizer.from_path(x.gguf)` parses the key/value header with the loader's parser
+    and stops before the tensor table (gguf-py's GGUFReader parsed every tensor's info:
+    ~3 s on a 1.7B or 8B file); the tokenizer is the one gguf-py's view of the file gives."""
+    import gguf
+
+    from iterserve.model import gguf_loader
+    path = smollm2[0]
+    ref = Tokenizer.from_gguf_metadata(gguf.GGUFReader(path))
+    opened = []
+    real_open = gguf_loader.open_gguf
+
+    def spy(p, tensors=True):
+        header = real_open(p, tensors)
+        opened.append((tensors, len(header.tensors)))
+        return header
+
+    monkeypatch.setattr(gguf_loader, "open_gguf", spy)
+    monkeypatch.setattr(gguf, "GGUFReader", None)          # must not be used
+    tok = Tokenizer.from_path(path)
+    assert opened == [(False, 0)]
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.chat_template) == \
+        (ref.vocab_size, ref.bos_token_id, ref.eos_token_ids, ref.chat_template)
+    for text in SAMPLES:
+        assert tok.encode(text) == ref.encode(text)
+
+
+def test_from_path_bad_gguf_is_a_tokenizer_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 9)      # header cut short
+    with pytest.raises(TokenizerLoadError, match="cannot be parsed as GGUF"):
+        Tokenizer.from_path(bad)
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04 a zip")
+    with pytest.raises(TokenizerLoadError, match="not a GGUF file"):
+        Tokenizer.from_path(tmp_path / "not.gguf")

@@ -117,9 +117,11 @@ class GGUFHeader:
     value once. The interface is the subset the loader and the tokenizer use: `fields`
     (name -> object with `contents()`), `tensors` (name, tensor_type, shape, n_bytes,
     data_offset), `data` (the uint8 mapping). Big-endian files (rare) go to gguf-py's reader.
+    `tensors=False` stops after the key/value metadata (`tensors` stays empty): all a
+    tokenizer needs (`Tokenizer.from_path(x.gguf)`).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, tensors: bool = True) -> None:
         self.data = map_file(path)
         self.fields: dict[str, _Field] = {}
         self.tensors: list[_Tensor] = []
@@ -137,6 +139,9 @@ class GGUFHeader:
             if name in self.fields:
                 raise ValueError(f"duplicate metadata key {name!r}")
             self.fields[name] = _Field(name, self._value(self._scalar(4)))
+        if not tensors:
+            del self._buf
+            return
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -202,8 +207,9 @@ class GGUFHeader:
         return [x for _ in range(n) for x in self._value(itype)]
 
 
-def open_gguf(path) -> GGUFHeader:
-    """The parsed header of `path`, with a clear GGUFLoadError when it is not a GGUF file."""
+def open_gguf(path, tensors: bool = True) -> GGUFHeader:
+    """The parsed header of `path`, with a clear GGUFLoadError when it is not a GGUF file
+    (`tensors=False`: the key/value metadata only, see GGUFHeader)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GGUFLoadError(f"{path}: no such file")
@@ -212,7 +218,7 @@ def open_gguf(path) -> GGUFHeader:
     if magic != b"GGUF":
         raise GGUFLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        return GGUFHeader(path)
+        return GGUFHeader(path, tensors)
     except _NotReadHere:
         return _gguf_py_reader(path)
     except (ValueError, struct.error, KeyError, IndexError, OverflowError) as exc:
@@ -334,12 +340,13 @@ def _ref(path: str, reader, tensor) -> TensorRef:
                      file_map=reader.data)
 
 
-def load_gguf(path) -> tuple[dict, dict[str, TensorRef], Tokenizer]:
+def load_gguf(path, tokenizer: bool = True) -> tuple[dict, dict[str, TensorRef], Tokenizer | None]:
     """(config dict, HF-named tensor references, tokenizer) of a GGUF file.
 
     Nothing is decoded: every tensor stays a `TensorRef` into the file's mapping. llama's Q/K
     references carry the row permutation that undoes llama.cpp's (applied by whoever reads
-    them, on whole rows of blocks)."""
+    them, on whole rows of blocks). `tokenizer=False` (a `--tokenizer` replaces the file's
+    own) skips building the file's tokenizer: None in its place."""
     path = os.fspath(path)
     with phase("metadata"):
         reader = open_gguf(path)
@@ -362,13 +369,13 @@ def load_gguf(path) -> tuple[dict, dict[str, TensorRef], Tokenizer]:
                                     f"heads")
             ref = ref.with_row_perm(_unpermute_qk(np.arange(ref.rows), heads))
         refs[name] = ref
-    with phase("tokenizer"):
-        tokenizer = Tokenizer.from_gguf_metadata(reader)
-    if config["vocab_size"] is None:
-        config["vocab_size"] = tokenizer.vocab_size
+    own = None
+    if tokenizer:     # (read_gguf_config already took the vocabulary size from its tokens)
+        with phase("tokenizer"):
+            own = Tokenizer.from_gguf_metadata(reader)
     _check_shapes(config, {n: r.shape for n, r in refs.items()})
     config["torch_dtype"] = "float32"   # activations; the weights keep their own encodings
-    return config, refs, tokenizer
+    return config, refs, own
 
 
 def dequantize_state(refs: dict[str, TensorRef]) -> dict[str, torch.Tensor]:

@@ -113,7 +113,7 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
         file_bytes = sum(f.stat().st_size for f in weight_files(p))
     elif p.suffix.lower() == ".gguf":
         from iterserve.model.gguf_loader import load_gguf
-        hf_config, refs, own_tokenizer = load_gguf(p)
+        hf_config, refs, own_tokenizer = load_gguf(p, tokenizer=tokenizer is None)
         name = p.stem
         file_bytes = p.stat().st_size
     else:
@@ -128,7 +128,8 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
     config.kv_cache_dtype = kv_dtype or compute
     if tokenizer is not None:                # --tokenizer (api's hunk)
         from iterserve.model.tokenizer import load_tokenizer_for
-        own_tokenizer = load_tokenizer_for(tokenizer, config.vocab_size)
+        with phase("tokenizer"):
+            own_tokenizer = load_tokenizer_for(tokenizer, config.vocab_size)
     tokenizer = own_tokenizer
     if not config.eos_token_ids and getattr(tokenizer, "eos_token_ids", None):
         config.eos_token_ids = sorted(tokenizer.eos_token_ids)
