@@ -65,14 +65,13 @@ def bench_kernel(shape: str, chunks: list[int], contexts: list[int], repeats: in
             meta_old = attention.build_metadata(seqs, bs, window, cpu, torch.float32)
             meta_new = attention.build_metadata(seqs, bs, window, cpu, torch.float32,
                                                 decode_kernel=fn)
-            assert meta_new.prefill_kernel is not None and meta_old.prefill_kernel is None
+            assert meta_new.prefill_chunks is not None and meta_old.prefill_chunks is None
             out = torch.empty_like(q)
-            args = (meta_new.prefill_q_starts, meta_new.prefill_ctx, meta_new.prefill_lens,
-                    meta_new.prefill_tables, meta_new.sliding_window, bs, scale, out)
+            chunks = meta_new.prefill_chunks
             ref = attention.paged_attention(q, k, v, pk, pv, meta_old, scale)
             err = {}
             for isa in isas:
-                kernels.prefill_attention(q, pk, pv, *args, isa=isa)
+                chunks.run(q, pk, pv, scale, out, isa=isa)
                 err[isa] = float((out - ref).abs().max())
             t = {n: [] for n in ("old", "new", *isas, "meta_old", "meta_new")}
             for r in range(repeats):
@@ -86,7 +85,7 @@ def bench_kernel(shape: str, chunks: list[int], contexts: list[int], repeats: in
                     elif name == "new":
                         attention.paged_attention(q, k, v, pk, pv, meta_new, scale)
                     else:
-                        kernels.prefill_attention(q, pk, pv, *args, isa=name)
+                        chunks.run(q, pk, pv, scale, out, isa=name)
                     t[name].append(time.perf_counter() - t0)
                 for name, kern in (("meta_old", None), ("meta_new", fn)):
                     t0 = time.perf_counter()

@@ -6,6 +6,7 @@ with chunked prefill, a prefix-cache hit and recompute preemption unchanged."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -17,8 +18,6 @@ from iterserve.model.attention import build_metadata, paged_attention
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
                                 reason="needs an x86-64 AVX2/FMA CPU and a C compiler")
-
-ISAS = ["avx2", "avx512"]
 
 
 def _reference(q, pk, pv, start, n, table, bs, window, scale, kvh, d):
@@ -56,12 +55,19 @@ def _chunks_case(chunks, H, kvh, d, dtype, bs, num_blocks=300, seed=0):
     return q, pk, pv, tables, q_starts, args
 
 
-@pytest.mark.parametrize("H, kvh, d", [(9, 3, 64), (4, 4, 32), (6, 2, 16), (8, 1, 128),
-                                       (12, 2, 80), (5, 5, 8), (50, 1, 16)])
+# The AVX-512 build takes head dims that are multiples of 16 (others run the AVX2 one), so
+# its cases use 48 where the AVX2 ones use 8; each case asserts the build it ran.
+_SHAPES = [(9, 3, 64), (4, 4, 32), (6, 2, 16), (8, 1, 128), (12, 2, 80), (50, 1, 16)]
+
+
+@pytest.mark.parametrize("H, kvh, d, isa", [(*s, "avx2") for s in _SHAPES + [(5, 5, 8)]]
+                         + [(*s, "avx512") for s in _SHAPES + [(5, 5, 48)]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 7, 100])
-@pytest.mark.parametrize("isa", ISAS)
 def test_prefill_kernel_equals_sdpa_over_the_gathered_context(H, kvh, d, dtype, window, isa):
+    if isa == "avx512" and kernels.prefill_attention_isa(16, "avx512") != "avx512":
+        pytest.skip("no AVX-512 F/BW/VL on this CPU")
+    assert kernels.prefill_attention_isa(d, isa) == isa       # the build this case is about
     # chunks without context, with context, of 1 token, longer than a key tile (64)
     chunks = [(0, 5), (130, 37), (3, 1), (260, 70), (0, 64)]
     bs = 16 if d > 16 else 4
@@ -95,8 +101,8 @@ def test_paged_attention_native_equals_torch_path_with_decodes_and_chunks(window
     q, k, v = (torch.randn(T, h, d, generator=g) for h in (H, kvh, kvh))
     metas = [build_metadata(seqs, bs, window, torch.device("cpu"), torch.float32,
                             decode_kernel=kern) for kern in (kernels.decode_attention(), None)]
-    assert metas[0].prefill_kernel is not None and not metas[0].prefills
-    assert metas[1].prefill_kernel is None and len(metas[1].prefills) == 3
+    assert metas[0].prefill_chunks is not None and not metas[0].prefills
+    assert metas[1].prefill_chunks is None and len(metas[1].prefills) == 3
     assert torch.equal(metas[0].slot_mapping, metas[1].slot_mapping)
     pools = [(pk.clone(), pv.clone()) for _ in metas]
     outs = [paged_attention(q, k, v, a, b, m, d ** -0.5) for (a, b), m in zip(pools, metas)]
@@ -104,11 +110,38 @@ def test_paged_attention_native_equals_torch_path_with_decodes_and_chunks(window
     assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
 
 
+def test_the_chunks_are_checked_once_and_each_layer_call_is_lean(monkeypatch):
+    """The step's tables and row ranges are checked (with reductions) when the metadata is
+    built; every layer's `run` after that does no reduction over them, and still refuses a
+    q too short for the chunks."""
+    bs, d, kvh, H = 4, 16, 2, 4
+    seqs = [(0, 5, [3, 1]), (6, 3, [0, 2, 4])]
+    meta = build_metadata(seqs, bs, None, torch.device("cpu"), torch.float32,
+                          decode_kernel=kernels.decode_attention())
+    chunks = meta.prefill_chunks
+    assert chunks.rows == 8 and chunks.tables.shape == (2, 3)
+    pk, pv = torch.randn(5 * bs, kvh * d), torch.randn(5 * bs, kvh * d)
+    q = torch.randn(8, H, d)
+    ref = kernels.prefill_attention(q, pk, pv, chunks.q_starts, chunks.ctx, chunks.qlens,
+                                    chunks.tables, 0, bs, 0.25, torch.empty_like(q))
+
+    def no_reduction(*a, **k):
+        raise AssertionError("a per-layer call reduced over the step's tables")
+
+    for name in ("min", "max", "sum", "any", "all"):
+        monkeypatch.setattr(torch.Tensor, name, no_reduction)
+    for _ in range(3):                                     # three "layers"
+        out = chunks.run(q, pk, pv, 0.25, torch.empty_like(q))
+        assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="rows lie outside"):
+        chunks.run(q[:7], pk, pv, 0.25, torch.empty_like(q[:7]))
+
+
 def test_prefill_native_off_keeps_the_torch_path(monkeypatch):
     monkeypatch.setattr(attention, "PREFILL_NATIVE", False)
     meta = build_metadata([(4, 3, [0, 1])], 4, None, torch.device("cpu"), torch.float32,
                           decode_kernel=kernels.decode_attention())
-    assert meta.prefill_kernel is None and len(meta.prefills) == 1
+    assert meta.prefill_chunks is None and len(meta.prefills) == 1
 
 
 def test_bad_indices_and_arguments_are_refused():
@@ -166,18 +199,24 @@ def _generate(model_dir, prompts, **kw):
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_engine_tokens_with_prefix_hits_and_recompute_preemption(tiny_model_dir, monkeypatch, kv):
     calls = []
-    real = kernels.prefill_attention
+    real = kernels.PrefillChunks.run
 
-    def counted(*a, **k):
-        calls.append(int(a[5].sum()))        # query rows computed natively
-        return real(*a, **k)
+    def counted(chunks, *a, **k):
+        calls.append(int(chunks.qlens.sum()))        # query rows computed natively
+        return real(chunks, *a, **k)
 
-    monkeypatch.setattr(kernels, "prefill_attention", counted)
+    monkeypatch.setattr(kernels.PrefillChunks, "run", counted)
+    made = []
+    real_init = kernels.PrefillChunks.__init__
+    monkeypatch.setattr(kernels.PrefillChunks, "__init__",
+                        lambda self, *a: made.append(1) or real_init(self, *a))
     prompts = _prompts()
     kw = dict(num_kv_blocks=24, enable_prefix_caching=True, preemption_mode="recompute",
               kv_cache_dtype=kv)
     native, pre_native = _generate(tiny_model_dir, prompts, **kw)
     assert calls, "the native prefill attention was not used"
+    layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert len(calls) == len(made) * layers                  # checked once a step, run a layer
     monkeypatch.setattr(attention, "PREFILL_NATIVE", False)
     n_calls = len(calls)
     torch_path, pre_torch = _generate(tiny_model_dir, prompts, **kw)
@@ -202,9 +241,9 @@ def test_sliding_window_model_through_the_engine_matches_hf(tmp_path, monkeypatc
 
     d = make_tiny_model_dir(tmp_path, "mistral", sliding_window=6)
     calls = []
-    real = kernels.prefill_attention
-    monkeypatch.setattr(kernels, "prefill_attention",
-                        lambda *a, **k: calls.append(a[7]) or real(*a, **k))
+    real = kernels.PrefillChunks.run
+    monkeypatch.setattr(kernels.PrefillChunks, "run",
+                        lambda c, *a, **k: calls.append(c.window) or real(c, *a, **k))
     llm = LLM(str(d), block_size=4, max_num_batched_tokens=8, max_model_len=64,
               num_kv_blocks=64)
     rng = random.Random(2)

@@ -59,12 +59,9 @@ class AttentionMetadata:
     sliding_window: int = 0                      # 0 = none
     block_size: int = 0
     prefills: list[PrefillSeq] = field(default_factory=list)    # chunks on the torch path
-    # chunks on the native prefill kernel (then all of the step's chunks), int32 CPU tensors
-    prefill_kernel: object = None
-    prefill_q_starts: torch.Tensor | None = None  # [P] first row of each chunk
-    prefill_ctx: torch.Tensor | None = None       # [P] cached tokens before each chunk
-    prefill_lens: torch.Tensor | None = None      # [P] tokens of each chunk
-    prefill_tables: torch.Tensor | None = None    # [P, max blocks] block tables
+    # chunks on the native prefill kernel (then all of the step's chunks): tables, starts and
+    # lengths checked once here, run per layer
+    prefill_chunks: kernels.PrefillChunks | None = None
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -80,7 +77,7 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
 
     With `decode_kernel` (kernels.decode_attention(), CPU float32 only) the decodes get block
     tables and lengths for it instead of gather slots and a padding mask, and (PREFILL_NATIVE)
-    the prefill chunks block tables for kernels.prefill_attention instead of context slots
+    the prefill chunks block tables (kernels.PrefillChunks) instead of context slots
     and masks."""
     for start, n, block_ids in seqs:
         if len(block_ids) * block_size < start + n:
@@ -133,11 +130,11 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
             new_slots.append(torch.tensor(block_ids[:nb], dtype=torch.long)[pos // block_size]
                              * block_size + pos % block_size)
             row += n
-        meta.prefill_kernel = kernels.prefill_attention
-        meta.prefill_tables = torch.tensor(rows, dtype=torch.int32)
-        meta.prefill_q_starts = torch.tensor(q_starts, dtype=torch.int32)
-        meta.prefill_ctx = torch.tensor([s for s, _, _ in prefill_seqs], dtype=torch.int32)
-        meta.prefill_lens = torch.tensor([n for _, n, _ in prefill_seqs], dtype=torch.int32)
+        i32 = dict(dtype=torch.int32)
+        meta.prefill_chunks = kernels.PrefillChunks(
+            torch.tensor(q_starts, **i32), torch.tensor([s for s, _, _ in prefill_seqs], **i32),
+            torch.tensor([n for _, n, _ in prefill_seqs], **i32), torch.tensor(rows, **i32),
+            sliding_window or 0, block_size)
         meta.sliding_window = sliding_window or 0
         meta.block_size = block_size
         prefill_seqs = []
@@ -179,10 +176,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if D:
         out[:D] = _decode_attention(q[:D], k_slots, v_slots, meta, scale, kvh, d)
-    if meta.prefill_kernel is not None:
-        meta.prefill_kernel(q.contiguous(), k_slots, v_slots, meta.prefill_q_starts,
-                            meta.prefill_ctx, meta.prefill_lens, meta.prefill_tables,
-                            meta.sliding_window, meta.block_size, scale, out)
+    if meta.prefill_chunks is not None:
+        meta.prefill_chunks.run(q.contiguous(), k_slots, v_slots, scale, out)
     for p in meta.prefills:
         L = p.context_slots.shape[0]
         kc = k_slots.index_select(0, p.context_slots).to(q.dtype).view(L, kvh, d) \

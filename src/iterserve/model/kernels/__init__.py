@@ -799,43 +799,70 @@ def prefill_attention_isa(d: int, isa: str = "auto") -> str:
     return {1: "avx2", 2: "avx512"}[got]
 
 
+class PrefillChunks:
+    """A step's prefill chunks for prefill_attention, checked once and reused by every layer.
+
+    Why: the tables, lengths and row ranges are the same in all layers of a step, and their
+    checks include tensor reductions (min/max of the rows); made once in
+    attention.build_metadata, the per-layer `run` checks only what changes per layer (q, out,
+    the pools). q_starts / ctx / qlens int32 [P], tables int32 [P, max_blocks] (contiguous,
+    CPU); chunk s has qlens[s] queries at rows q_starts[s].. at positions ctx[s].. (its
+    cached context before it); window 0 or a sliding window. The C side checks every table
+    entry against the pool and each chunk's length against its table (cheap there)."""
+
+    __slots__ = ("q_starts", "ctx", "qlens", "tables", "window", "block_size", "rows")
+
+    def __init__(self, q_starts, ctx, qlens, tables, window: int, block_size: int) -> None:
+        P = tables.shape[0] if isinstance(tables, torch.Tensor) else -1
+        _tables(tables, qlens, P)
+        for name, t in (("q_starts", q_starts), ("ctx", ctx)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device.type != "cpu" \
+                    or tuple(t.shape) != (P,) or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int32 CPU tensor [{P}]")
+        if block_size <= 0 or window < 0:
+            raise ValueError(f"block_size {block_size} / window {window}")
+        if P and int(q_starts.min()) < 0:
+            raise ValueError("a chunk's rows lie outside q (a negative start)")
+        self.q_starts, self.ctx, self.qlens, self.tables = q_starts, ctx, qlens, tables
+        self.window, self.block_size = window, block_size
+        # rows of q the chunks reach: q must have at least these
+        self.rows = int((q_starts.long() + qlens.long()).max()) if P else 0
+
+    def run(self, q, kpool, vpool, scale: float, out, isa: str = "auto"):
+        """Causal attention of the chunks over the paged pool: q, out float32 contiguous
+        [T, H, d]; kpool/vpool float32, float16 or bfloat16 (both alike) contiguous
+        [slots, kvh * d]. Writes only the chunks' rows of out; returns out."""
+        _f32(q, "q", 3)
+        _f32(out, "out", 3)
+        T, H, d = q.shape
+        if out.shape != q.shape:
+            raise ValueError(f"out {tuple(out.shape)} is not like q {tuple(q.shape)}")
+        if d % 8:
+            raise ValueError(f"head_dim {d} is not a multiple of 8")
+        kvh = _pools(kpool, vpool, d, PREFILL_KV_TYPES)
+        if kvh < 1 or H % kvh:
+            raise ValueError(f"{H} query heads cannot share {kvh} KV heads")
+        P = self.tables.shape[0]
+        if P == 0:
+            return out
+        if self.rows > T:
+            raise ValueError(f"a chunk's rows lie outside q's {T} rows")
+        _rc(_lib().iterserve_prefill_attention(
+            q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[0], P,
+            self.q_starts.data_ptr(), self.ctx.data_ptr(), self.qlens.data_ptr(),
+            self.tables.data_ptr(), self.tables.shape[1], self.window, H, kvh, d,
+            self.block_size, scale, out.data_ptr(), _threads(), PREFILL_KV_TYPES[kpool.dtype],
+            PREFILL_ISAS[isa]))
+        return out
+
+
 def prefill_attention(q, kpool, vpool, q_starts, ctx, qlens, tables, window: int,
                       block_size: int, scale: float, out, isa: str = "auto"):
-    """Causal attention of prefill chunks over the paged pool (prefill_attention.c): q, out
-    float32 contiguous [T, H, d]; chunk s has qlens[s] queries at rows q_starts[s].. at
-    positions ctx[s].. (its cached context before it), block table tables[s]; kpool/vpool
-    float32, float16 or bfloat16 (both alike) contiguous [slots, kvh * d]; q_starts / ctx /
-    qlens int32 [P], tables int32 [P, max_blocks]; window 0 or a sliding window. Writes only
-    the chunks' rows of out; returns out."""
-    lib = _lib()
-    _f32(q, "q", 3)
-    _f32(out, "out", 3)
-    T, H, d = q.shape
-    if out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} is not like q {tuple(q.shape)}")
-    if d % 8:
-        raise ValueError(f"head_dim {d} is not a multiple of 8")
-    kvh = _pools(kpool, vpool, d, PREFILL_KV_TYPES)
-    if kvh < 1 or H % kvh:
-        raise ValueError(f"{H} query heads cannot share {kvh} KV heads")
-    P = tables.shape[0] if isinstance(tables, torch.Tensor) else -1
-    _tables(tables, qlens, P)
-    for name, t in (("q_starts", q_starts), ("ctx", ctx)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device.type != "cpu" \
-                or tuple(t.shape) != (P,) or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous int32 CPU tensor [{P}]")
-    if block_size <= 0 or window < 0:
-        raise ValueError(f"block_size {block_size} / window {window}")
-    if P == 0:
-        return out
-    if int(q_starts.min()) < 0 or int((q_starts.long() + qlens.long()).max()) > T:
-        raise ValueError(f"a chunk's rows lie outside q's {T} rows")
-    _rc(lib.iterserve_prefill_attention(
-        q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[0], P,
-        q_starts.data_ptr(), ctx.data_ptr(), qlens.data_ptr(), tables.data_ptr(),
-        tables.shape[1], window, H, kvh, d, block_size, scale, out.data_ptr(), _threads(),
-        PREFILL_KV_TYPES[kpool.dtype], PREFILL_ISAS[isa]))
-    return out
+    """Causal attention of prefill chunks over the paged pool (prefill_attention.c) in one
+    call: `PrefillChunks(q_starts, ctx, qlens, tables, window, block_size).run(q, kpool,
+    vpool, scale, out, isa)` (see both). The engine makes the PrefillChunks once per step."""
+    return PrefillChunks(q_starts, ctx, qlens, tables, window, block_size).run(
+        q, kpool, vpool, scale, out, isa)
 
 
 # --- all decoder layers of a decode-only step ------------------------------------------------
