@@ -267,26 +267,45 @@ def profile(engine, steps: int, top: int = 25) -> dict:
     return doc
 
 
+def native_work_entries() -> list[str]:
+    """The kernel library's entries that do work on buffers: every entry of its function table
+    (`kernels._ARGTYPES`, as iterserve.h declares them) that takes a pointer, but the ABI
+    self-description. What Python alone stubs, taken from the table so that a kernel added
+    later is stubbed too. The others take integers only: pure ISA / dispatch queries
+    (`iterserve_can_gemm8`, `iterserve_bf16_takes`, ...) that stay real, so the step takes
+    the same Python path as with the kernels."""
+    from iterserve.model import kernels
+    return [n for n, (_, args) in kernels._ARGTYPES.items()
+            if ctypes.c_void_p in args and n != "iterserve_abi"]
+
+
 def python_only(engine, steps: int) -> dict:
-    """The step loop with every native kernel call made a no-op (the fused layers, the LM
-    head's and the embedding's kernels, the norms): what is left is the Python of a decode
-    step (scheduler, runner, metadata, sampler, outputs, ctypes marshalling), in wall and in
-    this thread's CPU ms (the latter barely moves with the machine's load). The tokens are
-    garbage afterwards, so this runs last."""
+    """The step loop with every native kernel call made a no-op (`native_work_entries`, and
+    the fused layers' own function pointer): what is left is the Python of a decode step
+    (scheduler, runner, metadata, sampler, outputs, ctypes marshalling), in wall and in this
+    thread's CPU ms (the latter barely moves with the machine's load). The tokens are
+    garbage afterwards, so this runs last. `python_only_native_calls`: the stubbed entries
+    the loop called, and how often."""
     from iterserve.model import kernels
     lib = kernels._lib()
-    names = [n for n in ("iterserve_qgemm", "iterserve_dequant", "iterserve_rmsnorm",
-                         "iterserve_rope", "iterserve_silu_mul", "iterserve_decode_attention",
-                         "iterserve_decode_attention_kv") if hasattr(lib, n)]
+    names = native_work_entries()
     saved = {n: getattr(lib, n) for n in names}
+    calls: dict[str, int] = {}
+
+    def stub(name):
+        def noop(*a):
+            calls[name] = calls.get(name, 0) + 1
+            return 0                 # what the kernels return for "done" (or nothing at all)
+        return noop
+
     runner = engine.executor.runner if hasattr(engine.executor, "runner") else engine.executor
     fused = getattr(runner.model, "_fused", None)
     fused_fn = fused._fn if fused is not None else None
     try:
         for n in names:
-            setattr(lib, n, lambda *a: 0)
+            setattr(lib, n, stub(n))
         if fused is not None:
-            fused._fn = lambda *a: 0
+            fused._fn = stub("decode_layers (fused)")
         for _ in range(3):
             engine.step()
         wall, cpu = [], []
@@ -302,7 +321,7 @@ def python_only(engine, steps: int) -> dict:
             fused._fn = fused_fn
     return {"python_only_step_ms_median": round(statistics.median(wall) * 1e3, 3),
             "python_only_step_thread_cpu_ms_median": round(statistics.median(cpu) * 1e3, 3),
-            "python_only_steps": steps}
+            "python_only_steps": steps, "python_only_native_calls": dict(sorted(calls.items()))}
 
 
 def table(doc: dict) -> str:
