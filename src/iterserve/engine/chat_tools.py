@@ -9,13 +9,14 @@ output of a request with tools is parsed too, so the caller gets
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.errors import InvalidRequestError
+from iterserve.tools import TOOL_PARSERS
+from iterserve.tools.choice import normalize_tools
+from iterserve.tools.plan import ToolPlan, plan_tool_choice
 
 DEFAULT_TOOL_PARSER = "hermes"
 
@@ -45,66 +46,37 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     return dict(call, function=fn)
 
 
-@dataclass
-class OfflineToolPlan:
-    tools: list[dict[str, Any]]
-    choice: Any
-    parser_name: str | None          # None: tool_choice "none", nothing parsed
-    parallel: bool
-    constraint: Any = None           # StructuredOutputsParams forcing the call
+def plan_offline_tools(tools: Sequence[Any], tool_choice: Any, tool_parser: str | None,
+                       parallel: bool, tokenizer: Any) -> tuple[list[dict[str, Any]], ToolPlan]:
+    """(the tool dicts the template gets, the request's ToolPlan): the server's mechanism
+    (iterserve.tools.plan) with the offline policy: `tool_parser` (default hermes) reads
+    "auto" too, no server flag needed."""
+    functions = normalize_tools(tools)       # raises ToolChoiceError on a bad tool
+    tool_dicts = [{"type": "function", "function": f} for f in functions]
+    parser = tool_parser or DEFAULT_TOOL_PARSER
+    if parser not in TOOL_PARSERS:
+        raise InvalidRequestError(f"unknown tool_parser {parser!r}; choose from "
+                                  f"{', '.join(sorted(TOOL_PARSERS))}", "tool_parser")
+    plan = plan_tool_choice(tool_dicts, "auto" if tool_choice is None else tool_choice,
+                            parallel=parallel, auto_parser=parser, forced_format=parser,
+                            tokenizer=tokenizer)
+    return tool_dicts, plan
 
-    @classmethod
-    def make(cls, tools: Sequence[Any], tool_choice: Any, tool_parser: str | None,
-             parallel: bool, tokenizer: Any) -> "OfflineToolPlan":
-        from iterserve.tools import TOOL_PARSERS, tool_choice_constraint
-        from iterserve.tools.choice import normalize_tools
 
-        functions = normalize_tools(tools)       # raises ToolChoiceError on a bad tool
-        tool_dicts = [{"type": "function", "function": f} for f in functions]
-        parser = tool_parser or DEFAULT_TOOL_PARSER
-        if parser not in TOOL_PARSERS:
-            raise InvalidRequestError(f"unknown tool_parser {parser!r}; choose from "
-                                      f"{', '.join(sorted(TOOL_PARSERS))}", "tool_parser")
-        choice = "auto" if tool_choice is None else tool_choice
-        if choice == "none":
-            return cls(tool_dicts, choice, None, parallel)
-        constraint = tool_choice_constraint(tool_dicts, choice, parser,
-                                            parallel_tool_calls=parallel, tokenizer=tokenizer)
-        return cls(tool_dicts, choice, parser, parallel, constraint)
+def tool_params(plan: ToolPlan, sampling_params: Any) -> Any:
+    """`LLM.chat`'s sampling params (None, one, or one per conversation) under `plan`."""
+    base = sampling_params if sampling_params is not None else SamplingParams()
+    if isinstance(base, SamplingParams):
+        return plan.sampling_params(base)
+    return [plan.sampling_params(sp) for sp in base]
 
-    def params(self, sampling_params: Any) -> Any:
-        """Sampling params with the forcing grammar (required / named) and the special
-        tokens kept when the parser's markers are special (mistral)."""
-        from iterserve.tools import get_tool_parser
-        if self.parser_name is None:
-            return sampling_params
-        keep_special = get_tool_parser(self.parser_name).needs_special_tokens
-        if self.constraint is None and not keep_special:
-            return sampling_params
-        base = sampling_params if sampling_params is not None else SamplingParams()
-        many = not isinstance(base, SamplingParams)
-        out = []
-        for sp in (list(base) if many else [base]):
-            if self.constraint is not None and sp.structured_outputs is not None:
-                raise InvalidRequestError(
-                    "tool_choice required / named forces the output's format; it cannot be "
-                    "combined with structured_outputs", "tool_choice")
-            changes: dict[str, Any] = {}
-            if self.constraint is not None:
-                changes["structured_outputs"] = self.constraint
-            if keep_special:
-                changes["skip_special_tokens"] = False
-            out.append(dataclasses.replace(sp, **changes))
-        return out if many else out[0]
 
-    def parse(self, outputs: Sequence[Any]) -> None:
-        """Fill each output's tool_calls / content (parallel False: the first call only)."""
-        from iterserve.tools import get_tool_parser
-        if self.parser_name is None:
-            return
-        for ro in outputs:
-            for co in ro.outputs:
-                ex = get_tool_parser(self.parser_name).extract(co.text)
-                calls = ex.tool_calls if self.parallel else ex.tool_calls[:1]
-                co.tool_calls = calls or None
-                co.content = ex.content if calls else co.text
+def parse_tool_calls(plan: ToolPlan, outputs: Sequence[Any]) -> None:
+    """Fill each output's tool_calls / content, as the server's `message` has them."""
+    if not plan.parses:
+        return
+    for ro in outputs:
+        for co in ro.outputs:
+            ex = plan.extract(co.text)
+            co.tool_calls = ex.tool_calls or None
+            co.content = ex.content if ex.tool_calls else co.text

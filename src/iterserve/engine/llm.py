@@ -129,14 +129,15 @@ class LLM:
         `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces
         a call with structured outputs (arguments valid for the function's schema), "none"
         parses nothing, "auto" (the default) parses what the model writes."""
-        from iterserve.engine.chat_tools import OfflineToolPlan, template_messages
+        from iterserve.engine.chat_tools import (
+            parse_tool_calls, plan_offline_tools, template_messages, tool_params)
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        plan = OfflineToolPlan.make(tools, tool_choice, tool_parser, parallel_tool_calls,
-                                    self.tokenizer) if tools else None
+        plan = None
         kw: dict[str, Any] = dict(chat_template_kwargs or {})
         if tools:
-            kw["tools"] = plan.tools
+            kw["tools"], plan = plan_offline_tools(tools, tool_choice, tool_parser,
+                                                   parallel_tool_calls, self.tokenizer)
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequestError("continue_final_message needs add_generation_prompt"
@@ -147,10 +148,10 @@ class LLM:
                                                chat_template=chat_template, **kw),
             add_special_tokens=False) for conv in conversations]
         if plan is not None:
-            sampling_params = plan.params(sampling_params)
+            sampling_params = tool_params(plan, sampling_params)
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         if plan is not None:
-            plan.parse(outputs)
+            parse_tool_calls(plan, outputs)
         return outputs
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:

@@ -23,14 +23,17 @@ the name is complete, then fragments of the arguments' JSON text (`ToolCallStrea
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.errors import InvalidRequestError
-from iterserve.tools import ToolCallStream, ToolParser, get_tool_parser, tool_choice_constraint
-from iterserve.tools.types import DeltaMessage, ExtractedToolCalls
+from iterserve.tools import ToolCallStream, get_tool_parser
+from iterserve.tools.plan import NO_TOOLS, ToolPlan, plan_tool_choice
+from iterserve.tools.types import DeltaMessage
+
+__all__ = ["ToolServerConfig", "ToolPlan", "NO_TOOLS", "plan_tools", "message_with_tools",
+           "StreamedToolCalls"]
 
 DEFAULT_FORCED_FORMAT = "hermes"
 
@@ -50,82 +53,30 @@ class ToolServerConfig:
                              "(hermes, llama3_json or mistral)")
 
 
-@dataclass
-class ToolPlan:
-    """What one chat request does with tools (`plan_tools`)."""
-
-    choice: str                     # "none" | "auto" | "required" | "named"
-    parser_name: str | None         # the parser that reads the output (None: no parsing)
-    parallel: bool
-
-    @property
-    def parses(self) -> bool:
-        return self.parser_name is not None
-
-    def parser(self) -> ToolParser:
-        assert self.parser_name is not None
-        return get_tool_parser(self.parser_name)
-
-    def apply(self, ex: ExtractedToolCalls) -> ExtractedToolCalls:
-        if not self.parallel and len(ex.tool_calls) > 1:
-            return ExtractedToolCalls(ex.content, ex.tool_calls[:1])
-        return ex
-
-    def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
-        if called and finish_reason == "stop" and self.choice in ("auto", "required"):
-            return "tool_calls"
-        return finish_reason
-
-
-NO_TOOLS = ToolPlan("none", None, True)
-
-
 def plan_tools(body: Any, config: ToolServerConfig, tokenizer: Any,
                params: SamplingParams) -> tuple[ToolPlan, SamplingParams]:
-    """The request's ToolPlan and its sampling params (with the forcing grammar for
-    "required" / named). Raises errors the server answers 400, naming the field."""
+    """The request's ToolPlan (iterserve.tools.plan, shared with the offline API) and its
+    sampling params (with the forcing grammar for "required" / named). Raises errors the
+    server answers 400, naming the field."""
     if not body.tools:
         return NO_TOOLS, params
     choice = body.effective_tool_choice
-    parallel = body.parallel_tool_calls is not False
-    if choice == "none":
-        return ToolPlan("none", None, parallel), params
-    if choice == "auto":
-        if not (config.enable_auto_tool_choice and config.tool_call_parser):
-            raise InvalidRequestError(
-                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                "to be set on the server (tool_choice \"auto\" is the default when tools are "
-                'given; send "required", a named function or "none" instead)', "tool_choice")
-        plan = ToolPlan("auto", config.tool_call_parser, parallel)
-        return plan, _special_tokens(plan, params)
-    fmt = config.tool_call_parser or DEFAULT_FORCED_FORMAT
-    if params.structured_outputs is not None:
+    if choice == "auto" and not (config.enable_auto_tool_choice and config.tool_call_parser):
         raise InvalidRequestError(
-            f"tool_choice {'required' if choice == 'required' else 'a named function'} forces "
-            "the output's format; it cannot be combined with response_format / "
-            "structured_outputs / guided_*", "tool_choice")
-    constraint = tool_choice_constraint(
-        [t.model_dump(exclude_none=True) for t in body.tools],
-        choice if choice == "required" else choice.model_dump(), fmt,
-        parallel_tool_calls=parallel, tokenizer=tokenizer)
-    plan = ToolPlan("required" if choice == "required" else "named", fmt, parallel)
-    params = dataclasses.replace(params, structured_outputs=constraint)
-    return plan, _special_tokens(plan, params)
-
-
-def _special_tokens(plan: ToolPlan, params: SamplingParams) -> SamplingParams:
-    """A parser whose markers are special tokens (mistral's [TOOL_CALLS]) must see them."""
-    if plan.parses and plan.parser().needs_special_tokens and params.skip_special_tokens:
-        return dataclasses.replace(params, skip_special_tokens=False)
-    return params
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+            "to be set on the server (tool_choice \"auto\" is the default when tools are "
+            'given; send "required", a named function or "none" instead)', "tool_choice")
+    plan = plan_tool_choice(
+        body.tool_dicts(), choice if isinstance(choice, str) else choice.model_dump(),
+        parallel=body.parallel_tool_calls is not False, auto_parser=config.tool_call_parser,
+        forced_format=config.tool_call_parser or DEFAULT_FORCED_FORMAT, tokenizer=tokenizer)
+    return plan, plan.sampling_params(params)
 
 
 def message_with_tools(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:
     """The non-streamed `message` for `text` under `plan`, and whether tools were called."""
-    if not plan.parses:
-        return {"role": "assistant", "content": text}, False
-    ex = plan.apply(plan.parser().extract(text))
-    if not ex.tool_calls:
+    ex = plan.extract(text)
+    if ex is None or not ex.tool_calls:
         return {"role": "assistant", "content": text}, False
     return {"role": "assistant", "content": ex.content,
             "tool_calls": [c.to_openai() for c in ex.tool_calls]}, True
