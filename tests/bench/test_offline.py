@@ -2,13 +2,12 @@
 
 import pytest
 
-from fixtures.tiny_models import make_tiny_model_dir
 from iterserve.bench.offline import CountingExecutor, OfflineBenchError, run_offline
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("bench-tiny"))
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def test_static_batching_takes_more_steps_at_lower_utilisation_for_the_same_tokens(tiny_dir):

@@ -47,10 +47,9 @@ def test_weight_bytes_per_token_counts_every_matrix_once_and_a_tied_table_as_the
     assert got >= CFG["num_hidden_layers"] * layer * 18 // 32
 
 
-def test_weight_bytes_of_an_hf_directory_skip_an_untied_embedding(tmp_path):
-    from fixtures.tiny_models import make_tiny_model_dir
+def test_weight_bytes_of_an_hf_directory_skip_an_untied_embedding(tiny_model_dir):
     from iterserve.model.hf_loader import read_hf_weights
-    d = make_tiny_model_dir(tmp_path)           # untied, float32
+    d = tiny_model_dir                          # untied, float32
     refs = read_hf_weights(d)
     total = sum(r.nbytes for r in refs.values())
     embed = next(r.nbytes for n, r in refs.items() if n.endswith("embed_tokens.weight"))
@@ -124,10 +123,9 @@ def test_saturated_sweep_takes_each_engines_best_slot_count_and_compares_bests()
     assert "| llama-server | 25.0 | 28.0 | 27.0 | 28.0 (8) | 1.00x |" in md
 
 
-def test_run_models_end_to_end_on_a_tiny_model(tmp_path):
+def test_run_models_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
     """The script as the integrator runs it: a real server, the same client, JSON + table."""
-    from fixtures.tiny_models import make_tiny_model_dir
-    model = make_tiny_model_dir(tmp_path)
+    model = tiny_model_dir
     out = tmp_path / "bench-tiny.json"
     rc = run_models.main(["--models", str(model), "--engines", "iterserve", "--measures",
                           "mix", "b1", "ttft", "sat", "--sat-slots", "8", "--sat-ramp-s", "0.5",

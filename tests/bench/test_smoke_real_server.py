@@ -15,7 +15,6 @@ import time
 import httpx
 import pytest
 
-from fixtures.tiny_models import make_tiny_model_dir
 from iterserve.bench.workloads import build_workload
 from iterserve.cli import main as iterserve_main
 
@@ -27,8 +26,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
-    model = make_tiny_model_dir(tmp_path_factory.mktemp("smoke-model"))
+def server_url(tmp_path_factory, tiny_model_dir):
+    model = tiny_model_dir
     port = _free_port()
     log = open(tmp_path_factory.mktemp("smoke-log") / "server.log", "w+")
     proc = subprocess.Popen(

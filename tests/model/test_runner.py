@@ -14,8 +14,8 @@ from iterserve.model.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return load_model(str(make_tiny_model_dir(tmp_path_factory.mktemp("m"), "llama")))
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir))
 
 
 def test_swap_out_and_in_round_trip_preserves_kv(loaded):
