@@ -140,7 +140,10 @@ def gemm_ab(types: list[str], rows: list[int], threads: int, repeats: int,
     """Same-process A/B of the int8 and float prefill GEMMs (see the module docstring)."""
     import numpy as np
     import torch
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fixtures.tiny_gguf import random_blocks
 
     from iterserve.model import kernels
     if threads:
@@ -151,15 +154,9 @@ def gemm_ab(types: list[str], rows: list[int], threads: int, repeats: int,
            "shapes": shapes, "repeats": repeats, "results": []}
     for name in types:
         t = int(GGMLQuantizationType[name])
-        elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
         for n, k in shapes:
             # random blocks with sane f16 scales: speed does not depend on the values
-            raw = rng.integers(0, 256, size=(n, k // elems * nbytes), dtype=np.uint8)
-            blocks = raw.reshape(n, k // elems, nbytes)
-            f16 = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-            for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(name, (0,)):
-                blocks[:, :, off:off + 2] = f16
-            w = torch.from_numpy(raw)
+            w = torch.from_numpy(random_blocks(name, n, k, rng))
             for m in rows:
                 x = torch.randn(m, k)
                 out = torch.empty(m, n)

@@ -128,10 +128,10 @@ def iterserve_command(model: Path, port: int, slots: int, ctx: int, block_size: 
 
 
 def llama_server_command(model: Path, port: int, slots: int, ctx: int) -> list[str]:
+    """peers/llama_server.command (its -b 2048 -ub 512 are llama-server's defaults)."""
     import llama_server as peer
-    return [str(peer.BIN_DIR / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "-np", str(slots), "-t", "2", "-tb", "2",
-            "-c", str(slots * ctx), "--no-webui"]
+    return peer.command(model, port, slots, threads=2, ctx_per_slot=ctx,
+                        binary=peer.BIN_DIR / "llama-server")
 
 
 def kv_bytes(name: str, tokens: int, elem_bytes: int = 2) -> int:

@@ -197,9 +197,8 @@ def server_command(e: Engine, m: ModelFile, port: int, slots: int, ctx: int,
         return cmd, env, "/health"
     if e.name == "llama-server":
         import llama_server as ls
-        cmd = [str(ls.BIN_DIR / "llama-server"), "-m", str(m.path), "--host", "127.0.0.1",
-               "--port", str(port), "-np", str(slots), "-t", "2", "-tb", "2",
-               "-c", str(ctx * slots), "--no-webui", "-b", "2048", "-ub", "512", *e.extra]
+        cmd = ls.command(m.path, port, slots, threads=2, ctx_per_slot=ctx,
+                         binary=ls.BIN_DIR / "llama-server") + list(e.extra)
         return cmd, env, "/health"
     import vllm_cpu
     kv_gib = 2 * lim["layers"] * lim["kv_heads"] * lim["head_dim"] * 2 * slots * ctx / (1 << 30)

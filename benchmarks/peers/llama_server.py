@@ -190,12 +190,20 @@ def setup() -> None:
     print("llama-server ready:", BIN_DIR / "llama-server")
 
 
-def server_command(quant: str, port: int, slots: int, threads: int = 2,
-                   ctx_per_slot: int = 1024) -> list[str]:
-    """The llama-server command line used by every benchmark (one place to read it)."""
-    return [str(build()), "-m", str(model_path(quant)), "--host", "127.0.0.1",
+def command(model: Path, port: int, slots: int, threads: int = 2, ctx_per_slot: int = 1024,
+            binary: Path | None = None) -> list[str]:
+    """The llama-server command line used by every benchmark (one place to read it): `slots`
+    parallel sequences (-np) of `ctx_per_slot` tokens each (llama-server splits -c evenly),
+    `threads` for decode and batch. `binary` None: the peer build (built if missing)."""
+    return [str(binary or build()), "-m", str(model), "--host", "127.0.0.1",
             "--port", str(port), "-np", str(slots), "-t", str(threads), "-tb", str(threads),
             "-c", str(ctx_per_slot * slots), "--no-webui", "-b", "2048", "-ub", "512"]
+
+
+def server_command(quant: str, port: int, slots: int, threads: int = 2,
+                   ctx_per_slot: int = 1024) -> list[str]:
+    """`command` for the bundled model's Q4_1 or its F16 conversion (`quant`)."""
+    return command(model_path(quant), port, slots, threads, ctx_per_slot)
 
 
 def start_server(quant: str, port: int, slots: int, threads: int = 2,

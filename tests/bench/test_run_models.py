@@ -153,3 +153,19 @@ def test_run_models_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
     md = out.with_suffix(".md").read_text()
     assert "| iterserve |" in md and "batch-1 bound" in md and "TTFT 32 ms" in md
     assert "Saturated (closed loop, 2.0 s window)" in md and "| 8 slots |" in md
+
+
+def test_llama_server_command_is_the_peer_modules_one(tmp_path):
+    """run_models and memory.py start llama-server through peers/llama_server.command (one
+    place for its flags), with the engine's extra flags after them."""
+    import llama_server as ls
+    import memory
+    m = run_models.ModelFile("tiny:Q4_0", tmp_path / "m.gguf", None)
+    e = run_models.Engine("llama-server", "llama-server", extra=["-fa", "on"])
+    binary = ls.BIN_DIR / "llama-server"
+    cmd, _, health = run_models.server_command(e, m, 18700, 8, 512, {})
+    assert cmd == ls.command(m.path, 18700, 8, 2, 512, binary) + ["-fa", "on"]
+    assert cmd[cmd.index("-np") + 1] == "8" and cmd[cmd.index("-c") + 1] == str(8 * 512)
+    assert health == "/health"
+    assert memory.llama_server_command(m.path, 18701, 4, 256) == \
+        ls.command(m.path, 18701, 4, 2, 256, binary)
