@@ -745,6 +745,23 @@ def _pools(kpool, vpool, d: int, types=KV_TYPES) -> int:
     return kpool.shape[1] // d
 
 
+def _attention_shapes(q, out, kpool, vpool, types) -> tuple[int, int, int, int]:
+    """(rows, query heads, head_dim, KV heads) of an attention call, checked: q and out
+    float32 contiguous [rows, H, d] alike, d a multiple of 8, pools of `types` holding
+    H / group KV heads."""
+    _f32(q, "q", 3)
+    _f32(out, "out", 3)
+    T, H, d = q.shape
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} is not like q {tuple(q.shape)}")
+    if d % 8:
+        raise ValueError(f"head_dim {d} is not a multiple of 8")
+    kvh = _pools(kpool, vpool, d, types)
+    if kvh < 1 or H % kvh:
+        raise ValueError(f"{H} query heads cannot share {kvh} KV heads")
+    return T, H, d, kvh
+
+
 def kv_type(pool: torch.Tensor) -> int:
     """The kernels' code for a KV pool's dtype (float32 0, float16 1)."""
     return KV_TYPES[pool.dtype]
@@ -768,16 +785,7 @@ def decode_attention(q=None, kpool=None, vpool=None, tables=None, lens=None, win
     if q is None:
         return decode_attention if available() else None
     lib = _lib()
-    _f32(q, "q", 3)
-    _f32(out, "out", 3)
-    D, H, d = q.shape
-    if out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} is not like q {tuple(q.shape)}")
-    if d % 8:
-        raise ValueError(f"head_dim {d} is not a multiple of 8")
-    kvh = _pools(kpool, vpool, d)
-    if kvh < 1 or H % kvh:
-        raise ValueError(f"{H} query heads cannot share {kvh} KV heads")
+    D, H, d, kvh = _attention_shapes(q, out, kpool, vpool, KV_TYPES)
     _tables(tables, lens, D)
     if block_size <= 0 or window < 0:
         raise ValueError(f"block_size {block_size} / window {window}")
@@ -832,16 +840,7 @@ class PrefillChunks:
         """Causal attention of the chunks over the paged pool: q, out float32 contiguous
         [T, H, d]; kpool/vpool float32, float16 or bfloat16 (both alike) contiguous
         [slots, kvh * d]. Writes only the chunks' rows of out; returns out."""
-        _f32(q, "q", 3)
-        _f32(out, "out", 3)
-        T, H, d = q.shape
-        if out.shape != q.shape:
-            raise ValueError(f"out {tuple(out.shape)} is not like q {tuple(q.shape)}")
-        if d % 8:
-            raise ValueError(f"head_dim {d} is not a multiple of 8")
-        kvh = _pools(kpool, vpool, d, PREFILL_KV_TYPES)
-        if kvh < 1 or H % kvh:
-            raise ValueError(f"{H} query heads cannot share {kvh} KV heads")
+        T, H, d, kvh = _attention_shapes(q, out, kpool, vpool, PREFILL_KV_TYPES)
         P = self.tables.shape[0]
         if P == 0:
             return out
