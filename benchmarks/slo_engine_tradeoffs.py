@@ -19,7 +19,9 @@ prefill's stall (and so the gain of chunking).
 Cases (bounded; the request counts keep the whole run within ~8 min on a quiet 2-core
 machine): longprompt with chunked prefill off and on at budgets 128, 256 and 512, and budget
 512 with a 256-token long-prefill threshold, 2 partial prefills of which 1 long
-(`max_long_partial_prefills`); priority-flood under priority, under priority with the less
+(`max_long_partial_prefills`); longprompt-heavy (the stall-heavy variant, 70% long prompts;
+run it alone with `--presets longprompt-heavy`, ~8-9 min quiet) with chunking off and
+budgets 64 / 128 / 256 / 512, and budget 256 with a 32-token threshold, 2 partial / 1 long; priority-flood under priority, under priority with the less
 urgent class capped at 4 tokens per step while the urgent one is active
 (`priority_less_urgent_tokens`), and fcfs, plus the interactive class alone (same server);
 kv-pressure with recompute and swap. Per case: real and lab throughput, p99 ITL, p99 TTFT
@@ -33,9 +35,15 @@ arrival, so it does not see the wait for the step in flight when a request arriv
 one whole step); on the real engine that wait is most of the priority flood's extra TTFT
 (benchmarks/slo_engine_priority_trace.py splits it up).
 
+p99.9 and max ITL are reported next to p99 (a stall that is under 1% of the gaps shows
+there and not at p99). `--repeats N` runs a preset's cases N times in ABBA order and pairs
+each chunked case with chunking off of the same repeat (under load only same-run ratios
+mean something); `--cases` runs a subset.
+
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine_tradeoffs.py
-        [--presets longprompt,priority-flood,kv-pressure] [--requests-scale 1.0]
-        [--port 18620] [--out benchmarks/results/slo-engine-tradeoffs.json]
+        [--presets longprompt,longprompt-heavy,priority-flood,kv-pressure] [--requests-scale 1.0]
+        [--repeats 1] [--cases 'off,budget 64'] [--port 18620]
+        [--out benchmarks/results/slo-engine-tradeoffs.json]
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from slo_workloads import bench_workload, plan, preset_options, serve_args  # no
 import iterserve.bench.client as bench_client  # noqa: E402
 from iterserve.bench.client import ClientOptions, machine_info, run_workload  # noqa: E402
 from iterserve.bench.metrics import SLO  # noqa: E402
-from iterserve.lab.api import run_lab  # noqa: E402
+from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
 from iterserve.lab.cost_model import load_cost_model  # noqa: E402
 
 REFERENCE_STEP = (16, 16, 16 * 257, 0)       # 16 decodes at 256 tokens of context
@@ -73,6 +81,20 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
          {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
           "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
     ],
+    # The stall-heavy variant (lab/options.py says why `longprompt` no longer shows the gain):
+    # every budget of the issue, and the long-prefill threshold with the partial-prefill cap.
+    "longprompt-heavy": [
+        ("chunking off", {"enable_chunked_prefill": False, "max_num_batched_tokens": None}),
+        ("chunked, budget 64", {"max_num_batched_tokens": 64}),
+        ("chunked, budget 128", {"max_num_batched_tokens": 128}),
+        ("chunked, budget 256", {"max_num_batched_tokens": 256}),
+        ("chunked, budget 512", {"max_num_batched_tokens": 512}),
+        # The cheapest chunk step: a long prompt's chunk capped at 32 tokens, the rest of
+        # the budget for the decodes and a short prompt alongside (the lab's best p99).
+        ("chunked, budget 256, threshold 32, 2 partial / 1 long",
+         {"max_num_batched_tokens": 256, "long_prefill_token_threshold": 32,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
+    ],
     "priority-flood": [
         ("priority", {"scheduling_policy": "priority"}),
         ("priority, less urgent <= 4 tokens/step", {"scheduling_policy": "priority",
@@ -84,7 +106,8 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("swap", {"preemption_mode": "swap"}),
     ],
 }
-REQUESTS = {"longprompt": 32, "priority-flood": 80, "kv-pressure": 48}
+REQUESTS = {"longprompt": 32, "longprompt-heavy": 64, "priority-flood": 80, "kv-pressure": 48}
+LONGPROMPT_PRESETS = ("longprompt", "longprompt-heavy")
 
 # The priority of each request the bench client sends (it has no field for it).
 _PRIORITIES: dict[int, int] = {}
@@ -248,13 +271,28 @@ def chunk_cost(repeats: int = 3, prompt: int = 2000, decodes: int = 16,
             "rows": rows}
 
 
+def _pct(values, q: float) -> float | None:
+    """numpy's default (linear) percentile, as the lab's and the bench client's."""
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def itl_tail(gaps) -> dict[str, Any]:
+    """p99.9 and max inter-token gap, and how many gaps (the stall shows there first)."""
+    return {"p999_itl_s": _pct(gaps, 99.9), "max_itl_s": float(max(gaps)) if len(gaps) else None,
+            "itl_count": len(gaps)}
+
+
 def real_metrics(res: dict[str, Any], priorities: dict[int, int],
                  long_idx: set[int] = frozenset()) -> dict[str, Any]:
     s = res["summary"]
     done = [r for r in res["requests"] if r.get("ttft") is not None]
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+    gaps = [g for r in res["requests"] if r.get("success") for g in r.get("itl") or ()]
     out = {"throughput_tokens_per_s": s["output_throughput"],
-           "p99_itl_s": ms(s["itl"]["p99_ms"]), "p99_ttft_s": ms(s["ttft"]["p99_ms"]),
+           "p99_itl_s": ms(s["itl"]["p99_ms"]), **itl_tail(gaps),
+           "p99_ttft_s": ms(s["ttft"]["p99_ms"]),
            "p99_latency_s": ms(s["e2e"]["p99_ms"]) if "e2e" in s else None,
            "p99_ttft_s_urgent": _p99([r["ttft"] for r in done
                                       if priorities.get(r["index"]) == 0]),
@@ -273,8 +311,22 @@ def real_metrics(res: dict[str, Any], priorities: dict[int, int],
     return out
 
 
-LAB_KEYS = ("throughput_tokens_per_s", "p99_itl_s", "p99_ttft_s", "p99_latency_s",
-            "p99_ttft_s_urgent", "p99_ttft_s_normal")
+LAB_KEYS = ("throughput_tokens_per_s", "p99_itl_s", "p999_itl_s", "max_itl_s", "p99_ttft_s",
+            "p99_latency_s", "p99_ttft_s_urgent", "p99_ttft_s_normal")
+
+
+def lab_run(opts: dict[str, Any]) -> dict[str, Any]:
+    """run_lab's continuous ModeResult plus p99.9 / max ITL from the simulated token gaps."""
+    from iterserve.lab.api import plan_lab, simulate_plan
+    from iterserve.lab.metrics import summarize
+
+    p = plan_lab(opts)
+    res = simulate_plan(p)["continuous"]
+    out = summarize(res)
+    if res.itl_prev is not None:
+        S = res.step_start_s
+        out.update(itl_tail(list(S[res.itl_next] - S[res.itl_prev])))
+    return out
 
 
 def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scale: float,
@@ -288,13 +340,14 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
     p = plan(preset, **opts)
     w = bench_workload(p, preset)
     classes = w.extra["priorities"] if preset == "priority-flood" else {}
-    long_idx = {r.index for r in w.requests if r.kind == "long"} if preset == "longprompt" \
-        else set()
+    # The long *prompts* (the bench request's `kind` is the lab's long-output class).
+    long_idx = ({r.index for r in w.requests if r.prompt_len > LONGPROMPT_SHORT[1]}
+                if preset in LONGPROMPT_PRESETS else set())
     _PRIORITIES.clear()
     if over.get("scheduling_policy") == "priority":    # a fcfs server refuses the field
         _PRIORITIES.update(classes)
     lab_opts = {**preset_options(preset, **opts), "cost_model": cost, "batching": "continuous"}
-    lab = run_lab(lab_opts)["continuous"]
+    lab = lab_run(lab_opts)
     srv = slo_engine.Server(port, serve_args(p), args, f"{preset}-{port}")
     try:
         srv.wait_ready()
@@ -330,31 +383,55 @@ def run_case(args, preset: str, name: str, over: dict[str, Any], cost, rate_scal
     return row
 
 
+def chunking_target(cases: list[dict[str, Any]], preset: str) -> dict[str, Any]:
+    """Each chunked case against chunking off of the same repeat (same-run ratios: under
+    load only these mean something), medians over the repeats, real and lab."""
+    import statistics as st
+
+    rows_by: dict[str, dict[str, list[float]]] = {}
+    cs = [c for c in cases if c["preset"] == preset]
+    offs = {c.get("repeat", 0): c for c in cs if c["case"] == "chunking off"}
+    for c in cs:
+        off = offs.get(c.get("repeat", 0))
+        if off is None or c is off:
+            continue
+        acc = rows_by.setdefault(c["case"], {})
+        for src in ("real", "lab"):
+            a, b = off[src], c[src]
+            for key, name in (("p99_itl_s", "p99_itl_gain"), ("p999_itl_s", "p999_itl_gain"),
+                              ("max_itl_s", "max_itl_gain")):
+                if a.get(key) and b.get(key):
+                    acc.setdefault(f"{src}_{name}", []).append(a[key] / b[key])
+            if a.get("throughput_tokens_per_s") and b.get("throughput_tokens_per_s"):
+                acc.setdefault(f"{src}_throughput_cost", []).append(
+                    1 - b["throughput_tokens_per_s"] / a["throughput_tokens_per_s"])
+    rows = []
+    for name, acc in rows_by.items():
+        row: dict[str, Any] = {"case": name}
+        for k, v in acc.items():
+            row[k] = st.median(v)
+            if len(v) > 1:
+                row[k + "_per_repeat"] = v
+        rows.append(row)
+    # Best: the cheapest setting that gains 3x (it meets the target if any does), else the
+    # largest gain.
+    ok = [r for r in rows if r.get("real_p99_itl_gain", 0) >= 3]
+    best = (min(ok, key=lambda r: r.get("real_throughput_cost", 1)) if ok else
+            max(rows, key=lambda r: r.get("real_p99_itl_gain", 0)) if rows else None)
+    return {"target": "p99 ITL gain >= 3x at <= 5% throughput cost (chunked vs off, "
+                      "same repeat; medians over repeats)",
+            "repeats": len(offs), "cases": rows, "best": best,
+            "met": bool(best and best.get("real_p99_itl_gain", 0) >= 3
+                        and best.get("real_throughput_cost", 1) <= 0.05)}
+
+
 def targets(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Issue 18's trade-off targets against this run's numbers, real and lab."""
     out: dict[str, Any] = {}
-    by = {(c["preset"], c["case"]): c for c in cases}
-    off = by.get(("longprompt", "chunking off"))
-    if off:
-        rows = []
-        for c in cases:
-            if c["preset"] != "longprompt" or c is off:
-                continue
-            row = {"case": c["case"]}
-            for src in ("real", "lab"):
-                a, b = off[src], c[src]
-                if a.get("p99_itl_s") and b.get("p99_itl_s") and a.get("throughput_tokens_per_s"):
-                    row[f"{src}_p99_itl_gain"] = a["p99_itl_s"] / b["p99_itl_s"]
-                    row[f"{src}_throughput_cost"] = (
-                        1 - b["throughput_tokens_per_s"] / a["throughput_tokens_per_s"])
-            rows.append(row)
-        ok = [r for r in rows if r.get("real_p99_itl_gain", 0) >= 3]
-        best = min(ok, key=lambda r: r["real_throughput_cost"]) if ok else (
-            max(rows, key=lambda r: r.get("real_p99_itl_gain", 0)) if rows else None)
-        out["longprompt"] = {"target": "p99 ITL gain >= 3x at <= 5% throughput cost",
-                             "cases": rows, "best": best,
-                             "met": bool(best and best.get("real_p99_itl_gain", 0) >= 3
-                                         and best["real_throughput_cost"] <= 0.05)}
+    by = {(c["preset"], c["case"]): c for c in cases if not c.get("repeat")}
+    for preset in LONGPROMPT_PRESETS:
+        if any(c["preset"] == preset for c in cases):
+            out[preset] = chunking_target(cases, preset)
     pf = [c for c in cases if c["preset"] == "priority-flood"
           and c.get("alone_p99_ttft_s_urgent")]
     if pf:
@@ -391,6 +468,12 @@ def main() -> None:
     ap.add_argument("--chunk-cost", action="store_true",
                     help="also time what chunking a 2000-token prompt adds, with and without "
                          "the native prefill attention (~1-2 min quiet)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each preset's cases this many times, the order reversed every "
+                         "other time (ABBA: same-run ratios under load); targets pair each "
+                         "chunked case with chunking off of the same repeat")
+    ap.add_argument("--cases", help="only the cases whose name contains one of these "
+                                    "comma-separated strings (e.g. 'off,budget 64')")
     ap.add_argument("--port", type=int, default=18620)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--serve-arg", action="append", help=argparse.SUPPRESS)
@@ -433,10 +516,16 @@ def main() -> None:
     port = args.port
     for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
         t_p = time.time()
-        for name, over in CASES[preset]:
-            doc["cases"].append(run_case(args, preset, name, over, cost, rate_scale, port))
-            port += 1
-            out.write_text(json.dumps(doc, indent=2) + "\n")
+        cases = [(n, o) for n, o in CASES[preset] if not args.cases or any(
+            part.strip() and part.strip() in n for part in args.cases.split(","))]
+        for r in range(args.repeats):
+            for name, over in (cases if r % 2 == 0 else cases[::-1]):
+                row = run_case(args, preset, name, over, cost, rate_scale, port)
+                if args.repeats > 1:
+                    row["repeat"] = r
+                doc["cases"].append(row)
+                port += 1
+                out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"  ({preset}: {time.time() - t_p:.0f} s)", flush=True)
     doc["targets"] = targets(doc["cases"])
     print(json.dumps(doc["targets"], indent=1), flush=True)

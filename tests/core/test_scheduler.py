@@ -177,8 +177,39 @@ def test_max_num_partial_prefills_caps_prompts_mid_prefill_but_not_short_prompts
     s.add_request(req("long2", prompt_len=40))
     s.add_request(req("short2", prompt_len=3))
     out, _ = step(s)
-    # long1 is mid-prefill; short completes in this step; long2 would be a second partial.
-    assert scheduled(out) == {"long1": 4, "short": 3}
+    # long1 is mid-prefill; short completes in this step; long2 would be a second partial:
+    # it keeps its place, and short2 behind it completes within the budget left (with a
+    # threshold the chunks leave budget on purpose; it would idle otherwise).
+    assert scheduled(out) == {"long1": 4, "short": 3, "short2": 3}
+    assert ids(s.waiting) == ["long2"]
+
+
+def test_a_prompt_over_the_partial_cap_keeps_its_place_and_starts_when_a_slot_frees():
+    s = make(max_num_batched_tokens=16, long_prefill_token_threshold=4,
+             max_num_partial_prefills=1, max_num_seqs=8)
+    s.add_request(req("long1", prompt_len=8))
+    s.add_request(req("long2", prompt_len=12))
+    s.add_request(req("mid", prompt_len=6))          # would be partial too (6 > 4)
+    s.add_request(req("short", prompt_len=2))
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 4, "short": 2}
+    assert ids(s.waiting) == ["long2", "mid"]        # order kept
+    out, _ = step(s)                  # long1's last chunk: long2 (the head) takes the slot
+    assert scheduled(out) == {"long1": 4, "short": 1, "long2": 4}
+    assert ids(s.waiting) == ["mid"]
+    out, _ = step(s)
+    assert scheduled(out)["long2"] == 4 and "mid" not in scheduled(out)
+
+
+def test_without_a_threshold_the_partial_cap_still_blocks_in_queue_order():
+    # No threshold: a chunk in flight takes all the budget left, so nothing is passed over
+    # (strict FCFS, as before): here the budget is what stops long2, not the cap.
+    s = make(max_num_batched_tokens=16, max_num_partial_prefills=1)
+    s.add_request(req("long1", prompt_len=40))
+    s.add_request(req("short", prompt_len=3))
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 16}
+    assert ids(s.waiting) == ["short"]
 
 
 def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():

@@ -70,3 +70,63 @@ def test_serve_flags_carry_the_long_partial_cap_and_the_less_urgent_cap(bench):
     flags = w.serve_args(p)
     assert flags[flags.index("--priority-less-urgent-tokens") + 1] == "4"
     assert "--max-long-partial-prefills" not in flags
+
+
+def test_chunking_target_pairs_each_case_with_chunking_off_of_its_own_repeat(bench):
+    """Under load only same-run ratios mean something: repeat r's chunked case is divided by
+    repeat r's chunking off (ABBA order), and the verdict is on the medians."""
+    t, _ = bench
+    P = "longprompt-heavy"
+
+    def m(p99, tput, p999=None, mx=None):
+        return {"p99_itl_s": p99, "p999_itl_s": p999 or p99, "max_itl_s": mx or p99,
+                "throughput_tokens_per_s": tput}
+    cases = [  # repeat 0 quick, repeat 1 twice as slow (load): the ratios are the same
+        _case(P, "chunking off", m(1.2, 100.0, 1.3, 1.4), m(1.0, 100.0), repeat=0),
+        _case(P, "b64", m(0.06, 97.0, 0.065, 0.07), m(0.05, 100.0), repeat=0),
+        _case(P, "b64", m(0.12, 48.0, 0.13, 0.14), m(0.05, 100.0), repeat=1),
+        _case(P, "chunking off", m(2.4, 50.0, 2.6, 2.8), m(1.0, 100.0), repeat=1)]
+    lp = t.targets(cases)[P]
+    assert lp["repeats"] == 2 and lp["met"]
+    row = lp["best"]
+    assert row["case"] == "b64"
+    assert row["real_p99_itl_gain"] == pytest.approx(20.0)
+    assert row["real_p99_itl_gain_per_repeat"] == pytest.approx([20.0, 20.0])
+    assert row["real_p999_itl_gain"] == pytest.approx(20.0)
+    assert row["real_max_itl_gain"] == pytest.approx(20.0)
+    assert row["real_throughput_cost"] == pytest.approx(0.035)     # median of 3% and 4%
+    assert row["lab_p99_itl_gain"] == pytest.approx(20.0)
+    cases[2]["real"]["throughput_tokens_per_s"] = 40.0             # 20% in repeat 1
+    cases[1]["real"]["throughput_tokens_per_s"] = 90.0             # 10% in repeat 0
+    assert not t.targets(cases)[P]["met"]
+
+
+def test_itl_tail_reads_p999_and_max_of_the_gaps(bench):
+    t, _ = bench
+    gaps = [0.01] * 999 + [2.0]
+    tail = t.itl_tail(gaps)
+    assert tail["max_itl_s"] == 2.0 and tail["itl_count"] == 1000
+    assert 0.01 < tail["p999_itl_s"] < 2.0          # linear between the last two
+    assert t.itl_tail([])["max_itl_s"] is None
+
+
+def test_longprompt_heavy_makes_the_stall_the_p99_in_the_lab(bench):
+    """The stall-heavy preset is what chunked prefill is for: with chunking off the whole-
+    prompt stalls are more than 1% of the gaps, so p99 ITL is a stall (>1 s on the shipped
+    fit), and a 64-token budget brings p99 (and p99.9 and max) down to one chunk step at
+    about the same throughput. The lab's own check; the real engine is
+    benchmarks/slo_engine_tradeoffs.py --presets longprompt-heavy."""
+    from iterserve.lab.cost_model import load_cost_model
+    from iterserve.lab.options import PRESETS
+
+    t, w = bench
+    opts = {**w.preset_options("longprompt-heavy"), "seed": 100}
+    cost = load_cost_model(opts["cost_model"])
+    on = t.lab_run({**opts, "cost_model": cost})
+    off_opts = {**opts, "cost_model": cost, "enable_chunked_prefill": False}
+    off_opts.pop("max_num_batched_tokens")
+    off = t.lab_run(off_opts)
+    assert PRESETS["longprompt-heavy"]["options"]["max_num_batched_tokens"] == 64
+    assert off["p99_itl_s"] > 0.5 and off["p99_itl_s"] >= 3 * on["p99_itl_s"]
+    assert off["p999_itl_s"] >= 3 * on["p999_itl_s"] and off["max_itl_s"] >= 3 * on["max_itl_s"]
+    assert on["throughput_tokens_per_s"] >= 0.95 * off["throughput_tokens_per_s"]

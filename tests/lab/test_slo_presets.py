@@ -18,7 +18,8 @@ def cont(**opts):
 
 
 def test_every_preset_runs_and_describes_itself():
-    assert set(PRESETS) == {"slo-overload", "longprompt", "priority-flood", "kv-pressure"}
+    assert set(PRESETS) == {"slo-overload", "longprompt", "longprompt-heavy", "priority-flood",
+                            "kv-pressure"}
     doc = json.loads(json.dumps(presets_json()))          # plain JSON for the page
     for name, p in doc.items():
         assert p["description"] and p["options"]["cost_model"] == "smollm2-cpu"

@@ -24,7 +24,9 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
    short (`_low_cap_now`). With `max_long_partial_prefills` (vLLM's) below
    `max_num_partial_prefills`, a long prompt (more than `long_prefill_token_threshold`
    tokens left) over the long cap is passed over, keeping its place, and shorter prompts
-   behind it start. Under the
+   behind it start; likewise, with a threshold set, a prompt that would be one partial
+   prefill over `max_num_partial_prefills` is passed over for the prompts behind it that
+   complete within the budget left. Under the
    `slo` policy (core/slo_policy.py) the queue is ordered by slack, a request that cannot
    meet its TTFT target is refused in add_request, and admission holds while one more
    decode would push the running requests past their TPOT target.
@@ -396,8 +398,9 @@ class Scheduler:
                 source = self.waiting
             preempt_for_urgent = self._priority and not self._static
             bs = bm.block_size
-            # Once a long prompt is passed over (max_long_partial_prefills), the queue is
-            # read in order from a snapshot and admitted requests are taken out of it.
+            # Once a prompt is passed over (max_long_partial_prefills, or the partial cap
+            # with a threshold), the queue is read in order from a snapshot and admitted
+            # requests are taken out of it.
             scan = None
             retry = None            # (scan mode) the request to try again after a preemption
             while budget > 0:
@@ -433,7 +436,15 @@ class Scheduler:
                     break
                 partial = num_hit + n < req.num_tokens
                 if partial and num_partial >= cfg.max_num_partial_prefills:
-                    break
+                    if not threshold:
+                        break
+                    # With a long-prefill threshold the chunks in flight leave budget on
+                    # purpose: a prompt that would be one partial prefill too many keeps its
+                    # place, and the prompts behind it that complete within what is left
+                    # start now (else that budget idles while they wait behind it).
+                    if scan is None:
+                        scan = iter([r for r in source if r is not req])
+                    continue
                 is_long = self._max_long and left > threshold
                 if is_long and num_long >= self._max_long:
                     # vLLM's max_long_partial_prefills: pass this long prompt over (it keeps
