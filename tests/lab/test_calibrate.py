@@ -9,8 +9,8 @@ import pytest
 from iterserve.cli import main
 from iterserve.lab.api import run_lab
 from iterserve.lab.calibrate import (
-    CalibrationError, GridPoint, check_point, default_grid, fit_coefficients, fit_errors,
-    fit_overhead, nnls)
+    CalibrationError, GridPoint, check_point, correction_knots, default_grid, fit_coefficients,
+    fit_errors, fit_overhead, fit_with_corrections, nnls)
 from iterserve.lab.cost_model import (
     COEFFICIENTS, CostModelError, load_cost_model, shipped_cost_models)
 
@@ -33,6 +33,50 @@ def test_fit_recovers_known_coefficients_from_exact_linear_timings():
     for k in COEFFICIENTS:
         assert got[k] == pytest.approx(TRUE[k], rel=1e-6), k
     assert max(abs(e) for e in fit_errors(got, feats, y)) < 1e-9
+
+
+def _kernel_rows(tokens: int) -> float:
+    """A runner whose GEMMs change kernel with the row count, as the CPU one does: int8
+    decode kernels in groups of 4 rows up to 32 rows (one row alone is cheaper), a panel
+    GEMM with a fixed cost above."""
+    if tokens <= 32:
+        return 0.012 if tokens == 1 else 0.05 * -(-tokens // 4)
+    return 0.15 + 0.003 * tokens
+
+
+def test_token_corrections_fit_a_runner_whose_kernels_change_with_the_row_count():
+    """The linear terms alone miss such a runner by tens of percent at the shapes `mix`
+    runs (a few decodes, a short prompt); the correction by token count, read off at
+    every count up to 8 and on both sides of the row limit, fits it, and the linear
+    terms stay a sensible seed (no negative cost, the kv price kept)."""
+    grid = default_grid()
+    feats = [p.features() for p in grid]
+    y = [_kernel_rows(t) + 0.002 * s + 1e-5 * kv for t, s, kv, _, _ in feats]
+    knots = correction_knots(32, max(f[0] for f in feats))
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 32, 33} <= set(knots) and max(knots) == max(
+        f[0] for f in feats)
+    linear = fit_coefficients(feats, y)
+    e_lin = np.abs(fit_errors(linear, feats, y))
+    coef, corr = fit_with_corrections(feats, y, knots)
+    e = np.abs(fit_errors(coef, feats, y, corr))
+    assert e_lin.max() > 0.25 and e.max() < 0.08 and e.mean() < 0.5 * e_lin.mean()
+    assert all(v >= 0 for v in coef.values())
+    assert coef["c_kv"] == pytest.approx(1e-5, rel=0.3)
+    # Shapes off the grid, as the lab meets them: 7 decodes + a 20-token prompt (27 rows),
+    # 6 decodes + a 30-token prompt (36 rows).
+    from iterserve.lab.cost_model import CostModel
+    m = CostModel(token_corrections=corr, **coef)
+    for tokens, seqs, kv in ((27, 8, 7 * 300 + 20), (36, 7, 6 * 300 + 30)):
+        truth = _kernel_rows(tokens) + 0.002 * seqs + 1e-5 * kv
+        assert m.runner_time(tokens, seqs, kv, tokens - seqs + 1, 0) == pytest.approx(
+            truth, rel=0.12)
+
+
+def test_exact_linear_timings_need_no_correction():
+    feats, y = _synthetic(default_grid(), TRUE)
+    coef, corr = fit_with_corrections(feats, y, correction_knots(32, 264))
+    assert max(abs(e) for e in fit_errors(coef, feats, y, corr)) < 0.02
+    assert max(abs(v) for _, v in corr) < 0.05 * min(y)
 
 
 @pytest.mark.parametrize("quick", [False, True])

@@ -136,8 +136,20 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
                 GridPoint(prefill_tokens=64, prefill_chunks=1, prefill_context=512),
                 GridPoint(prefill_tokens=64, prefill_chunks=1, prefill_context=896),
                 GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1),
-                GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1, prefill_context=768)]
+                GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1, prefill_context=768),
+                GridPoint(2, 64), GridPoint(prefill_tokens=16, prefill_chunks=1),
+                GridPoint(7, 64, prefill_tokens=26, prefill_chunks=1)]
     grid = [GridPoint(d, kv) for d in (1, 2, 4, 8, 16, 32) for kv in (32, 256, 1024)]
+    # Every decode batch up to 8 (the int8 decode kernels work in groups of rows, so 3 or 5
+    # rows are not the mean of their neighbours) and two between 8 and 32.
+    grid += [GridPoint(d, kv) for d in (3, 5, 6, 7) for kv in (32, 256)]
+    grid += [GridPoint(d, 64) for d in (12, 24)]
+    # What a full batch runs when one request finishes and the next is admitted: a few
+    # decodes and one short prompt, on both sides of the decode kernels' row limit (32).
+    grid += [GridPoint(7, 128, prefill_tokens=p, prefill_chunks=1) for p in (8, 17, 25, 26, 40)]
+    grid += [GridPoint(1, 128, prefill_tokens=p, prefill_chunks=1) for p in (15, 32)]
+    grid += [GridPoint(3, 128, prefill_tokens=20, prefill_chunks=1),
+             GridPoint(prefill_tokens=192, prefill_chunks=8)]
     grid += [GridPoint(prefill_tokens=p, prefill_chunks=1) for p in (16, 64, 128, 256)]
     grid += [GridPoint(prefill_tokens=p, prefill_chunks=c) for p, c in ((64, 2), (128, 4),
                                                                           (256, 2))]
@@ -220,12 +232,86 @@ def fit_coefficients(features: Sequence[Sequence[float]], seconds: Sequence[floa
     return {k: float(v) for k, v in zip(COEFFICIENTS, coef)}
 
 
-def fit_errors(coefficients: dict[str, float], features: Sequence[Sequence[float]],
-               seconds: Sequence[float]) -> list[float]:
-    """Relative error (predicted - measured) / measured per point."""
-    coef = np.array([coefficients[k] for k in COEFFICIENTS])
-    pred = design_matrix(features) @ coef
+CORRECTION_RIDGE = 0.1     # a 100% correction at a token count costs like a 10% residual
+
+
+def correction_knots(max_rows: int, max_tokens: int) -> list[int]:
+    """The token counts the corrections are read off at: every count up to 8 (the decode
+    kernels work in groups of rows), a few up to `max_rows` (the decode kernels' row limit,
+    `layers.QUANT_MAX_ROWS`) and just past it (the panel GEMM takes over), then doubling up
+    to `max_tokens` (the grid's largest step)."""
+    ks = set(range(1, 9)) | {12, 16, 24, max_rows, max_rows + 1}
+    t = 64
+    while t < max_tokens:
+        ks.add(t)
+        t *= 2
+    ks.add(max_tokens)
+    return sorted(k for k in ks if 1 <= k <= max_tokens)
+
+
+def _hats(tokens: np.ndarray, knots: Sequence[int]) -> np.ndarray:
+    """Columns of the piecewise-linear basis: corr(t) = hats(t) @ values (CostModel.correction)."""
+    k = np.asarray(knots, dtype=float)
+    h = np.zeros((len(tokens), len(k)))
+    for r, t in enumerate(tokens):
+        if t <= k[0]:
+            h[r, 0] = 1.0
+        elif t >= k[-1]:
+            h[r, -1] = 1.0
+        else:
+            i = int(np.searchsorted(k, t, side="right"))
+            w = (t - k[i - 1]) / (k[i] - k[i - 1])
+            h[r, i - 1], h[r, i] = 1.0 - w, w
+    return h
+
+
+def fit_with_corrections(features: Sequence[Sequence[float]], seconds: Sequence[float],
+                         knots: Sequence[int], ridge: float = CORRECTION_RIDGE
+                         ) -> tuple[dict[str, float], tuple[tuple[int, float], ...]]:
+    """The runner coefficients (non-negative) and a token-count correction (either sign),
+    fitted together on relative error. Each correction value is split into a positive and a
+    negative part (both non-negative, so the one NNLS solve does it) and pulled towards 0 by
+    ridge rows scaled by the times measured near its token count: the linear terms explain
+    what they can, the correction only the shape they cannot (kernel changes by row count)."""
     y = np.asarray(seconds, dtype=float)
+    lin = design_matrix(features)
+    if len(y) != len(lin):
+        raise CalibrationError(f"{len(lin)} feature rows but {len(y)} timings")
+    if not np.all(np.isfinite(y)) or np.any(y <= 0):
+        raise CalibrationError("timings must be positive finite seconds")
+    tokens = lin[:, 1]
+    knots = sorted(set(int(k) for k in knots))
+    h = _hats(tokens, knots)
+    # The scale of a correction at each knot: the median time of the points nearest to it.
+    ref = np.empty(len(knots))
+    for j, k in enumerate(knots):
+        d = np.abs(np.log(tokens / k))
+        ref[j] = float(np.median(y[d <= d.min() + 1e-9]))
+    a = np.column_stack([lin, h, -h]) / y[:, None]
+    nl, nk = lin.shape[1], len(knots)
+    reg = np.zeros((2 * nk, nl + 2 * nk))
+    for j in range(nk):
+        reg[j, nl + j] = ridge / ref[j]
+        reg[nk + j, nl + nk + j] = ridge / ref[j]
+    a = np.vstack([a, reg])
+    b = np.concatenate([np.ones(len(y)), np.zeros(2 * nk)])
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    x = nnls(a / scale, b) / scale
+    coef = {k: float(v) for k, v in zip(COEFFICIENTS, x[:nl])}
+    values = x[nl:nl + nk] - x[nl + nk:]
+    return coef, tuple((k, float(v)) for k, v in zip(knots, values))
+
+
+def fit_errors(coefficients: dict[str, float], features: Sequence[Sequence[float]],
+               seconds: Sequence[float],
+               corrections: Sequence[tuple[int, float]] = ()) -> list[float]:
+    """Relative error (predicted - measured) / measured per point."""
+    model = CostModel(token_corrections=tuple(corrections),
+                      **{k: coefficients[k] for k in COEFFICIENTS})
+    y = np.asarray(seconds, dtype=float)
+    f = design_matrix(features)[:, 1:]
+    pred = np.array([model.runner_time(*row) for row in f])
     return [float(e) for e in (pred - y) / y]
 
 
@@ -417,6 +503,7 @@ def measure_overhead(engine, *, num_requests: int = OVERHEAD_REQUESTS,
 def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | None = None,
               grid: Sequence[GridPoint] | None = None, block_size: int = 16,
               kv_budget_gib: float = DEFAULT_KV_BUDGET_GIB, overhead: bool = True,
+              corrections: bool = True,
               progress: Callable[[str], None] | None = None) -> CalibrationResult:
     """Load the model (by building the engine), time the grid, fit; then, unless
     `overhead` is False, measure the serving overhead on a short engine run. `model` None is
@@ -489,8 +576,15 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
 
     feats = [p.features() for p in grid]
     medians = [statistics.median(t) for t in times]
-    coef = fit_coefficients(feats, medians)
-    errors = fit_errors(coef, feats, medians)
+    knots: list[int] = []
+    if corrections:
+        from iterserve.model import layers
+        max_rows = int(getattr(layers, "QUANT_MAX_ROWS", 32))
+        knots = correction_knots(max_rows, max(f[0] for f in feats))
+        coef, corr = fit_with_corrections(feats, medians, knots)
+    else:
+        coef, corr = fit_coefficients(feats, medians), ()
+    errors = fit_errors(coef, feats, medians, corr)
     abs_err = [abs(e) for e in errors]
     mean_err, max_err = sum(abs_err) / len(abs_err), max(abs_err)
     points = []
@@ -516,7 +610,9 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "kv_budget_gib": kv_budget_gib, "dropped_points": [p.label() for p in dropped],
         "load_average_before": load_before, "load_average_after": load_after,
-        "fit": "non-negative least squares on relative error",
+        "fit": "non-negative least squares on relative error"
+               + (f", token corrections at {knots} (ridge {CORRECTION_RIDGE})"
+                  if corrections else ", no token corrections"),
         "mean_abs_rel_error": round(mean_err, 4), "max_abs_rel_error": round(max_err, 4),
         "overhead": ({"engine_steps": len(over_samples), "requests": OVERHEAD_REQUESTS,
                       "slots": OVERHEAD_SLOTS, "prompt_tokens": OVERHEAD_PROMPT,
@@ -533,7 +629,8 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
                    f"(median), fit error mean {mean_err:.1%} / max {max_err:.1%}{over_txt}; "
                    f"1-min load average {load_before[0] if load_before else '?'} before.")
     cost = CostModel.from_dict({"format": FORMAT, "version": VERSION,
-                                "description": description, **coef, **over})
+                                "description": description, **coef, **over,
+                                "token_corrections": [list(c) for c in corr]})
     del engine
     return CalibrationResult(cost, points, mean_err, max_err, source)
 
@@ -554,6 +651,8 @@ def format_report(res: CalibrationResult) -> str:
     lines += ["", f"c0 = {c.c0:.4g} s   c_tok = {c.c_tok:.4g} s   c_seq = {c.c_seq:.4g} s   "
                   f"c_kv = {c.c_kv:.4g} s   c_prefill_tok = {c.c_prefill_tok:.4g} s   "
                   f"c_attn = {c.c_attn:.4g} s",
+              "token corrections (tokens: ms): " + (", ".join(
+                  f"{t}: {v * 1e3:+.2f}" for t, v in c.token_corrections) or "none"),
               f"serving overhead per step: {c.overhead_s * 1e3:.3f} ms + "
               f"{c.overhead_seq_s * 1e3:.4f} ms per sequence",
               f"fit error over {len(res.points)} points: mean {res.mean_abs_rel_error:.1%}, "
@@ -581,6 +680,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-overhead", action="store_true",
                    help="skip the short engine run that measures the serving overhead per "
                         "step (overhead_s / overhead_seq_s stay 0: runner time only)")
+    p.add_argument("--no-corrections", action="store_true",
+                   help="fit the linear terms only (no piecewise correction by the step's "
+                        "token count; the version-2 model)")
     p.add_argument("--kv-budget-gib", type=float, default=DEFAULT_KV_BUDGET_GIB,
                    help="leave out grid points whose KV cache would exceed this (default "
                         f"{DEFAULT_KV_BUDGET_GIB:g}; big models need it)")
@@ -604,6 +706,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = calibrate(args.model, quick=args.quick, repeats=args.repeats,
                         kv_budget_gib=args.kv_budget_gib, overhead=not args.no_overhead,
+                        corrections=not args.no_corrections,
                         progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (CalibrationError, ValueError, FileNotFoundError) as e:   # ModelLoadError too
         return err(str(e))
