@@ -72,6 +72,22 @@ def test_token_corrections_fit_a_runner_whose_kernels_change_with_the_row_count(
             truth, rel=0.12)
 
 
+def test_engine_scale_is_measured_over_predicted_on_the_engine_steps_and_clipped():
+    from iterserve.lab.calibrate import engine_scale, scaled
+    from iterserve.lab.cost_model import CostModel
+
+    cost = CostModel(c0=0.01, c_seq=0.002, token_corrections=((1, 0.001), (8, -0.002)))
+    shapes = [(1, 1, 40, 0, 0), (8, 8, 800, 0, 0), (30, 8, 900, 23, 23 * 23)]
+    steps = [(*f, 1.15 * cost.runner_time(*f)) for f in shapes]
+    assert engine_scale(cost, steps) == pytest.approx(1.15)
+    coef, corr = scaled({"c0": 0.01, "c_seq": 0.002}, cost.token_corrections, 1.15)
+    m = CostModel(token_corrections=corr, **coef)
+    for f in shapes:
+        assert m.runner_time(*f) == pytest.approx(1.15 * cost.runner_time(*f))
+    assert engine_scale(cost, [(*f, 10 * cost.runner_time(*f)) for f in shapes]) == 2.0
+    assert engine_scale(cost, []) is None
+
+
 def test_exact_linear_timings_need_no_correction():
     feats, y = _synthetic(default_grid(), TRUE)
     coef, corr = fit_with_corrections(feats, y, correction_knots(32, 264))
@@ -201,6 +217,11 @@ def test_quick_calibration_on_a_tiny_model_writes_a_cost_model_the_lab_loads(tmp
     assert all(p["median_s"] > 0 for p in src["points"])
     assert any(p["attn_pairs"] > 0 for p in src["points"])
     assert src["overhead"]["engine_steps"] > 0
+    # the engine run's own forward steps set the level of the runner terms
+    es = src["engine_scale"]
+    assert es["engine_steps"] > 10 and es["applied"] and 0.5 <= es["factor"] <= 2.0
+    assert "engine steps vs the grid's fit: x" in err
+    assert [t for t, _ in data["token_corrections"]][:8] == [1, 2, 3, 4, 5, 6, 7, 8]
     cost = load_cost_model(out)
     assert cost.runner_time(1, 1, 33) > 0 and model.name in cost.description
     # the serving loop around the runner was measured: a step costs more than the runner

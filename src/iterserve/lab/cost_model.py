@@ -149,6 +149,29 @@ class CostModel:
         (t0, v0), (t1, v1) = knots[i - 1], knots[i]
         return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
 
+    def linear_equivalent(self) -> "CostModel":
+        """This model without token corrections: the linear terms refitted (non-negative
+        least squares on relative error) to its own predictions over the shapes an engine
+        runs (decodes of 1-32 rows at 64-1k of context, chunks of 16-512 tokens at context
+        0-1.5k, mixed steps). What reads only the linear terms (the SLO policy's online
+        step-time model seeds from them) gets the closest linear model, not the linear
+        part of a joint fit (which leans on the corrections). Itself without corrections."""
+        if not self.token_corrections:
+            return self
+        from iterserve.lab.calibrate import GridPoint, fit_coefficients
+
+        shapes = [GridPoint(d, kv) for d in (1, 2, 4, 8, 16, 32) for kv in (64, 256, 1024)]
+        shapes += [GridPoint(prefill_tokens=p, prefill_chunks=1, prefill_context=c)
+                   for p in (16, 64, 128, 256, 512) for c in (0, 512, 1536)]
+        shapes += [GridPoint(d, 256, prefill_tokens=p, prefill_chunks=1)
+                   for d in (4, 8) for p in (16, 32, 128)]
+        feats = [p.features() for p in shapes]
+        coef = fit_coefficients(feats, [self.runner_time(*f) for f in feats])
+        d = self.to_dict()
+        d.pop(CORRECTIONS)
+        d.update(coef)
+        return CostModel.from_dict(d)
+
     @classmethod
     def from_dict(cls, data: Any) -> "CostModel":
         if not isinstance(data, dict):
