@@ -26,6 +26,11 @@ model (default: the shipped fit `smollm2-cpu`, see `iterserve lab calibrate`).
   on this model and machine as in the lab. Offline, no HTTP: what the server adds per
   token is not in either number (`slo_engine_tradeoffs.py` measures through HTTP).
 
+Per workload also `residuals_by_tokens`: the fit's error on the engine's own steps by the
+step's token count and kind (decode-only / with a prefill chunk), where a fit goes wrong;
+`--also-cost-models A,B` predicts the same real run (mix, poisson) with other fits too, a
+same-run A/B of fits (e.g. this session's against the last session's).
+
 Reported per workload: real wall time (first arrival to last finish, model load and a
 warm-up request excluded), predicted time, relative error (the target is within 10%), steps
 of both, and where the difference comes from: the cost model's runner terms summed over the

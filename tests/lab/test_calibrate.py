@@ -85,6 +85,10 @@ def test_engine_scale_is_measured_over_predicted_on_the_engine_steps_and_clipped
     for f in shapes:
         assert m.runner_time(*f) == pytest.approx(1.15 * cost.runner_time(*f))
     assert engine_scale(cost, [(*f, 10 * cost.runner_time(*f)) for f in shapes]) == 2.0
+    # one step slowed by a burst of load from elsewhere does not move it
+    burst = [(*f, (1.15 if i else 5.0) * cost.runner_time(*f)) for i, f in
+             enumerate(shapes * 3)]
+    assert engine_scale(cost, burst) == pytest.approx(1.15)
     assert engine_scale(cost, []) is None
 
 

@@ -418,6 +418,9 @@ class CalibrationResult:
     mean_abs_rel_error: float
     max_abs_rel_error: float
     source: dict[str, Any]
+    # the engine run's forward steps: (tokens, seqs, kv read, prefill tokens, attention
+    # pairs, execute seconds), what engine_scale compared the grid's fit with
+    engine_steps: list[tuple[int, int, int, int, int, float]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = self.cost_model.to_dict()
@@ -473,16 +476,26 @@ class _ExecuteTimer:
 def engine_scale(cost: CostModel, steps: Sequence[tuple[int, int, int, int, int, float]]
                  ) -> float | None:
     """How much longer the engine's own steps took than the grid's fit says (measured
-    execute time over predicted, summed over the steps), clipped to ENGINE_SCALE_RANGE;
+    execute time over predicted, a time-weighted median over the steps), clipped to
+    ENGINE_SCALE_RANGE;
     None without steps. The grid times one step shape at a time, back to back; in the
     engine every step is a new shape after the scheduler and the output processing ran,
     and on the CPU those steps measured 8-16% slower than the grid said (session 14)."""
-    pred = sum(cost.runner_time(*s[:5]) for s in steps)
-    meas = sum(s[5] for s in steps)
-    if not steps or pred <= 0 or meas <= 0:
+    pairs = sorted((s[5] / p, p) for s in steps if (p := cost.runner_time(*s[:5])) > 0
+                   and s[5] > 0)
+    if not pairs:
         return None
+    # The median of measured / predicted weighted by the predicted time: each step counts
+    # by its share of the run (as the total would), but one burst of load from elsewhere
+    # during a few steps cannot move it as far as it moves the total.
+    half, acc, ratio = sum(p for _, p in pairs) / 2, 0.0, pairs[-1][0]
+    for r, p in pairs:
+        acc += p
+        if acc >= half:
+            ratio = r
+            break
     lo, hi = ENGINE_SCALE_RANGE
-    return min(hi, max(lo, meas / pred))
+    return min(hi, max(lo, ratio))
 
 
 def scaled(coef: dict[str, float], corrections: Sequence[tuple[int, float]], factor: float
@@ -705,7 +718,7 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
                                 "description": description, **coef, **over,
                                 "token_corrections": [list(c) for c in corr]})
     del engine
-    return CalibrationResult(cost, points, mean_err, max_err, source)
+    return CalibrationResult(cost, points, mean_err, max_err, source, engine_steps)
 
 
 def _activation_mode(kernels) -> str | None:
