@@ -228,6 +228,7 @@ def test_quick_calibration_on_a_tiny_model_writes_a_cost_model_the_lab_loads(tmp
     assert [t for t, _ in data["token_corrections"]][:8] == [1, 2, 3, 4, 5, 6, 7, 8]
     cost = load_cost_model(out)
     assert cost.runner_time(1, 1, 33) > 0 and model.name in cost.description
+    assert cost.idle_step_s == pytest.approx(max(cost.runner_time(1, 1, 33), cost.c0))
     # the serving loop around the runner was measured: a step costs more than the runner
     assert cost.overhead_s + cost.overhead_seq_s > 0
     assert cost.step_time(4, 4, 100) > cost.runner_time(4, 4, 100)

@@ -39,8 +39,9 @@ Why these choices:
 - The model is loaded by building the engine (`LLMEngine.from_engine_args`), so the runner
   timed is configured exactly as the engine's (kernel activation mode, KV dtype), and the
   overhead run needs no second copy of the weights.
-- `idle_step_s` is left to default to c0: the lab advances its clock by it while nothing is
-  scheduled (waiting for arrivals), so it is the lab's time resolution between arrivals.
+- `idle_step_s` is the fit's time of one decode step (at least c0): the lab advances its
+  clock by it while nothing is scheduled (waiting for arrivals; the last empty step ends at
+  the arrival itself), so it sets how many empty steps a gap counts.
 
 torch is imported only when timing runs, so `iterserve lab` stays torch-free.
 """
@@ -714,8 +715,12 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
                       if factor is not None and scale_to_engine else "")
                    + f"{over_txt}; "
                    f"1-min load average {load_before[0] if load_before else '?'} before.")
+    # The lab's clock step while nothing runs: the cheapest real step (one decode), not c0,
+    # which a fit with corrections may leave at 0.
+    idle = CostModel(token_corrections=tuple(corr), **coef).runner_time(1, 1, 33)
     cost = CostModel.from_dict({"format": FORMAT, "version": VERSION,
                                 "description": description, **coef, **over,
+                                "idle_step_s": max(idle, coef["c0"]),
                                 "token_corrections": [list(c) for c in corr]})
     del engine
     return CalibrationResult(cost, points, mean_err, max_err, source, engine_steps)

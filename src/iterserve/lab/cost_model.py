@@ -40,7 +40,7 @@ A step with nothing scheduled (waiting for the next arrival) takes `idle_step_s`
 File format (JSON object, all times in seconds; unknown keys are an error so a typo cannot
 silently fall back to a default):
 
-    {"format": "iterserve-lab-cost-model", "version": 2,
+    {"format": "iterserve-lab-cost-model", "version": 3,
      "description": "free text: what the numbers were fitted on",
      "c0": 0.010, "c_tok": 7e-05, "c_seq": 2e-05, "c_kv": 3.5e-07,
      "c_prefill_tok": 0.0, "c_attn": 1e-9, "overhead_s": 4e-4, "overhead_seq_s": 5e-5,
@@ -50,7 +50,8 @@ silently fall back to a default):
 increasing, seconds of either sign.
 
 `format`, `version`, `description` and `source` are optional; missing coefficients are 0
-(`idle_step_s` defaults to `c0`), so a version-1 file (no `c_attn`, no overhead) loads and
+(`idle_step_s` defaults to `c0`), so a version-1 file (no `c_attn`, no overhead) or a
+version-2 file (no corrections) loads and
 means what it meant. The shipped default (lab/data/default_cost_model.json) is
 an order-of-magnitude guess for a 7B fp16 model on one A100-class GPU; fitting it to the real
 model runner is `iterserve lab calibrate`'s job (benchmarks issue), which writes this format.
