@@ -26,6 +26,11 @@ model (default: the shipped fit `smollm2-cpu`, see `iterserve lab calibrate`).
   on this model and machine as in the lab. Offline, no HTTP: what the server adds per
   token is not in either number (`slo_engine_tradeoffs.py` measures through HTTP).
 
+Per workload also `residuals_by_tokens`: the fit's error on the engine's own steps by the
+step's token count and kind (decode-only / with a prefill chunk), where a fit goes wrong;
+`--also-cost-models A,B` predicts the same real run (mix, poisson) with other fits too, a
+same-run A/B of fits (e.g. this session's against the last session's).
+
 Reported per workload: real wall time (first arrival to last finish, model load and a
 warm-up request excluded), predicted time, relative error (the target is within 10%), steps
 of both, and where the difference comes from: the cost model's runner terms summed over the
@@ -213,6 +218,30 @@ def run_lab_seconds(w: Workload, prompt_lens: list[int], settings: SimSettings,
             "converged": converged, "result": res}
 
 
+TOKEN_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 10**9))
+
+
+def step_residuals(steps, cost: CostModel) -> list[dict]:
+    """The fit's error on the engine's own steps, by the step's token count (the rows its
+    GEMMs ran) and kind (decode-only or with a prefill chunk): where a fit goes wrong."""
+    rows = []
+    for lo, hi in TOKEN_BUCKETS:
+        for kind in ("decode", "mixed"):
+            sel = [s for s in steps if lo <= s[0] <= hi and ((s[3] == 0) == (kind == "decode"))]
+            if not sel:
+                continue
+            meas = sum(s[-1] for s in sel)
+            pred = sum(cost.runner_time(t, n, kv, pf, at) for t, n, kv, pf, at, _ in sel)
+            rows.append({"tokens": f"{lo}" if lo == hi else f"{lo}-{hi if hi < 10**9 else ''}",
+                         "kind": kind, "steps": len(sel),
+                         "measured_ms": round(1e3 * meas / len(sel), 3),
+                         "predicted_ms": round(1e3 * pred / len(sel), 3),
+                         "rel_error": round(pred / meas - 1, 4) if meas > 0 else None,
+                         "share_of_execute": round(meas / max(1e-12, sum(x[-1] for x in steps)),
+                                                   4)})
+    return rows
+
+
 def _breakdown(real: dict, cost: CostModel) -> dict:
     steps = real["steps"]
     exec_s = sum(s[-1] for s in steps)
@@ -226,10 +255,23 @@ def _breakdown(real: dict, cost: CostModel) -> dict:
         "overhead_per_step_ms": round(1e3 * (real["wall_s"] - exec_s) / max(1, len(steps)), 3),
         "fit_overhead_on_real_steps_s": round(over_on_real, 3),
         "real_attn_pairs": int(sum(s[4] for s in steps)),
+        "residuals_by_tokens": step_residuals(steps, cost),
     }
 
 
-def compare(engine, w: Workload, cost: CostModel) -> dict:
+def also(real: dict, others: dict[str, CostModel], predict) -> dict:
+    """The same real run against other fits (lab side only): a same-run A/B of fits."""
+    out = {}
+    for name, other in others.items():
+        t = predict(other)
+        out[name] = {"predicted_s": round(t, 3),
+                     "rel_error": round((t - real["wall_s"]) / real["wall_s"], 4),
+                     "breakdown": _breakdown(real, other)}
+    return out
+
+
+def compare(engine, w: Workload, cost: CostModel, others: dict[str, CostModel] | None = None
+            ) -> dict:
     prompt_lens = [len(engine.tokenize_prompt(r.prompt)) for r in w.requests]
     load_before = machine_info()["loadavg"]
     real = run_engine(engine, w)
@@ -253,6 +295,8 @@ def compare(engine, w: Workload, cost: CostModel) -> dict:
         "arrivals_converged": lab["converged"],
         "breakdown": _breakdown(real, cost),
         "load_average_before": load_before, "load_average_after": load_after,
+        "other_cost_models": also(real, others or {}, lambda c: run_lab_seconds(
+            w, prompt_lens, lab_settings(engine), c)["time_s"]),
     }
 
 
@@ -407,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{k} {v}" for k, v in PRESET_REQUESTS.items()) + ")")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON report here too")
+    ap.add_argument("--also-cost-models", default="",
+                    help="comma list of more fits to predict the same real runs with (mix, "
+                         "poisson: lab side only, a same-run A/B of fits)")
     args = ap.parse_args(argv)
     names = [x.strip() for x in args.workloads.split(",") if x.strip()]
     bad = [n for n in names if n not in ("mix", "poisson", *PRESETS)]
@@ -418,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     from iterserve.engine.llm_engine import LLMEngine
 
     cost = load_cost_model(args.cost_model)
+    others = {n: load_cost_model(n) for n in args.also_cost_models.split(",") if n.strip()}
     t_start = time.time()
     rows = []
     engine = None
@@ -435,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  use_tqdm=False)
             rate = args.rate if name == "poisson" else None
             w = build_workload(name, seed=args.seed, rate=rate, num_requests=args.num_requests)
-            row = compare(engine, w, cost)
+            row = compare(engine, w, cost, others)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "workload"}), file=sys.stderr,
               flush=True)
@@ -456,6 +504,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['rel_error']:>+7.1%} {r['real_steps']:>6} {r['lab_steps']:>9} "
               f"{b['real_execute_s']:>7.2f} {(fe if fe is not None else 0):>+11.1%} "
               f"{b['overhead_per_step_ms']:>11.2f}ms")
+    for r in rows:
+        for name, o in r.get("other_cost_models", {}).items():
+            print(f"  {r['workload']['name']} with {name}: lab {o['predicted_s']:.2f} s "
+                  f"({o['rel_error']:+.1%}), fit on real steps "
+                  f"{o['breakdown']['fit_error_on_real_steps']:+.1%}")
+        print(f"  {r['workload']['name']} residuals by step tokens (measured / predicted ms): "
+              + ", ".join(f"{x['tokens']} {x['kind']} x{x['steps']}: {x['measured_ms']:.1f}"
+                          f"/{x['predicted_ms']:.1f}" for x in r["breakdown"][
+                              "residuals_by_tokens"]))
     for r in rows:
         if "lab_error" in r:
             print(f"  {r['workload']['name']}: " + ", ".join(

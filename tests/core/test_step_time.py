@@ -178,3 +178,23 @@ def test_steps_given_without_attention_pairs_still_fit_as_before():
     rng = random.Random(22)
     m.observe_many((*s, seconds(TRUE, *s)) for s in shapes(rng, 400))
     assert mean_rel_error(m, TRUE, random.Random(23)) < 0.05
+
+
+def test_a_cost_model_with_token_corrections_seeds_from_its_closest_linear_model():
+    """The online model has no token corrections; seeded from a fit that has them, it
+    starts from the linear model closest to that fit's predictions, not from the joint
+    fit's linear part alone (which leans on corrections of -30% here)."""
+    from iterserve.lab.cost_model import CostModel
+
+    lin = dict(c0=0.028, c_tok=1.4e-3, c_seq=2.8e-3, c_kv=1.4e-6)
+    joint = CostModel(**lin, token_corrections=((1, -0.01), (8, -0.015), (16, -0.02),
+                                                (128, -0.06), (512, -0.25)))
+    raw = CostModel(**lin)
+    m = StepTimeModel.from_cost_model(joint)
+    for shape in ((8, 8, 8 * 300, 0, 0), (128, 1, 128, 128, 128 * 128),
+                  (40, 8, 7 * 300 + 33, 33, 33 * 33)):
+        want = joint.runner_time(*shape)
+        assert abs(raw.runner_time(*shape) / want - 1) > 0.2
+        assert m.predict(*shape) == pytest.approx(want, rel=0.12)
+    plain = CostModel(c0=0.02, c_tok=1e-3)
+    assert StepTimeModel.from_cost_model(plain).coefficients["c0"] == pytest.approx(0.02)

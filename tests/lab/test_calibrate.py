@@ -9,8 +9,8 @@ import pytest
 from iterserve.cli import main
 from iterserve.lab.api import run_lab
 from iterserve.lab.calibrate import (
-    CalibrationError, GridPoint, check_point, default_grid, fit_coefficients, fit_errors,
-    fit_overhead, nnls)
+    CalibrationError, GridPoint, check_point, correction_knots, default_grid, fit_coefficients,
+    fit_errors, fit_overhead, fit_with_corrections, nnls)
 from iterserve.lab.cost_model import (
     COEFFICIENTS, CostModelError, load_cost_model, shipped_cost_models)
 
@@ -33,6 +33,70 @@ def test_fit_recovers_known_coefficients_from_exact_linear_timings():
     for k in COEFFICIENTS:
         assert got[k] == pytest.approx(TRUE[k], rel=1e-6), k
     assert max(abs(e) for e in fit_errors(got, feats, y)) < 1e-9
+
+
+def _kernel_rows(tokens: int) -> float:
+    """A runner whose GEMMs change kernel with the row count, as the CPU one does: int8
+    decode kernels in groups of 4 rows up to 32 rows (one row alone is cheaper), a panel
+    GEMM with a fixed cost above."""
+    if tokens <= 32:
+        return 0.012 if tokens == 1 else 0.05 * -(-tokens // 4)
+    return 0.15 + 0.003 * tokens
+
+
+def test_token_corrections_fit_a_runner_whose_kernels_change_with_the_row_count():
+    """The linear terms alone miss such a runner by tens of percent at the shapes `mix`
+    runs (a few decodes, a short prompt); the correction by token count, read off at
+    every count up to 8 and on both sides of the row limit, fits it, and the linear
+    terms stay a sensible seed (no negative cost, the kv price kept)."""
+    grid = default_grid()
+    feats = [p.features() for p in grid]
+    y = [_kernel_rows(t) + 0.002 * s + 1e-5 * kv for t, s, kv, _, _ in feats]
+    knots = correction_knots(32, max(f[0] for f in feats))
+    assert {1, 2, 3, 4, 5, 6, 7, 8, 32, 33} <= set(knots) and max(knots) == max(
+        f[0] for f in feats)
+    linear = fit_coefficients(feats, y)
+    e_lin = np.abs(fit_errors(linear, feats, y))
+    coef, corr = fit_with_corrections(feats, y, knots)
+    e = np.abs(fit_errors(coef, feats, y, corr))
+    assert e_lin.max() > 0.25 and e.max() < 0.08 and e.mean() < 0.5 * e_lin.mean()
+    assert all(v >= 0 for v in coef.values())
+    assert coef["c_kv"] == pytest.approx(1e-5, rel=0.3)
+    # Shapes off the grid, as the lab meets them: 7 decodes + a 20-token prompt (27 rows),
+    # 6 decodes + a 30-token prompt (36 rows).
+    from iterserve.lab.cost_model import CostModel
+    m = CostModel(token_corrections=corr, **coef)
+    for tokens, seqs, kv in ((27, 8, 7 * 300 + 20), (36, 7, 6 * 300 + 30)):
+        truth = _kernel_rows(tokens) + 0.002 * seqs + 1e-5 * kv
+        assert m.runner_time(tokens, seqs, kv, tokens - seqs + 1, 0) == pytest.approx(
+            truth, rel=0.12)
+
+
+def test_engine_scale_is_measured_over_predicted_on_the_engine_steps_and_clipped():
+    from iterserve.lab.calibrate import engine_scale, scaled
+    from iterserve.lab.cost_model import CostModel
+
+    cost = CostModel(c0=0.01, c_seq=0.002, token_corrections=((1, 0.001), (8, -0.002)))
+    shapes = [(1, 1, 40, 0, 0), (8, 8, 800, 0, 0), (30, 8, 900, 23, 23 * 23)]
+    steps = [(*f, 1.15 * cost.runner_time(*f)) for f in shapes]
+    assert engine_scale(cost, steps) == pytest.approx(1.15)
+    coef, corr = scaled({"c0": 0.01, "c_seq": 0.002}, cost.token_corrections, 1.15)
+    m = CostModel(token_corrections=corr, **coef)
+    for f in shapes:
+        assert m.runner_time(*f) == pytest.approx(1.15 * cost.runner_time(*f))
+    assert engine_scale(cost, [(*f, 10 * cost.runner_time(*f)) for f in shapes]) == 2.0
+    # one step slowed by a burst of load from elsewhere does not move it
+    burst = [(*f, (1.15 if i else 5.0) * cost.runner_time(*f)) for i, f in
+             enumerate(shapes * 3)]
+    assert engine_scale(cost, burst) == pytest.approx(1.15)
+    assert engine_scale(cost, []) is None
+
+
+def test_exact_linear_timings_need_no_correction():
+    feats, y = _synthetic(default_grid(), TRUE)
+    coef, corr = fit_with_corrections(feats, y, correction_knots(32, 264))
+    assert max(abs(e) for e in fit_errors(coef, feats, y, corr)) < 0.02
+    assert max(abs(v) for _, v in corr) < 0.05 * min(y)
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -157,8 +221,14 @@ def test_quick_calibration_on_a_tiny_model_writes_a_cost_model_the_lab_loads(tmp
     assert all(p["median_s"] > 0 for p in src["points"])
     assert any(p["attn_pairs"] > 0 for p in src["points"])
     assert src["overhead"]["engine_steps"] > 0
+    # the engine run's own forward steps set the level of the runner terms
+    es = src["engine_scale"]
+    assert es["engine_steps"] > 10 and es["applied"] and 0.5 <= es["factor"] <= 2.0
+    assert "engine steps vs the grid's fit: x" in err
+    assert [t for t, _ in data["token_corrections"]][:8] == [1, 2, 3, 4, 5, 6, 7, 8]
     cost = load_cost_model(out)
     assert cost.runner_time(1, 1, 33) > 0 and model.name in cost.description
+    assert cost.idle_step_s == pytest.approx(max(cost.runner_time(1, 1, 33), cost.c0))
     # the serving loop around the runner was measured: a step costs more than the runner
     assert cost.overhead_s + cost.overhead_seq_s > 0
     assert cost.step_time(4, 4, 100) > cost.runner_time(4, 4, 100)

@@ -35,10 +35,14 @@ def test_lab_vs_engine_reports_the_lab_error_on_mix_and_a_preset(lve, tmp_path, 
     fit.write_text(json.dumps({"format": "iterserve-lab-cost-model", "version": 2,
                                "c0": 0.002, "c_seq": 2e-4, "c_kv": 1e-7, "c_prefill_tok": 5e-5,
                                "c_attn": 1e-8, "overhead_s": 2e-4}))
+    other = tmp_path / "other.json"        # another fit, the same real run: an A/B of fits
+    other.write_text(json.dumps({"c0": 0.004, "c_seq": 2e-4,
+                                 "token_corrections": [[1, 0.0], [8, 0.001], [33, 0.002]]}))
     out = tmp_path / "report.json"
     assert lve.main(["--model", str(model), "--cost-model", str(fit),
                      "--workloads", "mix,kv-pressure", "--num-requests", "4",
-                     "--preset-requests", "6", "--out", str(out)]) == 0
+                     "--preset-requests", "6", "--out", str(out),
+                     "--also-cost-models", str(other)]) == 0
     report = json.loads(out.read_text())
     assert report["cost_model_coefficients"]["c_attn"] == 1e-8
     rows = {r["workload"]["name"]: r for r in report["results"]}
@@ -55,6 +59,15 @@ def test_lab_vs_engine_reports_the_lab_error_on_mix_and_a_preset(lve, tmp_path, 
         assert r["rel_error"] == pytest.approx(ratio - 1, abs=slack)
         b = r["breakdown"]
         assert b["real_attn_pairs"] > 0 and b["fit_overhead_on_real_steps_s"] > 0
+    # per-step residuals by token count cover every real step; the other fit's prediction
+    # of the same mix run is its own lab run, slower by its larger per-step cost
+    res = rows["mix"]["breakdown"]["residuals_by_tokens"]
+    assert sum(x["steps"] for x in res) == rows["mix"]["real_steps"]
+    assert sum(x["share_of_execute"] for x in res) == pytest.approx(1.0, abs=1e-3)
+    alt = rows["mix"]["other_cost_models"][str(other)]
+    assert alt["predicted_s"] > rows["mix"]["predicted_s"]
+    assert (alt["breakdown"]["cost_model_on_real_steps_s"]
+            > rows["mix"]["breakdown"]["cost_model_on_real_steps_s"])
     kv = rows["kv-pressure"]
     assert kv["workload"]["engine_args"]["num_kv_blocks"] == 300
     for k in ("throughput_tokens_per_s", "p99_itl_s", "p99_ttft_s"):

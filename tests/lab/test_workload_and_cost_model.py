@@ -76,7 +76,7 @@ def test_cost_model_file_round_trips_and_idle_defaults_to_c0(tmp_path):
     ({"c_kv": -1e-9}, "c_kv must be non-negative"),
     ({"c0": 1, "cO": 2}, "unknown key"),
     ({"format": "vidur"}, "format must be"),
-    ({"version": 3}, "version must be one of 1, 2"),
+    ({"version": 4}, "version must be one of 1, 2, 3"),
     ({"version": True}, "version must be one of"),
 ])
 def test_bad_cost_models_are_rejected_with_the_key_named(data, words):
@@ -117,7 +117,8 @@ def test_a_version_1_file_loads_with_no_attention_term_and_no_overhead(tmp_path)
     assert (m.c_attn, m.overhead_s, m.overhead_seq_s) == (0.0, 0.0, 0.0)
     assert m.step_time(9, 9, 2000, 0, 10**6) == pytest.approx(
         0.007 + 0.0027 * 9 + 4.1e-6 * 2000)
-    assert m.to_dict()["version"] == 2 and CostModel.from_dict(m.to_dict()) == m
+    assert m.to_dict()["version"] == 3 and CostModel.from_dict(m.to_dict()) == m
+    assert "token_corrections" not in m.to_dict()      # nothing to correct: not written
     assert default_cost_model().c_attn == 0.0
 
 
@@ -156,3 +157,40 @@ def test_the_simulator_adds_the_serving_overhead_to_every_busy_step():
     a, b = _one_long_prompt(plain), _one_long_prompt(over)
     # one sequence in every step: 3 ms more per step
     assert float(b.step_start_s[-1] - a.step_start_s[-1]) == pytest.approx(0.003 * a.steps)
+
+
+def test_token_corrections_interpolate_hold_their_ends_and_round_trip(tmp_path):
+    """corr(tokens) is linear between the token counts it was read off at and holds its end
+    values beyond them; a file with corrections loads back to the same model."""
+    m = CostModel(c0=0.01, c_seq=0.001,
+                  token_corrections=((1, 0.0), (16, 0.004), (33, -0.002)))
+    assert m.correction(1) == 0.0 and m.correction(16) == pytest.approx(0.004)
+    assert m.correction(8.5) == pytest.approx(0.002)
+    assert m.correction(0) == 0.0 and m.correction(500) == pytest.approx(-0.002)
+    assert m.runner_time(16, 1, 0) == pytest.approx(0.01 + 0.001 + 0.004)
+    assert m.step_time(33, 1, 0) == pytest.approx(0.011 - 0.002)
+    f = tmp_path / "fit.json"
+    f.write_text(json.dumps(m.to_dict()))
+    assert load_cost_model(f) == m
+    assert m.to_dict()["token_corrections"] == [[1, 0.0], [16, 0.004], [33, -0.002]]
+
+
+def test_a_negative_correction_never_takes_a_step_below_a_tenth_of_the_linear_terms():
+    m = CostModel(c0=0.01, token_corrections=((1, -1.0), (2, -1.0)))
+    assert m.runner_time(1, 1, 0) == pytest.approx(0.001)
+    assert m.step_time(5, 1, 0) > 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([[1, 0.0], [1, 0.1]], "strictly increasing"),
+    ([[3, 0.0], [2, 0.1]], "strictly increasing"),
+    ([[0, 0.0]], "tokens >= 1"),
+    ([[1.5, 0.0]], "tokens >= 1"),
+    ([[1, float("nan")]], "finite"),
+    ([[1, 0.0, 2]], "each entry"),
+    ({"1": 0.0}, "list of"),
+])
+def test_bad_token_corrections_name_the_key(bad, message):
+    with pytest.raises(CostModelError, match="token_corrections") as e:
+        CostModel.from_dict({"c0": 0.01, "token_corrections": bad})
+    assert message in str(e.value)

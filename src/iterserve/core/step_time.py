@@ -141,7 +141,11 @@ class StepTimeModel:
     def from_cost_model(cls, cost) -> "StepTimeModel":
         """Seed from anything with the lab cost model's attributes (a `CostModel`; a term
         it lacks is 0). Only the runner's terms: the serving overhead around a step is
-        measured by the policy itself (`SloPolicy.overhead_s`)."""
+        measured by the policy itself (`SloPolicy.overhead_s`). A cost model with token
+        corrections (which this linear form cannot hold) seeds from its closest linear
+        model (`CostModel.linear_equivalent`)."""
+        if getattr(cost, "token_corrections", ()) and hasattr(cost, "linear_equivalent"):
+            cost = cost.linear_equivalent()
         return cls({k: getattr(cost, k, 0.0) for k in COEFFICIENTS})
 
     # --- use --------------------------------------------------------------------------------

@@ -14,7 +14,13 @@ the engine makes, sampler included), takes the median of several repeats, and fi
 runner coefficients by non-negative least squares. Then it serves a short batch of requests
 on the real engine (`LLMEngine.step`, the same model in the same process) and fits the time
 per step outside `execute` (scheduling, output processing, detokenisation) as
-`overhead_s + overhead_seq_s * seqs`. The fit's error per grid point is reported, and the
+`overhead_s + overhead_seq_s * seqs`. The same run's forward steps (shapes of `mix`: a few
+decodes and a short prompt admitted now and then) set the level: the runner terms are scaled
+by their measured execute time over the grid fit's prediction (`engine_scale`), because the
+engine's steps, each a new shape after the scheduler ran, measured 8-16% slower than the
+back-to-back grid said. Since version 3 the model also has a piecewise-linear correction by
+the step's token count (`token_corrections`, fitted with the linear terms): the GEMMs change
+kernel with the row count. The fit's error per grid point is reported, and the
 result is written in the cost model's JSON format with a `source` block saying what it was
 fitted on.
 
@@ -33,8 +39,9 @@ Why these choices:
 - The model is loaded by building the engine (`LLMEngine.from_engine_args`), so the runner
   timed is configured exactly as the engine's (kernel activation mode, KV dtype), and the
   overhead run needs no second copy of the weights.
-- `idle_step_s` is left to default to c0: the lab advances its clock by it while nothing is
-  scheduled (waiting for arrivals), so it is the lab's time resolution between arrivals.
+- `idle_step_s` is the fit's time of one decode step (at least c0): the lab advances its
+  clock by it while nothing is scheduled (waiting for arrivals; the last empty step ends at
+  the arrival itself), so it sets how many empty steps a gap counts.
 
 torch is imported only when timing runs, so `iterserve lab` stays torch-free.
 """
@@ -136,8 +143,20 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
                 GridPoint(prefill_tokens=64, prefill_chunks=1, prefill_context=512),
                 GridPoint(prefill_tokens=64, prefill_chunks=1, prefill_context=896),
                 GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1),
-                GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1, prefill_context=768)]
+                GridPoint(4, 64, prefill_tokens=32, prefill_chunks=1, prefill_context=768),
+                GridPoint(2, 64), GridPoint(prefill_tokens=16, prefill_chunks=1),
+                GridPoint(7, 64, prefill_tokens=26, prefill_chunks=1)]
     grid = [GridPoint(d, kv) for d in (1, 2, 4, 8, 16, 32) for kv in (32, 256, 1024)]
+    # Every decode batch up to 8 (the int8 decode kernels work in groups of rows, so 3 or 5
+    # rows are not the mean of their neighbours) and two between 8 and 32.
+    grid += [GridPoint(d, kv) for d in (3, 5, 6, 7) for kv in (32, 256)]
+    grid += [GridPoint(d, 64) for d in (12, 24)]
+    # What a full batch runs when one request finishes and the next is admitted: a few
+    # decodes and one short prompt, on both sides of the decode kernels' row limit (32).
+    grid += [GridPoint(7, 128, prefill_tokens=p, prefill_chunks=1) for p in (8, 17, 25, 26, 40)]
+    grid += [GridPoint(1, 128, prefill_tokens=p, prefill_chunks=1) for p in (15, 32)]
+    grid += [GridPoint(3, 128, prefill_tokens=20, prefill_chunks=1),
+             GridPoint(prefill_tokens=192, prefill_chunks=8)]
     grid += [GridPoint(prefill_tokens=p, prefill_chunks=1) for p in (16, 64, 128, 256)]
     grid += [GridPoint(prefill_tokens=p, prefill_chunks=c) for p, c in ((64, 2), (128, 4),
                                                                           (256, 2))]
@@ -220,12 +239,86 @@ def fit_coefficients(features: Sequence[Sequence[float]], seconds: Sequence[floa
     return {k: float(v) for k, v in zip(COEFFICIENTS, coef)}
 
 
-def fit_errors(coefficients: dict[str, float], features: Sequence[Sequence[float]],
-               seconds: Sequence[float]) -> list[float]:
-    """Relative error (predicted - measured) / measured per point."""
-    coef = np.array([coefficients[k] for k in COEFFICIENTS])
-    pred = design_matrix(features) @ coef
+CORRECTION_RIDGE = 0.1     # a 100% correction at a token count costs like a 10% residual
+
+
+def correction_knots(max_rows: int, max_tokens: int) -> list[int]:
+    """The token counts the corrections are read off at: every count up to 8 (the decode
+    kernels work in groups of rows), a few up to `max_rows` (the decode kernels' row limit,
+    `layers.QUANT_MAX_ROWS`) and just past it (the panel GEMM takes over), then doubling up
+    to `max_tokens` (the grid's largest step)."""
+    ks = set(range(1, 9)) | {12, 16, 24, max_rows, max_rows + 1}
+    t = 64
+    while t < max_tokens:
+        ks.add(t)
+        t *= 2
+    ks.add(max_tokens)
+    return sorted(k for k in ks if 1 <= k <= max_tokens)
+
+
+def _hats(tokens: np.ndarray, knots: Sequence[int]) -> np.ndarray:
+    """Columns of the piecewise-linear basis: corr(t) = hats(t) @ values (CostModel.correction)."""
+    k = np.asarray(knots, dtype=float)
+    h = np.zeros((len(tokens), len(k)))
+    for r, t in enumerate(tokens):
+        if t <= k[0]:
+            h[r, 0] = 1.0
+        elif t >= k[-1]:
+            h[r, -1] = 1.0
+        else:
+            i = int(np.searchsorted(k, t, side="right"))
+            w = (t - k[i - 1]) / (k[i] - k[i - 1])
+            h[r, i - 1], h[r, i] = 1.0 - w, w
+    return h
+
+
+def fit_with_corrections(features: Sequence[Sequence[float]], seconds: Sequence[float],
+                         knots: Sequence[int], ridge: float = CORRECTION_RIDGE
+                         ) -> tuple[dict[str, float], tuple[tuple[int, float], ...]]:
+    """The runner coefficients (non-negative) and a token-count correction (either sign),
+    fitted together on relative error. Each correction value is split into a positive and a
+    negative part (both non-negative, so the one NNLS solve does it) and pulled towards 0 by
+    ridge rows scaled by the times measured near its token count: the linear terms explain
+    what they can, the correction only the shape they cannot (kernel changes by row count)."""
     y = np.asarray(seconds, dtype=float)
+    lin = design_matrix(features)
+    if len(y) != len(lin):
+        raise CalibrationError(f"{len(lin)} feature rows but {len(y)} timings")
+    if not np.all(np.isfinite(y)) or np.any(y <= 0):
+        raise CalibrationError("timings must be positive finite seconds")
+    tokens = lin[:, 1]
+    knots = sorted(set(int(k) for k in knots))
+    h = _hats(tokens, knots)
+    # The scale of a correction at each knot: the median time of the points nearest to it.
+    ref = np.empty(len(knots))
+    for j, k in enumerate(knots):
+        d = np.abs(np.log(tokens / k))
+        ref[j] = float(np.median(y[d <= d.min() + 1e-9]))
+    a = np.column_stack([lin, h, -h]) / y[:, None]
+    nl, nk = lin.shape[1], len(knots)
+    reg = np.zeros((2 * nk, nl + 2 * nk))
+    for j in range(nk):
+        reg[j, nl + j] = ridge / ref[j]
+        reg[nk + j, nl + nk + j] = ridge / ref[j]
+    a = np.vstack([a, reg])
+    b = np.concatenate([np.ones(len(y)), np.zeros(2 * nk)])
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    x = nnls(a / scale, b) / scale
+    coef = {k: float(v) for k, v in zip(COEFFICIENTS, x[:nl])}
+    values = x[nl:nl + nk] - x[nl + nk:]
+    return coef, tuple((k, float(v)) for k, v in zip(knots, values))
+
+
+def fit_errors(coefficients: dict[str, float], features: Sequence[Sequence[float]],
+               seconds: Sequence[float],
+               corrections: Sequence[tuple[int, float]] = ()) -> list[float]:
+    """Relative error (predicted - measured) / measured per point."""
+    model = CostModel(token_corrections=tuple(corrections),
+                      **{k: coefficients[k] for k in COEFFICIENTS})
+    y = np.asarray(seconds, dtype=float)
+    f = design_matrix(features)[:, 1:]
+    pred = np.array([model.runner_time(*row) for row in f])
     return [float(e) for e in (pred - y) / y]
 
 
@@ -326,6 +419,9 @@ class CalibrationResult:
     mean_abs_rel_error: float
     max_abs_rel_error: float
     source: dict[str, Any]
+    # the engine run's forward steps: (tokens, seqs, kv read, prefill tokens, attention
+    # pairs, execute seconds), what engine_scale compared the grid's fit with
+    engine_steps: list[tuple[int, int, int, int, int, float]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = self.cost_model.to_dict()
@@ -336,29 +432,78 @@ class CalibrationResult:
 DEFAULT_KV_BUDGET_GIB = 2.0
 
 
-OVERHEAD_REQUESTS = 16          # the overhead run: 16 requests on 8 slots ...
+OVERHEAD_REQUESTS = 24          # the engine run: 24 requests on 8 slots ...
 OVERHEAD_SLOTS = 8
-OVERHEAD_PROMPT = 16            # ... of 16-token prompts and 24 output tokens each
-OVERHEAD_OUTPUT = 24
+OVERHEAD_PROMPT = (8, 40)       # ... of 8-40-token prompts and 8-48 output tokens each (the
+OVERHEAD_OUTPUT = (8, 48)       # shapes of `mix`: a few decodes, one short prompt admitted)
+ENGINE_SCALE_RANGE = (0.5, 2.0)  # the engine-run level correction is clipped to this
 
 
 class _ExecuteTimer:
-    """Wraps the engine's executor: per forward step, its sequences and `execute`'s time."""
+    """Wraps the engine's executor: per forward step, the cost model's inputs (counted as the
+    lab counts them) and `execute`'s time."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.last: tuple[int, float] | None = None
+        self.steps: list[tuple[int, int, int, int, int, float]] = []
 
     def execute(self, output):
         t = time.perf_counter()
         try:
             return self.inner.execute(output)
         finally:
-            n = len(output.num_scheduled_tokens)
-            self.last = (n, time.perf_counter() - t) if n else None
+            dt = time.perf_counter() - t
+            sched = output.num_scheduled_tokens
+            n = len(sched)
+            self.last = (n, dt) if n else None
+            if n:
+                data = output.scheduled_new_reqs + output.scheduled_cached_reqs
+                plen = {rid: len(st.prompt_token_ids)
+                        for rid, st in getattr(self.inner, "requests", {}).items()}
+                chunks = [d for d in data if sched[d.req_id] > 1
+                          or d.num_computed_tokens < plen.get(d.req_id, 0)]
+                self.steps.append((
+                    sum(sched.values()), n,
+                    sum(d.num_computed_tokens + sched[d.req_id] for d in data),
+                    sum(sched[d.req_id] for d in chunks),
+                    sum(sched[d.req_id] * (d.num_computed_tokens + sched[d.req_id])
+                        for d in chunks), dt))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def engine_scale(cost: CostModel, steps: Sequence[tuple[int, int, int, int, int, float]]
+                 ) -> float | None:
+    """How much longer the engine's own steps took than the grid's fit says (measured
+    execute time over predicted, a time-weighted median over the steps), clipped to
+    ENGINE_SCALE_RANGE;
+    None without steps. The grid times one step shape at a time, back to back; in the
+    engine every step is a new shape after the scheduler and the output processing ran,
+    and on the CPU those steps measured 8-16% slower than the grid said (session 14)."""
+    pairs = sorted((s[5] / p, p) for s in steps if (p := cost.runner_time(*s[:5])) > 0
+                   and s[5] > 0)
+    if not pairs:
+        return None
+    # The median of measured / predicted weighted by the predicted time: each step counts
+    # by its share of the run (as the total would), but one burst of load from elsewhere
+    # during a few steps cannot move it as far as it moves the total.
+    half, acc, ratio = sum(p for _, p in pairs) / 2, 0.0, pairs[-1][0]
+    for r, p in pairs:
+        acc += p
+        if acc >= half:
+            ratio = r
+            break
+    lo, hi = ENGINE_SCALE_RANGE
+    return min(hi, max(lo, ratio))
+
+
+def scaled(coef: dict[str, float], corrections: Sequence[tuple[int, float]], factor: float
+           ) -> tuple[dict[str, float], tuple[tuple[int, float], ...]]:
+    """The runner terms times `factor` (every runner prediction scales by it)."""
+    return ({k: v * factor for k, v in coef.items()},
+            tuple((t, v * factor) for t, v in corrections))
 
 
 def fit_overhead(samples: Sequence[tuple[int, float]]) -> dict[str, float]:
@@ -381,25 +526,35 @@ def fit_overhead(samples: Sequence[tuple[int, float]]) -> dict[str, float]:
     return {"overhead_s": float(o0), "overhead_seq_s": float(o1)}
 
 
+def _draw(rng: random.Random, spec: int | tuple[int, int]) -> int:
+    return spec if isinstance(spec, int) else rng.randint(*spec)
+
+
 def measure_overhead(engine, *, num_requests: int = OVERHEAD_REQUESTS,
-                     prompt_tokens: int = OVERHEAD_PROMPT, output_tokens: int = OVERHEAD_OUTPUT,
-                     seed: int = 0) -> tuple[dict[str, float], list[tuple[int, float]]]:
-    """Serve `num_requests` short requests (random token prompts, ignore_eos) on `engine`
-    and return (the fitted overhead terms, per step (seqs, seconds outside execute)). A step's
-    time is the loop iteration that ran it (`engine.step()` and the loop itself), so what a
-    caller of the offline engine waits for between two forward passes is counted."""
+                     prompt_tokens: int | tuple[int, int] = OVERHEAD_PROMPT,
+                     output_tokens: int | tuple[int, int] = OVERHEAD_OUTPUT,
+                     seed: int = 0) -> tuple[dict[str, float], list[tuple[int, float]],
+                                             list[tuple[int, int, int, int, int, float]]]:
+    """Serve `num_requests` short requests (random token prompts, ignore_eos; lengths drawn
+    from the (lo, hi) ranges) on `engine` and return (the fitted overhead terms, per step
+    (seqs, seconds outside execute), per step the cost model's inputs and execute's
+    seconds). A step's time is the loop iteration that ran it (`engine.step()` and the loop
+    itself), so what a caller of the offline engine waits for between two forward passes is
+    counted."""
     from iterserve.core.request import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     timer = _ExecuteTimer(engine.executor)
     engine.executor = timer
     samples: list[tuple[int, float]] = []
     try:
         for i in range(num_requests):
+            params = SamplingParams(temperature=0.0, max_tokens=_draw(rng, output_tokens),
+                                    ignore_eos=True)
             engine.add_request(f"cal-overhead-{i}",
-                               [rng.randrange(3, vocab) for _ in range(prompt_tokens)], params)
+                               [rng.randrange(3, vocab)
+                                for _ in range(_draw(rng, prompt_tokens))], params)
         t = time.perf_counter()
         while engine.has_unfinished_requests():
             timer.last = None
@@ -411,12 +566,13 @@ def measure_overhead(engine, *, num_requests: int = OVERHEAD_REQUESTS,
             t = now
     finally:
         engine.executor = timer.inner
-    return fit_overhead(samples), samples
+    return fit_overhead(samples), samples, timer.steps
 
 
 def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | None = None,
               grid: Sequence[GridPoint] | None = None, block_size: int = 16,
               kv_budget_gib: float = DEFAULT_KV_BUDGET_GIB, overhead: bool = True,
+              corrections: bool = True, scale_to_engine: bool = True,
               progress: Callable[[str], None] | None = None) -> CalibrationResult:
     """Load the model (by building the engine), time the grid, fit; then, unless
     `overhead` is False, measure the serving overhead on a short engine run. `model` None is
@@ -444,7 +600,7 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
     t_load = time.perf_counter()
     # The engine's own KV pool only serves the overhead run (16 short requests); the grid
     # gets a runner of its own over the same weights.
-    pool = -(-(OVERHEAD_PROMPT + OVERHEAD_OUTPUT) // block_size) * OVERHEAD_REQUESTS + 8
+    pool = -(-(OVERHEAD_PROMPT[1] + OVERHEAD_OUTPUT[1]) // block_size) * OVERHEAD_REQUESTS + 8
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=model, max_num_seqs=OVERHEAD_SLOTS, num_kv_blocks=pool, block_size=block_size))
     loaded = engine.loaded_model
@@ -478,9 +634,10 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
     elapsed = time.perf_counter() - t0
     over = {"overhead_s": 0.0, "overhead_seq_s": 0.0}
     over_samples: list[tuple[int, float]] = []
+    engine_steps: list[tuple[int, int, int, int, int, float]] = []
     if overhead:
         t1 = time.perf_counter()
-        over, over_samples = measure_overhead(engine)
+        over, over_samples, engine_steps = measure_overhead(engine)
         if progress:
             progress(f"serving overhead: {len(over_samples)} engine steps in "
                      f"{time.perf_counter() - t1:.1f} s")
@@ -489,8 +646,21 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
 
     feats = [p.features() for p in grid]
     medians = [statistics.median(t) for t in times]
-    coef = fit_coefficients(feats, medians)
-    errors = fit_errors(coef, feats, medians)
+    knots: list[int] = []
+    if corrections:
+        from iterserve.model import layers
+        max_rows = int(getattr(layers, "QUANT_MAX_ROWS", 32))
+        knots = correction_knots(max_rows, max(f[0] for f in feats))
+        coef, corr = fit_with_corrections(feats, medians, knots)
+    else:
+        coef, corr = fit_coefficients(feats, medians), ()
+    errors = fit_errors(coef, feats, medians, corr)
+    # The grid gives the shape, the engine's own steps the level (see engine_scale).
+    factor = None
+    if engine_steps:
+        factor = engine_scale(CostModel(token_corrections=tuple(corr), **coef), engine_steps)
+    if factor is not None and scale_to_engine:
+        coef, corr = scaled(coef, corr, factor)
     abs_err = [abs(e) for e in errors]
     mean_err, max_err = sum(abs_err) / len(abs_err), max(abs_err)
     points = []
@@ -500,6 +670,13 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
                        "prefill_tokens": f[3], "attn_pairs": f[4], "median_s": round(med, 6),
                        "min_s": round(min(t), 6), "max_s": round(max(t), 6),
                        "predicted_s": round(med * (1 + e), 6), "rel_error": round(e, 4)})
+    scale_info: dict[str, Any] | str = "no engine run (--no-overhead)"
+    if engine_steps:
+        scale_info = {"engine_steps": len(engine_steps),
+                      "measured_execute_s": round(sum(s[5] for s in engine_steps), 4),
+                      "factor": round(factor, 4) if factor is not None else None,
+                      "applied": bool(scale_to_engine and factor is not None),
+                      "note": "runner terms x factor: grid fit error is before it"}
     model_name = (Path(model).name if model else
                   "SmolLM2-135M-Instruct.Q4_1.gguf (bundled default)")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -516,8 +693,11 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "kv_budget_gib": kv_budget_gib, "dropped_points": [p.label() for p in dropped],
         "load_average_before": load_before, "load_average_after": load_after,
-        "fit": "non-negative least squares on relative error",
+        "fit": "non-negative least squares on relative error"
+               + (f", token corrections at {knots} (ridge {CORRECTION_RIDGE})"
+                  if corrections else ", no token corrections"),
         "mean_abs_rel_error": round(mean_err, 4), "max_abs_rel_error": round(max_err, 4),
+        "engine_scale": scale_info,
         "overhead": ({"engine_steps": len(over_samples), "requests": OVERHEAD_REQUESTS,
                       "slots": OVERHEAD_SLOTS, "prompt_tokens": OVERHEAD_PROMPT,
                       "output_tokens": OVERHEAD_OUTPUT,
@@ -530,12 +710,20 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
                 f"{over['overhead_seq_s'] * 1e3:.3f} ms/seq per step" if overhead else "")
     description = (f"Fitted by `iterserve lab calibrate` to ModelRunner.execute of {model_name} "
                    f"on {machine}, {date}: {len(grid)} batch shapes x {repeats} repeats "
-                   f"(median), fit error mean {mean_err:.1%} / max {max_err:.1%}{over_txt}; "
+                   f"(median), fit error mean {mean_err:.1%} / max {max_err:.1%}"
+                   + (f", x{factor:.3f} to the engine's own {len(engine_steps)} steps"
+                      if factor is not None and scale_to_engine else "")
+                   + f"{over_txt}; "
                    f"1-min load average {load_before[0] if load_before else '?'} before.")
+    # The lab's clock step while nothing runs: the cheapest real step (one decode), not c0,
+    # which a fit with corrections may leave at 0.
+    idle = CostModel(token_corrections=tuple(corr), **coef).runner_time(1, 1, 33)
     cost = CostModel.from_dict({"format": FORMAT, "version": VERSION,
-                                "description": description, **coef, **over})
+                                "description": description, **coef, **over,
+                                "idle_step_s": max(idle, coef["c0"]),
+                                "token_corrections": [list(c) for c in corr]})
     del engine
-    return CalibrationResult(cost, points, mean_err, max_err, source)
+    return CalibrationResult(cost, points, mean_err, max_err, source, engine_steps)
 
 
 def _activation_mode(kernels) -> str | None:
@@ -554,10 +742,17 @@ def format_report(res: CalibrationResult) -> str:
     lines += ["", f"c0 = {c.c0:.4g} s   c_tok = {c.c_tok:.4g} s   c_seq = {c.c_seq:.4g} s   "
                   f"c_kv = {c.c_kv:.4g} s   c_prefill_tok = {c.c_prefill_tok:.4g} s   "
                   f"c_attn = {c.c_attn:.4g} s",
+              "token corrections (tokens: ms): " + (", ".join(
+                  f"{t}: {v * 1e3:+.2f}" for t, v in c.token_corrections) or "none"),
               f"serving overhead per step: {c.overhead_s * 1e3:.3f} ms + "
               f"{c.overhead_seq_s * 1e3:.4f} ms per sequence",
               f"fit error over {len(res.points)} points: mean {res.mean_abs_rel_error:.1%}, "
               f"max {res.max_abs_rel_error:.1%}",
+              "engine steps vs the grid's fit: " + (
+                  f"x{es['factor']:.3f} over {es['engine_steps']} steps"
+                  + (" (applied)" if es["applied"] else " (not applied)")
+                  if isinstance(es := res.source.get("engine_scale"), dict)
+                  and es.get("factor") is not None else "not measured"),
               f"load average before/after: {res.source['load_average_before']} / "
               f"{res.source['load_average_after']}"]
     return "\n".join(lines)
@@ -581,6 +776,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-overhead", action="store_true",
                    help="skip the short engine run that measures the serving overhead per "
                         "step (overhead_s / overhead_seq_s stay 0: runner time only)")
+    p.add_argument("--no-corrections", action="store_true",
+                   help="fit the linear terms only (no piecewise correction by the step's "
+                        "token count; the version-2 model)")
+    p.add_argument("--no-engine-scale", action="store_true",
+                   help="keep the grid's level: do not scale the runner terms to the "
+                        "engine run's own steps (measured / predicted execute time)")
     p.add_argument("--kv-budget-gib", type=float, default=DEFAULT_KV_BUDGET_GIB,
                    help="leave out grid points whose KV cache would exceed this (default "
                         f"{DEFAULT_KV_BUDGET_GIB:g}; big models need it)")
@@ -604,6 +805,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = calibrate(args.model, quick=args.quick, repeats=args.repeats,
                         kv_budget_gib=args.kv_budget_gib, overhead=not args.no_overhead,
+                        corrections=not args.no_corrections,
+                        scale_to_engine=not args.no_engine_scale,
                         progress=lambda m: print(m, file=sys.stderr, flush=True))
     except (CalibrationError, ValueError, FileNotFoundError) as e:   # ModelLoadError too
         return err(str(e))

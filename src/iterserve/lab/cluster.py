@@ -221,9 +221,10 @@ class _Replica:
         """Queue `req` arriving at `arrival_s` (QueueFullError passes through)."""
         sched = self.sched
         if arrival_s > self.t and not sched.requests:
-            # Idle until the arrival: empty steps of idle_s, as simulate() skips them.
+            # Idle until the arrival: empty steps of idle_s, the last one ending at the
+            # arrival itself, as simulate() skips them.
             gap = max(1, math.ceil((arrival_s - self.t) / self.idle_s))
-            self.t = self.t + self.idle_s * gap
+            self.t = arrival_s
             self.steps += gap
             sched.skip_idle_steps(gap)
         self.now = self.t

@@ -15,6 +15,18 @@ around it:
                                          model runner (scheduling, output processing,
                                          detokenisation), per step and per sequence
 
+         + corr(tokens)                  a piecewise-linear correction by the step's token
+                                         count (`token_corrections`), clamped so a step
+                                         never costs less than a tenth of the linear terms
+
+Why `corr(tokens)`: the model runner's GEMMs change kernel with the number of rows a step
+puts through them (on CPU: the decode kernels up to `QUANT_MAX_ROWS` rows, a panel GEMM
+above; int8 kernels that work in groups of rows), so a 16-token prefill chunk costs what 16
+decodes cost, not a 16th of a 256-token chunk, and 4 rows can cost what 2 do. No linear term
+can say that; a correction read off at the token counts the calibration timed (linear
+between them, the end values held beyond them) can, while the linear terms keep their
+meaning for everything that reads only them (the SLO policy's online model seeds from them).
+
 Why `c_attn`: a decode reads its context once (`c_kv`), but every token of a prefill chunk
 attends to the whole context, so a 128-token chunk at context 1,500 costs far more than the
 same chunk at context 0 (on the session-13 runner 220 ms vs 132 ms with 16 decodes, where
@@ -28,14 +40,18 @@ A step with nothing scheduled (waiting for the next arrival) takes `idle_step_s`
 File format (JSON object, all times in seconds; unknown keys are an error so a typo cannot
 silently fall back to a default):
 
-    {"format": "iterserve-lab-cost-model", "version": 2,
+    {"format": "iterserve-lab-cost-model", "version": 3,
      "description": "free text: what the numbers were fitted on",
      "c0": 0.010, "c_tok": 7e-05, "c_seq": 2e-05, "c_kv": 3.5e-07,
      "c_prefill_tok": 0.0, "c_attn": 1e-9, "overhead_s": 4e-4, "overhead_seq_s": 5e-5,
-     "idle_step_s": 0.010}
+     "idle_step_s": 0.010, "token_corrections": [[1, 0.0], [16, 0.004], [33, -0.002]]}
+
+`token_corrections` (version 3) is a list of [tokens, seconds] pairs, tokens strictly
+increasing, seconds of either sign.
 
 `format`, `version`, `description` and `source` are optional; missing coefficients are 0
-(`idle_step_s` defaults to `c0`), so a version-1 file (no `c_attn`, no overhead) loads and
+(`idle_step_s` defaults to `c0`), so a version-1 file (no `c_attn`, no overhead) or a
+version-2 file (no corrections) loads and
 means what it meant. The shipped default (lab/data/default_cost_model.json) is
 an order-of-magnitude guess for a 7B fp16 model on one A100-class GPU; fitting it to the real
 model runner is `iterserve lab calibrate`'s job (benchmarks issue), which writes this format.
@@ -45,19 +61,42 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 FORMAT = "iterserve-lab-cost-model"
-VERSION = 2
-VERSIONS = (1, 2)            # readable; version 1 files lack c_attn and the overhead terms
+VERSION = 3
+VERSIONS = (1, 2, 3)         # readable; version 1 files lack c_attn and the overhead terms,
+                             # versions 1 and 2 the token corrections
 # The model runner's coefficients (what `lab calibrate` fits to ModelRunner.execute) ...
 COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok", "c_attn")
 # ... and the serving loop around it (fitted to a short run of the real engine).
 OVERHEADS = ("overhead_s", "overhead_seq_s")
 _META_KEYS = ("format", "version", "description", "source")
+CORRECTIONS = "token_corrections"
+MIN_LINEAR_SHARE = 0.1       # a correction never takes a step below this share of the linear
+
+
+def check_corrections(value: Any) -> tuple[tuple[int, float], ...]:
+    """A `token_corrections` value as ((tokens, seconds), ...); errors say what is wrong."""
+    if not isinstance(value, (list, tuple)):
+        raise CostModelError(f"{CORRECTIONS} must be a list of [tokens, seconds] pairs")
+    out: list[tuple[int, float]] = []
+    for item in value:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2
+                or isinstance(item[0], bool) or not isinstance(item[0], int) or item[0] < 1
+                or isinstance(item[1], bool) or not isinstance(item[1], (int, float))
+                or not math.isfinite(item[1])):
+            raise CostModelError(f"{CORRECTIONS}: each entry must be [tokens >= 1, finite "
+                                 f"seconds], got {item!r}")
+        if out and item[0] <= out[-1][0]:
+            raise CostModelError(f"{CORRECTIONS}: token counts must be strictly increasing, "
+                                 f"got {item[0]} after {out[-1][0]}")
+        out.append((int(item[0]), float(item[1])))
+    return tuple(out)
 
 
 class CostModelError(ValueError):
@@ -76,6 +115,7 @@ class CostModel:
     overhead_seq_s: float = 0.0
     idle_step_s: float = 0.0
     description: str = ""
+    token_corrections: tuple[tuple[int, float], ...] = ()
 
     def step_time(self, tokens: int, seqs: int, kv_tokens_read: int,
                   prefill_tokens: int = 0, attn_pairs: int = 0) -> float:
@@ -89,16 +129,56 @@ class CostModel:
     def runner_time(self, tokens: int, seqs: int, kv_tokens_read: int,
                     prefill_tokens: int = 0, attn_pairs: int = 0) -> float:
         """Seconds of the model runner alone (what `lab calibrate` times), no overhead."""
-        return (self.c0 + self.c_tok * tokens + self.c_seq * seqs
-                + self.c_kv * kv_tokens_read + self.c_prefill_tok * prefill_tokens
-                + self.c_attn * attn_pairs)
+        linear = (self.c0 + self.c_tok * tokens + self.c_seq * seqs
+                  + self.c_kv * kv_tokens_read + self.c_prefill_tok * prefill_tokens
+                  + self.c_attn * attn_pairs)
+        if not self.token_corrections:
+            return linear
+        return max(linear + self.correction(tokens), MIN_LINEAR_SHARE * linear)
+
+    def correction(self, tokens: float) -> float:
+        """corr(tokens): linear between the corrections' token counts, the end values
+        held outside them, 0 without corrections."""
+        knots = self.token_corrections
+        if not knots:
+            return 0.0
+        i = bisect_right(knots, (tokens, math.inf))
+        if i == 0:
+            return knots[0][1]
+        if i == len(knots):
+            return knots[-1][1]
+        (t0, v0), (t1, v1) = knots[i - 1], knots[i]
+        return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+
+    def linear_equivalent(self) -> "CostModel":
+        """This model without token corrections: the linear terms refitted (non-negative
+        least squares on relative error) to its own predictions over the shapes an engine
+        runs (decodes of 1-32 rows at 64-1k of context, chunks of 16-512 tokens at context
+        0-1.5k, mixed steps). What reads only the linear terms (the SLO policy's online
+        step-time model seeds from them) gets the closest linear model, not the linear
+        part of a joint fit (which leans on the corrections). Itself without corrections."""
+        if not self.token_corrections:
+            return self
+        from iterserve.lab.calibrate import GridPoint, fit_coefficients
+
+        shapes = [GridPoint(d, kv) for d in (1, 2, 4, 8, 16, 32) for kv in (64, 256, 1024)]
+        shapes += [GridPoint(prefill_tokens=p, prefill_chunks=1, prefill_context=c)
+                   for p in (16, 64, 128, 256, 512) for c in (0, 512, 1536)]
+        shapes += [GridPoint(d, 256, prefill_tokens=p, prefill_chunks=1)
+                   for d in (4, 8) for p in (16, 32, 128)]
+        feats = [p.features() for p in shapes]
+        coef = fit_coefficients(feats, [self.runner_time(*f) for f in feats])
+        d = self.to_dict()
+        d.pop(CORRECTIONS)
+        d.update(coef)
+        return CostModel.from_dict(d)
 
     @classmethod
     def from_dict(cls, data: Any) -> "CostModel":
         if not isinstance(data, dict):
             raise CostModelError(f"cost model must be a JSON object, got {type(data).__name__}")
         numeric = COEFFICIENTS + OVERHEADS + ("idle_step_s",)
-        allowed = set(numeric) | set(_META_KEYS)
+        allowed = set(numeric) | set(_META_KEYS) | {CORRECTIONS}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise CostModelError(
@@ -124,7 +204,8 @@ class CostModel:
         description = data.get("description", "")
         if not isinstance(description, str):
             raise CostModelError("description must be a string")
-        return cls(description=description, **values)
+        corrections = check_corrections(data.get(CORRECTIONS, ()))
+        return cls(description=description, token_corrections=corrections, **values)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"format": FORMAT, "version": VERSION}
@@ -132,6 +213,8 @@ class CostModel:
             d["description"] = self.description
         for key in COEFFICIENTS + OVERHEADS + ("idle_step_s",):
             d[key] = getattr(self, key)
+        if self.token_corrections:
+            d[CORRECTIONS] = [[t, v] for t, v in self.token_corrections]
         return d
 
 

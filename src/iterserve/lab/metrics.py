@@ -5,7 +5,9 @@ cost model):
 - utilization = busy slot-steps / (steps x slots), a busy slot-step being one request
   computed in one step;
 - latency = finish - arrival; ttft = first token - arrival (a token of step s counts at the
-  end of the step, s + 1); itl = the gaps between consecutive tokens of a request, over all
+  end of the step, s + 1); in seconds, with seconds arrivals (a rate in seconds, the presets)
+  the arrival is the request's own arrival time, so the wait for the step in flight when it
+  arrived counts (the engine adds a request between two steps); itl = the gaps between consecutive tokens of a request, over all
   requests' tokens;
 - percentiles interpolate linearly between order statistics (numpy's default);
 - requests refused at arrival (slo policy, a full queue under max_queued_requests) are
@@ -48,11 +50,16 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         res = _served_only(res, served)
         specs = res.specs
         arrival, output_len = arrival[served], output_len[served]
+    # Seconds from the arrival itself, not from the step it was first seen in: a request
+    # arriving mid-step waits for the step in flight to end (as on the real engine, whose
+    # loop adds it between steps), and that wait is part of its TTFT and latency.
+    arrival_s = _arrival_seconds(specs, S, arrival)
     if res.timed_out is not None:
         counts["timed_out"] = int(res.timed_out.sum())
         tokens = int(res.output_tokens.sum())
         done = ~res.timed_out                       # latency / TTFT: completed requests
         finish, first_token, arrival = res.finish[done], res.first_token[done], arrival[done]
+        arrival_s = arrival_s[done]
     else:
         tokens = int(output_len.sum())
         finish, first_token = res.finish, res.first_token
@@ -71,13 +78,13 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         "time_s": time_s,
         "throughput_tokens_per_s": tokens / time_s if time_s > 0 else 0.0,
     }
-    latency_s = S[finish] - S[arrival]
+    latency_s = S[finish] - arrival_s
     out["mean_latency_s"] = _mean(latency_s)
     out["p99_latency_s"] = _pct(latency_s, 99)
 
     if not res.settings.prefill_ignored:
         ttft = first_token - arrival
-        ttft_s = S[first_token] - S[arrival]
+        ttft_s = S[first_token] - arrival_s
         out.update(mean_ttft=_mean(ttft), p50_ttft=_pct(ttft, 50), p99_ttft=_pct(ttft, 99),
                    mean_ttft_s=_mean(ttft_s), p99_ttft_s=_pct(ttft_s, 99))
         prio = np.fromiter((s.priority for s in specs), dtype=np.int64, count=len(specs))
@@ -107,6 +114,17 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         if res.timeline is not None:
             out["timeline"] = res.timeline
     return out
+
+
+def _arrival_seconds(specs, S: np.ndarray, arrival: np.ndarray) -> np.ndarray:
+    """Each request's arrival in simulated seconds: its own `arrival_s` when the workload
+    has seconds arrivals (capped at the start of the step it was added in), else the start
+    of its arrival step."""
+    at_step = S[arrival]
+    if not specs or specs[0].arrival_s is None:
+        return at_step
+    own = np.fromiter((s.arrival_s for s in specs), dtype=np.float64, count=len(specs))
+    return np.minimum(own, at_step)
 
 
 def _served_only(res: SimResult, served: np.ndarray) -> SimResult:

@@ -322,12 +322,17 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
             # scheduler holds no request, so an empty schedule() would change nothing but
             # its step number, which we advance to match.
             if seconds_arrivals:
-                gap = max(1, math.ceil((specs[idx].arrival_s - step_start[-1]) / idle_s))
-                base, idle = step_start[-1], idle_s
+                # The engine sleeps until the arrival and steps at once: the last empty
+                # step ends at the arrival itself, not on the next multiple of idle_s.
+                a = specs[idx].arrival_s
+                gap = max(1, math.ceil((a - step_start[-1]) / idle_s))
+                base = step_start[-1]
+                step_start.extend(base + idle_s * k for k in range(1, gap))
+                step_start.append(max(a, base))
             else:
                 gap = specs[idx].arrival - step
                 base, idle = step_start[-1], cost.idle_step_s
-            step_start.extend(base + idle * k for k in range(1, gap + 1))
+                step_start.extend(base + idle * k for k in range(1, gap + 1))
             if rec is not None:
                 rec.idle(gap, done)
             step += gap
