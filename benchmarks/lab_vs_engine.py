@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # slo_workloads, for 
 
 from iterserve.bench.client import machine_info
 from iterserve.bench.workloads import Workload, build_workload
+from iterserve.core.step_time import attention_pairs
 from iterserve.lab.cost_model import CostModel, load_cost_model
 from iterserve.lab.simulator import SimResult, SimSettings, simulate
 from iterserve.lab.workload import RequestSpec
@@ -99,7 +100,7 @@ class StepRecorder:
                 chunks = [d for d in data if sched[d.req_id] > 1
                           or d.num_computed_tokens < plen.get(d.req_id, 0)]
                 prefill = sum(sched[d.req_id] for d in chunks)
-                pairs = sum(sched[d.req_id] * (d.num_computed_tokens + sched[d.req_id])
+                pairs = sum(attention_pairs(d.num_computed_tokens, sched[d.req_id])
                             for d in chunks)
                 self.steps.append((tokens, len(sched), kv, prefill, pairs, dt))
 

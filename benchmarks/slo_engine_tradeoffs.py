@@ -66,6 +66,7 @@ import iterserve.bench.client as bench_client  # noqa: E402
 from iterserve.bench.client import ClientOptions, machine_info, run_workload  # noqa: E402
 from iterserve.bench.metrics import SLO  # noqa: E402
 from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
+from iterserve.core.step_time import attention_pairs  # noqa: E402
 from iterserve.lab.cost_model import load_cost_model  # noqa: E402
 
 REFERENCE_STEP = (16, 16, 16 * 257, 0)       # 16 decodes at 256 tokens of context
@@ -171,7 +172,7 @@ def step_shapes(cost) -> list[dict[str, Any]]:
         tok = sum(n for _, n in sh)
         pre = sum(n for _, n in sh if n > 1)
         pred = cost.step_time(tok, len(sh), sum(s + n for s, n in sh), pre,
-                              sum(n * (s + n) for s, n in sh if n > 1))
+                              sum(attention_pairs(s, n) for s, n in sh if n > 1))
         real = statistics.median(times[name])
         rows.append({"shape": name, "real_s": real, "lab_s": pred, "real_over_lab": real / pred})
         print(f"  {name:36s} real {real * 1e3:8.1f} ms, lab {pred * 1e3:8.1f} ms "

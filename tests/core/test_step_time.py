@@ -198,3 +198,12 @@ def test_a_cost_model_with_token_corrections_seeds_from_its_closest_linear_model
         assert m.predict(*shape) == pytest.approx(want, rel=0.12)
     plain = CostModel(c0=0.02, c_tok=1e-3)
     assert StepTimeModel.from_cost_model(plain).coefficients["c0"] == pytest.approx(0.02)
+
+
+def test_attention_pairs_are_causal_so_a_prompt_costs_what_its_chunks_add_up_to():
+    from iterserve.core.step_time import attention_pairs
+    assert attention_pairs(0, 1) == 1 and attention_pairs(0, 4) == 10
+    assert attention_pairs(100, 4) == 4 * 100 + 10
+    for size in (1, 7, 64, 128, 500):
+        chunks = sum(attention_pairs(s, min(size, 1000 - s)) for s in range(0, 1000, size))
+        assert chunks == attention_pairs(0, 1000)

@@ -191,10 +191,10 @@ def test_fit_rejects_too_few_points_and_non_positive_times():
 def test_grid_point_features_count_what_the_lab_counts():
     # 3 decodes at kv 100 (each reads 101 positions) + 50 prompt tokens in 2 chunks of 25
     p = GridPoint(3, 100, prefill_tokens=50, prefill_chunks=2)
-    assert p.features() == (53, 5, 3 * 101 + 50, 50, 2 * 25 * 25)
-    # ... and chunks 700 tokens into their prompts: each of the 25 queries sees 725 positions
+    assert p.features() == (53, 5, 3 * 101 + 50, 50, 2 * (25 * 26 // 2))   # causal pairs
+    # ... and chunks 700 tokens into their prompts: each query sees the 700 + itself and before
     p = GridPoint(3, 100, prefill_tokens=50, prefill_chunks=2, prefill_context=700)
-    assert p.features() == (53, 5, 3 * 101 + 2 * 725, 50, 2 * 25 * 725)
+    assert p.features() == (53, 5, 3 * 101 + 2 * 725, 50, 2 * (25 * 700 + 25 * 26 // 2))
     assert p.chunk_shapes()[-1] == (700, 25) and "@ctx 700" in p.label()
     with pytest.raises(CalibrationError):
         check_point(GridPoint(2, 10, prefill_context=5))

@@ -137,13 +137,14 @@ def _one_long_prompt(cost, prompt_len=1000, budget=128):
 
 def test_the_simulator_charges_each_chunk_its_query_key_pairs():
     """A 1000-token prompt in 128-token chunks: chunk k (ending at e_k) costs c_attn x its
-    tokens x e_k on top of the linear price; the decode after it pays no attention term."""
+    its causal pairs (its tokens x the context before it, plus its own triangle) on top of
+    the linear price; the decode after it pays no attention term."""
     base = CostModel(c0=0.01, c_tok=1e-4, c_seq=1e-3, c_kv=1e-6, c_prefill_tok=1e-4)
     with_attn = CostModel.from_dict({**base.to_dict(), "c_attn": 2e-8})
     a, b = _one_long_prompt(base), _one_long_prompt(with_attn)
     assert a.steps == b.steps
     ends = list(range(128, 1000, 128)) + [1000]
-    pairs = sum((e - s) * e for s, e in zip([0] + ends[:-1], ends))
+    pairs = sum((e - s) * s + (e - s) * (e - s + 1) // 2 for s, e in zip([0] + ends[:-1], ends))
     extra = float(b.step_start_s[-1] - a.step_start_s[-1])
     assert extra == pytest.approx(2e-8 * pairs, rel=1e-9)
     # ... so each full 128-token chunk costs more than the one before it

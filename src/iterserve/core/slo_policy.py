@@ -48,7 +48,7 @@ from iterserve.core.request import Request
 from iterserve.core.request_queue import RequestQueue
 from iterserve.core.scheduler import QueueFullError
 from iterserve.core.scheduler_output import SchedulerOutput
-from iterserve.core.step_time import StepTimeModel
+from iterserve.core.step_time import StepTimeModel, attention_pairs
 
 TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT target
 RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
@@ -335,7 +335,7 @@ class SloPolicy:
             kv += start + n
             if n > 1 or start < len(req.prompt_token_ids):
                 prefill += n
-                pairs += n * (start + n)
+                pairs += attention_pairs(start, n)
         self._features = (out.num_batched_tokens, len(scheduled), kv, prefill, pairs)
 
     def step_done(self) -> None:

@@ -9,8 +9,8 @@ calibrate`:
     step_s = c0 + c_tok * tokens + c_seq * seqs + c_kv * kv_tokens + c_prefill_tok * prefill_tokens
            + c_attn * attn_pairs
 
-(`attn_pairs`: query-key pairs of the step's prefill chunks, sum of chunk tokens x
-(context before the chunk + chunk tokens); a chunk deep into a long prompt costs more than
+(`attn_pairs`: query-key pairs of the step's prefill chunks, `attention_pairs` summed over
+them: causal, so a chunk of n tokens after s of context has n x s + n (n + 1) / 2; a chunk deep into a long prompt costs more than
 the same chunk at its start, and only this term can say so.) This module keeps that form
 and refits the six coefficients online from every measured
 step (features of the step, seconds it took): exponentially forgotten least squares (the
@@ -51,6 +51,15 @@ from __future__ import annotations
 
 import math
 from typing import Iterable, Mapping, Sequence
+
+
+def attention_pairs(start: int, n: int) -> int:
+    """Query-key pairs of a prefill chunk of `n` tokens after `start` cached ones: each of
+    its tokens attends to the context and to the chunk's tokens up to itself (causal), as
+    the paged prefill attention kernel computes them (it stops each query block at its last
+    position). The one definition for the lab, the calibration and the SLO policy: a whole
+    prompt of L tokens is ~L^2 / 2 pairs, the same as its chunks add up to."""
+    return n * start + n * (n + 1) // 2
 
 COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok", "c_attn")
 _N = len(COEFFICIENTS)

@@ -63,6 +63,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from iterserve.core.step_time import attention_pairs
 from iterserve.lab.cost_model import COEFFICIENTS, FORMAT, VERSION, CostModel
 
 
@@ -95,12 +96,12 @@ class GridPoint:
     def features(self) -> tuple[int, int, int, int, int]:
         """(tokens, seqs, kv_tokens_read, prefill_tokens, attn_pairs): the cost model's
         inputs, counted as the lab counts them (kv read = start + tokens computed, summed
-        over chunks; attention pairs = tokens x (start + tokens), summed over prefill
-        chunks)."""
+        over chunks; attention pairs = `attention_pairs(start, tokens)`, summed over
+        prefill chunks)."""
         shapes = self.chunk_shapes()
         pre = shapes[self.num_decodes:]
         return (sum(n for _, n in shapes), len(shapes), sum(s + n for s, n in shapes),
-                self.prefill_tokens, sum(n * (s + n) for s, n in pre))
+                self.prefill_tokens, sum(attention_pairs(s, n) for s, n in pre))
 
     def label(self) -> str:
         parts = []

@@ -100,7 +100,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "enough (>= 1% of the gaps) to be the p99 inter-token latency; a "
                        "64-token budget caps every gap at one small chunk step.",
         "options": {"batching": "continuous", "max_num_seqs": 16, "requests": 64,
-                    "mix": "longprompt", "long_prompt_frac": 0.7, "arrival_rate_s": 0.216,
+                    "mix": "longprompt", "long_prompt_frac": 0.7, "arrival_rate_s": 0.248,
                     "enable_chunked_prefill": True, "max_num_batched_tokens": 64,
                     "num_kv_blocks": 2048, "cost_model": "smollm2-cpu"},
     },

@@ -33,6 +33,7 @@ import numpy as np
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.scheduler import QueueFullError, Scheduler
+from iterserve.core.step_time import attention_pairs
 from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.core.slo_policy import SLOUnattainableError
 from iterserve.lab.cost_model import CostModel
@@ -216,7 +217,7 @@ class SimExecutor:
                     is_prefill = nt > 1 or (not ignored and start < st[1])
                     if is_prefill:
                         prefill += nt
-                        attn += nt * end        # every chunk token against the context
+                        attn += attention_pairs(start, nt)
                     if rec is not None:
                         kinds[rid] = is_prefill
         if rec is not None:                 # slots are handed out in scheduling order
