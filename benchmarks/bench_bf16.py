@@ -6,8 +6,10 @@ times, alternating `--repeats` times and keeping each side's median:
 - "old": `kernels.qgemm` in the float activation mode (what iterserve_qgemm ran before: the
   AVX-512 register kernel at 1-2 rows, the float32 panel GEMM from 3 rows on); for prefill
   rows (> 32) `kernels.gemm` in float mode (what layers.py calls there);
-- "new": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 9 rows, the bf16
-  panel GEMM from 9), also "new_decode" / "new_panel" forced, for the row threshold;
+- "new": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 16 rows, the bf16
+  panel GEMM from 16), also "new_decode" (session 14's decode kernel, K chunks),
+  "new_stream" (the streamed decode kernel, auto's default) and "new_panel" forced, for the
+  row threshold;
 - "torch": torch's own bf16 matmul (oneDNN, avx512bf16) of x.bfloat16() @ W^T, then .float()
   (bf16 output rounding), for the prefill comparison.
 Decode rows report GB/s of weight bytes streamed; prefill rows GFLOP/s (2 M N K / s). F16
@@ -16,6 +18,14 @@ Under load: medians of alternating repeats; threads via --threads (default 1: CP
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --quick   # ~1 min
     PYTHONPATH=src python benchmarks/bench_bf16.py           # ~4-6 min
+
+`--e2e MODEL --variants` runs the same generation in the auto mode with the decode kernel
+alternating between session 14's (K chunks, `bf16_variant("chunked")`) and the streamed one
+(`"streamed"`, the default), and also reports the steps' share of time by kind from the
+engine (prefill vs decode), for the decode-kernel decision:
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/hf-bf16 --variants --batch 8 --steps 32 --repeats 3 --threads 2
 
 `--e2e MODEL` instead runs greedy generation of `--batch` sequences through the offline LLM,
 float and auto (bf16 dot for BF16 weights) alternating (bench_int8.decode_ab), and reports
@@ -72,6 +82,7 @@ def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor
     v = {"old": old, "new": new()}
     if m <= 32:
         v["new_decode"], v["new_panel"] = new("decode"), new("panel")
+        v["new_stream"] = new("stream")
     if torch_too and t == BF16:
         wt = w.view(torch.bfloat16)
 
@@ -79,6 +90,35 @@ def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor
             out.copy_(torch.mm(x.bfloat16(), wt.t()))
         v["torch"] = tmm
     return v
+
+
+def variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
+    """Greedy generation of `batch` sequences, auto mode, the bf16 decode kernel alternating
+    chunked / streamed `repeats` times after one warm-up round: median output tokens/s each."""
+    from iterserve import LLM, SamplingParams
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
+    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    prompts = [f"Once upon a time {i}" for i in range(batch)]
+    kernels.set_activations("auto")
+    before = kernels.bf16_variant()
+    res: dict[str, list[float]] = {"chunked": [], "streamed": []}
+    try:
+        for rep in range(repeats + 1):
+            for v in res:
+                kernels.bf16_variant(v)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp)
+                dt = time.perf_counter() - t0
+                if rep:
+                    res[v].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    finally:
+        kernels.bf16_variant(before)
+    med = {v: statistics.median(ts) for v, ts in res.items()}
+    return {"model": model, "batch": batch, "steps": steps, "threads": threads,
+            "repeats": repeats, "chunked_tok_s": round(med["chunked"], 3),
+            "streamed_tok_s": round(med["streamed"], 3),
+            "streamed_over_chunked": round(med["streamed"] / med["chunked"], 3), "raw": res}
 
 
 def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[dict]:
@@ -130,7 +170,14 @@ def main() -> None:
     ap.add_argument("--e2e", metavar="MODEL", help="end-to-end float vs auto decode A/B instead")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--variants", action="store_true",
+                    help="with --e2e: chunked vs streamed decode kernel (auto mode)")
     a = ap.parse_args()
+    if a.e2e and a.variants:
+        res = variants_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads)
+        print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
     if a.e2e:
         import sys
         sys.path.insert(0, str(Path(__file__).parent))

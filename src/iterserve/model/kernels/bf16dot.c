@@ -239,6 +239,101 @@ static BF16 void decode_bf16(int type, const uint8_t *w, int64_t N, int64_t row_
     }
 }
 
+/* --- decode, streamed: R activation rows x C weight rows, whole rows, next tile prefetched ---
+ * What the kernel above left on the table (session 15, quiet profile of a batch-8 step of the
+ * 1.7B bf16 model: every BF16 GEMM at 19.3 GB/s, 0.48 of the measured bandwidth): its K
+ * chunks cut each weight row into strips of ~2.7 KB, read 64 rows apart, which the hardware
+ * prefetchers do not follow, so each strip starts with DRAM misses. This one reads each weight
+ * row once from start to end and, while it multiplies rows c..c+C-1 at element j, prefetches
+ * element j of the next C rows (one software prefetch per weight load, one tile ahead: the
+ * lead is a tile's run time, ~0.2-0.5 us, longer than a DRAM miss). All row tiles of a
+ * call run on a group of C weight rows before the next (the C rows, <= 48 KB, stay in L1/L2
+ * for the second to fourth tile); the activation rows are read from L1/L2 (<= 8 x 16 KB). */
+/* from this many activation rows per tile on, the next tile's weights are prefetched (at 1-2 rows
+ * the hardware prefetcher keeps up and the prefetches only take load slots) */
+#ifndef PF_MIN_R
+#define PF_MIN_R 3
+#endif
+BF16_INLINE void tile_pf(int R, int C, int type, const uint16_t *xb, int64_t ldb, int64_t K,
+                         const uint8_t *w, int64_t row_stride, const uint8_t *wn, float *y,
+                         int64_t ldy) {
+    __m512 acc[24];
+    for (int i = 0; i < R * C; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K; j += 32) {
+        __m512bh wv[8];
+        for (int c = 0; c < C; c++) {
+            wv[c] = wload(type, w + c * row_stride, j);
+            if (R >= PF_MIN_R) _mm_prefetch((const char *)(wn + c * row_stride + 2 * j), _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + r * ldb + j));
+            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[r * ldy + c] = _mm512_reduce_add_ps(acc[r * C + c]);
+}
+
+/* C weight rows per group for tiles of up to R activation rows (R*C <= 24 accumulators) */
+#ifndef PF_COLS8
+#define PF_COLS8 3
+#endif
+#define PF_COLS(R) ((R) == 1 ? 8 : (R) == 2 ? 6 : (R) <= 4 ? 4 : (R) <= 6 ? 4 : PF_COLS8)
+
+#define PF_R(RR, CC, TYPE) case RR: if (RR * CC <= 24) tile_pf(RR, CC, TYPE, xt, ldb, K, wc, row_stride, wn, yt, ldy); break;
+#define PF_TILE(CC, TYPE) switch (R) { PF_R(8, CC, TYPE) PF_R(7, CC, TYPE) PF_R(6, CC, TYPE)  \
+    PF_R(5, CC, TYPE) PF_R(4, CC, TYPE) PF_R(3, CC, TYPE) PF_R(2, CC, TYPE)                   \
+    default: tile_pf(1, CC, TYPE, xt, ldb, K, wc, row_stride, wn, yt, ldy); }
+
+/* one group of CC weight rows at wc (next group at wn) against all row tiles of x */
+#define PF_GROUP(CC, TYPE)                                                                   \
+    for (int64_t tile = 0; tile < ntiles; tile++) {                                          \
+        const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;                  \
+        const uint16_t *xt = xb + r0 * ldb;                                                  \
+        float *yt = y + r0 * ldy + c;                                                        \
+        const int R = (int)(r1 - r0);                                                        \
+        PF_TILE(CC, TYPE)                                                                    \
+    }
+
+static BF16 void decode_stream_t(int type, const uint8_t *w, int64_t n0, int64_t n1,
+                                 int64_t N, int64_t row_stride, int64_t K, const uint16_t *xb,
+                                 int64_t ldb, int64_t M, float *y, int64_t ldy) {
+    const int64_t ntiles = (M + 7) / 8;
+    const int64_t Rmax = (M + ntiles - 1) / ntiles;
+    const int CC = PF_COLS(Rmax);
+    int64_t c = n0;
+#define PF_RUN(CCV, TYPE)                                                                    \
+    for (; c + CCV <= n1; c += CCV) {                                                        \
+        const uint8_t *wc = w + c * row_stride;                                              \
+        const uint8_t *wn = c + 2 * CCV <= N ? wc + CCV * row_stride : wc;                   \
+        PF_GROUP(CCV, TYPE)                                                                  \
+    }
+    if (type == GGML_F16) {
+        switch (CC) { case 8: PF_RUN(8, GGML_F16) break; case 6: PF_RUN(6, GGML_F16) break;
+                      case 4: PF_RUN(4, GGML_F16) break; default: PF_RUN(3, GGML_F16) }
+        for (; c < n1; c++) { const uint8_t *wc = w + c * row_stride, *wn = wc; PF_GROUP(1, GGML_F16) }
+    } else {
+        switch (CC) { case 8: PF_RUN(8, GGML_BF16) break; case 6: PF_RUN(6, GGML_BF16) break;
+                      case 4: PF_RUN(4, GGML_BF16) break; default: PF_RUN(3, GGML_BF16) }
+        for (; c < n1; c++) { const uint8_t *wc = w + c * row_stride, *wn = wc; PF_GROUP(1, GGML_BF16) }
+    }
+#undef PF_RUN
+}
+
+static BF16 void decode_stream(int type, const uint8_t *w, int64_t N, int64_t row_stride,
+                               int64_t K, const uint16_t *xb, int64_t ldb, int64_t M, float *y,
+                               int64_t ldy, int nthreads) {
+    if (N < 64 * nthreads) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        /* split on multiples of 24 weight rows (whole groups of 8, 6, 4 or 3) */
+        const int64_t g = (N + 23) / 24;
+        const int64_t n0 = g * t / T * 24, n1e = g * (t + 1) / T * 24, n1 = n1e < N ? n1e : N;
+        if (n0 < n1) decode_stream_t(type, w, n0, n1, N, row_stride, K, xb, ldb, M, y, ldy);
+    }
+}
+
 /* --- panel GEMM -------------------------------------------------------------------------- */
 /* bp[p][c] (p < kc/2, c < NP) = the bf16 pair (w[p0+c][k0+2p], w[p0+c][k0+2p+1]); rows past
  * `rows` are zero. F16 rows are rounded to bf16 into tmp (16 rows x KC) first. */
@@ -347,8 +442,23 @@ static BF16 int panel_bf16(int type, const uint8_t *w, int64_t N, int64_t row_st
     return err;
 }
 
-/* path 0: by row count (BF16_PANEL_ROWS); 1: the decode kernel; 2: the panel kernel; 3: the
- * decode kernel without K chunks (benchmarks). */
+/* The decode kernel of the auto path: 0 streamed (decode_stream), 1 the session-14 kernel with
+ * K chunks (decode_bf16), kept for same-process A/B runs; ITERSERVE_BF16_DECODE=chunked
+ * chooses it at start. */
+static int decode_variant = -1;
+
+int64_t iterserve_bf16_variant(int64_t want) {
+    if (want == 0 || want == 1) decode_variant = (int)want;
+    if (decode_variant < 0) {
+        const char *e = getenv("ITERSERVE_BF16_DECODE");
+        decode_variant = e && strcmp(e, "chunked") == 0;
+    }
+    return decode_variant;
+}
+
+/* path 0: by row count (BF16_PANEL_ROWS), the decode kernel iterserve_bf16_variant says; 1: the
+ * session-14 decode kernel (K chunks); 2: the panel kernel; 3: the session-14 decode kernel
+ * without K chunks (benchmarks); 4: the streamed decode kernel. */
 int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
                         int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
                         float *y, int64_t ldy, int nthreads) {
@@ -369,6 +479,9 @@ int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
     uint16_t *xb = xb_scratch((size_t)M * (size_t)ldb);
     if (!xb) return ITERSERVE_ENOMEM;
     round_rows(x, M, ldx, k, xb, ldb, nthreads);
-    decode_bf16((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads, path != 3);
+    if (path == 4 || (path == 0 && iterserve_bf16_variant(-1) == 0))
+        decode_stream((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads);
+    else
+        decode_bf16((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads, path != 3);
     return ITERSERVE_OK;
 }
