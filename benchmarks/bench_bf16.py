@@ -27,6 +27,12 @@ engine (prefill vs decode), for the decode-kernel decision:
     PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
         smollm2-1.7b/hf-bf16 --variants --batch 8 --steps 32 --repeats 3 --threads 2
 
+`--e2e MODEL --mix-split` runs `mix` (16 requests at --batch slots) offline and times every
+engine step: the share of prefill steps vs decode-only steps (by batch size) in `mix`:
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/hf-bf16 --mix-split --batch 8 --threads 2
+
 `--e2e MODEL` instead runs greedy generation of `--batch` sequences through the offline LLM,
 float and auto (bf16 dot for BF16 weights) alternating (bench_int8.decode_ab), and reports
 the peak RSS beside the file size (the weights must stay bf16: ~1 x the file, not 2x):
@@ -121,6 +127,59 @@ def variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int) 
             "streamed_over_chunked": round(med["streamed"] / med["chunked"], 3), "raw": res}
 
 
+def mix_split(model: str, slots: int, threads: int) -> dict:
+    """The `mix` workload (16 requests, all at once, `slots` sequences) through the offline
+    engine, every engine step timed: the share of time in steps that prefill (any prompt
+    tokens) vs decode-only steps, and decode steps by batch size. Says what `mix` measures
+    for a model: a compute-bound prefill GEMM or the bandwidth-bound decode kernels."""
+    from iterserve import LLM, SamplingParams
+    from iterserve.bench.workloads import build_workload
+    torch.set_num_threads(threads)
+    reqs = build_workload("mix", num_requests=16).requests
+    ctx = 1024                       # run_models' sizing: every slot its whole context, so
+    llm = LLM(model=model, max_num_seqs=slots, max_model_len=ctx,    # nothing is preempted
+              num_kv_blocks=-(-slots * ctx // 16) + slots)
+    eng = llm.engine
+    steps: list[tuple[float, int, int]] = []       # (seconds, batched tokens, sequences)
+    schedule, step = eng.scheduler.schedule, eng.step
+    last: list = []
+
+    def sched():
+        out = schedule()
+        last[:] = [out]
+        return out
+
+    def timed_step():
+        t0 = time.perf_counter()
+        res = step()
+        o = last[0] if last else None
+        if o is not None and o.num_batched_tokens:
+            steps.append((time.perf_counter() - t0, o.num_batched_tokens, len(o.num_scheduled_tokens)))
+        return res
+    eng.scheduler.schedule, eng.step = sched, timed_step
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    pre = [s for s in steps if s[1] > s[2]]
+    dec = [s for s in steps if s[1] == s[2]]
+    by_batch: dict[int, list[float]] = {}
+    for s in dec:
+        by_batch.setdefault(s[2], []).append(s[0])
+    tot = sum(s[0] for s in steps)
+    return {"model": model, "slots": slots, "threads": threads, "wall_s": round(wall, 3),
+            "output_tokens": out_toks, "output_tok_s": round(out_toks / wall, 3),
+            "steps": len(steps), "prefill_steps": len(pre), "decode_steps": len(dec),
+            "preemptions": sum(o.metrics.num_preemptions for o in outs if getattr(o, "metrics", None)
+                               and hasattr(o.metrics, "num_preemptions")),
+            "prefill_share": round(sum(s[0] for s in pre) / tot, 4),
+            "prefill_step_tokens": sum(s[1] for s in pre),
+            "decode_steps_by_batch": {b: {"steps": len(v), "ms_median": round(1e3 * statistics.median(v), 2),
+                                          "s_total": round(sum(v), 3)}
+                                      for b, v in sorted(by_batch.items())}}
+
+
 def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[dict]:
     torch.set_num_threads(threads)
     res = []
@@ -172,7 +231,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--variants", action="store_true",
                     help="with --e2e: chunked vs streamed decode kernel (auto mode)")
+    ap.add_argument("--mix-split", action="store_true",
+                    help="with --e2e: time `mix`'s engine steps, prefill vs decode (--batch slots)")
     a = ap.parse_args()
+    if a.e2e and a.mix_split:
+        res = mix_split(a.e2e, a.batch, a.threads)
+        print(json.dumps(res))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
     if a.e2e and a.variants:
         res = variants_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads)
         print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
