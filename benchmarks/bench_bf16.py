@@ -180,6 +180,56 @@ def mix_split(model: str, slots: int, threads: int) -> dict:
                                       for b, v in sorted(by_batch.items())}}
 
 
+def mix_bound(profile: str, slots: int, peak_gflops: float, prefill_gflops: float,
+              peers: dict[str, float]) -> dict:
+    """The bandwidth bound of `mix` for a model: the decode steps of `mix` at `slots` slots
+    (simulated like the scheduler runs them: all requests at t=0, first come first served,
+    one token per running sequence per step; the engine's own count is in --mix-split), each
+    reading every weight byte once (the weight bytes per step and the measured bandwidth of a
+    profile_decode.py --bandwidth JSON), plus the prompt tokens' FLOPs at `prefill_gflops`
+    (what the prefill GEMM reaches) and at `peak_gflops` (the instruction's peak). Output
+    tokens over that time is the most any engine can reach on this machine without reading
+    fewer weight bytes per step; `peers` (name=tok/s) are shown as fractions of it."""
+    from iterserve.bench.workloads import build_workload
+    prof = json.loads(Path(profile).read_text())
+    wbytes = prof["weight_bytes_per_step"]
+    step_bytes = sum(wbytes["types"].values()) + wbytes.get("lm_head", 0)
+    gbs = prof["bandwidth_gbs_best"]
+    reqs = build_workload("mix", num_requests=16).requests
+    queue, running, steps, by_batch = [r.max_tokens - 1 for r in reqs], [], 0, {}
+    while queue or running:                 # the prefill step samples each one's 1st token
+        while queue and len(running) < slots:
+            running.append(queue.pop(0))
+        running = [x for x in running if x > 0]
+        if not running:
+            continue
+        by_batch[len(running)] = by_batch.get(len(running), 0) + 1
+        steps += 1
+        running = [x - 1 for x in running]
+    out_tokens = sum(r.max_tokens for r in reqs)
+    prompt_tokens = None
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(prof["model"])
+        prompt_tokens = sum(len(tok(r.prompt)["input_ids"]) for r in reqs)
+    except Exception:                                   # no HF tokenizer: words as tokens
+        prompt_tokens = sum(r.prompt_len for r in reqs)
+    flop_per_token = step_bytes                          # bf16: 2 bytes = 1 MAC = 2 FLOPs
+    decode_s = steps * step_bytes / (gbs * 1e9)
+    pre_s = prompt_tokens * flop_per_token / (prefill_gflops * 1e9)
+    pre_peak_s = prompt_tokens * flop_per_token / (peak_gflops * 1e9)
+    bound = out_tokens / (decode_s + pre_s)
+    return {"profile": profile, "slots": slots, "weight_bytes_per_step": step_bytes,
+            "bandwidth_gbs": gbs, "step_ms_bound": round(1e3 * step_bytes / (gbs * 1e9), 2),
+            "decode_steps": steps, "decode_steps_by_batch": dict(sorted(by_batch.items())),
+            "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+            "decode_s_bound": round(decode_s, 2), "prefill_s_at_prefill_gflops": round(pre_s, 2),
+            "prefill_s_at_peak": round(pre_peak_s, 2),
+            "bound_tok_s": round(bound, 2),
+            "bound_tok_s_prefill_at_peak": round(out_tokens / (decode_s + pre_peak_s), 2),
+            "peers_fraction_of_bound": {k: round(v / bound, 3) for k, v in peers.items()}}
+
+
 def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[dict]:
     torch.set_num_threads(threads)
     res = []
@@ -233,7 +283,22 @@ def main() -> None:
                     help="with --e2e: chunked vs streamed decode kernel (auto mode)")
     ap.add_argument("--mix-split", action="store_true",
                     help="with --e2e: time `mix`'s engine steps, prefill vs decode (--batch slots)")
+    ap.add_argument("--mix-bound", metavar="PROFILE_JSON",
+                    help="the bandwidth bound of mix at --batch slots from a profile_decode.py "
+                         "--bandwidth JSON (no model run)")
+    ap.add_argument("--peak-gflops", type=float, default=960.0,
+                    help="vdpbf16ps peak of the machine, both cores (measured: 2 x 480 here)")
+    ap.add_argument("--prefill-gflops", type=float, default=500.0,
+                    help="what the prefill GEMM reaches on both cores")
+    ap.add_argument("--peer", nargs="*", default=[], metavar="NAME=TOK_S",
+                    help="mix tok/s figures to show as fractions of the bound")
     a = ap.parse_args()
+    if a.mix_bound:
+        peers = {k: float(v) for k, v in (p.split("=", 1) for p in a.peer)}
+        res = mix_bound(a.mix_bound, a.batch, a.peak_gflops, a.prefill_gflops, peers)
+        print(json.dumps(res, indent=1))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
     if a.e2e and a.mix_split:
         res = mix_split(a.e2e, a.batch, a.threads)
         print(json.dumps(res))
