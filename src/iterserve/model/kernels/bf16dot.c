@@ -18,11 +18,20 @@
  * the `auto` activation mode (iterserve_bf16_takes) on CPUs with avx512bf16 only; `float`
  * keeps the exact float32 path (the numerical reference), `int8` treats BF16 like `float`.
  *
- * Two kernels, both reading the weight rows unchanged (no copy of the checkpoint):
+ * Kernels, all reading the weight rows unchanged (no copy of the checkpoint):
  * - decode (M <= BF16_PANEL_ROWS - 1 activation rows): tiles of R <= 8 rows times C weight
  *   rows at a time (C = 8 at 1 row ... 3 at 8, so R*C >= 8 independent accumulator chains
  *   hide the instruction's latency): per 32 elements, C weight loads, R activation loads and
- *   R*C vdpbf16ps; threads split the weight rows.
+ *   R*C vdpbf16ps; threads split the weight rows. Two variants (iterserve_bf16_variant):
+ *   "streamed" (default since session 15, decode_stream below: whole weight rows, the next
+ *   group of rows prefetched, every row tile per group of weight rows) and "chunked"
+ *   (session 14's decode_bf16: K split into L1-sized strips of the activations). A decode
+ *   step at batch 8 on the 1.7B model read its weights at 19.3 GB/s (0.48 of the measured
+ *   bandwidth, quiet profile) with "chunked"; same process, alternating, loaded machine:
+ *   "streamed" 1.3-1.5x at 8 rows, 1.2-1.4x at 3, equal at 1-2 (the hardware prefetcher
+ *   already follows whole rows there), and end to end (bench_bf16.py --e2e --variants,
+ *   batch 8) 1.31x. Why it matters: `mix` at 8 slots is 94% decode steps (bench_bf16.py
+ *   --mix-split), 60% of them at 1-3 rows.
  * - panel (prefill, large batches): BLIS-style like prefill.c, but a "packed" panel is just
  *   the weight's own bf16 pairs transposed: bp[k/2][48] 32-bit lanes = (w[c][k], w[c][k+1])
  *   for 48 weight rows c, by 16x16 transposes of 32-bit words (no conversion at all for
@@ -33,7 +42,13 @@
  *   loaded machine (GFLOP/s): 12x32 110 / 104, 8x48 123 / 114, 6x64 125 / 103; torch's own
  *   bf16 matmul (oneDNN) 133 / 130 in the same run (bf16 output; see the report of issue 13:
  *   kept ours for float32 outputs, one entry point for the fused and per-module paths and
- *   no per-shape oneDNN primitives).
+ *   no per-shape oneDNN primitives). Session 15, bench_bf16.py, one thread, loaded: torch
+ *   (x.bfloat16() @ W^T, then .float()) over ours in time 0.96-1.09 at 128 rows and
+ *   0.98 / 0.98 / 0.86 at 512 rows (qo / gate_up / down): equal but for `down` at 512 rows
+ *   (torch 1.16x), and `mix`'s prefill steps are ~6% of its time with chunks of <= ~200 rows,
+ *   so ours stays (float32 outputs; torch's CPU matmul has no float32 output for bf16 inputs).
+ *   The compute bound: vdpbf16ps peaks at ~480 GFLOP/s per core here (2 per cycle); the
+ *   panel reaches ~40% of it, oneDNN the same.
  *
  * F16 weights (f16 GGUFs): see F16_DOT_ROWS below for what was measured; F16 -> bf16 drops 3
  * of the 10 mantissa bits of every weight, which the F16C float path does not.
@@ -304,10 +319,11 @@ BF16_INLINE void tile_pf(int R, int C, int type, const uint16_t *xb, int64_t ldb
 }
 
 /* C weight rows per group for tiles of up to R activation rows (R*C <= 24 accumulators) */
-#ifndef PF_COLS8
-#define PF_COLS8 3
-#endif
-#define PF_COLS(R) ((R) == 1 ? 8 : (R) == 2 ? 6 : (R) <= 4 ? 4 : (R) <= 6 ? 4 : PF_COLS8)
+/* by R (the largest tile of the call); R * C <= 24 and C in {8, 6, 4, 3} (the cases compiled
+ * below). A table so that a benchmark harness compiled with this file can vary it in one
+ * process (under load no other choice beat these). */
+static int pf_cols[9] = {8, 8, 6, 4, 4, 4, 4, 3, 3};
+#define PF_COLS(R) pf_cols[R]
 
 #define PF_R(RR, CC, TYPE) case RR: if (RR * CC <= 24) tile_pf(RR, CC, TYPE, xt, ldb, K, wc, row_stride, wn, yt, ldy); break;
 #define PF_TILE(CC, TYPE) switch (R) { PF_R(8, CC, TYPE) PF_R(7, CC, TYPE) PF_R(6, CC, TYPE)  \
