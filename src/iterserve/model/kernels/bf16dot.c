@@ -28,10 +28,11 @@
  *   (session 14's decode_bf16: K split into L1-sized strips of the activations). A decode
  *   step at batch 8 on the 1.7B model read its weights at 19.3 GB/s (0.48 of the measured
  *   bandwidth, quiet profile) with "chunked"; same process, alternating, loaded machine:
- *   "streamed" 1.3-1.5x at 8 rows, 1.2-1.4x at 3, equal at 1-2 (the hardware prefetcher
- *   already follows whole rows there), and end to end (bench_bf16.py --e2e --variants,
- *   batch 8) 1.31x. Why it matters: `mix` at 8 slots is 94% decode steps (bench_bf16.py
- *   --mix-split), 60% of them at 1-3 rows.
+ *   "streamed" 1.3-1.8x at 8 rows, 1.1-1.2x at 3-4 (one thread), equal at 1-2 (the hardware
+ *   prefetcher already follows whole rows there); end to end (bench_bf16.py --e2e
+ *   --variants) 1.31x and 1.45x at batch 8, 0.98x at batch 3 (medians of 3, noisy). `mix`
+ *   at 8 slots is 94% decode steps (bench_bf16.py --mix-split), 60% of them at 1-3 rows,
+ *   so batch 8 gains only part of it.
  * - panel (prefill, large batches): BLIS-style like prefill.c, but a "packed" panel is just
  *   the weight's own bf16 pairs transposed: bp[k/2][48] 32-bit lanes = (w[c][k], w[c][k+1])
  *   for 48 weight rows c, by 16x16 transposes of 32-bit words (no conversion at all for
