@@ -6,8 +6,10 @@ times, alternating `--repeats` times and keeping each side's median:
 - "old": `kernels.qgemm` in the float activation mode (what iterserve_qgemm ran before: the
   AVX-512 register kernel at 1-2 rows, the float32 panel GEMM from 3 rows on); for prefill
   rows (> 32) `kernels.gemm` in float mode (what layers.py calls there);
-- "new": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 9 rows, the bf16
-  panel GEMM from 9), also "new_decode" / "new_panel" forced, for the row threshold;
+- "new": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 16 rows, the bf16
+  panel GEMM from 16), also "new_decode" (session 14's decode kernel, K chunks),
+  "new_stream" (the streamed decode kernel, auto's default) and "new_panel" forced, for the
+  row threshold;
 - "torch": torch's own bf16 matmul (oneDNN, avx512bf16) of x.bfloat16() @ W^T, then .float()
   (bf16 output rounding), for the prefill comparison.
 Decode rows report GB/s of weight bytes streamed; prefill rows GFLOP/s (2 M N K / s). F16
@@ -16,6 +18,20 @@ Under load: medians of alternating repeats; threads via --threads (default 1: CP
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --quick   # ~1 min
     PYTHONPATH=src python benchmarks/bench_bf16.py           # ~4-6 min
+
+`--e2e MODEL --variants` runs the same generation in the auto mode with the decode kernel
+alternating between session 14's (K chunks, `bf16_variant("chunked")`) and the streamed one
+(`"streamed"`, the default), and also reports the steps' share of time by kind from the
+engine (prefill vs decode), for the decode-kernel decision:
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/hf-bf16 --variants --batch 8 --steps 32 --repeats 3 --threads 2
+
+`--e2e MODEL --mix-split` runs `mix` (16 requests at --batch slots) offline and times every
+engine step: the share of prefill steps vs decode-only steps (by batch size) in `mix`:
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/hf-bf16 --mix-split --batch 8 --threads 2
 
 `--e2e MODEL` instead runs greedy generation of `--batch` sequences through the offline LLM,
 float and auto (bf16 dot for BF16 weights) alternating (bench_int8.decode_ab), and reports
@@ -72,6 +88,7 @@ def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor
     v = {"old": old, "new": new()}
     if m <= 32:
         v["new_decode"], v["new_panel"] = new("decode"), new("panel")
+        v["new_stream"] = new("stream")
     if torch_too and t == BF16:
         wt = w.view(torch.bfloat16)
 
@@ -79,6 +96,138 @@ def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor
             out.copy_(torch.mm(x.bfloat16(), wt.t()))
         v["torch"] = tmm
     return v
+
+
+def variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
+    """Greedy generation of `batch` sequences, auto mode, the bf16 decode kernel alternating
+    chunked / streamed `repeats` times after one warm-up round: median output tokens/s each."""
+    from iterserve import LLM, SamplingParams
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
+    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    prompts = [f"Once upon a time {i}" for i in range(batch)]
+    kernels.set_activations("auto")
+    before = kernels.bf16_variant()
+    res: dict[str, list[float]] = {"chunked": [], "streamed": []}
+    try:
+        for rep in range(repeats + 1):
+            for v in res:
+                kernels.bf16_variant(v)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp)
+                dt = time.perf_counter() - t0
+                if rep:
+                    res[v].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    finally:
+        kernels.bf16_variant(before)
+    med = {v: statistics.median(ts) for v, ts in res.items()}
+    return {"model": model, "batch": batch, "steps": steps, "threads": threads,
+            "repeats": repeats, "chunked_tok_s": round(med["chunked"], 3),
+            "streamed_tok_s": round(med["streamed"], 3),
+            "streamed_over_chunked": round(med["streamed"] / med["chunked"], 3), "raw": res}
+
+
+def mix_split(model: str, slots: int, threads: int) -> dict:
+    """The `mix` workload (16 requests, all at once, `slots` sequences) through the offline
+    engine, every engine step timed: the share of time in steps that prefill (any prompt
+    tokens) vs decode-only steps, and decode steps by batch size. Says what `mix` measures
+    for a model: a compute-bound prefill GEMM or the bandwidth-bound decode kernels."""
+    from iterserve import LLM, SamplingParams
+    from iterserve.bench.workloads import build_workload
+    torch.set_num_threads(threads)
+    reqs = build_workload("mix", num_requests=16).requests
+    ctx = 1024                       # run_models' sizing: every slot its whole context, so
+    llm = LLM(model=model, max_num_seqs=slots, max_model_len=ctx,    # nothing is preempted
+              num_kv_blocks=-(-slots * ctx // 16) + slots)
+    eng = llm.engine
+    steps: list[tuple[float, int, int]] = []       # (seconds, batched tokens, sequences)
+    schedule, step = eng.scheduler.schedule, eng.step
+    last: list = []
+
+    def sched():
+        out = schedule()
+        last[:] = [out]
+        return out
+
+    def timed_step():
+        t0 = time.perf_counter()
+        res = step()
+        o = last[0] if last else None
+        if o is not None and o.num_batched_tokens:
+            steps.append((time.perf_counter() - t0, o.num_batched_tokens, len(o.num_scheduled_tokens)))
+        return res
+    eng.scheduler.schedule, eng.step = sched, timed_step
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    pre = [s for s in steps if s[1] > s[2]]
+    dec = [s for s in steps if s[1] == s[2]]
+    by_batch: dict[int, list[float]] = {}
+    for s in dec:
+        by_batch.setdefault(s[2], []).append(s[0])
+    tot = sum(s[0] for s in steps)
+    return {"model": model, "slots": slots, "threads": threads, "wall_s": round(wall, 3),
+            "output_tokens": out_toks, "output_tok_s": round(out_toks / wall, 3),
+            "steps": len(steps), "prefill_steps": len(pre), "decode_steps": len(dec),
+            "preemptions": sum(o.metrics.num_preemptions for o in outs if getattr(o, "metrics", None)
+                               and hasattr(o.metrics, "num_preemptions")),
+            "prefill_share": round(sum(s[0] for s in pre) / tot, 4),
+            "prefill_step_tokens": sum(s[1] for s in pre),
+            "decode_steps_by_batch": {b: {"steps": len(v), "ms_median": round(1e3 * statistics.median(v), 2),
+                                          "s_total": round(sum(v), 3)}
+                                      for b, v in sorted(by_batch.items())}}
+
+
+def mix_bound(profile: str, slots: int, peak_gflops: float, prefill_gflops: float,
+              peers: dict[str, float]) -> dict:
+    """The bandwidth bound of `mix` for a model: the decode steps of `mix` at `slots` slots
+    (simulated like the scheduler runs them: all requests at t=0, first come first served,
+    one token per running sequence per step; the engine's own count is in --mix-split), each
+    reading every weight byte once (the weight bytes per step and the measured bandwidth of a
+    profile_decode.py --bandwidth JSON), plus the prompt tokens' FLOPs at `prefill_gflops`
+    (what the prefill GEMM reaches) and at `peak_gflops` (the instruction's peak). Output
+    tokens over that time is the most any engine can reach on this machine without reading
+    fewer weight bytes per step; `peers` (name=tok/s) are shown as fractions of it."""
+    from iterserve.bench.workloads import build_workload
+    prof = json.loads(Path(profile).read_text())
+    wbytes = prof["weight_bytes_per_step"]
+    step_bytes = sum(wbytes["types"].values()) + wbytes.get("lm_head", 0)
+    gbs = prof["bandwidth_gbs_best"]
+    reqs = build_workload("mix", num_requests=16).requests
+    queue, running, steps, by_batch = [r.max_tokens - 1 for r in reqs], [], 0, {}
+    while queue or running:                 # the prefill step samples each one's 1st token
+        while queue and len(running) < slots:
+            running.append(queue.pop(0))
+        running = [x for x in running if x > 0]
+        if not running:
+            continue
+        by_batch[len(running)] = by_batch.get(len(running), 0) + 1
+        steps += 1
+        running = [x - 1 for x in running]
+    out_tokens = sum(r.max_tokens for r in reqs)
+    prompt_tokens = None
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(prof["model"])
+        prompt_tokens = sum(len(tok(r.prompt)["input_ids"]) for r in reqs)
+    except Exception:                                   # no HF tokenizer: words as tokens
+        prompt_tokens = sum(r.prompt_len for r in reqs)
+    flop_per_token = step_bytes                          # bf16: 2 bytes = 1 MAC = 2 FLOPs
+    decode_s = steps * step_bytes / (gbs * 1e9)
+    pre_s = prompt_tokens * flop_per_token / (prefill_gflops * 1e9)
+    pre_peak_s = prompt_tokens * flop_per_token / (peak_gflops * 1e9)
+    bound = out_tokens / (decode_s + pre_s)
+    return {"profile": profile, "slots": slots, "weight_bytes_per_step": step_bytes,
+            "bandwidth_gbs": gbs, "step_ms_bound": round(1e3 * step_bytes / (gbs * 1e9), 2),
+            "decode_steps": steps, "decode_steps_by_batch": dict(sorted(by_batch.items())),
+            "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+            "decode_s_bound": round(decode_s, 2), "prefill_s_at_prefill_gflops": round(pre_s, 2),
+            "prefill_s_at_peak": round(pre_peak_s, 2),
+            "bound_tok_s": round(bound, 2),
+            "bound_tok_s_prefill_at_peak": round(out_tokens / (decode_s + pre_peak_s), 2),
+            "peers_fraction_of_bound": {k: round(v / bound, 3) for k, v in peers.items()}}
 
 
 def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[dict]:
@@ -130,7 +279,36 @@ def main() -> None:
     ap.add_argument("--e2e", metavar="MODEL", help="end-to-end float vs auto decode A/B instead")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--variants", action="store_true",
+                    help="with --e2e: chunked vs streamed decode kernel (auto mode)")
+    ap.add_argument("--mix-split", action="store_true",
+                    help="with --e2e: time `mix`'s engine steps, prefill vs decode (--batch slots)")
+    ap.add_argument("--mix-bound", metavar="PROFILE_JSON",
+                    help="the bandwidth bound of mix at --batch slots from a profile_decode.py "
+                         "--bandwidth JSON (no model run)")
+    ap.add_argument("--peak-gflops", type=float, default=960.0,
+                    help="vdpbf16ps peak of the machine, both cores (measured: 2 x 480 here)")
+    ap.add_argument("--prefill-gflops", type=float, default=500.0,
+                    help="what the prefill GEMM reaches on both cores")
+    ap.add_argument("--peer", nargs="*", default=[], metavar="NAME=TOK_S",
+                    help="mix tok/s figures to show as fractions of the bound")
     a = ap.parse_args()
+    if a.mix_bound:
+        peers = {k: float(v) for k, v in (p.split("=", 1) for p in a.peer)}
+        res = mix_bound(a.mix_bound, a.batch, a.peak_gflops, a.prefill_gflops, peers)
+        print(json.dumps(res, indent=1))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
+    if a.e2e and a.mix_split:
+        res = mix_split(a.e2e, a.batch, a.threads)
+        print(json.dumps(res))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
+    if a.e2e and a.variants:
+        res = variants_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads)
+        print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
     if a.e2e:
         import sys
         sys.path.insert(0, str(Path(__file__).parent))

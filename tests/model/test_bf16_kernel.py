@@ -52,7 +52,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("t", [BF16, F16])
-@pytest.mark.parametrize("path", ["decode", "panel", "auto"])
+@pytest.mark.parametrize("path", ["stream", "decode", "panel", "auto"])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 9, 96), (2, 7, 64), (3, 33, 256),
                                    (5, 100, 128), (8, 64, 2048), (9, 31, 64), (13, 70, 320),
                                    (16, 40, 64), (31, 65, 256), (40, 33, 1024),
@@ -65,7 +65,7 @@ def test_kernels_equal_bf16_rounded_activations_times_the_weight(t, path, m, n, 
     _check(out, x, w)
 
 
-@pytest.mark.parametrize("path", ["decode", "panel"])
+@pytest.mark.parametrize("path", ["stream", "decode", "panel"])
 def test_strided_activations_and_a_column_offset(path):
     m, n, k = 11, 45, 192
     w, wu = _weight(BF16, n, k)
@@ -75,6 +75,65 @@ def test_strided_activations_and_a_column_offset(path):
     kernels.qgemm_bf16(BF16, wu, k, x, out, 13, path)
     _check(out[:, 13:13 + n], x.contiguous(), w)
     assert (out[:, :13] == -7).all() and (out[:, 13 + n:] == -7).all()
+
+
+@pytest.mark.parametrize("t", [BF16, F16])
+@pytest.mark.parametrize("m", range(1, 34))
+def test_streamed_decode_every_row_count_and_group_tail(t, m):
+    """Every row count of the streamed kernel's tiles (1..8 per tile, 1..5 tiles, unequal
+    tiles) with a weight-row count that leaves a tail after the groups of 8/6/4/3 (n = 77 =
+    3 * 24 + 5), at K = 96 (3 steps of 32)."""
+    n, k = 77, 96
+    w, wu = _weight(t, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 100))
+    out = torch.full((m, n), float("nan"))
+    kernels.qgemm_bf16(t, wu, k, x, out, 0, "stream")
+    _check(out, x, w)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 12])
+def test_streamed_decode_two_threads_split_the_weight_rows(m):
+    """n >= 64 * threads: both threads run (split on whole groups of 24 rows); the sums must
+    not depend on the thread count (each output is one thread's)."""
+    n, k = 301, 2048
+    w, wu = _weight(BF16, n, k)
+    x = torch.randn(m, k)
+    outs = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.full((m, n), float("nan"))
+            kernels.qgemm_bf16(BF16, wu, k, x, out, 0, "stream")
+            outs.append(out)
+    finally:
+        torch.set_num_threads(old)
+    _check(outs[1], x, w)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_auto_path_runs_the_decode_variant_chosen():
+    """bf16_variant switches the auto path's decode kernel (same-process A/B): streamed is
+    bit for bit path "stream", chunked path "decode"; the panel GEMM from 16 rows either way."""
+    n, k = 60, 8192
+    w, wu = _weight(BF16, n, k)
+    before = kernels.bf16_variant()
+    assert before == "streamed"                            # the default
+    try:
+        for m in (1, 8, 15, 16):
+            x = torch.randn(m, k)
+            ref = {}
+            for path in ("stream", "decode", "panel"):
+                ref[path] = torch.empty(m, n)
+                kernels.qgemm_bf16(BF16, wu, k, x, ref[path], 0, path)
+            for variant, path in (("streamed", "stream"), ("chunked", "decode")):
+                assert kernels.bf16_variant(variant) == variant
+                got = torch.empty(m, n)
+                kernels.qgemm_bf16(BF16, wu, k, x, got, 0, "auto")
+                assert torch.equal(got, ref[path if m < 16 else "panel"])
+            _check(ref["stream"], x, w)
+    finally:
+        kernels.bf16_variant(before)
 
 
 def test_k_chunked_decode_tiles_equal_the_unsplit_ones():

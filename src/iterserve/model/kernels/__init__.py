@@ -124,6 +124,7 @@ _ARGTYPES = {
                                    _i32]),
     "iterserve_bf16_isa": (_i64, [_i64]),
     "iterserve_bf16_takes": (_i32, [_i64, _i64]),
+    "iterserve_bf16_variant": (_i64, [_i64]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -594,7 +595,8 @@ def gemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: tor
 # --- bf16 dot products for BF16 / F16 weights (bf16dot.c) --------------------------------
 
 _ISASBF16 = {"none": 0, "avx512bf16": 1}
-_BF16_PATHS = {"auto": 0, "decode": 1, "panel": 2, "decode_nosplit": 3}
+_BF16_PATHS = {"auto": 0, "decode": 1, "panel": 2, "decode_nosplit": 3, "stream": 4}
+_BF16_VARIANTS = {"streamed": 0, "chunked": 1}
 
 
 def bf16_isa(want: str | None = None) -> str:
@@ -603,6 +605,15 @@ def bf16_isa(want: str | None = None) -> str:
     the `auto` activation mode BF16 weights take them (see `set_activations`)."""
     got = _lib().iterserve_bf16_isa(-2 if want in (None, "avx512bf16") else _ISASBF16[want])
     return {v: k for k, v in _ISASBF16.items()}[int(got)]
+
+
+def bf16_variant(want: str | None = None) -> str:
+    """The decode kernel (rows below the panel GEMM's) that the auto path runs for BF16
+    weights: "streamed" (default: whole weight rows, the next tile prefetched) or "chunked"
+    (session 14's, K chunks; ITERSERVE_BF16_DECODE=chunked at start), for same-process A/B
+    runs; None only reports. Process-wide, like the activation mode."""
+    got = _lib().iterserve_bf16_variant(-1 if want is None else _BF16_VARIANTS[want])
+    return {v: k for k, v in _BF16_VARIANTS.items()}[int(got)]
 
 
 def bf16_takes(ggml_type: int, rows: int) -> bool:
@@ -614,8 +625,10 @@ def bf16_takes(ggml_type: int, rows: int) -> bool:
 def qgemm_bf16(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
                col0: int = 0, path: str = "auto") -> None:
     """`qgemm` on the bf16 dot-product kernels whatever the mode (tests, benchmarks): BF16 or
-    F16 weights, x rounded to bf16 once per call, vdpbf16ps into float32 sums. path: "decode"
-    (the register kernel), "panel" (the prefill GEMM) or "auto" (by row count). Raises
+    F16 weights, x rounded to bf16 once per call, vdpbf16ps into float32 sums. path: "stream"
+    (the streamed decode kernel), "decode" (session 14's decode kernel, K chunks),
+    "decode_nosplit" (the same without K chunks), "panel" (the prefill GEMM) or "auto" (by row
+    count and `bf16_variant`). Raises
     ValueError where the CPU has no avx512bf16 (bf16_isa() == "none")."""
     lib = _lib()
     if int(ggml_type) not in (1, 30):

@@ -18,11 +18,21 @@
  * the `auto` activation mode (iterserve_bf16_takes) on CPUs with avx512bf16 only; `float`
  * keeps the exact float32 path (the numerical reference), `int8` treats BF16 like `float`.
  *
- * Two kernels, both reading the weight rows unchanged (no copy of the checkpoint):
+ * Kernels, all reading the weight rows unchanged (no copy of the checkpoint):
  * - decode (M <= BF16_PANEL_ROWS - 1 activation rows): tiles of R <= 8 rows times C weight
  *   rows at a time (C = 8 at 1 row ... 3 at 8, so R*C >= 8 independent accumulator chains
  *   hide the instruction's latency): per 32 elements, C weight loads, R activation loads and
- *   R*C vdpbf16ps; threads split the weight rows.
+ *   R*C vdpbf16ps; threads split the weight rows. Two variants (iterserve_bf16_variant):
+ *   "streamed" (default since session 15, decode_stream below: whole weight rows, the next
+ *   group of rows prefetched, every row tile per group of weight rows) and "chunked"
+ *   (session 14's decode_bf16: K split into L1-sized strips of the activations). A decode
+ *   step at batch 8 on the 1.7B model read its weights at 19.3 GB/s (0.48 of the measured
+ *   bandwidth, quiet profile) with "chunked"; same process, alternating, loaded machine:
+ *   "streamed" 1.3-1.8x at 8 rows, 1.1-1.2x at 3-4 (one thread), equal at 1-2 (the hardware
+ *   prefetcher already follows whole rows there); end to end (bench_bf16.py --e2e
+ *   --variants) 1.31x and 1.45x at batch 8, 0.98x at batch 3 (medians of 3, noisy). `mix`
+ *   at 8 slots is 94% decode steps (bench_bf16.py --mix-split), 60% of them at 1-3 rows,
+ *   so batch 8 gains only part of it.
  * - panel (prefill, large batches): BLIS-style like prefill.c, but a "packed" panel is just
  *   the weight's own bf16 pairs transposed: bp[k/2][48] 32-bit lanes = (w[c][k], w[c][k+1])
  *   for 48 weight rows c, by 16x16 transposes of 32-bit words (no conversion at all for
@@ -33,7 +43,13 @@
  *   loaded machine (GFLOP/s): 12x32 110 / 104, 8x48 123 / 114, 6x64 125 / 103; torch's own
  *   bf16 matmul (oneDNN) 133 / 130 in the same run (bf16 output; see the report of issue 13:
  *   kept ours for float32 outputs, one entry point for the fused and per-module paths and
- *   no per-shape oneDNN primitives).
+ *   no per-shape oneDNN primitives). Session 15, bench_bf16.py, one thread, loaded: torch
+ *   (x.bfloat16() @ W^T, then .float()) over ours in time 0.96-1.09 at 128 rows and
+ *   0.98 / 0.98 / 0.86 at 512 rows (qo / gate_up / down): equal but for `down` at 512 rows
+ *   (torch 1.16x), and `mix`'s prefill steps are ~6% of its time with chunks of <= ~200 rows,
+ *   so ours stays (float32 outputs; torch's CPU matmul has no float32 output for bf16 inputs).
+ *   The compute bound: vdpbf16ps peaks at ~480 GFLOP/s per core here (2 per cycle); the
+ *   panel reaches ~40% of it, oneDNN the same.
  *
  * F16 weights (f16 GGUFs): see F16_DOT_ROWS below for what was measured; F16 -> bf16 drops 3
  * of the 10 mantissa bits of every weight, which the F16C float path does not.
@@ -239,6 +255,131 @@ static BF16 void decode_bf16(int type, const uint8_t *w, int64_t N, int64_t row_
     }
 }
 
+/* --- decode, streamed: R activation rows x C weight rows, whole rows, next tile prefetched ---
+ * What the kernel above left on the table (session 15, quiet profile of a batch-8 step of the
+ * 1.7B bf16 model: every BF16 GEMM at 19.3 GB/s, 0.48 of the measured bandwidth): its K
+ * chunks cut each weight row into strips of ~2.7 KB, read 64 rows apart, which the hardware
+ * prefetchers do not follow, so each strip starts with DRAM misses. This one reads each weight
+ * row once from start to end and, while it multiplies rows c..c+C-1 at element j, prefetches
+ * element j of the next C rows (one software prefetch per weight load, one tile ahead: the
+ * lead is a tile's run time, ~0.2-0.5 us, longer than a DRAM miss). All row tiles of a
+ * call run on a group of C weight rows before the next (the C rows, <= 48 KB, stay in L1/L2
+ * for the second to fourth tile); the activation rows are read from L1/L2 (<= 8 x 16 KB). */
+/* from this many activation rows per tile on, the next tile's weights are prefetched (at 1-2 rows
+ * the hardware prefetcher keeps up and the prefetches only take load slots) */
+#ifndef PF_MIN_R
+#define PF_MIN_R 3
+#endif
+/* [sum(a), sum(b), sum(c), sum(d)] of four float32 vectors (AVX-512F shuffles only). The
+ * additions run in a different order from _mm512_reduce_add_ps, so results may differ from the
+ * other decode kernel's in the last bit (both are float32 sums of the same exact products). */
+#ifndef HSUM4
+#define HSUM4 1
+#endif
+BF16_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* 128-bit lanes [a0+a2, a1+a3, b0+b2, b1+b3] and likewise for c, d */
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane k: the four partial sums of the k-th vector */
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, t));
+}
+
+BF16_INLINE void tile_pf(int R, int C, int type, const uint16_t *xb, int64_t ldb, int64_t K,
+                         const uint8_t *w, int64_t row_stride, const uint8_t *wn, float *y,
+                         int64_t ldy) {
+    __m512 acc[24];
+    for (int i = 0; i < R * C; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K; j += 32) {
+        __m512bh wv[8];
+        for (int c = 0; c < C; c++) {
+            wv[c] = wload(type, w + c * row_stride, j);
+            if (R >= PF_MIN_R) _mm_prefetch((const char *)(wn + c * row_stride + 2 * j), _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + r * ldb + j));
+            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);
+        }
+    }
+    /* the sums four accumulators at a time (hsum4: 14 instructions for 4 sums, against ~8 per
+     * sum of _mm512_reduce_add_ps; ~10% of a tile at K = 2,048), then the odd ones */
+    float s[24];
+    int i = 0;
+    if (HSUM4)
+        for (; i + 4 <= R * C; i += 4)
+            _mm_storeu_ps(s + i, hsum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+    for (; i < R * C; i++) s[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[r * ldy + c] = s[r * C + c];
+}
+
+/* C weight rows per group for tiles of up to R activation rows (R*C <= 24 accumulators) */
+/* by R (the largest tile of the call); R * C <= 24 and C in {8, 6, 4, 3} (the cases compiled
+ * below). A table so that a benchmark harness compiled with this file can vary it in one
+ * process (under load no other choice beat these). */
+static int pf_cols[9] = {8, 8, 6, 4, 4, 4, 4, 3, 3};
+#define PF_COLS(R) pf_cols[R]
+
+#define PF_R(RR, CC, TYPE) case RR: if (RR * CC <= 24) tile_pf(RR, CC, TYPE, xt, ldb, K, wc, row_stride, wn, yt, ldy); break;
+#define PF_TILE(CC, TYPE) switch (R) { PF_R(8, CC, TYPE) PF_R(7, CC, TYPE) PF_R(6, CC, TYPE)  \
+    PF_R(5, CC, TYPE) PF_R(4, CC, TYPE) PF_R(3, CC, TYPE) PF_R(2, CC, TYPE)                   \
+    default: tile_pf(1, CC, TYPE, xt, ldb, K, wc, row_stride, wn, yt, ldy); }
+
+/* one group of CC weight rows at wc (next group at wn) against all row tiles of x */
+#define PF_GROUP(CC, TYPE)                                                                   \
+    for (int64_t tile = 0; tile < ntiles; tile++) {                                          \
+        const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;                  \
+        const uint16_t *xt = xb + r0 * ldb;                                                  \
+        float *yt = y + r0 * ldy + c;                                                        \
+        const int R = (int)(r1 - r0);                                                        \
+        PF_TILE(CC, TYPE)                                                                    \
+    }
+
+static BF16 void decode_stream_t(int type, const uint8_t *w, int64_t n0, int64_t n1,
+                                 int64_t N, int64_t row_stride, int64_t K, const uint16_t *xb,
+                                 int64_t ldb, int64_t M, float *y, int64_t ldy) {
+    const int64_t ntiles = (M + 7) / 8;
+    const int64_t Rmax = (M + ntiles - 1) / ntiles;
+    const int CC = PF_COLS(Rmax);
+    int64_t c = n0;
+#define PF_RUN(CCV, TYPE)                                                                    \
+    for (; c + CCV <= n1; c += CCV) {                                                        \
+        const uint8_t *wc = w + c * row_stride;                                              \
+        const uint8_t *wn = c + 2 * CCV <= N ? wc + CCV * row_stride : wc;                   \
+        PF_GROUP(CCV, TYPE)                                                                  \
+    }
+    if (type == GGML_F16) {
+        switch (CC) { case 8: PF_RUN(8, GGML_F16) break; case 6: PF_RUN(6, GGML_F16) break;
+                      case 4: PF_RUN(4, GGML_F16) break; default: PF_RUN(3, GGML_F16) }
+        for (; c < n1; c++) { const uint8_t *wc = w + c * row_stride, *wn = wc; PF_GROUP(1, GGML_F16) }
+    } else {
+        switch (CC) { case 8: PF_RUN(8, GGML_BF16) break; case 6: PF_RUN(6, GGML_BF16) break;
+                      case 4: PF_RUN(4, GGML_BF16) break; default: PF_RUN(3, GGML_BF16) }
+        for (; c < n1; c++) { const uint8_t *wc = w + c * row_stride, *wn = wc; PF_GROUP(1, GGML_BF16) }
+    }
+#undef PF_RUN
+}
+
+static BF16 void decode_stream(int type, const uint8_t *w, int64_t N, int64_t row_stride,
+                               int64_t K, const uint16_t *xb, int64_t ldb, int64_t M, float *y,
+                               int64_t ldy, int nthreads) {
+    if (N < 64 * nthreads) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        /* split on multiples of 24 weight rows (whole groups of 8, 6, 4 or 3) */
+        const int64_t g = (N + 23) / 24;
+        const int64_t n0 = g * t / T * 24, n1e = g * (t + 1) / T * 24, n1 = n1e < N ? n1e : N;
+        if (n0 < n1) decode_stream_t(type, w, n0, n1, N, row_stride, K, xb, ldb, M, y, ldy);
+    }
+}
+
 /* --- panel GEMM -------------------------------------------------------------------------- */
 /* bp[p][c] (p < kc/2, c < NP) = the bf16 pair (w[p0+c][k0+2p], w[p0+c][k0+2p+1]); rows past
  * `rows` are zero. F16 rows are rounded to bf16 into tmp (16 rows x KC) first. */
@@ -347,8 +488,23 @@ static BF16 int panel_bf16(int type, const uint8_t *w, int64_t N, int64_t row_st
     return err;
 }
 
-/* path 0: by row count (BF16_PANEL_ROWS); 1: the decode kernel; 2: the panel kernel; 3: the
- * decode kernel without K chunks (benchmarks). */
+/* The decode kernel of the auto path: 0 streamed (decode_stream), 1 the session-14 kernel with
+ * K chunks (decode_bf16), kept for same-process A/B runs; ITERSERVE_BF16_DECODE=chunked
+ * chooses it at start. */
+static int decode_variant = -1;
+
+int64_t iterserve_bf16_variant(int64_t want) {
+    if (want == 0 || want == 1) decode_variant = (int)want;
+    if (decode_variant < 0) {
+        const char *e = getenv("ITERSERVE_BF16_DECODE");
+        decode_variant = e && strcmp(e, "chunked") == 0;
+    }
+    return decode_variant;
+}
+
+/* path 0: by row count (BF16_PANEL_ROWS), the decode kernel iterserve_bf16_variant says; 1: the
+ * session-14 decode kernel (K chunks); 2: the panel kernel; 3: the session-14 decode kernel
+ * without K chunks (benchmarks); 4: the streamed decode kernel. */
 int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
                         int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
                         float *y, int64_t ldy, int nthreads) {
@@ -369,6 +525,9 @@ int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
     uint16_t *xb = xb_scratch((size_t)M * (size_t)ldb);
     if (!xb) return ITERSERVE_ENOMEM;
     round_rows(x, M, ldx, k, xb, ldb, nthreads);
-    decode_bf16((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads, path != 3);
+    if (path == 4 || (path == 0 && iterserve_bf16_variant(-1) == 0))
+        decode_stream((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads);
+    else
+        decode_bf16((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads, path != 3);
     return ITERSERVE_OK;
 }

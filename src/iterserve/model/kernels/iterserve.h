@@ -136,6 +136,9 @@ int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
                         float *y, int64_t ldy, int nthreads);
 /* 0 = off, 1 = avx512bf16 (if the CPU has it); -1 only reports, anything else = the best. */
 int64_t iterserve_bf16_isa(int64_t want);
+/* The decode kernel (below BF16_PANEL_ROWS rows) of path 0: 0 streamed (default), 1 the
+ * session-14 kernel with K chunks (A/B runs); -1 only reports. */
+int64_t iterserve_bf16_variant(int64_t want);
 /* internal: whether iterserve_qgemm / iterserve_gemm hand this call to iterserve_bf16_gemm */
 int iterserve_bf16_takes(int64_t type, int64_t M);
 
