@@ -134,22 +134,105 @@ def variants_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> lis
     return out
 
 
+def crossover_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[dict]:
+    """The decode kernels (qdot8.c, `qgemm_int8`) against the int8 prefill GEMM (prefill8.c,
+    `gemm_int8`) at decode row counts, same process, alternating: where the GEMM's panel
+    decode (once per 32 weight rows, shared by all activation rows) beats the decode kernels'
+    per-row-tile weight decode. dec_over_gemm > 1: the prefill GEMM is faster."""
+    out = []
+    for name in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            t, w = random_blocks(name, n, k)
+            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    it = iter(range(1 << 62))
+                    dec = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
+                    gem = lambda: kernels.gemm_int8(t, ws[next(it) % len(ws)], k, x, y)   # noqa: E731
+                    a, b = [], []
+                    for _ in range(repeats):
+                        a.append(_time(dec, min_s))
+                        b.append(_time(gem, min_s))
+                    da, gb = statistics.median(a), statistics.median(b)
+                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th,
+                           "rows": m, "decode_us": round(da * 1e6, 1),
+                           "gemm8_us": round(gb * 1e6, 1), "dec_over_gemm": round(da / gb, 3),
+                           "decode_weight_gbs": round(w.numel() / da / 1e9, 2),
+                           "gemm8_weight_gbs": round(w.numel() / gb / 1e9, 2)}
+                    print(json.dumps(row), flush=True)
+                    out.append(row)
+    return out
+
+
+def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
+                   variants=(1, 0)) -> list[dict]:
+    """The K-quant decode kernels' K-chunking variants (qdot8.c iterserve_act8_kq_variant),
+    same process, alternating; ratio = time of the first (the baseline) / time of each."""
+    lib = kernels._lib()
+    out = []
+    for name in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            t, w = random_blocks(name, n, k)
+            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    it = iter(range(1 << 62))
+                    fn = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
+                    times = {v: [] for v in variants}
+                    for _ in range(repeats):
+                        for v in variants:
+                            lib.iterserve_act8_kq_variant(v)
+                            times[v].append(_time(fn, min_s))
+                    med = {v: statistics.median(ts) for v, ts in times.items()}
+                    base = med[variants[0]]
+                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th, "rows": m,
+                           **{f"v{v}_us": round(med[v] * 1e6, 1) for v in variants},
+                           **{f"v{v}_gbs": round(w.numel() / med[v] / 1e9, 2) for v in variants},
+                           **{f"v{variants[0]}_over_v{v}": round(base / med[v], 3)
+                              for v in variants[1:]}}
+                    print(json.dumps(row), flush=True)
+                    out.append(row)
+    lib.iterserve_act8_kq_variant(0)
+    return out
+
+
+def _kq_mode(mode: str) -> None:
+    """s14: the K-quant decode kernels as session 14 left them (16 KB K chunks, no hand-over
+    to the prefill GEMM); s15: the defaults (qdot8.c kq_variant 0, KQ_GEMM8_ROWS_*)."""
+    lib = kernels._lib()
+    lib.iterserve_act8_kq_variant(1 if mode == "s14" else 0)
+    lib.iterserve_act8_kq_gemm_rows(33 if mode == "s14" else 0)
+
+
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
-              variants: bool = False) -> dict:
+              variants: bool = False, kq: bool = False) -> dict:
     """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
     alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
-    tokens/s per mode (random-weight models: greedy tokens need not agree)."""
+    tokens/s per mode (random-weight models: greedy tokens need not agree). variants: the
+    32-element types' two AVX-512 kernels; kq: session 14's K-quant decode path against this
+    one (`_kq_mode`), both auto."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    modes = ("pairs", "groups") if variants else ("float", "auto")
+    modes = ("s14", "s15") if kq else ("pairs", "groups") if variants else ("float", "auto")
     res = {m: [] for m in modes}
     texts = {}
     for rep in range(repeats + 1):
         for mode in modes:
-            if variants:             # both auto; the AVX-512 kernels of the 32-element types
+            if kq:
+                kernels.set_activations("auto")
+                _kq_mode(mode)
+            elif variants:           # both auto; the AVX-512 kernels of the 32-element types
                 kernels.set_activations("auto")
                 kernels._lib().iterserve_act8_variant(1 if mode == "pairs" else 0)
             else:
@@ -163,6 +246,8 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
             texts[mode] = [list(o.outputs[0].token_ids) for o in outs]
     if variants:
         kernels._lib().iterserve_act8_variant(0)
+    if kq:
+        _kq_mode("s15")
     a_, b_ = modes
     agree = sum(a == b for x, y in zip(texts[a_], texts[b_]) for a, b in zip(x, y))
     total = sum(len(x) for x in texts[a_])
@@ -193,6 +278,14 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="the 4-block AVX-512 VBMI kernels of the 32-element types against the "
                          "pair kernels before them (int8 GEMMs; with --decode: auto mode)")
+    ap.add_argument("--crossover", action="store_true",
+                    help="the decode kernels against the int8 prefill GEMM (prefill8.c) at "
+                         "decode row counts (where auto hands the K-quants over)")
+    ap.add_argument("--kq-variants", default=None, metavar="V,V,...",
+                    help="the K-quant decode kernels' K-chunking variants (qdot8.c "
+                         "iterserve_act8_kq_variant; the first is the baseline), e.g. 1,0; "
+                         "with --decode (any value): session 14's K-quant decode path "
+                         "against this one")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="cycle distinct weight copies of at least MB megabytes in "
                          "all (more than the L3), so each call streams its weights from memory")
@@ -212,18 +305,24 @@ def main() -> None:
             "clock": a.clock}
     if a.decode:
         result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,
-                                              int(a.threads.split(",")[-1]), a.variants)}
+                                              int(a.threads.split(",")[-1]), a.variants,
+                                              kq=bool(a.kq_variants))}
         print(json.dumps(result["decode"]))
         out = a.out or f"benchmarks/results/int8-decode-b{a.batch}.json"
     else:
         if a.quick:
             a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
-        fn = variants_ab if a.variants else gemm_ab
+        fn = variants_ab if a.variants else crossover_ab if a.crossover else gemm_ab
+        if a.kq_variants:
+            vs = tuple(int(v) for v in a.kq_variants.split(","))
+            fn = lambda *args: kq_variants_ab(*args, variants=vs)  # noqa: E731
         rows = fn(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
                        a.repeats, a.min_s)
         result = {**meta, "results": rows}
         out = a.out or ("benchmarks/results/int8-variants.json" if a.variants
+                        else "benchmarks/results/kq-crossover.json" if a.crossover
+                        else "benchmarks/results/kq-variants.json" if a.kq_variants
                         else "benchmarks/results/int8-qgemm.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")

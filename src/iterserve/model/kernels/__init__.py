@@ -116,6 +116,8 @@ _ARGTYPES = {
     "iterserve_qgemm_act8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
     "iterserve_act8_isa": (_i64, [_i64]),
     "iterserve_act8_variant": (_i64, [_i64]),
+    "iterserve_act8_kq_variant": (_i64, [_i64]),
+    "iterserve_act8_kq_gemm_rows": (_i64, [_i64]),
     "iterserve_set_act_mode": (_i64, [_i64]),
     "iterserve_can_act8": (_i32, [_i64]),
     "iterserve_gemm8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),

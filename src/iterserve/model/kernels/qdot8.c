@@ -31,7 +31,8 @@
  *
  * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
  * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced), K in
- * chunks whose quantised activations stay in L1.
+ * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). K-quant
+ * decode steps of many rows go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
  * rows, for Q4_0 / Q4_1 / Q5_0 / Q5_1 up to 32 where the 4-block VBMI kernels run, else and
@@ -540,6 +541,34 @@ static inline int is_kq(int64_t type) {
     default: CALL(1, FN, TYPE); break;                                                    \
     }
 
+/* K chunks of the K-quant row tiles (kq_variant; A/B: benchmarks/bench_int8.py --kq-variants).
+ * A K chunk keeps the row tile's quantised activations (292 bytes per super-block and row) in
+ * L1, but it breaks the weight stream into pieces of a row: column c's chunk is followed by
+ * column c + 1's, a row_stride away. Session 14's 16 KB per tile cut the down GEMM (K = 8192)
+ * into 2-3 chunks from 2 rows on, and it ran at a third of the gate/up GEMM's bytes/s there
+ * (kq-crossover-t1.json). Measured (one thread, CPU time, weights cold, same process,
+ * alternating, 7 repeats, load ~5; kq-variants-down.json), 16 KB time / this time, down GEMM
+ * 2048x8192 at 2 3 4 5 6 8 12 rows:
+ *   Q4_K  32 KB: 2.34 1.31 1.12 1.47 1.03 1.06 1.12   64 KB: 2.34 1.22 0.95 1.42 1.04 0.98 0.98
+ *   Q6_K  32 KB: 3.27 2.33 1.01 2.26 1.70 0.91 1.01   64 KB: 3.50 2.36 1.33 2.25 1.83 1.29 1.15
+ * (a software prefetch of the next columns' chunk measured 1.0x: not kept). Hence 32 KB for
+ * Q4_K / Q5_K and 64 KB (one chunk up to K = 14336 at 4 rows) for Q6_K. Variants: 0 that
+ * (default), 1 session 14's 16 KB, 2 no K chunks, v >= 3 v KB. */
+static int kq_variant = 0;
+
+int64_t iterserve_act8_kq_variant(int64_t v) {
+    if (v >= 0 && v <= 1024) kq_variant = (int)v;
+    return kq_variant;
+}
+
+static inline int64_t kq_chunk(int type, int64_t R, int64_t per_block, int64_t nb) {
+    if (kq_variant == 2) return nb;
+    const int64_t bytes = kq_variant == 0 ? (type == GGML_Q6_K ? 64 : 32) * 1024
+                        : kq_variant == 1 ? A_TILE_BYTES : kq_variant * 1024;
+    const int64_t kc = bytes / (R * per_block);
+    return kc < 2 ? 2 : kc;
+}
+
 static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int64_t row_stride,
                      float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
@@ -556,7 +585,7 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = A_TILE_BYTES / (R * per_block);
+                int64_t kc = kq ? kq_chunk(type, R, per_block, nb) : A_TILE_BYTES / (R * per_block);
                 if (kc < 1) kc = 1;
                 const int64_t nk = (nb + kc - 1) / kc;
                 for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
@@ -601,7 +630,7 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = A_TILE_BYTES / (R * per_block);
+                int64_t kc = kq ? kq_chunk(type, R, per_block, nb) : A_TILE_BYTES / (R * per_block);
                 if (kc < 2) kc = 2;
                 if (!kq) kc &= ~(int64_t)1;          /* pairs of blocks per zmm */
                 const int64_t nk = (nb + kc - 1) / kc;
@@ -1054,6 +1083,15 @@ int64_t iterserve_set_act_mode(int64_t mode) {
 }
 
 #define ACT8_MAX_ROWS 32
+/* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end) */
+/* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end);
+ * K > 4096 (down_proj): the decode kernels' activation tile no longer fits L1 */
+#define KQ_GEMM8_ROWS_Q4_K 16
+#define KQ_GEMM8_ROWS_Q5_K 13
+#define KQ_GEMM8_ROWS_Q6_K 16
+#define KQ_GEMM8_ROWS_LONG_Q4_K 12
+#define KQ_GEMM8_ROWS_LONG_Q5_K 12
+#define KQ_GEMM8_ROWS_LONG_Q6_K 8
 
 int iterserve_act8_takes(int64_t type, int64_t M) {
     if (act_mode == 0 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
@@ -1061,4 +1099,40 @@ int iterserve_act8_takes(int64_t type, int64_t M) {
     if (!isa8) iterserve_act8_isa(0);
     const int groups = isa8 == 2 && vnni_variant == 0 && cpu_vbmi() && type != GGML_Q8_0;
     return M <= (groups ? 32 : 8);
+}
+
+/* ---- decode steps of many rows on the int8 prefill GEMM (K-quants, auto mode) -------------
+ * The decode kernels above decode a super-block's weights once per row tile of 4 and run the
+ * per-row work (maddubs + dpwssd per 64 weights, the min / offset term, two FMAs) per row, so
+ * their time grows by about the 1-row time per 4 rows; prefill8.c's GEMM decodes a panel of
+ * 32 weight rows once per call (~4x the decode kernels' 1-row time) and then runs a 6x32
+ * vpdpbusd tile per 6 rows. Measured (bench_int8.py --crossover: same process, alternating,
+ * one thread, CPU time, weights cold, medians of 5, load ~5; kq-crossover-t1-chunks.json),
+ * decode time / GEMM time on the 1.7B shapes qo 2048x2048 | gate_up 8192x2048 | down
+ * 2048x8192 (after the K-chunk change above):
+ *            8 rows           12               13               16               32
+ *   Q4_K  0.67 0.60 0.88  0.93 0.86 1.03  0.97 0.91 1.18  1.13 1.04 1.20  1.67 1.63 1.64
+ *   Q5_K  0.74 0.71 0.95  1.04 0.91 1.23  1.14 1.03 1.40  1.27 1.21 1.31  1.90 1.79 1.90
+ *   Q6_K  0.61 0.61 1.15  0.84 0.81 1.33  0.90 0.87 1.21  1.07 0.99 1.22  1.61 1.61 1.77
+ * (GEMM weight GB/s at 32 rows 2.8-3.8 vs the decode kernels' 1.7-2.3). Hence
+ * KQ_GEMM8_ROWS_*: Q4_K / Q6_K from 16 rows, Q5_K from 13, and for K > 4096 (down_proj,
+ * where a 4-row tile's activations, 37 KB at K = 8192, outgrow L1) from 12 / 12 / 8. From
+ * there auto hands the call to iterserve_gemm8 (its activations in blocks of 32: less
+ * rounding, tested in test_prefill_kernel.py); a decode step's row count is the same for
+ * the fused decode layers and the per-module path, so both stay bit-identical. */
+static int kq_gemm8_rows = 0;   /* 0: the measured rows below; v > 0: from v rows (A/B) */
+
+int64_t iterserve_act8_kq_gemm_rows(int64_t v) {
+    if (v >= 0) kq_gemm8_rows = (int)v;
+    return kq_gemm8_rows;
+}
+
+int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k) {
+    if (act_mode != 2 || !is_kq(type) || M > ACT8_MAX_ROWS) return 0;
+    if (kq_gemm8_rows) return M >= kq_gemm8_rows;
+    const int lng = k > 4096;
+    const int from = type == GGML_Q4_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q4_K : KQ_GEMM8_ROWS_Q4_K)
+                   : type == GGML_Q5_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q5_K : KQ_GEMM8_ROWS_Q5_K)
+                   : (lng ? KQ_GEMM8_ROWS_LONG_Q6_K : KQ_GEMM8_ROWS_Q6_K);
+    return M >= from;
 }
