@@ -172,7 +172,6 @@ def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
                    variants=(1, 0)) -> list[dict]:
     """The K-quant decode kernels' K-chunking variants (qdot8.c iterserve_act8_kq_variant),
     same process, alternating; ratio = time of the first (the baseline) / time of each."""
-    lib = kernels._lib()
     out = []
     for name in types:
         for shape in shapes:
@@ -189,7 +188,7 @@ def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
                     times = {v: [] for v in variants}
                     for _ in range(repeats):
                         for v in variants:
-                            lib.iterserve_act8_kq_variant(v)
+                            _kq_set(v)
                             times[v].append(_time(fn, min_s))
                     med = {v: statistics.median(ts) for v, ts in times.items()}
                     base = med[variants[0]]
@@ -200,8 +199,16 @@ def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
                               for v in variants[1:]}}
                     print(json.dumps(row), flush=True)
                     out.append(row)
-    lib.iterserve_act8_kq_variant(0)
+    _kq_set("0")
     return out
+
+
+def _kq_set(v: str) -> None:
+    """A --kq-variants token: N = K-chunk variant N (qdot8.c kq_variant) with 8-row tiles;
+    tN = the default chunks with N-row AVX-512 tiles (kq_tile, 4 or 8)."""
+    lib = kernels._lib()
+    lib.iterserve_act8_kq_variant(0 if v.startswith("t") else int(v))
+    lib.iterserve_act8_kq_tile(int(v[1:]) if v.startswith("t") else 8)
 
 
 def _kq_mode(mode: str) -> None:
@@ -210,6 +217,7 @@ def _kq_mode(mode: str) -> None:
     lib = kernels._lib()
     lib.iterserve_act8_kq_variant(1 if mode == "s14" else 0)
     lib.iterserve_act8_kq_gemm_rows(33 if mode == "s14" else 0)
+    lib.iterserve_act8_kq_tile(4 if mode == "s14" else 8)
 
 
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
@@ -314,7 +322,7 @@ def main() -> None:
             a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
         fn = variants_ab if a.variants else crossover_ab if a.crossover else gemm_ab
         if a.kq_variants:
-            vs = tuple(int(v) for v in a.kq_variants.split(","))
+            vs = tuple(a.kq_variants.split(","))
             fn = lambda *args: kq_variants_ab(*args, variants=vs)  # noqa: E731
         rows = fn(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],

@@ -142,6 +142,29 @@ def test_auto_runs_kquant_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa)
     assert _switch_rows(name, t2, w2, k2, ref2) < short
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_avx512_row_tiles_of_4_to_8_rows(name):
+    """The AVX-512 K-quant kernels' row tiles (qdot8.c kq_tile: the default 6, session 14's 4,
+    and 5, 7, 8) at every row count 1..17 (one to three balanced tiles), K = 1024."""
+    if kernels.int8_isa("avx512vnni") != "avx512vnni":
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    k, n = 1024, 37
+    t, w, ref = gguf_blocks(name, n, k, seed=6)
+    lib = kernels._lib()
+    assert lib.iterserve_act8_kq_tile(-1) == 6
+    try:
+        for tile in (4, 5, 6, 7, 8):
+            assert lib.iterserve_act8_kq_tile(tile) == tile
+            for rows in range(1, 18):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                out = torch.empty(rows, n)
+                kernels.qgemm_int8(t, w, k, x, out)
+                check(name, out, x, ref)
+    finally:
+        lib.iterserve_act8_kq_tile(6)
+        kernels.int8_isa()
+
+
 def _switch_rows(name, t, w, k, ref) -> int:
     n = w.shape[0]
     lib = kernels._lib()

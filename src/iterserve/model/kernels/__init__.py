@@ -118,6 +118,7 @@ _ARGTYPES = {
     "iterserve_act8_variant": (_i64, [_i64]),
     "iterserve_act8_kq_variant": (_i64, [_i64]),
     "iterserve_act8_kq_gemm_rows": (_i64, [_i64]),
+    "iterserve_act8_kq_tile": (_i64, [_i64]),
     "iterserve_set_act_mode": (_i64, [_i64]),
     "iterserve_can_act8": (_i32, [_i64]),
     "iterserve_gemm8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),

@@ -114,6 +114,9 @@ int64_t iterserve_act8_kq_variant(int64_t v);
 /* Row count from which auto runs K-quant decode steps on iterserve_gemm8: 0 = the measured
  * per-type rows (default), v > 0 = from v rows (33: never; A/B); v < 0 only reports. */
 int64_t iterserve_act8_kq_gemm_rows(int64_t v);
+/* Most rows per AVX-512 K-quant decode tile where K <= 4096: 6 (default), 4 (session 14) ..
+ * 8 (A/B); another value only reports. */
+int64_t iterserve_act8_kq_tile(int64_t v);
 /* Activation mode of iterserve_qgemm: 0 float (qgemm.c's kernels), 1 int8 (qdot8.c for the
  * types it has, up to 32 rows), 2 auto (int8 up to the measured per-type row counts in
  * qdot8.c); another value only reports. Returns the mode. */

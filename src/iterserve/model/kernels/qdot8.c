@@ -30,7 +30,8 @@
  * those two stay bit-identical to each other.
  *
  * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
- * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced), K in
+ * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced; AVX-512
+ * K-quants up to 6 where K <= 4096: kq_tile), K in
  * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). K-quant
  * decode steps of many rows go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
  *
@@ -53,6 +54,7 @@
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 #define COL_CHUNK 64
 #define ROW_TILE 4
+#define KQ_TILE 8        /* the AVX-512 K-quant kernels' largest row tile (kq_tile: 6) */
 #define A_TILE_BYTES (16 * 1024)     /* quantised activation bytes per row tile per K chunk */
 
 /* ---- quantised activations ------------------------------------------------------------ */
@@ -438,14 +440,14 @@ static inline __attribute__((always_inline)) VNNI void dotk_vnni(
     const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
                                           17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
                                           2, 1, 0);
-    __m512 acc[ROW_TILE];
-    __m128 accm[ROW_TILE];
+    __m512 acc[KQ_TILE];
+    __m128 accm[KQ_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm_setzero_ps();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *blk = wrow + b * bb;
         __m512i w[4], s[4];
         float d, cm;
-        __m128i mterm[ROW_TILE];
+        __m128i mterm[KQ_TILE];
         if (type == GGML_Q4_K || type == GGML_Q5_K) {
             uint32_t u[4];
             q4k_scales(blk + 4, u);
@@ -569,6 +571,36 @@ static inline int64_t kq_chunk(int type, int64_t R, int64_t per_block, int64_t n
     return kc < 2 ? 2 : kc;
 }
 
+/* Rows per AVX-512 K-quant tile (kq_tile, A/B via iterserve_act8_kq_tile): a super-block's
+ * weights are decoded once per tile, so larger tiles decode less often. Measured (one
+ * thread, CPU time, weights cold, same process, alternating, medians of 7, load ~10;
+ * kq-tile-k2048.json, kq-tile8.json), time with 4-row tiles / with up to 6 | up to 8, K = 2048
+ * (qo and gate_up, Q4_K and Q6_K):
+ *   5 rows 1.28-1.38 | 1.31-1.37   6: 1.17-1.23 | 1.19-1.23   7-8: 0.98-1.05 | 0.70-1.04
+ *   11-12: 1.01-1.14 | 1.03-1.12   16: 1.08-1.11 | 0.94-1.00
+ * (a full 8-row tile spills: 8 accumulators + 8 min terms + 4 codes + 4 scales + the
+ * temporaries are more than the 32 zmm), and at K = 8192 (down) larger tiles lost, 0.52-0.90
+ * for Q6_K at 5-16 rows (their activations outgrow L1). Hence up to 6 rows for K <= 4096,
+ * 4 above; the AVX2 kernels keep 4 (16 ymm). */
+static int kq_tile = 6;
+
+int64_t iterserve_act8_kq_tile(int64_t v) {
+    if (v >= 4 && v <= KQ_TILE) kq_tile = (int)v;
+    return kq_tile;
+}
+
+#define TILE8(FN, TYPE)                                                                   \
+    switch (R) {                                                                          \
+    case 8: CALL(8, FN, TYPE); break;                                                     \
+    case 7: CALL(7, FN, TYPE); break;                                                     \
+    case 6: CALL(6, FN, TYPE); break;                                                     \
+    case 5: CALL(5, FN, TYPE); break;                                                     \
+    case 4: CALL(4, FN, TYPE); break;                                                     \
+    case 3: CALL(3, FN, TYPE); break;                                                     \
+    case 2: CALL(2, FN, TYPE); break;                                                     \
+    default: CALL(1, FN, TYPE); break;                                                    \
+    }
+
 static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int64_t row_stride,
                      float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
@@ -617,8 +649,9 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
 static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
                           int64_t row_stride, float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
-    const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
     const int kq = is_kq(type);
+    const int64_t tmax = kq && a.K <= 4096 ? kq_tile : ROW_TILE;
+    const int64_t M = a.M, ntiles = (M + tmax - 1) / tmax;
     const int64_t be = kq ? 256 : 32, nb = a.K / be;
     const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;
 #pragma omp parallel num_threads(nthreads)
@@ -642,16 +675,16 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
                     }
                     for (int64_t c = c0; c < c1; c++) {
                         const uint8_t *wn = w + c * row_stride;
-                        float o[ROW_TILE] = {0};
+                        float o[KQ_TILE] = {0};
                         switch (type) {
                         case GGML_Q4_0: TILE(dot32_vnni, GGML_Q4_0) break;
                         case GGML_Q4_1: TILE(dot32_vnni, GGML_Q4_1) break;
                         case GGML_Q5_0: TILE(dot32_vnni, GGML_Q5_0) break;
                         case GGML_Q5_1: TILE(dot32_vnni, GGML_Q5_1) break;
                         case GGML_Q8_0: TILE(dot32_vnni, GGML_Q8_0) break;
-                        case GGML_Q4_K: TILE(dotk_vnni, GGML_Q4_K) break;
-                        case GGML_Q5_K: TILE(dotk_vnni, GGML_Q5_K) break;
-                        default: TILE(dotk_vnni, GGML_Q6_K) break;
+                        case GGML_Q4_K: TILE8(dotk_vnni, GGML_Q4_K) break;
+                        case GGML_Q5_K: TILE8(dotk_vnni, GGML_Q5_K) break;
+                        default: TILE8(dotk_vnni, GGML_Q6_K) break;
                         }
                         for (int r = 0; r < R; r++) {
                             float *yy = y + (r0 + r) * ldy + c;
