@@ -533,3 +533,24 @@ def test_int8_32_element_kernels_read_nothing_past_the_tensor(name, vnni_variant
         kernels.qgemm_int8(t, wg, k, x, out)
         check(name, out, x, ref)
         del wg
+
+
+def test_kq_decode_env_selects_session_14s_kquant_path_for_ab(monkeypatch):
+    """ITERSERVE_KQ_DECODE=s14 (what run_models.py --iterserve-variants passes to a server)
+    loads the kernels with the K-quant decode path as session 14 left it; unset, the
+    defaults."""
+    lib = kernels._lib()
+    assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
+            lib.iterserve_act8_kq_gemm_rows(-1)) == (0, 6, 0)
+    monkeypatch.setenv("ITERSERVE_KQ_DECODE", "s14")
+    kernels.clear_cache()
+    try:
+        lib = kernels._lib()
+        assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
+                lib.iterserve_act8_kq_gemm_rows(-1)) == (1, 4, 33)
+    finally:
+        lib.iterserve_act8_kq_variant(0)
+        lib.iterserve_act8_kq_tile(6)
+        lib.iterserve_act8_kq_gemm_rows(0)
+        monkeypatch.delenv("ITERSERVE_KQ_DECODE")
+        kernels.clear_cache()
