@@ -169,7 +169,7 @@ def crossover_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> li
 
 
 def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
-                   variants=(1, 0)) -> list[dict]:
+                   variants=("1", "0"), gemm8: bool = False) -> list[dict]:
     """The K-quant decode kernels' K-chunking variants (qdot8.c iterserve_act8_kq_variant),
     same process, alternating; ratio = time of the first (the baseline) / time of each."""
     out = []
@@ -184,7 +184,8 @@ def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
                     x = torch.randn(m, k)
                     y = torch.empty(m, n)
                     it = iter(range(1 << 62))
-                    fn = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
+                    call = kernels.gemm_int8 if gemm8 else kernels.qgemm_int8
+                    fn = lambda: call(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
                     times = {v: [] for v in variants}
                     for _ in range(repeats):
                         for v in variants:
@@ -294,6 +295,9 @@ def main() -> None:
                          "iterserve_act8_kq_variant; the first is the baseline), e.g. 1,0; "
                          "with --decode (any value): session 14's K-quant decode path "
                          "against this one")
+    ap.add_argument("--kq-gemm8", action="store_true",
+                    help="with --kq-variants: time the int8 prefill GEMM (prefill8.c; variant 1 "
+                         "= its scalar K-quant scale decode) instead of the decode kernels")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="cycle distinct weight copies of at least MB megabytes in "
                          "all (more than the L3), so each call streams its weights from memory")
@@ -323,7 +327,7 @@ def main() -> None:
         fn = variants_ab if a.variants else crossover_ab if a.crossover else gemm_ab
         if a.kq_variants:
             vs = tuple(a.kq_variants.split(","))
-            fn = lambda *args: kq_variants_ab(*args, variants=vs)  # noqa: E731
+            fn = lambda *args: kq_variants_ab(*args, variants=vs, gemm8=a.kq_gemm8)  # noqa: E731
         rows = fn(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
                        a.repeats, a.min_s)

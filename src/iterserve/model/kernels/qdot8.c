@@ -1119,10 +1119,10 @@ int64_t iterserve_set_act_mode(int64_t mode) {
 /* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end) */
 /* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end);
  * K > 4096 (down_proj): the decode kernels' activation tile no longer fits L1 */
-#define KQ_GEMM8_ROWS_Q4_K 16
+#define KQ_GEMM8_ROWS_Q4_K 13
 #define KQ_GEMM8_ROWS_Q5_K 13
 #define KQ_GEMM8_ROWS_Q6_K 16
-#define KQ_GEMM8_ROWS_LONG_Q4_K 12
+#define KQ_GEMM8_ROWS_LONG_Q4_K 8
 #define KQ_GEMM8_ROWS_LONG_Q5_K 12
 #define KQ_GEMM8_ROWS_LONG_Q6_K 8
 
@@ -1147,9 +1147,13 @@ int iterserve_act8_takes(int64_t type, int64_t M) {
  *   Q4_K  0.67 0.60 0.88  0.93 0.86 1.03  0.97 0.91 1.18  1.13 1.04 1.20  1.67 1.63 1.64
  *   Q5_K  0.74 0.71 0.95  1.04 0.91 1.23  1.14 1.03 1.40  1.27 1.21 1.31  1.90 1.79 1.90
  *   Q6_K  0.61 0.61 1.15  0.84 0.81 1.33  0.90 0.87 1.21  1.07 0.99 1.22  1.61 1.61 1.77
- * (GEMM weight GB/s at 32 rows 2.8-3.8 vs the decode kernels' 1.7-2.3). Hence
- * KQ_GEMM8_ROWS_*: Q4_K / Q6_K from 16 rows, Q5_K from 13, and for K > 4096 (down_proj,
- * where a 4-row tile's activations, 37 KB at K = 8192, outgrow L1) from 12 / 12 / 8. From
+ * (GEMM weight GB/s at 32 rows 2.8-3.8 vs the decode kernels' 1.7-2.3). After the vector
+ * K-quant scale decode in prefill8.c's panels (its GEMM 1.10-1.36x for Q4_K, 1.02-1.07x for
+ * Q6_K: kq-gemm8-scales.json) and the 6-row tiles here, Q4_K again (kq-crossover-t1-q4k-pack
+ * .json): 8 rows 0.78 0.76 1.07, 12: 0.98 0.92 1.30, 13: 1.03 1.00 1.46, 16: 1.16 1.13 1.46.
+ * Hence KQ_GEMM8_ROWS_*: Q4_K and Q5_K from 13 rows, Q6_K from 16, and for K > 4096
+ * (down_proj, where a 4-row tile's activations, 37 KB at K = 8192, outgrow L1) Q4_K from 8,
+ * Q5_K from 12 (measured before the scale change), Q6_K from 8. From
  * there auto hands the call to iterserve_gemm8 (its activations in blocks of 32: less
  * rounding, tested in test_prefill_kernel.py); a decode step's row count is the same for
  * the fused decode layers and the per-module path, so both stay bit-identical. */
