@@ -17,6 +17,13 @@ offline LLM, float and auto (the default: int8 where measured faster) alternatin
 
     PYTHONPATH=src python benchmarks/bench_int8.py --decode ~/.cache/iterserve-models/\
         smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf --batch 1 --steps 32 --repeats 3 --threads 2
+
+The K-quant decode path (session 15), all same process, alternating, `--clock cpu --cold 96`:
+`--crossover` (the decode kernels against the int8 prefill GEMM at decode row counts: where
+auto hands over), `--kq-variants 1,0,2,32` (K-chunk variants of the decode kernels),
+`--kq-variants t4,t6` (AVX-512 row tiles), `--kq-variants 1,0 --kq-gemm8` (the prefill GEMM's
+scalar vs vector K-quant scale decode); with `--decode`, `--kq-variants 1` runs session 14's
+K-quant path (s14) against this one (s15) end to end.
 """
 
 from __future__ import annotations
@@ -313,7 +320,8 @@ def main() -> None:
         kernels.int8_isa(a.isa)
     meta = {"machine": platform.processor() or platform.machine(), "features":
             sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":
-            "same process, float and int8 alternating, medians; machine possibly loaded",
+            "same process, the two sides alternating (float / int8, or the variants named), "
+            "medians; machine possibly loaded",
             "clock": a.clock}
     if a.decode:
         result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,

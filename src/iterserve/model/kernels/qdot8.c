@@ -1153,7 +1153,10 @@ int iterserve_act8_takes(int64_t type, int64_t M) {
  * .json): 8 rows 0.78 0.76 1.07, 12: 0.98 0.92 1.30, 13: 1.03 1.00 1.46, 16: 1.16 1.13 1.46.
  * Hence KQ_GEMM8_ROWS_*: Q4_K and Q5_K from 13 rows, Q6_K from 16, and for K > 4096
  * (down_proj, where a 4-row tile's activations, 37 KB at K = 8192, outgrow L1) Q4_K from 8,
- * Q5_K from 12 (measured before the scale change), Q6_K from 8. From
+ * Q5_K from 12 (measured before the scale change), Q6_K from 8. The AVX2 kernels of both
+ * (forced on this CPU: kq-crossover-t1-avx2.json; no AVX2-only CPU measured), gate_up |
+ * down: Q4_K 8 rows 0.80 | 1.06, 13: 1.01 | 1.48, 16: 1.14 | 1.44; Q6_K 8: 0.66 | 1.25,
+ * 13: 1.01 | 1.33, 16: 1.03 | 1.49: the same rows serve both ISAs. From
  * there auto hands the call to iterserve_gemm8 (its activations in blocks of 32: less
  * rounding, tested in test_prefill_kernel.py); a decode step's row count is the same for
  * the fused decode layers and the per-module path, so both stay bit-identical. */
