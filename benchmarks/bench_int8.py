@@ -17,6 +17,13 @@ offline LLM, float and auto (the default: int8 where measured faster) alternatin
 
     PYTHONPATH=src python benchmarks/bench_int8.py --decode ~/.cache/iterserve-models/\
         smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf --batch 1 --steps 32 --repeats 3 --threads 2
+
+The K-quant decode path (session 15), all same process, alternating, `--clock cpu --cold 96`:
+`--crossover` (the decode kernels against the int8 prefill GEMM at decode row counts: where
+auto hands over), `--kq-variants 1,0,2,32` (K-chunk variants of the decode kernels),
+`--kq-variants t4,t6` (AVX-512 row tiles), `--kq-variants 1,0 --kq-gemm8` (the prefill GEMM's
+scalar vs vector K-quant scale decode); with `--decode`, `--kq-variants 1` runs session 14's
+K-quant path (s14) against this one (s15) end to end.
 """
 
 from __future__ import annotations
@@ -134,22 +141,114 @@ def variants_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> lis
     return out
 
 
+def crossover_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[dict]:
+    """The decode kernels (qdot8.c, `qgemm_int8`) against the int8 prefill GEMM (prefill8.c,
+    `gemm_int8`) at decode row counts, same process, alternating: where the GEMM's panel
+    decode (once per 32 weight rows, shared by all activation rows) beats the decode kernels'
+    per-row-tile weight decode. dec_over_gemm > 1: the prefill GEMM is faster."""
+    out = []
+    for name in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            t, w = random_blocks(name, n, k)
+            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    it = iter(range(1 << 62))
+                    dec = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
+                    gem = lambda: kernels.gemm_int8(t, ws[next(it) % len(ws)], k, x, y)   # noqa: E731
+                    a, b = [], []
+                    for _ in range(repeats):
+                        a.append(_time(dec, min_s))
+                        b.append(_time(gem, min_s))
+                    da, gb = statistics.median(a), statistics.median(b)
+                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th,
+                           "rows": m, "decode_us": round(da * 1e6, 1),
+                           "gemm8_us": round(gb * 1e6, 1), "dec_over_gemm": round(da / gb, 3),
+                           "decode_weight_gbs": round(w.numel() / da / 1e9, 2),
+                           "gemm8_weight_gbs": round(w.numel() / gb / 1e9, 2)}
+                    print(json.dumps(row), flush=True)
+                    out.append(row)
+    return out
+
+
+def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
+                   variants=("1", "0"), gemm8: bool = False) -> list[dict]:
+    """The K-quant decode kernels' K-chunking variants (qdot8.c iterserve_act8_kq_variant),
+    same process, alternating; ratio = time of the first (the baseline) / time of each."""
+    out = []
+    for name in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            t, w = random_blocks(name, n, k)
+            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    it = iter(range(1 << 62))
+                    call = kernels.gemm_int8 if gemm8 else kernels.qgemm_int8
+                    fn = lambda: call(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
+                    times = {v: [] for v in variants}
+                    for _ in range(repeats):
+                        for v in variants:
+                            _kq_set(v)
+                            times[v].append(_time(fn, min_s))
+                    med = {v: statistics.median(ts) for v, ts in times.items()}
+                    base = med[variants[0]]
+                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th, "rows": m,
+                           **{f"v{v}_us": round(med[v] * 1e6, 1) for v in variants},
+                           **{f"v{v}_gbs": round(w.numel() / med[v] / 1e9, 2) for v in variants},
+                           **{f"v{variants[0]}_over_v{v}": round(base / med[v], 3)
+                              for v in variants[1:]}}
+                    print(json.dumps(row), flush=True)
+                    out.append(row)
+    _kq_set("0")
+    return out
+
+
+def _kq_set(v: str) -> None:
+    """A --kq-variants token: N = K-chunk variant N (qdot8.c kq_variant) with 8-row tiles;
+    tN = the default chunks with N-row AVX-512 tiles (kq_tile, 4 or 8)."""
+    lib = kernels._lib()
+    lib.iterserve_act8_kq_variant(0 if v.startswith("t") else int(v))
+    lib.iterserve_act8_kq_tile(int(v[1:]) if v.startswith("t") else 8)
+
+
+def _kq_mode(mode: str) -> None:
+    """s14: the K-quant decode kernels as session 14 left them (16 KB K chunks, no hand-over
+    to the prefill GEMM); s15: the defaults (qdot8.c kq_variant 0, KQ_GEMM8_ROWS_*)."""
+    lib = kernels._lib()
+    lib.iterserve_act8_kq_variant(1 if mode == "s14" else 0)
+    lib.iterserve_act8_kq_gemm_rows(33 if mode == "s14" else 0)
+    lib.iterserve_act8_kq_tile(4 if mode == "s14" else 8)
+
+
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
-              variants: bool = False) -> dict:
+              variants: bool = False, kq: bool = False) -> dict:
     """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
     alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
-    tokens/s per mode (random-weight models: greedy tokens need not agree)."""
+    tokens/s per mode (random-weight models: greedy tokens need not agree). variants: the
+    32-element types' two AVX-512 kernels; kq: session 14's K-quant decode path against this
+    one (`_kq_mode`), both auto."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    modes = ("pairs", "groups") if variants else ("float", "auto")
+    modes = ("s14", "s15") if kq else ("pairs", "groups") if variants else ("float", "auto")
     res = {m: [] for m in modes}
     texts = {}
     for rep in range(repeats + 1):
         for mode in modes:
-            if variants:             # both auto; the AVX-512 kernels of the 32-element types
+            if kq:
+                kernels.set_activations("auto")
+                _kq_mode(mode)
+            elif variants:           # both auto; the AVX-512 kernels of the 32-element types
                 kernels.set_activations("auto")
                 kernels._lib().iterserve_act8_variant(1 if mode == "pairs" else 0)
             else:
@@ -163,6 +262,8 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
             texts[mode] = [list(o.outputs[0].token_ids) for o in outs]
     if variants:
         kernels._lib().iterserve_act8_variant(0)
+    if kq:
+        _kq_mode("s15")
     a_, b_ = modes
     agree = sum(a == b for x, y in zip(texts[a_], texts[b_]) for a, b in zip(x, y))
     total = sum(len(x) for x in texts[a_])
@@ -193,6 +294,17 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="the 4-block AVX-512 VBMI kernels of the 32-element types against the "
                          "pair kernels before them (int8 GEMMs; with --decode: auto mode)")
+    ap.add_argument("--crossover", action="store_true",
+                    help="the decode kernels against the int8 prefill GEMM (prefill8.c) at "
+                         "decode row counts (where auto hands the K-quants over)")
+    ap.add_argument("--kq-variants", default=None, metavar="V,V,...",
+                    help="the K-quant decode kernels' K-chunking variants (qdot8.c "
+                         "iterserve_act8_kq_variant; the first is the baseline), e.g. 1,0; "
+                         "with --decode (any value): session 14's K-quant decode path "
+                         "against this one")
+    ap.add_argument("--kq-gemm8", action="store_true",
+                    help="with --kq-variants: time the int8 prefill GEMM (prefill8.c; variant 1 "
+                         "= its scalar K-quant scale decode) instead of the decode kernels")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="cycle distinct weight copies of at least MB megabytes in "
                          "all (more than the L3), so each call streams its weights from memory")
@@ -208,22 +320,29 @@ def main() -> None:
         kernels.int8_isa(a.isa)
     meta = {"machine": platform.processor() or platform.machine(), "features":
             sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":
-            "same process, float and int8 alternating, medians; machine possibly loaded",
+            "same process, the two sides alternating (float / int8, or the variants named), "
+            "medians; machine possibly loaded",
             "clock": a.clock}
     if a.decode:
         result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,
-                                              int(a.threads.split(",")[-1]), a.variants)}
+                                              int(a.threads.split(",")[-1]), a.variants,
+                                              kq=bool(a.kq_variants))}
         print(json.dumps(result["decode"]))
         out = a.out or f"benchmarks/results/int8-decode-b{a.batch}.json"
     else:
         if a.quick:
             a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
-        fn = variants_ab if a.variants else gemm_ab
+        fn = variants_ab if a.variants else crossover_ab if a.crossover else gemm_ab
+        if a.kq_variants:
+            vs = tuple(a.kq_variants.split(","))
+            fn = lambda *args: kq_variants_ab(*args, variants=vs, gemm8=a.kq_gemm8)  # noqa: E731
         rows = fn(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
                        a.repeats, a.min_s)
         result = {**meta, "results": rows}
         out = a.out or ("benchmarks/results/int8-variants.json" if a.variants
+                        else "benchmarks/results/kq-crossover.json" if a.crossover
+                        else "benchmarks/results/kq-variants.json" if a.kq_variants
                         else "benchmarks/results/int8-qgemm.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")

@@ -98,23 +98,111 @@ def test_int8_gemm_equals_quantised_activations_times_dequantised_weights(name, 
 @pytest.mark.parametrize("name", TYPES)
 def test_int8_long_rows_two_threads_and_both_isas_agree(name, monkeypatch):
     """K of 8192 (down_proj's) splits into several K chunks; 2 threads split 193 columns;
-    AVX2 and AVX-512 give the same integers, so they agree to summation order."""
+    AVX2 and AVX-512 give the same integers, so they agree to summation order. The K-quants
+    also under each K-chunk variant (qdot8.c kq_variant: 0 the default 32 / 64 KB, 1 session
+    14's 16 KB, 2 no chunks, 5 a 5 KB chunk: one to several chunks per row tile)."""
     k, n = 8192, 193
     t, w, ref = gguf_blocks(name, n, k, seed=3)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(kernels, "_threads", lambda: 2)
+    lib = kernels._lib()
+    variants = (0, 1, 2, 5) if name.endswith("_K") else (0,)
     outs = []
-    for isa_name in ISAS:
-        if kernels.int8_isa(isa_name) != isa_name:
-            continue
-        out = torch.empty(5, n)
-        kernels.qgemm_int8(t, w, k, x, out)
-        check(name, out, x, ref)
-        outs.append(out)
-    kernels.int8_isa()
+    try:
+        for isa_name in ISAS:
+            if kernels.int8_isa(isa_name) != isa_name:
+                continue
+            for v in variants:
+                assert lib.iterserve_act8_kq_variant(v) == v
+                out = torch.empty(5, n)
+                kernels.qgemm_int8(t, w, k, x, out)
+                check(name, out, x, ref)
+                outs.append(out)
+    finally:
+        lib.iterserve_act8_kq_variant(0)
+        kernels.int8_isa()
     mag = quantised(x, block_of(name))[0].abs() @ ref.abs().T
     for o in outs[1:]:
         assert ((o - outs[0]).abs() <= 4e-6 * mag + 1e-9).all()
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_auto_runs_kquant_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa):
+    """Every decode row count 1..33 of a K-quant: the decode kernels (qgemm_int8) are right
+    at each; `auto` takes them below the measured row count (qdot8.c KQ_GEMM8_ROWS_*) and the
+    int8 prefill GEMM (gemm_int8, exactly) from there (and beyond 32 rows, as before); the
+    override (iterserve_act8_kq_gemm_rows) moves the switch; "int8" keeps the decode
+    kernels up to 32 rows."""
+    k, n = 768, 67                                       # 3 super-blocks, a ragged panel
+    t, w, ref = gguf_blocks(name, n, k, seed=4)
+    short = _switch_rows(name, t, w, k, ref)
+    # K > 4096 (down_proj's shape: the decode kernels' activations outgrow L1 sooner)
+    k2 = 4608
+    t2, w2, ref2 = gguf_blocks(name, 33, k2, seed=5)
+    assert _switch_rows(name, t2, w2, k2, ref2) < short
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_avx512_row_tiles_of_4_to_8_rows(name):
+    """The AVX-512 K-quant kernels' row tiles (qdot8.c kq_tile: the default 6, session 14's 4,
+    and 5, 7, 8) at every row count 1..17 (one to three balanced tiles), K = 1024."""
+    if kernels.int8_isa("avx512vnni") != "avx512vnni":
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    k, n = 1024, 37
+    t, w, ref = gguf_blocks(name, n, k, seed=6)
+    lib = kernels._lib()
+    assert lib.iterserve_act8_kq_tile(-1) == 6
+    try:
+        for tile in (4, 5, 6, 7, 8):
+            assert lib.iterserve_act8_kq_tile(tile) == tile
+            for rows in range(1, 18):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                out = torch.empty(rows, n)
+                kernels.qgemm_int8(t, w, k, x, out)
+                check(name, out, x, ref)
+    finally:
+        lib.iterserve_act8_kq_tile(6)
+        kernels.int8_isa()
+
+
+def _switch_rows(name, t, w, k, ref) -> int:
+    n = w.shape[0]
+    lib = kernels._lib()
+    assert lib.iterserve_act8_kq_gemm_rows(-1) == 0      # the measured rows by default
+    seen = set()
+    try:
+        for override in (0, 5, 33):
+            lib.iterserve_act8_kq_gemm_rows(override)
+            for rows in range(1, 34):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
+                dec, gem = torch.empty(rows, n), torch.empty(rows, n)
+                kernels.qgemm_int8(t, w, k, x, dec)
+                kernels.gemm_int8(t, w, k, x, gem)
+                if override == 0:
+                    check(name, dec, x, ref)
+                kernels.set_activations("auto")
+                got = torch.empty(rows, n)
+                kernels.qgemm(t, w, k, x, got)
+                kernels.set_activations("int8")
+                int8 = torch.empty(rows, n)
+                kernels.qgemm(t, w, k, x, int8)
+                kernels.set_activations("float")
+                on_gemm = torch.equal(got, gem)
+                assert on_gemm or torch.equal(got, dec), (override, rows)
+                assert rows > 32 or torch.equal(int8, dec)
+                if override == 5:
+                    assert on_gemm == (rows >= 5), rows
+                elif override == 33:
+                    assert on_gemm == (rows > 32), rows
+                else:
+                    seen.add((rows, on_gemm))
+    finally:
+        lib.iterserve_act8_kq_gemm_rows(0)
+        kernels.set_activations("float")
+    # the default: one switch point, at 2..32 rows
+    switch = min(r for r, g in seen if g)
+    assert 2 <= switch <= 32 and all(g == (r >= switch) for r, g in seen)
+    return switch
 
 
 def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone():
@@ -139,12 +227,13 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
         kernels.qgemm_int8(t5, w5, 512, x, a)
     with pytest.raises(ValueError):
         kernels.set_activations("int4")
-    # auto: K-quants in int8 up to 32 rows, Q8_0 up to 8, the nibble types up to 32 where the
-    # 4-block AVX-512 VBMI kernels run, else 8
+    # auto: K-quants in int8 up to 32 rows (from 13 rows on the int8 prefill GEMM: the test
+    # below), Q8_0 up to 8, the nibble types up to 32 where the 4-block AVX-512 VBMI kernels
+    # run, else 8
     t4, w4, _ = gguf_blocks("Q4_0", 64, 512, seed=2)
     t8, w8, _ = gguf_blocks("Q8_0", 64, 512, seed=2)
     groups = _has_vbmi() and kernels.int8_isa() == "avx512vnni"
-    for tt, ww, rows, want_int8 in ((t, w, 32, True), (t4, w4, 8, True), (t4, w4, 9, groups),
+    for tt, ww, rows, want_int8 in ((t, w, 12, True), (t4, w4, 8, True), (t4, w4, 9, groups),
                                     (t4, w4, 32, groups), (t8, w8, 8, True), (t8, w8, 9, False)):
         xr = torch.randn(rows, 512)
         a, b = torch.empty(rows, 64), torch.empty(rows, 64)
@@ -444,3 +533,24 @@ def test_int8_32_element_kernels_read_nothing_past_the_tensor(name, vnni_variant
         kernels.qgemm_int8(t, wg, k, x, out)
         check(name, out, x, ref)
         del wg
+
+
+def test_kq_decode_env_selects_session_14s_kquant_path_for_ab(monkeypatch):
+    """ITERSERVE_KQ_DECODE=s14 (what run_models.py --iterserve-variants passes to a server)
+    loads the kernels with the K-quant decode path as session 14 left it; unset, the
+    defaults."""
+    lib = kernels._lib()
+    assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
+            lib.iterserve_act8_kq_gemm_rows(-1)) == (0, 6, 0)
+    monkeypatch.setenv("ITERSERVE_KQ_DECODE", "s14")
+    kernels.clear_cache()
+    try:
+        lib = kernels._lib()
+        assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
+                lib.iterserve_act8_kq_gemm_rows(-1)) == (1, 4, 33)
+    finally:
+        lib.iterserve_act8_kq_variant(0)
+        lib.iterserve_act8_kq_tile(6)
+        lib.iterserve_act8_kq_gemm_rows(0)
+        monkeypatch.delenv("ITERSERVE_KQ_DECODE")
+        kernels.clear_cache()

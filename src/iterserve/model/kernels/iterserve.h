@@ -108,6 +108,15 @@ int64_t iterserve_act8_isa(int64_t want);
 /* Which AVX-512 kernels the 32-element types take: 0 = the 4-block VBMI kernels (default where
  * the CPU has VBMI), 1 = the two-block pair kernels (A/B); another value only reports. */
 int64_t iterserve_act8_variant(int64_t v);
+/* K-quant decode kernels' K chunk per row tile (A/B): 0 = 32 KB, Q6_K 64 KB (default),
+ * 1 = session 14's 16 KB, 2 = no chunks, 3..1024 = that many KB; others only report. */
+int64_t iterserve_act8_kq_variant(int64_t v);
+/* Row count from which auto runs K-quant decode steps on iterserve_gemm8: 0 = the measured
+ * per-type rows (default), v > 0 = from v rows (33: never; A/B); v < 0 only reports. */
+int64_t iterserve_act8_kq_gemm_rows(int64_t v);
+/* Most rows per AVX-512 K-quant decode tile where K <= 4096: 6 (default), 4 (session 14) ..
+ * 8 (A/B); another value only reports. */
+int64_t iterserve_act8_kq_tile(int64_t v);
 /* Activation mode of iterserve_qgemm: 0 float (qgemm.c's kernels), 1 int8 (qdot8.c for the
  * types it has, up to 32 rows), 2 auto (int8 up to the measured per-type row counts in
  * qdot8.c); another value only reports. Returns the mode. */
@@ -115,6 +124,7 @@ int64_t iterserve_set_act_mode(int64_t mode);
 /* internal: whether the int8 mode takes a call of this type and row count */
 int iterserve_can_act8(int64_t type);
 int iterserve_act8_takes(int64_t type, int64_t M);
+int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k);
 
 /* --- prefill / large-batch GEMM with 8-bit activations (prefill8.c) --------------------- */
 /* iterserve_gemm's product with x quantised to int8 once per call (blocks of 32) and the

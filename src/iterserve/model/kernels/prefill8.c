@@ -98,6 +98,25 @@ static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> lo nibbles
 }
 
 /* Q4_K / Q5_K's 6-bit scale and min of sub-block j (gguf-py's get_scale_min) */
+/* All 8 scales (bytes 0-7) and 8 mins (bytes 8-15) of a Q4_K / Q5_K super-block from its 12
+ * packed bytes (llama.cpp's utmp shuffle; what kscale8 gives one at a time). Vectorising
+ * these and Q6_K's scale conversion cut the K-quant panel decode, most of this GEMM's time at
+ * decode row counts (qdot8.c hands K-quant steps of 8-32 rows here); pack_s14 keeps the
+ * scalar code for A/B (qdot8.c kq_variant 1, bench_int8.py --kq-gemm8). */
+static int pack_s14 = 0;
+
+static inline __m128i kscale8_all(const uint8_t *s12) {
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    uint32_t u[4];
+    memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t a = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = a;
+    u[0] &= k1;
+    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+}
+
 static inline void kscale8(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
         *sc = s[j] & 63;
@@ -163,11 +182,19 @@ static inline __attribute__((always_inline)) void decode8(int type, const uint8_
             _mm256_storeu_si256((__m256i *)(codes + 64 * j), lo);
             _mm256_storeu_si256((__m256i *)(codes + 64 * j + 32), hi);
         }
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            kscale8(b + 4, j, &sc, &mn);
-            scale[j] = d * (float)sc;
-            mins[j] = dmin * (float)mn;
+        if (pack_s14) {
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                kscale8(b + 4, j, &sc, &mn);
+                scale[j] = d * (float)sc;
+                mins[j] = dmin * (float)mn;
+            }
+        } else {             /* the same values, 8 at a time (kscale8_all) */
+            const __m128i v = kscale8_all(b + 4);
+            _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d),
+                                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+            _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+                                                     _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
         }
         break;
     }
@@ -192,7 +219,15 @@ static inline __attribute__((always_inline)) void decode8(int type, const uint8_
                 _mm256_storeu_si256((__m256i *)(codes + 128 * h + 32 * c),
                                     _mm256_sub_epi8(_mm256_or_si256(lo[c], hb[c]), off));
         }
-        for (int j = 0; j < 16; j++) scale[j] = d * (float)(int8_t)b[192 + j];
+        if (pack_s14) {
+            for (int j = 0; j < 16; j++) scale[j] = d * (float)(int8_t)b[192 + j];
+        } else {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 192));
+            const __m256 dd = _mm256_set1_ps(d);
+            _mm256_storeu_ps(scale, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+            _mm256_storeu_ps(scale + 8, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(
+                                                          _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+        }
         break;
     }
     }
@@ -513,6 +548,7 @@ int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_strid
     if (M < 1 || N < 1) return ITERSERVE_OK;
     const int wide = iterserve_act8_isa(-1) == 2;
     if (!wide && type == GGML_Q8_0) return ITERSERVE_ETYPE;     /* vpmaddubsw would saturate */
+    pack_s14 = iterserve_act8_kq_variant(-1) == 1;
     const int64_t nb = K / 32;
     const size_t need = (size_t)(M * K) + 2 * (size_t)(M * nb) * sizeof(float) + 128;
     if (need > xbuf_size) {

@@ -30,8 +30,10 @@
  * those two stay bit-identical to each other.
  *
  * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
- * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced), K in
- * chunks whose quantised activations stay in L1.
+ * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced; AVX-512
+ * K-quants up to 6 where K <= 4096: kq_tile), K in
+ * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). K-quant
+ * decode steps of many rows go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
  * rows, for Q4_0 / Q4_1 / Q5_0 / Q5_1 up to 32 where the 4-block VBMI kernels run, else and
@@ -52,6 +54,7 @@
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 #define COL_CHUNK 64
 #define ROW_TILE 4
+#define KQ_TILE 8        /* the AVX-512 K-quant kernels' largest row tile (kq_tile: 6) */
 #define A_TILE_BYTES (16 * 1024)     /* quantised activation bytes per row tile per K chunk */
 
 /* ---- quantised activations ------------------------------------------------------------ */
@@ -437,14 +440,14 @@ static inline __attribute__((always_inline)) VNNI void dotk_vnni(
     const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
                                           17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
                                           2, 1, 0);
-    __m512 acc[ROW_TILE];
-    __m128 accm[ROW_TILE];
+    __m512 acc[KQ_TILE];
+    __m128 accm[KQ_TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm_setzero_ps();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *blk = wrow + b * bb;
         __m512i w[4], s[4];
         float d, cm;
-        __m128i mterm[ROW_TILE];
+        __m128i mterm[KQ_TILE];
         if (type == GGML_Q4_K || type == GGML_Q5_K) {
             uint32_t u[4];
             q4k_scales(blk + 4, u);
@@ -540,6 +543,64 @@ static inline int is_kq(int64_t type) {
     default: CALL(1, FN, TYPE); break;                                                    \
     }
 
+/* K chunks of the K-quant row tiles (kq_variant; A/B: benchmarks/bench_int8.py --kq-variants).
+ * A K chunk keeps the row tile's quantised activations (292 bytes per super-block and row) in
+ * L1, but it breaks the weight stream into pieces of a row: column c's chunk is followed by
+ * column c + 1's, a row_stride away. Session 14's 16 KB per tile cut the down GEMM (K = 8192)
+ * into 2-3 chunks from 2 rows on, and it ran at a third of the gate/up GEMM's bytes/s there
+ * (kq-crossover-t1.json). Measured (one thread, CPU time, weights cold, same process,
+ * alternating, 7 repeats, load ~5; kq-variants-down.json), 16 KB time / this time, down GEMM
+ * 2048x8192 at 2 3 4 5 6 8 12 rows:
+ *   Q4_K  32 KB: 2.34 1.31 1.12 1.47 1.03 1.06 1.12   64 KB: 2.34 1.22 0.95 1.42 1.04 0.98 0.98
+ *   Q6_K  32 KB: 3.27 2.33 1.01 2.26 1.70 0.91 1.01   64 KB: 3.50 2.36 1.33 2.25 1.83 1.29 1.15
+ * (a software prefetch of the next columns' chunk measured 1.0x: not kept). Hence 32 KB for
+ * Q4_K / Q5_K and 64 KB (one chunk up to K = 14336 at 4 rows) for Q6_K. Variants: 0 that
+ * (default), 1 session 14's 16 KB, 2 no K chunks, v >= 3 v KB. */
+static int kq_variant = 0;
+
+int64_t iterserve_act8_kq_variant(int64_t v) {
+    if (v >= 0 && v <= 1024) kq_variant = (int)v;
+    return kq_variant;
+}
+
+static inline int64_t kq_chunk(int type, int64_t R, int64_t per_block, int64_t nb) {
+    if (kq_variant == 2) return nb;
+    const int64_t bytes = kq_variant == 0 ? (type == GGML_Q6_K ? 64 : 32) * 1024
+                        : kq_variant == 1 ? A_TILE_BYTES : kq_variant * 1024;
+    const int64_t kc = bytes / (R * per_block);
+    return kc < 2 ? 2 : kc;
+}
+
+/* Rows per AVX-512 K-quant tile (kq_tile, A/B via iterserve_act8_kq_tile): a super-block's
+ * weights are decoded once per tile, so larger tiles decode less often. Measured (one
+ * thread, CPU time, weights cold, same process, alternating, medians of 7, load ~10;
+ * kq-tile-k2048.json, kq-tile8.json), time with 4-row tiles / with up to 6 | up to 8, K = 2048
+ * (qo and gate_up, Q4_K and Q6_K):
+ *   5 rows 1.28-1.38 | 1.31-1.37   6: 1.17-1.23 | 1.19-1.23   7-8: 0.98-1.05 | 0.70-1.04
+ *   11-12: 1.01-1.14 | 1.03-1.12   16: 1.08-1.11 | 0.94-1.00
+ * (a full 8-row tile spills: 8 accumulators + 8 min terms + 4 codes + 4 scales + the
+ * temporaries are more than the 32 zmm), and at K = 8192 (down) larger tiles lost, 0.52-0.90
+ * for Q6_K at 5-16 rows (their activations outgrow L1). Hence up to 6 rows for K <= 4096,
+ * 4 above; the AVX2 kernels keep 4 (16 ymm). */
+static int kq_tile = 6;
+
+int64_t iterserve_act8_kq_tile(int64_t v) {
+    if (v >= 4 && v <= KQ_TILE) kq_tile = (int)v;
+    return kq_tile;
+}
+
+#define TILE8(FN, TYPE)                                                                   \
+    switch (R) {                                                                          \
+    case 8: CALL(8, FN, TYPE); break;                                                     \
+    case 7: CALL(7, FN, TYPE); break;                                                     \
+    case 6: CALL(6, FN, TYPE); break;                                                     \
+    case 5: CALL(5, FN, TYPE); break;                                                     \
+    case 4: CALL(4, FN, TYPE); break;                                                     \
+    case 3: CALL(3, FN, TYPE); break;                                                     \
+    case 2: CALL(2, FN, TYPE); break;                                                     \
+    default: CALL(1, FN, TYPE); break;                                                    \
+    }
+
 static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int64_t row_stride,
                      float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
@@ -556,7 +617,7 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = A_TILE_BYTES / (R * per_block);
+                int64_t kc = kq ? kq_chunk(type, R, per_block, nb) : A_TILE_BYTES / (R * per_block);
                 if (kc < 1) kc = 1;
                 const int64_t nk = (nb + kc - 1) / kc;
                 for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
@@ -588,8 +649,9 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
 static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
                           int64_t row_stride, float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
-    const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
     const int kq = is_kq(type);
+    const int64_t tmax = kq && a.K <= 4096 ? kq_tile : ROW_TILE;
+    const int64_t M = a.M, ntiles = (M + tmax - 1) / tmax;
     const int64_t be = kq ? 256 : 32, nb = a.K / be;
     const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;
 #pragma omp parallel num_threads(nthreads)
@@ -601,7 +663,7 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = A_TILE_BYTES / (R * per_block);
+                int64_t kc = kq ? kq_chunk(type, R, per_block, nb) : A_TILE_BYTES / (R * per_block);
                 if (kc < 2) kc = 2;
                 if (!kq) kc &= ~(int64_t)1;          /* pairs of blocks per zmm */
                 const int64_t nk = (nb + kc - 1) / kc;
@@ -613,16 +675,16 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
                     }
                     for (int64_t c = c0; c < c1; c++) {
                         const uint8_t *wn = w + c * row_stride;
-                        float o[ROW_TILE] = {0};
+                        float o[KQ_TILE] = {0};
                         switch (type) {
                         case GGML_Q4_0: TILE(dot32_vnni, GGML_Q4_0) break;
                         case GGML_Q4_1: TILE(dot32_vnni, GGML_Q4_1) break;
                         case GGML_Q5_0: TILE(dot32_vnni, GGML_Q5_0) break;
                         case GGML_Q5_1: TILE(dot32_vnni, GGML_Q5_1) break;
                         case GGML_Q8_0: TILE(dot32_vnni, GGML_Q8_0) break;
-                        case GGML_Q4_K: TILE(dotk_vnni, GGML_Q4_K) break;
-                        case GGML_Q5_K: TILE(dotk_vnni, GGML_Q5_K) break;
-                        default: TILE(dotk_vnni, GGML_Q6_K) break;
+                        case GGML_Q4_K: TILE8(dotk_vnni, GGML_Q4_K) break;
+                        case GGML_Q5_K: TILE8(dotk_vnni, GGML_Q5_K) break;
+                        default: TILE8(dotk_vnni, GGML_Q6_K) break;
                         }
                         for (int r = 0; r < R; r++) {
                             float *yy = y + (r0 + r) * ldy + c;
@@ -1054,6 +1116,15 @@ int64_t iterserve_set_act_mode(int64_t mode) {
 }
 
 #define ACT8_MAX_ROWS 32
+/* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end) */
+/* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end);
+ * K > 4096 (down_proj): the decode kernels' activation tile no longer fits L1 */
+#define KQ_GEMM8_ROWS_Q4_K 13
+#define KQ_GEMM8_ROWS_Q5_K 13
+#define KQ_GEMM8_ROWS_Q6_K 16
+#define KQ_GEMM8_ROWS_LONG_Q4_K 8
+#define KQ_GEMM8_ROWS_LONG_Q5_K 12
+#define KQ_GEMM8_ROWS_LONG_Q6_K 8
 
 int iterserve_act8_takes(int64_t type, int64_t M) {
     if (act_mode == 0 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
@@ -1061,4 +1132,47 @@ int iterserve_act8_takes(int64_t type, int64_t M) {
     if (!isa8) iterserve_act8_isa(0);
     const int groups = isa8 == 2 && vnni_variant == 0 && cpu_vbmi() && type != GGML_Q8_0;
     return M <= (groups ? 32 : 8);
+}
+
+/* ---- decode steps of many rows on the int8 prefill GEMM (K-quants, auto mode) -------------
+ * The decode kernels above decode a super-block's weights once per row tile of 4 and run the
+ * per-row work (maddubs + dpwssd per 64 weights, the min / offset term, two FMAs) per row, so
+ * their time grows by about the 1-row time per 4 rows; prefill8.c's GEMM decodes a panel of
+ * 32 weight rows once per call (~4x the decode kernels' 1-row time) and then runs a 6x32
+ * vpdpbusd tile per 6 rows. Measured (bench_int8.py --crossover: same process, alternating,
+ * one thread, CPU time, weights cold, medians of 5, load ~5; kq-crossover-t1-chunks.json),
+ * decode time / GEMM time on the 1.7B shapes qo 2048x2048 | gate_up 8192x2048 | down
+ * 2048x8192 (after the K-chunk change above):
+ *            8 rows           12               13               16               32
+ *   Q4_K  0.67 0.60 0.88  0.93 0.86 1.03  0.97 0.91 1.18  1.13 1.04 1.20  1.67 1.63 1.64
+ *   Q5_K  0.74 0.71 0.95  1.04 0.91 1.23  1.14 1.03 1.40  1.27 1.21 1.31  1.90 1.79 1.90
+ *   Q6_K  0.61 0.61 1.15  0.84 0.81 1.33  0.90 0.87 1.21  1.07 0.99 1.22  1.61 1.61 1.77
+ * (GEMM weight GB/s at 32 rows 2.8-3.8 vs the decode kernels' 1.7-2.3). After the vector
+ * K-quant scale decode in prefill8.c's panels (its GEMM 1.10-1.36x for Q4_K, 1.02-1.07x for
+ * Q6_K: kq-gemm8-scales.json) and the 6-row tiles here, Q4_K again (kq-crossover-t1-q4k-pack
+ * .json): 8 rows 0.78 0.76 1.07, 12: 0.98 0.92 1.30, 13: 1.03 1.00 1.46, 16: 1.16 1.13 1.46.
+ * Hence KQ_GEMM8_ROWS_*: Q4_K and Q5_K from 13 rows, Q6_K from 16, and for K > 4096
+ * (down_proj, where a 4-row tile's activations, 37 KB at K = 8192, outgrow L1) Q4_K from 8,
+ * Q5_K from 12 (measured before the scale change), Q6_K from 8. The AVX2 kernels of both
+ * (forced on this CPU: kq-crossover-t1-avx2.json; no AVX2-only CPU measured), gate_up |
+ * down: Q4_K 8 rows 0.80 | 1.06, 13: 1.01 | 1.48, 16: 1.14 | 1.44; Q6_K 8: 0.66 | 1.25,
+ * 13: 1.01 | 1.33, 16: 1.03 | 1.49: the same rows serve both ISAs. From
+ * there auto hands the call to iterserve_gemm8 (its activations in blocks of 32: less
+ * rounding, tested in test_prefill_kernel.py); a decode step's row count is the same for
+ * the fused decode layers and the per-module path, so both stay bit-identical. */
+static int kq_gemm8_rows = 0;   /* 0: the measured rows below; v > 0: from v rows (A/B) */
+
+int64_t iterserve_act8_kq_gemm_rows(int64_t v) {
+    if (v >= 0) kq_gemm8_rows = (int)v;
+    return kq_gemm8_rows;
+}
+
+int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k) {
+    if (act_mode != 2 || !is_kq(type) || M > ACT8_MAX_ROWS) return 0;
+    if (kq_gemm8_rows) return M >= kq_gemm8_rows;
+    const int lng = k > 4096;
+    const int from = type == GGML_Q4_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q4_K : KQ_GEMM8_ROWS_Q4_K)
+                   : type == GGML_Q5_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q5_K : KQ_GEMM8_ROWS_Q5_K)
+                   : (lng ? KQ_GEMM8_ROWS_LONG_Q6_K : KQ_GEMM8_ROWS_Q6_K);
+    return M >= from;
 }
