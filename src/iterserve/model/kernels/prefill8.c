@@ -43,6 +43,7 @@
 
 #include "iterserve.h"
 #include "transpose.h"
+#include "kscales.h"
 
 #define VNNI8 __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 #define NP8 32          /* weight rows per panel */
@@ -106,14 +107,8 @@ static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> lo nibbles
 static int pack_s14 = 0;
 
 static inline __m128i kscale8_all(const uint8_t *s12) {
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
     uint32_t u[4];
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t a = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = a;
-    u[0] &= k1;
+    q4k_scales(s12, u);
     return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
 }
 

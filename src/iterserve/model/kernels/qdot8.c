@@ -50,6 +50,7 @@
 #include <omp.h>
 
 #include "iterserve.h"
+#include "kscales.h"
 
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 #define COL_CHUNK 64
@@ -179,16 +180,6 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* Q4_K's 8 scales (bytes 0-7) and 8 mins (bytes 8-15) from its 12 packed bytes. */
-static inline void q4k_scales(const uint8_t *s12, uint32_t u[4]) {
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    memcpy(u, s12, 12);
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t a = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = a;
-    u[0] &= k1;
-}
 
 /* ---- AVX2 kernels: one weight row (column n) by R <= 4 activation rows ----------------- */
 /* Geometry of the 32-element types: block bytes, where the 16 nibble bytes start. */
