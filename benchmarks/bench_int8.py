@@ -32,6 +32,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -40,175 +41,134 @@ import torch
 
 from iterserve.model import kernels
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import alternate  # noqa: E402
+
 SHAPES = {"qo": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192),
           "lm_head": (49152, 2048)}
-SCALES = {"Q4_0": [(0, 1)], "Q8_0": [(0, 1)], "Q5_0": [(0, 1)], "Q4_1": [(0, 2)], "Q5_1": [(0, 2)],
-          "Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)]}
-
-
 def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor]:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    t = GGMLQuantizationType[name]
-    elems, nbytes = GGML_QUANT_SIZES[t]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
-    for off, cnt in SCALES[name]:
-        raw[:, off:off + 2 * cnt] = rng.uniform(0.001, 0.01, size=(raw.shape[0], cnt)) \
-            .astype(np.float16).view(np.uint8)
-    return int(t), torch.from_numpy(raw.reshape(n, -1))
+    """(type id, uint8 [n, row_bytes]): random codes under small valid f16 scales, from the
+    test fixtures (tests/fixtures/tiny_gguf.random_blocks), so any type and shape is quick."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fixtures.tiny_gguf import random_blocks as blocks
+    from gguf import GGMLQuantizationType
+    raw = blocks(name, n, k, np.random.default_rng(seed))
+    return int(GGMLQuantizationType[name]), torch.from_numpy(raw)
 
 
 CLOCK = time.perf_counter
 COPY_BYTES = 0          # --cold MB: weight copies cycled per call, at least this many bytes
+Q32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")     # the 32-element types (qdot8.c Q32_GEMM8_*)
 
 
-def _time(fn, min_s: float) -> float:
-    fn()
-    n, t0 = 0, CLOCK()
-    while True:
-        fn()
-        n += 1
-        dt = CLOCK() - t0
-        if dt >= min_s:
-            return dt / n
-
-
-def gemm_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[dict]:
+def ab_grid(types, shapes, threads, rows, repeats: int, min_s: float, make_sides) -> list[dict]:
+    """The one A/B loop of this file: for each type, shape, thread count and row count,
+    `make_sides(name, t, next_w, k, x, y)` gives ({side: callable}, {side: prepare}); the
+    sides are timed in turn `repeats` times (_timing.alternate, CLOCK) and each row reports
+    their medians (`<side>_us`), weight GB/s per call (`<side>_gbs`) and `<first>_over_<side>`
+    (> 1: that side is faster than the first). Weights: distinct copies of at least --cold MB
+    cycled per call, so with --cold they come from memory, not the L3."""
     out = []
     for name in types:
         for shape in shapes:
             n, k = SHAPES[shape]
             t, w = random_blocks(name, n, k)
             ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
+            it = iter(range(1 << 62))
+            next_w = lambda: ws[next(it) % len(ws)]          # noqa: E731
             for th in threads:
                 torch.set_num_threads(th)
                 for m in rows:
                     x = torch.randn(m, k)
                     y = torch.empty(m, n)
-                    kernels.set_activations("float")
-                    it = iter(range(1 << 62))
-                    fl = lambda: kernels.qgemm(t, ws[next(it) % len(ws)], k, x, y)       # noqa: E731
-                    i8 = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
-                    a, b = [], []
-                    for _ in range(repeats):
-                        a.append(_time(fl, min_s))
-                        b.append(_time(i8, min_s))
-                    fa, ib = statistics.median(a), statistics.median(b)
-                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th,
-                           "rows": m, "float_us": round(fa * 1e6, 1),
-                           "int8_us": round(ib * 1e6, 1), "float_over_int8": round(fa / ib, 3),
-                           "int8_weight_gbs": round(w.numel() / ib / 1e9, 2)}
-                    print(json.dumps(row), flush=True)
-                    out.append(row)
-    return out
-
-
-def variants_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[dict]:
-    """The int8 kernels' two AVX-512 variants for the 32-element types, same process,
-    alternating: `groups` (qdot8.c's 4-block VBMI kernels, the default) against `pairs` (the
-    two-block kernels before them); pairs/groups > 1 means the 4-block kernels are faster.
-    Also GB/s of weight bytes per call for each."""
-    lib = kernels._lib()
-    out = []
-    for name in types:
-        for shape in shapes:
-            n, k = SHAPES[shape]
-            t, w = random_blocks(name, n, k)
-            # distinct copies cycled per call, so the weights come from memory, not the L3
-            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
-            for th in threads:
-                torch.set_num_threads(th)
-                for m in rows:
-                    x = torch.randn(m, k)
-                    y = torch.empty(m, n)
-                    it = iter(range(1 << 62))
-                    fn = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
-                    a, b = [], []
-                    for _ in range(repeats):
-                        lib.iterserve_act8_variant(1)
-                        a.append(_time(fn, min_s))
-                        lib.iterserve_act8_variant(0)
-                        b.append(_time(fn, min_s))
-                    pa, gb = statistics.median(a), statistics.median(b)
-                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th,
-                           "rows": m, "pairs_us": round(pa * 1e6, 1),
-                           "groups_us": round(gb * 1e6, 1), "pairs_over_groups": round(pa / gb, 3),
-                           "pairs_weight_gbs": round(w.numel() / pa / 1e9, 2),
-                           "groups_weight_gbs": round(w.numel() / gb / 1e9, 2)}
-                    print(json.dumps(row), flush=True)
-                    out.append(row)
-    lib.iterserve_act8_variant(0)
-    return out
-
-
-def crossover_ab(types, shapes, threads, rows, repeats: int, min_s: float) -> list[dict]:
-    """The decode kernels (qdot8.c, `qgemm_int8`) against the int8 prefill GEMM (prefill8.c,
-    `gemm_int8`) at decode row counts, same process, alternating: where the GEMM's panel
-    decode (once per 32 weight rows, shared by all activation rows) beats the decode kernels'
-    per-row-tile weight decode. dec_over_gemm > 1: the prefill GEMM is faster."""
-    out = []
-    for name in types:
-        for shape in shapes:
-            n, k = SHAPES[shape]
-            t, w = random_blocks(name, n, k)
-            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
-            for th in threads:
-                torch.set_num_threads(th)
-                for m in rows:
-                    x = torch.randn(m, k)
-                    y = torch.empty(m, n)
-                    it = iter(range(1 << 62))
-                    dec = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
-                    gem = lambda: kernels.gemm_int8(t, ws[next(it) % len(ws)], k, x, y)   # noqa: E731
-                    a, b = [], []
-                    for _ in range(repeats):
-                        a.append(_time(dec, min_s))
-                        b.append(_time(gem, min_s))
-                    da, gb = statistics.median(a), statistics.median(b)
-                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th,
-                           "rows": m, "decode_us": round(da * 1e6, 1),
-                           "gemm8_us": round(gb * 1e6, 1), "dec_over_gemm": round(da / gb, 3),
-                           "decode_weight_gbs": round(w.numel() / da / 1e9, 2),
-                           "gemm8_weight_gbs": round(w.numel() / gb / 1e9, 2)}
-                    print(json.dumps(row), flush=True)
-                    out.append(row)
-    return out
-
-
-def kq_variants_ab(types, shapes, threads, rows, repeats: int, min_s: float,
-                   variants=("1", "0"), gemm8: bool = False) -> list[dict]:
-    """The K-quant decode kernels' K-chunking variants (qdot8.c iterserve_act8_kq_variant),
-    same process, alternating; ratio = time of the first (the baseline) / time of each."""
-    out = []
-    for name in types:
-        for shape in shapes:
-            n, k = SHAPES[shape]
-            t, w = random_blocks(name, n, k)
-            ws = [w] + [w.clone() for _ in range(max(0, -(-COPY_BYTES // w.numel()) - 1))]
-            for th in threads:
-                torch.set_num_threads(th)
-                for m in rows:
-                    x = torch.randn(m, k)
-                    y = torch.empty(m, n)
-                    it = iter(range(1 << 62))
-                    call = kernels.gemm_int8 if gemm8 else kernels.qgemm_int8
-                    fn = lambda: call(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
-                    times = {v: [] for v in variants}
-                    for _ in range(repeats):
-                        for v in variants:
-                            _kq_set(v)
-                            times[v].append(_time(fn, min_s))
-                    med = {v: statistics.median(ts) for v, ts in times.items()}
-                    base = med[variants[0]]
+                    sides, prepare = make_sides(name, t, next_w, k, x, y)
+                    med = alternate(sides, repeats, min_s, CLOCK, prepare)
+                    base = next(iter(sides))
                     row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th, "rows": m,
-                           **{f"v{v}_us": round(med[v] * 1e6, 1) for v in variants},
-                           **{f"v{v}_gbs": round(w.numel() / med[v] / 1e9, 2) for v in variants},
-                           **{f"v{variants[0]}_over_v{v}": round(base / med[v], 3)
-                              for v in variants[1:]}}
+                           **{f"{s}_us": round(v * 1e6, 1) for s, v in med.items()},
+                           **{f"{s}_gbs": round(w.numel() / v / 1e9, 2) for s, v in med.items()},
+                           **{f"{base}_over_{s}": round(med[base] / v, 3)
+                              for s, v in med.items() if s != base}}
                     print(json.dumps(row), flush=True)
                     out.append(row)
-    _kq_set("0")
     return out
+
+
+def float_int8_sides(name, t, next_w, k, x, y):
+    """float (kernels.qgemm in float mode: qgemm.c's register kernels, or the panel GEMM from
+    its per-type row count on) against int8 (kernels.qgemm_int8, qdot8.c's kernels)."""
+    return ({"float": lambda: kernels.qgemm(t, next_w(), k, x, y),
+             "int8": lambda: kernels.qgemm_int8(t, next_w(), k, x, y)},
+            {"float": lambda: kernels.set_activations("float")})
+
+
+def variants_sides(name, t, next_w, k, x, y):
+    """The int8 kernels' two AVX-512 variants for the 32-element types: pairs (the two-block
+    kernels) against groups (qdot8.c's 4-block VBMI kernels, the default); pairs_over_groups
+    > 1: the 4-block kernels are faster."""
+    lib = kernels._lib()
+    fn = lambda: kernels.qgemm_int8(t, next_w(), k, x, y)    # noqa: E731
+    return ({"pairs": fn, "groups": fn},
+            {"pairs": lambda: lib.iterserve_act8_variant(1),
+             "groups": lambda: lib.iterserve_act8_variant(0)})
+
+
+def _handover(rows: int) -> None:
+    """Where auto hands decode steps to the int8 prefill GEMM: 0 the measured rows (qdot8.c
+    KQ_GEMM8_ROWS_* / Q32_GEMM8_ROWS_*), 33 never, v from v rows (all types)."""
+    lib = kernels._lib()
+    lib.iterserve_act8_kq_gemm_rows(rows)
+    lib.iterserve_act8_q32_gemm_rows(rows)
+
+
+def crossover_sides(name, t, next_w, k, x, y):
+    """The decode kernels (qdot8.c, `qgemm_int8`) against the int8 prefill GEMM (prefill8.c,
+    `gemm_int8`) at decode row counts, and `auto` (kernels.qgemm in the auto mode: what the
+    engine runs, hand-over included) and `old` (auto without the hand-over: for the 32-element
+    types what session 15 ran, which beyond the decode kernels' rows is the float path).
+    decode_over_gemm8 > 1: the prefill GEMM is faster than the decode kernels."""
+    def auto(rows):
+        return lambda: (kernels.set_activations("auto"), _handover(rows))
+    sides = {"decode": lambda: kernels.qgemm_int8(t, next_w(), k, x, y),
+             "gemm8": lambda: kernels.gemm_int8(t, next_w(), k, x, y),
+             "auto": lambda: kernels.qgemm(t, next_w(), k, x, y)}
+    prepare = {"auto": auto(0)}
+    if name in Q32:
+        sides["old"] = sides["auto"]
+        prepare["old"] = auto(33)
+    prepare["decode"] = prepare["gemm8"] = lambda: _handover(0)
+    return sides, prepare
+
+
+def pack_sides(name, t, next_w, k, x, y):
+    """The int8 prefill GEMM (kernels.gemm_int8) with prefill8.c's two panel decodes for the
+    32-element types: s15 (one block of a row at a time) against grouped (8 blocks of a row
+    and a prefetch, the default); s15_over_grouped > 1: the grouped decode is faster."""
+    lib = kernels._lib()
+    fn = lambda: kernels.gemm_int8(t, next_w(), k, x, y)     # noqa: E731
+    return ({"s15": fn, "grouped": fn},
+            {"s15": lambda: lib.iterserve_gemm8_pack_variant(1),
+             "grouped": lambda: lib.iterserve_gemm8_pack_variant(0)})
+
+
+def only_sides(make_sides, names):
+    """make_sides restricted to `names` (in that order; names the type lacks are left out)."""
+    def make(*args):
+        sides, prepare = make_sides(*args)
+        return ({n: sides[n] for n in names if n in sides},
+                {n: prepare[n] for n in names if n in prepare})
+    return make
+
+
+def kq_variants_sides(variants, gemm8: bool):
+    """The K-quant decode kernels' K-chunking / tile variants (`_kq_set`; the first is the
+    baseline), or with gemm8 the int8 prefill GEMM's (variant 1: its scalar scale decode)."""
+    def make(name, t, next_w, k, x, y):
+        call = kernels.gemm_int8 if gemm8 else kernels.qgemm_int8
+        fn = lambda: call(t, next_w(), k, x, y)              # noqa: E731
+        return ({f"v{v}": fn for v in variants},
+                {f"v{v}": (lambda v=v: _kq_set(v)) for v in variants})
+    return make
 
 
 def _kq_set(v: str) -> None:
@@ -262,6 +222,7 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
             texts[mode] = [list(o.outputs[0].token_ids) for o in outs]
     if variants:
         kernels._lib().iterserve_act8_variant(0)
+        kernels._lib().iterserve_gemm8_pack_variant(0)
     if kq:
         _kq_mode("s15")
     a_, b_ = modes
@@ -297,6 +258,12 @@ def main() -> None:
     ap.add_argument("--crossover", action="store_true",
                     help="the decode kernels against the int8 prefill GEMM (prefill8.c) at "
                          "decode row counts (where auto hands the K-quants over)")
+    ap.add_argument("--gemm8-pack", action="store_true",
+                    help="the int8 prefill GEMM with prefill8.c's one-block (s15) against its "
+                         "grouped panel decode of the 32-element types")
+    ap.add_argument("--sides", default=None, metavar="S,S,...",
+                    help="with --crossover: only these sides (decode, gemm8, auto, old; the "
+                         "first is the baseline of the ratios)")
     ap.add_argument("--kq-variants", default=None, metavar="V,V,...",
                     help="the K-quant decode kernels' K-chunking variants (qdot8.c "
                          "iterserve_act8_kq_variant; the first is the baseline), e.g. 1,0; "
@@ -318,6 +285,8 @@ def main() -> None:
         CLOCK = time.process_time
     if a.isa:
         kernels.int8_isa(a.isa)
+        if a.isa == "avx2":     # an AVX2-only CPU: the float kernels (the `old` side) too
+            kernels.gemm_isa("avx2")
     meta = {"machine": platform.processor() or platform.machine(), "features":
             sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":
             "same process, the two sides alternating (float / int8, or the variants named), "
@@ -332,16 +301,22 @@ def main() -> None:
     else:
         if a.quick:
             a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
-        fn = variants_ab if a.variants else crossover_ab if a.crossover else gemm_ab
+        sides = variants_sides if a.variants else crossover_sides if a.crossover \
+            else pack_sides if a.gemm8_pack else float_int8_sides
+        if a.crossover and a.sides:
+            sides = only_sides(sides, a.sides.split(","))
         if a.kq_variants:
-            vs = tuple(a.kq_variants.split(","))
-            fn = lambda *args: kq_variants_ab(*args, variants=vs, gemm8=a.kq_gemm8)  # noqa: E731
-        rows = fn(a.types.split(","), a.shapes.split(","),
+            sides = kq_variants_sides(tuple(a.kq_variants.split(",")), a.kq_gemm8)
+        rows = ab_grid(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
-                       a.repeats, a.min_s)
+                       a.repeats, a.min_s, sides)
+        _kq_set("0")
+        _handover(0)
+        kernels._lib().iterserve_act8_variant(0)
         result = {**meta, "results": rows}
         out = a.out or ("benchmarks/results/int8-variants.json" if a.variants
                         else "benchmarks/results/kq-crossover.json" if a.crossover
+                        else "benchmarks/results/gemm8-pack.json" if a.gemm8_pack
                         else "benchmarks/results/kq-variants.json" if a.kq_variants
                         else "benchmarks/results/int8-qgemm.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -172,14 +172,6 @@ REGISTER_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"
 ISAS = ["avx2"] + (["avx512"] if "avx512f" in kernels.features() else [])
 
 
-@pytest.fixture
-def isa(request):
-    got = kernels.gemm_isa(request.param)
-    assert got == request.param
-    yield got
-    kernels.gemm_isa(None)
-
-
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("name", REGISTER_TYPES)
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])

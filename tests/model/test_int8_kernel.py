@@ -34,16 +34,6 @@ MIX_TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0"]     # the re-quantised bundled mode
 ISAS = ["avx2", "avx512vnni"]
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param == "avx512vnni" and not {"avx512f", "avx512bw", "avx512vl",
-                                              "avx512vnni"} <= kernels.features():
-        pytest.skip("the CPU has no AVX-512 VNNI")
-    assert kernels.int8_isa(request.param) == request.param
-    yield request.param
-    kernels.int8_isa()
-
-
 def _has_vbmi() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -84,7 +74,8 @@ def check(name: str, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 7, 32])
-def test_int8_gemm_equals_quantised_activations_times_dequantised_weights(name, rows, isa):
+@pytest.mark.parametrize("isa8", ISAS, indirect=True)
+def test_int8_gemm_equals_quantised_activations_times_dequantised_weights(name, rows, isa8):
     k = 1024 if name.endswith("_K") else 512
     t, w, ref = gguf_blocks(name, 67, k, seed=rows)          # 67 columns: odd, > one chunk
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
@@ -127,7 +118,8 @@ def test_int8_long_rows_two_threads_and_both_isas_agree(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_auto_runs_kquant_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa):
+@pytest.mark.parametrize("isa8", ISAS, indirect=True)
+def test_auto_runs_kquant_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa8):
     """Every decode row count 1..33 of a K-quant: the decode kernels (qgemm_int8) are right
     at each; `auto` takes them below the measured row count (qdot8.c KQ_GEMM8_ROWS_*) and the
     int8 prefill GEMM (gemm_int8, exactly) from there (and beyond 32 rows, as before); the
@@ -165,14 +157,21 @@ def test_kquant_avx512_row_tiles_of_4_to_8_rows(name):
         kernels.int8_isa()
 
 
-def _switch_rows(name, t, w, k, ref) -> int:
+def _switch_rows(name, t, w, k, ref, override_fn=None) -> int:
+    """Every row count 1..33 through `auto`: each is either exactly the int8 prefill GEMM's
+    result or (below the switch) the decode kernels' (where they take the rows: 32 rows with
+    the VBMI kernels, else 8; past that the float path); the override (`override_fn`,
+    iterserve_act8_kq_gemm_rows or iterserve_act8_q32_gemm_rows) moves the switch to 5 or
+    past 32. Returns the default switch row."""
     n = w.shape[0]
     lib = kernels._lib()
-    assert lib.iterserve_act8_kq_gemm_rows(-1) == 0      # the measured rows by default
+    override_fn = override_fn or lib.iterserve_act8_kq_gemm_rows
+    assert override_fn(-1) == 0                          # the measured rows by default
+    decode_rows = 32 if name.endswith("_K") or _groups(name) else 8
     seen = set()
     try:
         for override in (0, 5, 33):
-            lib.iterserve_act8_kq_gemm_rows(override)
+            override_fn(override)
             for rows in range(1, 34):
                 x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
                 dec, gem = torch.empty(rows, n), torch.empty(rows, n)
@@ -188,7 +187,12 @@ def _switch_rows(name, t, w, k, ref) -> int:
                 kernels.qgemm(t, w, k, x, int8)
                 kernels.set_activations("float")
                 on_gemm = torch.equal(got, gem)
-                assert on_gemm or torch.equal(got, dec), (override, rows)
+                if not on_gemm and rows <= decode_rows:
+                    assert torch.equal(got, dec), (override, rows)
+                elif not on_gemm:                        # the float path (no hand-over)
+                    exact = x.double() @ ref.double().T
+                    assert ((got - exact).abs() <= 1e-4 * (x.abs() @ ref.abs().T)
+                            + 1e-6).all(), (override, rows)
                 assert rows > 32 or torch.equal(int8, dec)
                 if override == 5:
                     assert on_gemm == (rows >= 5), rows
@@ -197,12 +201,46 @@ def _switch_rows(name, t, w, k, ref) -> int:
                 else:
                     seen.add((rows, on_gemm))
     finally:
-        lib.iterserve_act8_kq_gemm_rows(0)
+        override_fn(0)
         kernels.set_activations("float")
     # the default: one switch point, at 2..32 rows
     switch = min(r for r, g in seen if g)
     assert 2 <= switch <= 32 and all(g == (r >= switch) for r, g in seen)
     return switch
+
+
+def _groups(name: str) -> bool:
+    """Whether the 32-element type runs qdot8.c's 4-block VBMI kernels (to 32 rows) here."""
+    lib = kernels._lib()                  # (iterserve_act8_isa(-1) reports; int8_isa() sets)
+    return (name != "Q8_0" and lib.iterserve_act8_isa(-1) == 2 and _has_vbmi()
+            and lib.iterserve_act8_variant(-1) == 0)
+
+
+# qdot8.c Q32_GEMM8_ROWS_* / _LONG_* (K > 4096): from these rows auto hands a decode step of a
+# 32-element type to the int8 prefill GEMM; without the VBMI kernels from 12 at the latest
+Q32_GEMM8_ROWS = {"Q4_0": (14, 8), "Q4_1": (14, 6), "Q5_0": (14, 6), "Q5_1": (12, 6),
+                  "Q8_0": (4, 4)}
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("isa8", ISAS, indirect=True)
+def test_auto_runs_32_element_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa8):
+    """As for the K-quants: `auto` runs a decode step of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 on
+    the decode kernels below the measured row count and on the int8 prefill GEMM (exactly
+    its result) from there, at the table's rows for K <= 4096 and K > 4096 (down_proj);
+    without the VBMI kernels (AVX2 here) from 12 rows at the latest (the decode kernels stop
+    at 8, the float path follows); the override (iterserve_act8_q32_gemm_rows) moves the switch."""
+    if name == "Q8_0" and isa8 == "avx2":
+        pytest.skip("no int8 prefill GEMM for Q8_0 on avx2 (vpmaddubsw would saturate)")
+    lib = kernels._lib()
+    short_rows, long_rows = Q32_GEMM8_ROWS[name]
+    if not _groups(name):
+        short_rows, long_rows = min(short_rows, 12), min(long_rows, 12)
+    t, w, ref = gguf_blocks(name, 67, 512, seed=4)         # 16 blocks: two 8-block groups
+    assert _switch_rows(name, t, w, 512, ref, lib.iterserve_act8_q32_gemm_rows) == short_rows
+    k2 = 4352                                                # > 4096, 136 blocks
+    t2, w2, ref2 = gguf_blocks(name, 33, k2, seed=5)
+    assert _switch_rows(name, t2, w2, k2, ref2, lib.iterserve_act8_q32_gemm_rows) == long_rows
 
 
 def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone():
@@ -227,14 +265,14 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
         kernels.qgemm_int8(t5, w5, 512, x, a)
     with pytest.raises(ValueError):
         kernels.set_activations("int4")
-    # auto: K-quants in int8 up to 32 rows (from 13 rows on the int8 prefill GEMM: the test
-    # below), Q8_0 up to 8, the nibble types up to 32 where the 4-block AVX-512 VBMI kernels
-    # run, else 8
+    # auto: K-quants in int8 up to 32 rows (from 13 rows on the int8 prefill GEMM: the tests
+    # above), Q8_0 up to 3 (from 4 on that GEMM), Q4_0 up to 13 where the 4-block AVX-512
+    # VBMI kernels run (from 14 on the GEMM), else 8 (then float, from 12 the GEMM)
     t4, w4, _ = gguf_blocks("Q4_0", 64, 512, seed=2)
     t8, w8, _ = gguf_blocks("Q8_0", 64, 512, seed=2)
     groups = _has_vbmi() and kernels.int8_isa() == "avx512vnni"
     for tt, ww, rows, want_int8 in ((t, w, 12, True), (t4, w4, 8, True), (t4, w4, 9, groups),
-                                    (t4, w4, 32, groups), (t8, w8, 8, True), (t8, w8, 9, False)):
+                                    (t4, w4, 13, groups), (t8, w8, 3, True), (t8, w8, 9, False)):
         xr = torch.randn(rows, 512)
         a, b = torch.empty(rows, 64), torch.empty(rows, 64)
         kernels.set_activations("auto")
@@ -554,3 +592,68 @@ def test_kq_decode_env_selects_session_14s_kquant_path_for_ab(monkeypatch):
         lib.iterserve_act8_kq_gemm_rows(0)
         monkeypatch.delenv("ITERSERVE_KQ_DECODE")
         kernels.clear_cache()
+
+
+def test_q32_decode_env_selects_session_15s_path_for_ab(monkeypatch):
+    """ITERSERVE_Q32_DECODE=s15 loads the kernels with the 32-element types' decode steps as
+    session 15 left them: no hand-over to the int8 prefill GEMM up to 32 rows and its
+    one-block panel decode; unset, the defaults."""
+    lib = kernels._lib()
+    assert (lib.iterserve_act8_q32_gemm_rows(-1), lib.iterserve_gemm8_pack_variant(-1)) == (0, 0)
+    monkeypatch.setenv("ITERSERVE_Q32_DECODE", "s15")
+    kernels.clear_cache()
+    try:
+        lib = kernels._lib()
+        assert (lib.iterserve_act8_q32_gemm_rows(-1), lib.iterserve_gemm8_pack_variant(-1)) \
+            == (33, 1)
+    finally:
+        lib.iterserve_act8_q32_gemm_rows(0)
+        lib.iterserve_gemm8_pack_variant(0)
+        monkeypatch.delenv("ITERSERVE_Q32_DECODE")
+        kernels.clear_cache()
+
+
+def test_fused_decode_layers_equal_the_per_module_path_on_the_hand_over(tmp_path):
+    """A decode step of 24 rows in auto mode on a tiny Q4_0 / Q4_1 / Q8_0 model (every
+    projection at or past its hand-over row count): the fused decode layers and the
+    per-module path give bit-identical logits, and they are not those of the path without the
+    hand-over (ITERSERVE_Q32_DECODE=s15's rows), so the int8 prefill GEMM really ran."""
+    from fixtures.tiny_gguf import load_all_quant_model
+    from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
+    from iterserve.model.runner import ModelRunner
+    loaded = load_all_quant_model(tmp_path / "allquant.gguf", seed=7)
+    lib = kernels._lib()
+
+    def run(fused: bool, rows_override: int):
+        seen = []
+
+        def sampler(logits, requests):
+            seen.append(logits.clone())
+            return greedy(logits, requests)
+
+        kernels.set_activations("auto")
+        lib.iterserve_act8_q32_gemm_rows(rows_override)
+        try:
+            runner = ModelRunner(loaded, num_blocks=80, block_size=4, sampler=sampler)
+            assert runner.fused_decode
+            if not fused:
+                assert not loaded.model.use_fused_decode(False)
+            blocks = Blocks(80, 4)
+            reqs = [request(f"r{i}", [3 + i, 7, 11 + i]) for i in range(24)]
+            out = step(*(chunk(blocks, r) for r in reqs))
+            advance(out, runner.execute(out))
+            for s in range(3):
+                out = step(*(chunk(blocks, r, 1) for r in reqs), step_no=1 + s)
+                advance(out, runner.execute(out))
+        finally:
+            kernels.set_activations("float")
+            lib.iterserve_act8_q32_gemm_rows(0)
+            loaded.model.use_fused_decode(True)
+        return seen[1:]                                      # the decode steps
+
+    on, off, old = run(True, 0), run(False, 0), run(True, 33)
+    assert len(on) == len(off) == 3
+    for a, b, c in zip(on, off, old):
+        assert a.shape[0] == 24
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)

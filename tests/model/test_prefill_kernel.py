@@ -38,14 +38,6 @@ def assert_fp32_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
     assert (diff <= bound).all(), f"max excess {(diff - bound).max().item()}"
 
 
-@pytest.fixture
-def isa(request):
-    got = kernels.gemm_isa(request.param)
-    assert got == request.param
-    yield got
-    kernels.gemm_isa(None)
-
-
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("name", TYPES)
 def test_gemm_equals_dequantise_plus_matmul(name, isa):
@@ -147,14 +139,6 @@ def test_gemm_row_blocks_and_register_panel_decoders(name, isa):
 INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 INT8_ISAS = ["avx2"] + (["avx512vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512vnni"}
                         <= kernels.features() else [])
-
-
-@pytest.fixture
-def isa8(request):
-    got = kernels.int8_isa(request.param)
-    assert got == request.param
-    yield got
-    kernels.int8_isa()
 
 
 def quantised32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,11 +118,13 @@ _ARGTYPES = {
     "iterserve_act8_variant": (_i64, [_i64]),
     "iterserve_act8_kq_variant": (_i64, [_i64]),
     "iterserve_act8_kq_gemm_rows": (_i64, [_i64]),
+    "iterserve_act8_q32_gemm_rows": (_i64, [_i64]),
     "iterserve_act8_kq_tile": (_i64, [_i64]),
     "iterserve_set_act_mode": (_i64, [_i64]),
     "iterserve_can_act8": (_i32, [_i64]),
     "iterserve_gemm8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
     "iterserve_can_gemm8": (_i32, [_i64]),
+    "iterserve_gemm8_pack_variant": (_i64, [_i64]),
     "iterserve_bf16_gemm": (_i32, [_i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64,
                                    _i32]),
     "iterserve_bf16_isa": (_i64, [_i64]),
@@ -316,6 +318,12 @@ def _library() -> ctypes.CDLL | None:
         lib.iterserve_act8_kq_variant(1)
         lib.iterserve_act8_kq_tile(4)
         lib.iterserve_act8_kq_gemm_rows(33)
+    if os.environ.get("ITERSERVE_Q32_DECODE", "").lower() == "s15":
+        # A/B only (run_models.py --iterserve-variants "s15=ITERSERVE_Q32_DECODE=s15"): decode
+        # steps of the 32-element types as session 15 left them (no hand-over to the int8
+        # prefill GEMM up to 32 rows; qdot8.c Q32_GEMM8_ROWS_*) and its one-block panel decode
+        lib.iterserve_act8_q32_gemm_rows(33)
+        lib.iterserve_gemm8_pack_variant(1)
     bits = lib.iterserve_cpu_features()
     _lib_features = frozenset(n for i, n in enumerate(_FEATURE_BITS) if bits >> i & 1)
     _caps = caps

@@ -114,6 +114,9 @@ int64_t iterserve_act8_kq_variant(int64_t v);
 /* Row count from which auto runs K-quant decode steps on iterserve_gemm8: 0 = the measured
  * per-type rows (default), v > 0 = from v rows (33: never; A/B); v < 0 only reports. */
 int64_t iterserve_act8_kq_gemm_rows(int64_t v);
+/* The same for the 32-element types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0): 0 = the measured rows
+ * (default), v > 0 = from v rows (33: never, session 15's path; A/B); v < 0 only reports. */
+int64_t iterserve_act8_q32_gemm_rows(int64_t v);
 /* Most rows per AVX-512 K-quant decode tile where K <= 4096: 6 (default), 4 (session 14) ..
  * 8 (A/B); another value only reports. */
 int64_t iterserve_act8_kq_tile(int64_t v);
@@ -133,6 +136,9 @@ int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k);
  * ITERSERVE_OK, ITERSERVE_ETYPE (type / ISA / k not accepted) or ITERSERVE_ENOMEM. */
 int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* Panel decode of the 32-element types in iterserve_gemm8: 0 = 8 blocks of a row at a time
+ * with prefetch (default), 1 = one block at a time (session 15; A/B); others only report. */
+int64_t iterserve_gemm8_pack_variant(int64_t v);
 int iterserve_can_gemm8(int64_t type);
 /* internal: whether iterserve_gemm hands a call of this type and row count to
  * iterserve_gemm8 under the activation mode (iterserve_set_act_mode) */

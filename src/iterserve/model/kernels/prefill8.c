@@ -310,27 +310,46 @@ static int panel_alloc(int64_t K, int G, panel8 *p) {
     return ITERSERVE_OK;
 }
 
-/* Decode rows [p0, p0 + rows) of W (all K) into p. tmp: NP8 x 256 bytes. */
+/* Decode rows [p0, p0 + rows) of W (all K) into p. tmp: NP8 x 256 bytes.
+ * The 32-element types decode 8 blocks (256 elements) of a row at a time (GB = 8, when K is
+ * whole 256s): each row's 144-272 bytes in a row are one short stream instead of 18-34 bytes
+ * per row and block, the next group is prefetched, and the transposes and scale copies run
+ * as for one 256-element super-block. Decode steps of 13-32 rows spend most of this GEMM's
+ * time here (qdot8.c Q32_GEMM8_ROWS_*); pack_q32_s15 = 1 keeps the one-block loop (A/B,
+ * iterserve_gemm8_pack_variant, bench_int8.py --gemm8-pack). */
+static int pack_q32_s15 = 0;
+
+int64_t iterserve_gemm8_pack_variant(int64_t v) {
+    if (v == 0 || v == 1) pack_q32_s15 = (int)v;
+    return pack_q32_s15;
+}
+
 static inline __attribute__((always_inline)) void pack8(
         int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows, int64_t K,
         int8_t *tmp, panel8 *p) {
     const int QB = qb8(type), BB = bb8(type), G = g8(type), SB = QB / G;
     const int64_t nbk = K / QB;
+    const int GB = QB == 32 && nbk % 8 == 0 && !pack_q32_s15 ? 8 : 1;   /* blocks per step */
+    const int QE = QB * GB, SE = SB * GB;
     float sc[NP8][16], mn[NP8][16];
-    memset(tmp + (size_t)rows * QB, 0, (size_t)(NP8 - rows) * QB);
-    for (int j = rows; j < NP8; j++)
-        for (int s = 0; s < SB; s++) sc[j][s] = mn[j][s] = 0.f;
-    for (int64_t b = 0; b < nbk; b++) {
+    memset(tmp + (size_t)rows * QE, 0, (size_t)(NP8 - rows) * QE);
+    memset(sc, 0, sizeof(sc));
+    memset(mn, 0, sizeof(mn));
+    for (int64_t b = 0; b < nbk; b += GB) {
         for (int j = 0; j < rows; j++) {
-            sc[j][0] = mn[j][0] = 0.f;
-            decode8(type, w + (p0 + j) * row_stride + b * BB, tmp + (size_t)j * QB, sc[j], mn[j]);
+            const uint8_t *src = w + (p0 + j) * row_stride + b * BB;
+            if (GB > 1 && b + 2 * GB <= nbk)
+                for (int o = 0; o < GB * BB; o += 64)
+                    _mm_prefetch((const char *)(src + GB * BB + o), _MM_HINT_T0);
+            for (int i = 0; i < GB; i++)
+                decode8(type, src + i * BB, tmp + (size_t)j * QE + i * QB, sc[j] + i * SB, mn[j] + i * SB);
         }
-        /* codes: tmp[col][QB] as [col][QB/4] dwords -> codes[k/4][col] */
+        /* codes: tmp[col][QE] as [col][QE/4] dwords -> codes[k/4][col] */
         int32_t *dst = (int32_t *)p->codes + (b * QB / 4) * NP8;
-        for (int c0 = 0; c0 < QB / 4; c0 += 8)
+        for (int c0 = 0; c0 < QE / 4; c0 += 8)
             for (int n0 = 0; n0 < NP8; n0 += 8)
-                tr8x8((const int32_t *)tmp + n0 * (QB / 4) + c0, QB / 4, dst + c0 * NP8 + n0, NP8);
-        for (int s = 0; s < SB; s++) {
+                tr8x8((const int32_t *)tmp + n0 * (QE / 4) + c0, QE / 4, dst + c0 * NP8 + n0, NP8);
+        for (int s = 0; s < SE; s++) {
             const int64_t blk = b * SB + s;
             for (int j = 0; j < NP8; j++) {
                 p->scale[blk * NP8 + j] = sc[j][s];

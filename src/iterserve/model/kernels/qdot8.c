@@ -32,8 +32,9 @@
  * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
  * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced; AVX-512
  * K-quants up to 6 where K <= 4096: kq_tile), K in
- * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). K-quant
- * decode steps of many rows go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
+ * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). Decode
+ * steps of many rows (K-quants from 8-16, the 32-element types from 4-14, by type and K) go
+ * to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
  * rows, for Q4_0 / Q4_1 / Q5_0 / Q5_1 up to 32 where the 4-block VBMI kernels run, else and
@@ -1153,13 +1154,83 @@ int iterserve_act8_takes(int64_t type, int64_t M) {
  * the fused decode layers and the per-module path, so both stay bit-identical. */
 static int kq_gemm8_rows = 0;   /* 0: the measured rows below; v > 0: from v rows (A/B) */
 
+/* ---- the same hand-over for the 32-element types (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0) ------
+ * Their decode kernels (the 4-block VBMI ones up to 32 rows, else 8; Q8_0 8) run the per-row
+ * work for every block and row tile too, and past 8 rows without VBMI (and Q8_0 always) auto
+ * fell back to the float path. prefill8.c's GEMM decodes each panel of 32 weight rows once
+ * (8 blocks of a row at a time since session 16: that GEMM 1.15-1.94x faster at 8-32 rows,
+ * bench_int8.py --gemm8-pack, benchmarks/results/q4-gemm8-pack.json). Measured with that
+ * panel decode (bench_int8.py --crossover --cold 96 --clock cpu: same process, alternating
+ * decode / GEMM / auto as before, medians of 5, weights cold, 2-core AVX-512 EPYC under load
+ * ~5; results/q4-crossover-t1.json, -t1-low, -t2), decode-kernel time / GEMM time on the
+ * 1.7B shapes qo 2048x2048 | gate_up 8192x2048 | down 2048x8192, one thread:
+ *            4 rows           8                12
+ *   Q4_0  0.46 0.41 0.72  0.74 0.69 1.03  1.16 0.91 1.23
+ *   Q4_1  0.47 0.54 0.83  0.77 0.94 1.18  1.03 1.13 1.37
+ *   Q5_0  0.45 0.40 0.83  0.76 0.78 1.13  0.97 0.91 1.40
+ *   Q5_1  0.54 0.50 0.99  0.86 0.82 1.36  1.16 1.07 1.61
+ *   Q8_0  1.14 1.70 1.77  1.50 1.46 1.97  1.87 1.66 2.82
+ *            14               16               32
+ *   Q4_0  1.29 0.97 1.33  1.41 1.03 1.68  1.55 1.41 1.70
+ *   Q4_1  1.13 1.26 1.47  1.22 1.33 1.80  2.08 1.47 1.84
+ *   Q5_0  1.10 1.06 1.59  1.36 1.09 1.54  1.71 1.85 2.00
+ *   Q5_1  1.34 1.20 1.81  1.39 1.29 1.74  1.83 1.88 2.09
+ *   Q8_0  1.86 1.81 2.76  2.04 2.17 3.29  2.56 2.39 3.78
+ * Q8_0 against the float path auto ran before at 9-32 rows: 3.3-3.8x at 10-14 rows, 2.4-3.4x
+ * at 16-32; down at 6 rows: Q4_0 1.11, Q4_1 1.26, Q5_0 1.25, Q5_1 1.42. Two threads (CPU
+ * time, the same shape of table) moved gate_up's switch up: Q4_0 / Q4_1 at 12 rows 0.91 /
+ * 0.90, at 16 1.11 / 1.13. So K <= 4096 (qkv, o, gate_up: 4 of a layer's 5 calls) hands over
+ * from 14 rows (Q5_1 12), K > 4096 (down_proj) from 8 (Q4_1 / Q5_0 / Q5_1 6), Q8_0 from 4.
+ * Without the VBMI kernels the decode kernels stop at 8 rows and the float kernels follow;
+ * with both int8 files and the float kernels forced to AVX2 on this CPU
+ * (q4-crossover-avx2.json), (float or decode) time / GEMM time, qo / gate_up at 9 | 12 | 16
+ * rows: Q4_0 0.98 / 0.92 | 0.95 / 1.06 | 1.21 / 1.09, Q5_1 1.21 / 1.07 | 1.21 / 1.09 | 1.48 /
+ * 1.27, down 1.1-1.6 from 8 rows: so there from 12 rows at the latest (_NOGROUPS; an AVX-512
+ * CPU without VBMI not measured). Q8_0 has no AVX2 GEMM: iterserve_gemm8 refuses it and
+ * iterserve_qgemm goes on to the decode kernels or the float path. */
+#define Q32_GEMM8_ROWS_Q4_0 14
+#define Q32_GEMM8_ROWS_Q4_1 14
+#define Q32_GEMM8_ROWS_Q5_0 14
+#define Q32_GEMM8_ROWS_Q5_1 12
+#define Q32_GEMM8_ROWS_Q8_0 4
+#define Q32_GEMM8_ROWS_LONG_Q4_0 8
+#define Q32_GEMM8_ROWS_LONG_Q4_1 6
+#define Q32_GEMM8_ROWS_LONG_Q5_0 6
+#define Q32_GEMM8_ROWS_LONG_Q5_1 6
+#define Q32_GEMM8_ROWS_LONG_Q8_0 4
+#define Q32_GEMM8_ROWS_NOGROUPS 12     /* without the VBMI kernels: at the latest from here */
+static int q32_gemm8_rows = 0;  /* 0: the measured rows above; v > 0: from v rows (A/B) */
+
+int64_t iterserve_act8_q32_gemm_rows(int64_t v) {
+    if (v >= 0) q32_gemm8_rows = (int)v;
+    return q32_gemm8_rows;
+}
+
+static int q32_gemm8_takes(int64_t type, int64_t M, int64_t k) {
+    if (q32_gemm8_rows) return M >= q32_gemm8_rows;
+    if (!isa8) iterserve_act8_isa(0);
+    const int groups = isa8 == 2 && vnni_variant == 0 && cpu_vbmi() && type != GGML_Q8_0;
+    const int lng = k > 4096;
+    int from;
+    switch (type) {
+    case GGML_Q4_0: from = lng ? Q32_GEMM8_ROWS_LONG_Q4_0 : Q32_GEMM8_ROWS_Q4_0; break;
+    case GGML_Q4_1: from = lng ? Q32_GEMM8_ROWS_LONG_Q4_1 : Q32_GEMM8_ROWS_Q4_1; break;
+    case GGML_Q5_0: from = lng ? Q32_GEMM8_ROWS_LONG_Q5_0 : Q32_GEMM8_ROWS_Q5_0; break;
+    case GGML_Q5_1: from = lng ? Q32_GEMM8_ROWS_LONG_Q5_1 : Q32_GEMM8_ROWS_Q5_1; break;
+    default: from = lng ? Q32_GEMM8_ROWS_LONG_Q8_0 : Q32_GEMM8_ROWS_Q8_0; break;
+    }
+    if (!groups && from > Q32_GEMM8_ROWS_NOGROUPS) from = Q32_GEMM8_ROWS_NOGROUPS;
+    return M >= from;
+}
+
 int64_t iterserve_act8_kq_gemm_rows(int64_t v) {
     if (v >= 0) kq_gemm8_rows = (int)v;
     return kq_gemm8_rows;
 }
 
 int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k) {
-    if (act_mode != 2 || !is_kq(type) || M > ACT8_MAX_ROWS) return 0;
+    if (act_mode != 2 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
+    if (!is_kq(type)) return q32_gemm8_takes(type, M, k);
     if (kq_gemm8_rows) return M >= kq_gemm8_rows;
     const int lng = k > 4096;
     const int from = type == GGML_Q4_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q4_K : KQ_GEMM8_ROWS_Q4_K)

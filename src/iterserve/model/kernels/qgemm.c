@@ -696,14 +696,14 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads) {
     /* int8 activations (qdot8.c) when that mode is on and takes this type and row count;
-     * K-quant steps of many rows on the int8 prefill GEMM (prefill8.c), measured faster */
-    if (iterserve_act8_takes(type, M)) {
-        if (iterserve_act8_gemm8_takes(type, M, k)
-            && iterserve_gemm8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-            return;
-        if (iterserve_qgemm_act8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-            return;
-    }
+     * decode steps of many rows on the int8 prefill GEMM (prefill8.c) first, where qdot8.c's
+     * iterserve_act8_gemm8_takes measured it faster (also past the decode kernels' rows) */
+    if (iterserve_act8_gemm8_takes(type, M, k)
+        && iterserve_gemm8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
+        return;
+    if (iterserve_act8_takes(type, M)
+        && iterserve_qgemm_act8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
+        return;
     /* bf16 dot products (bf16dot.c) for BF16 weights in the auto mode on avx512bf16 CPUs */
     if (iterserve_bf16_takes(type, M)
         && iterserve_bf16_gemm(0, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
