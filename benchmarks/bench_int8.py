@@ -24,6 +24,20 @@ auto hands over), `--kq-variants 1,0,2,32` (K-chunk variants of the decode kerne
 `--kq-variants t4,t6` (AVX-512 row tiles), `--kq-variants 1,0 --kq-gemm8` (the prefill GEMM's
 scalar vs vector K-quant scale decode); with `--decode`, `--kq-variants 1` runs session 14's
 K-quant path (s14) against this one (s15) end to end.
+
+The 32-element types (session 16): `--crossover --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0` times the
+decode kernels, the int8 prefill GEMM, `auto` (the engine's dispatch) and `old` (auto without
+the hand-over: session 15's path, which past the decode kernels' rows is the float one);
+`--sides decode,gemm8,old` picks sides (the first is the ratios' baseline); `--isa avx2` also
+forces the float kernels to AVX2 (an AVX2-only CPU); `--gemm8-pack` times the prefill GEMM with
+prefill8.c's one-block (s15) against its grouped panel decode:
+
+    PYTHONPATH=src python benchmarks/bench_int8.py --crossover --sides decode,gemm8,old \
+        --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0 --shapes qo,gate_up,down --threads 1,2 \
+        --rows 4,8,12,14,16,24,32 --clock cpu --cold 96      # ~6 min quiet
+
+Every mode is one loop (`ab_grid`: the sides of a `*_sides` function alternated, medians,
+benchmarks/_timing.py).
 """
 
 from __future__ import annotations
@@ -188,19 +202,30 @@ def _kq_mode(mode: str) -> None:
     lib.iterserve_act8_kq_tile(4 if mode == "s14" else 8)
 
 
+def _q32_mode(mode: str) -> None:
+    """s15: the 32-element types' decode steps as session 15 left them (no hand-over to the
+    int8 prefill GEMM up to 32 rows, its one-block panel decode: ITERSERVE_Q32_DECODE=s15);
+    s16: the defaults (qdot8.c Q32_GEMM8_ROWS_*, the grouped panel decode)."""
+    lib = kernels._lib()
+    lib.iterserve_act8_q32_gemm_rows(33 if mode == "s15" else 0)
+    lib.iterserve_gemm8_pack_variant(1 if mode == "s15" else 0)
+
+
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
-              variants: bool = False, kq: bool = False) -> dict:
+              variants: bool = False, kq: bool = False, q32: bool = False) -> dict:
     """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
     alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
     tokens/s per mode (random-weight models: greedy tokens need not agree). variants: the
     32-element types' two AVX-512 kernels; kq: session 14's K-quant decode path against this
-    one (`_kq_mode`), both auto."""
+    one (`_kq_mode`), both auto; q32: session 15's path for the 32-element types against this
+    one (`_q32_mode`), both auto."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    modes = ("s14", "s15") if kq else ("pairs", "groups") if variants else ("float", "auto")
+    modes = ("s14", "s15") if kq else ("s15", "s16") if q32 else ("pairs", "groups") \
+        if variants else ("float", "auto")
     res = {m: [] for m in modes}
     texts = {}
     for rep in range(repeats + 1):
@@ -208,6 +233,9 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
             if kq:
                 kernels.set_activations("auto")
                 _kq_mode(mode)
+            elif q32:
+                kernels.set_activations("auto")
+                _q32_mode(mode)
             elif variants:           # both auto; the AVX-512 kernels of the 32-element types
                 kernels.set_activations("auto")
                 kernels._lib().iterserve_act8_variant(1 if mode == "pairs" else 0)
@@ -225,6 +253,8 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
         kernels._lib().iterserve_gemm8_pack_variant(0)
     if kq:
         _kq_mode("s15")
+    if q32:
+        _q32_mode("s16")
     a_, b_ = modes
     agree = sum(a == b for x, y in zip(texts[a_], texts[b_]) for a, b in zip(x, y))
     total = sum(len(x) for x in texts[a_])
@@ -261,6 +291,9 @@ def main() -> None:
     ap.add_argument("--gemm8-pack", action="store_true",
                     help="the int8 prefill GEMM with prefill8.c's one-block (s15) against its "
                          "grouped panel decode of the 32-element types")
+    ap.add_argument("--q32", action="store_true",
+                    help="with --decode: session 15's decode path for the 32-element types "
+                         "(ITERSERVE_Q32_DECODE=s15) against this one, both auto")
     ap.add_argument("--sides", default=None, metavar="S,S,...",
                     help="with --crossover: only these sides (decode, gemm8, auto, old; the "
                          "first is the baseline of the ratios)")
@@ -295,7 +328,7 @@ def main() -> None:
     if a.decode:
         result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,
                                               int(a.threads.split(",")[-1]), a.variants,
-                                              kq=bool(a.kq_variants))}
+                                              kq=bool(a.kq_variants), q32=a.q32)}
         print(json.dumps(result["decode"]))
         out = a.out or f"benchmarks/results/int8-decode-b{a.batch}.json"
     else:

@@ -203,6 +203,35 @@ def test_int8_gemm_long_k_strided_rows_threads_and_isas_agree(name, threads, mon
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa8", INT8_ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_int8_gemm_grouped_panel_decode_of_32_element_types(name, isa8):
+    """prefill8.c decodes the 32-element types' panels 8 blocks of a row at a time where K is
+    whole groups of 8 blocks (else one block at a time, as session 15 always did:
+    iterserve_gemm8_pack_variant(1)): for 1-17 blocks (grouped at 8 and 16), at the decode
+    row counts that hand over (4, 14, 32), the result is right and equals the one-block
+    decode bit for bit (the same codes, scales and summation order)."""
+    if not kernels.supports_gemm_int8(int(GGMLQuantizationType[name])):
+        pytest.skip(f"no int8 prefill GEMM for {name} on {isa8} (vpmaddubsw would saturate)")
+    lib = kernels._lib()
+    assert lib.iterserve_gemm8_pack_variant(-1) == 0
+    try:
+        for blocks in (1, 7, 8, 9, 16, 17):
+            k = 32 * blocks
+            t, raw, w = gguf_blocks(name, 41, k, seed=blocks)      # a panel and 9 columns
+            for rows in (4, 14, 32):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                grouped, single = torch.empty(rows, 41), torch.empty(rows, 41)
+                kernels.gemm_int8(t, raw, k, x, grouped)
+                lib.iterserve_gemm8_pack_variant(1)
+                kernels.gemm_int8(t, raw, k, x, single)
+                lib.iterserve_gemm8_pack_variant(0)
+                assert_int8_close(grouped, x, w)
+                assert torch.equal(grouped, single), (blocks, rows)
+    finally:
+        lib.iterserve_gemm8_pack_variant(0)
+
+
 def test_int8_gemm_rejects_bad_arguments_and_types():
     t, raw, _ = gguf_blocks("Q4_K", 8, 256)
     with pytest.raises(ValueError):
