@@ -120,6 +120,7 @@ _ARGTYPES = {
     "iterserve_act8_kq_gemm_rows": (_i64, [_i64]),
     "iterserve_act8_q32_gemm_rows": (_i64, [_i64]),
     "iterserve_act8_kq_tile": (_i64, [_i64]),
+    "iterserve_act8_kq_decode": (_i64, [_i64]),
     "iterserve_set_act_mode": (_i64, [_i64]),
     "iterserve_can_act8": (_i32, [_i64]),
     "iterserve_gemm8": (_i32, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32]),
@@ -311,7 +312,11 @@ def _library() -> ctypes.CDLL | None:
         unavailable = f"building or loading the kernels failed: {exc}"
         log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
         return None
-    if os.environ.get("ITERSERVE_KQ_DECODE", "").lower() == "s14":
+    kq_env = os.environ.get("ITERSERVE_KQ_DECODE", "").lower()
+    # dlopen hands back the same library (and its static state) on a reload: set the K-quant
+    # decode kernels every time
+    lib.iterserve_act8_kq_decode(1 if kq_env in ("s14", "s15") else 0)
+    if kq_env == "s14":
         # A/B only (benchmarks/run_models.py --iterserve-variants "s14=ITERSERVE_KQ_DECODE=s14"):
         # the K-quant decode path as session 14 left it (qdot8.c: 16 KB K chunks, 4-row
         # tiles, no hand-over of many-row steps to the int8 prefill GEMM)
@@ -324,6 +329,9 @@ def _library() -> ctypes.CDLL | None:
         # prefill GEMM up to 32 rows; qdot8.c Q32_GEMM8_ROWS_*) and its one-block panel decode
         lib.iterserve_act8_q32_gemm_rows(33)
         lib.iterserve_gemm8_pack_variant(1)
+    # ITERSERVE_KQ_DECODE=s15 (A/B only, "s15=ITERSERVE_KQ_DECODE=s15"): session 15's K-quant
+    # decode kernels (row tiles that decode a super-block once per tile) instead of qdot8.c's
+    # dotkw kernels; all else as now
     bits = lib.iterserve_cpu_features()
     _lib_features = frozenset(n for i, n in enumerate(_FEATURE_BITS) if bits >> i & 1)
     _caps = caps

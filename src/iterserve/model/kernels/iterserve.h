@@ -120,6 +120,10 @@ int64_t iterserve_act8_q32_gemm_rows(int64_t v);
 /* Most rows per AVX-512 K-quant decode tile where K <= 4096: 6 (default), 4 (session 14) ..
  * 8 (A/B); another value only reports. */
 int64_t iterserve_act8_kq_tile(int64_t v);
+/* K-quant decode kernels: 0 = one decode per super-block for all rows of the step (default,
+ * session 16), 1 = session 15's row tiles (A/B); 101..112 = rows per tile of the former
+ * (A/B); another value only reports. Returns 0 or 1. */
+int64_t iterserve_act8_kq_decode(int64_t v);
 /* Activation mode of iterserve_qgemm: 0 float (qgemm.c's kernels), 1 int8 (qdot8.c for the
  * types it has, up to 32 rows), 2 auto (int8 up to the measured per-type row counts in
  * qdot8.c); another value only reports. Returns the mode. */

@@ -70,6 +70,7 @@ typedef struct {
     int32_t *g4;
     float *dx;
     int16_t *bs16, *bs32;
+    float *xs;          /* dotkv_vnni: d_x * the 16-element group sums (quantise256v) */
 } act8;
 
 static __thread uint8_t *abuf;
@@ -690,6 +691,426 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
 }
 
 
+/* ---- K-quant decode, all rows of a step over one decode of the weights (session 16) ------
+ * The kernels above decode a super-block once per row tile (4 rows on AVX2, up to 6 on
+ * AVX-512) and then, per row, spend ~19 instructions per super-block on top of the 8 integer
+ * ones (maddubs + dpwssd per 64 weights): the min / offset term in a register of its own, its
+ * scale d_min * d_x and the weights' d * d_x formed in scalar code and broadcast per row, two
+ * converts and two FMAs into two accumulators. At 8 rows that is two decodes and 8 x 19: the
+ * quiet batch-8 profile ran Q4_K at 9.1 GB/s against ~40. These kernels (`dotkw_*`):
+ *   - per row, one accumulator and one tail: v = d . float(isum) [+ -d_min . float(mins term)
+ *     for Q4_K / Q5_K], acc += v . d_x, where d and d_min are broadcast once per super-block
+ *     for all rows and d_x is an embedded broadcast from memory: no scalar work per row;
+ *   - Q6_K's offset (-32 per code) is folded into the integer sum: its scale is -32 d, so
+ *     isum starts at -32 . sum_j sc_j . bsum16_j (one vpmaddwd) and needs no tail of its own;
+ *   - AVX-512: the super-block's codes and scales stay in 8 zmm, and every row of the step
+ *     (tiles of up to kqw_tile = 12 rows: 12 accumulators + 8 + ~5 temporaries fit the 32
+ *     zmm) runs over that one decode; AVX2: the decoded super-block (8 code + 8 scale ymm)
+ *     goes to a 512-byte stack scratch (L1) and the rows run over it 4 at a time (the code
+ *     vector loaded once per 4 rows), so it too is decoded once for all rows.
+ * Same results as the kernels above up to float rounding (the integer parts are the same).
+ * Measured: see kq_decode below. */
+#define KQW_TILE 12
+
+static inline __attribute__((always_inline)) VNNI void dotkw_vnni(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, float *out) {
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    const int64_t K = a->K, nb = K / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+                                          17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+                                          2, 1, 0);
+    __m512 acc[KQW_TILE];
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        __m512i w[4], s[4];
+        __m512 dv, cv = _mm512_setzero_ps();
+        __m128i mins = _mm_setzero_si128();
+        __m256i sc16m = _mm256_setzero_si256();
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
+            uint32_t u[4];
+            q4k_scales(blk + 4, u);
+            dv = _mm512_set1_ps(f16(blk)), cv = _mm512_set1_ps(-f16(blk + 2));
+            const int qo = type == GGML_Q5_K ? 48 : 16;
+            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                 : _mm256_setzero_si256();
+            const __m256i one = _mm256_set1_epi8(1);
+            const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+            const __m512i sc = _mm512_castsi256_si512(ms);
+            mins = _mm256_extracti128_si256(ms, 1);
+            _Pragma("GCC unroll 16")
+            for (int p = 0; p < 4; p++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
+                w[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
+                                                           _mm256_srli_epi16(raw, 4), 1), m4);
+                if (type == GGML_Q5_K) {
+                    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4);
+                    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
+                    w[p] = _mm512_or_si512(w[p], _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+                }
+                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(2 * p)),
+                                                                 _mm512_srli_epi16(iota, 4)), sc);
+            }
+        } else {                                   /* Q6_K */
+            dv = _mm512_set1_ps(f16(blk + 208));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            sc16m = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), sc16), 5);
+            const __m512i sc = _mm512_castsi256_si512(sc16);
+            _Pragma("GCC unroll 16")
+            for (int p = 0; p < 4; p++) {
+                const int h = p / 2, g = 2 * (p % 2);
+                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+                const __m512i lo = _mm512_and_si512(g ? _mm512_srli_epi16(l, 4) : l, m4);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i h0 = g ? qh : _mm256_slli_epi16(qh, 4);
+                const __m256i h1 = g ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2);
+                const __m512i hi = _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), m30);
+                w[p] = _mm512_or_si512(lo, hi);
+                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * p)),
+                                                                 _mm512_srli_epi16(iota, 3)), sc);
+            }
+        }
+        _Pragma("GCC unroll 16")
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = (r0 + r) * nb + b;
+            const int8_t *xq = a->q + (r0 + r) * K + 256 * b;
+            __m512i isum = type == GGML_Q6_K
+                ? _mm512_madd_epi16(_mm512_zextsi256_si512(sc16m), _mm512_zextsi256_si512(
+                      _mm256_loadu_si256((const __m256i *)(a->bs16 + rb * 16))))
+                : _mm512_setzero_si512();
+            _Pragma("GCC unroll 16")
+            for (int p = 0; p < 4; p++)
+                isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(
+                    w[p], _mm512_loadu_si512((const void *)(xq + 64 * p))), s[p]);
+            __m512 v = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum));
+            if (type != GGML_Q6_K) {
+                const __m128i mt = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)(a->bs32 + rb * 8)));
+                v = _mm512_fmadd_ps(cv, _mm512_zextps128_ps512(_mm_cvtepi32_ps(mt)), v);
+            }
+            acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(a->dx[rb]), acc[r]);
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void dotkw_avx2(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, int64_t pf, float *out) {
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    const int64_t K = a->K, nb = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[KQW_TILE];
+    __m256i wv[8], sv[8];                     /* the decoded super-block: codes, scales */
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        if (pf)
+            for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)blk + pf + l, _MM_HINT_T0);
+        __m256 dv, cv = _mm256_setzero_ps();
+        __m128i mins = _mm_setzero_si128();
+        __m256i sc16m = _mm256_setzero_si256();
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
+            uint32_t u[4];
+            q4k_scales(blk + 4, u);
+            dv = _mm256_set1_ps(f16(blk)), cv = _mm256_set1_ps(-f16(blk + 2));
+            const int qo = type == GGML_Q5_K ? 48 : 16;
+            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                 : _mm256_setzero_si256();
+            const __m256i one = _mm256_set1_epi8(1);
+            const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
+            mins = _mm256_extracti128_si256(ms, 1);
+            _Pragma("GCC unroll 16")
+            for (int p = 0; p < 4; p++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
+                __m256i wl = _mm256_and_si256(raw, m4);
+                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                if (type == GGML_Q5_K) {
+                    wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4));
+                    wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4));
+                }
+                wv[2 * p] = wl, wv[2 * p + 1] = wh;
+                sv[2 * p] = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p));
+                sv[2 * p + 1] = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p + 1));
+            }
+        } else {                                   /* Q6_K */
+            dv = _mm256_set1_ps(f16(blk + 208));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            sc16m = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), sc16), 5);
+            const __m256i sclo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc16));
+            const __m256i schi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc16, 1));
+            for (int h = 0; h < 2; h++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                for (int g = 0; g < 4; g++) {
+                    const __m256i lo = g < 2 ? _mm256_and_si256(g == 0 ? l0 : l1, m4)
+                        : _mm256_and_si256(_mm256_srli_epi16(g == 2 ? l0 : l1, 4), m4);
+                    const __m256i hi = _mm256_and_si256(
+                        g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
+                        : g == 2 ? qh : _mm256_srli_epi16(qh, 2), m30);
+                    const int j = 4 * h + g;
+                    wv[j] = _mm256_or_si256(lo, hi);
+                    sv[j] = _mm256_shuffle_epi8(j < 4 ? sclo : schi, pair16_mask(j % 4));
+                }
+            }
+        }
+        _Pragma("GCC unroll 16")
+        for (int q0 = 0; q0 < R; q0 += 4) {       /* rows 4 at a time over the decoded block */
+            const int Q = R - q0 < 4 ? R - q0 : 4;
+            __m256i isum[4];
+            _Pragma("GCC unroll 16")
+            for (int r = 0; r < Q; r++) {
+                const int64_t rb = (r0 + q0 + r) * nb + b;
+                isum[r] = type == GGML_Q6_K
+                    ? _mm256_madd_epi16(sc16m, _mm256_loadu_si256((const __m256i *)(a->bs16 + rb * 16)))
+                    : _mm256_setzero_si256();
+            }
+            _Pragma("GCC unroll 16")
+            for (int j = 0; j < 8; j++) {
+                const __m256i wj = wv[j];
+                _Pragma("GCC unroll 16")
+                for (int r = 0; r < Q; r++) {
+                    const __m256i x = _mm256_loadu_si256(
+                        (const __m256i *)(a->q + (r0 + q0 + r) * K + 256 * b + 32 * j));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wj, x), sv[j]));
+                }
+            }
+            _Pragma("GCC unroll 16")
+            for (int r = 0; r < Q; r++) {
+                const int64_t rb = (r0 + q0 + r) * nb + b;
+                __m256 v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(isum[r]));
+                if (type != GGML_Q6_K) {
+                    const __m128i mt = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)(a->bs32 + rb * 8)));
+                    v = _mm256_fmadd_ps(cv, _mm256_zextps128_ps256(_mm_cvtepi32_ps(mt)), v);
+                }
+                acc[q0 + r] = _mm256_fmadd_ps(v, _mm256_set1_ps(a->dx[rb]), acc[q0 + r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++) out[r] = hsum8f(acc[r]);
+}
+
+/* ---- AVX-512 VNNI K-quant decode on vpdpbusd, lanes = 16-element groups (session 16) ------
+ * The kernels above spend two multiply-class instructions per 64 weights and row (vpmaddubsw,
+ * then vpdpwssd with the sub-block scales), and at 4-12 rows that is what they are bound by:
+ * Q4_K 2048x2048 at 8 rows took ~60 cycles per super-block and column, ~7.5 per row, the
+ * throughput of 8 such instructions. Here a super-block is seen as 16 groups of 16 elements
+ * (Q4_K / Q5_K: halves of their 8 sub-blocks; Q6_K: its 16 sub-blocks), and int32 lane j of
+ * every vector belongs to one group g(j) = 4 (j % 4) + j / 4 (the order a 4x4 in-lane dword
+ * transpose of the decoded codes gives, so the weights need no further permute):
+ *   - the activations are quantised into that order (per super-block and row, load d of the
+ *     4 holds, in lane j, elements 4d..4d+3 of group g(j)), with the group sums times d_x as
+ *     floats (xs), once per call;
+ *   - a super-block's codes are decoded once per column as before (4 zmm, memory order), then
+ *     transposed (8 unpacks); its per-lane scales d . sc and offsets (-d_min . m, Q6_K -32 d
+ *     . sc) become two float vectors;
+ *   - per row: 4 vpdpbusd accumulate the whole super-block with no scale in between (a lane
+ *     stays in one group), then one convert, acc += (float(isum) . d_x) . dsc + xs . off:
+ *     4 multiply-class integer instructions and 8 in all, against 8 and ~14.
+ * Tiles of up to kqw_tile (12) rows over one decode: 12 accumulators + 4 codes + 2 scale
+ * vectors fit the 32 zmm. Measured: see kq_decode below. */
+static const int8_t kqv_group[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+/* Q8_K-style quantisation as quantise256 (same rounding, same dx), in the lane order above,
+ * with xs[(r * nb + b) * 16 + j] = d_x * (sum of group g(j)'s 16 quantised activations). */
+static int quantise256v(const float *x, int64_t M, int64_t ldx, int64_t K, act8 *a) {
+    const int64_t nb = K / 256;
+    const size_t qb = (size_t)(M * K), db = (size_t)(M * nb * 4), xb = (size_t)(M * nb * 16 * 4);
+    uint8_t *p = scratch(qb + db + xb + 256);
+    if (!p) return ITERSERVE_ENOMEM;
+    a->M = M, a->K = K;
+    a->xs = (float *)p;
+    a->dx = (float *)(p + xb);
+    a->q = (int8_t *)(p + xb + db);
+    a->bs16 = a->bs32 = NULL;
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xv = xr + 256 * b;
+            int8_t *q = a->q + r * K + 256 * b;
+            float amax = 0.f;
+            for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xv[i]));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            a->dx[r * nb + b] = d;
+            for (int j = 0; j < 16; j++) {
+                const int g = kqv_group[j];
+                int s = 0;
+                for (int e = 0; e < 16; e++) {
+                    const int8_t v = q8(xv[16 * g + e], id);
+                    q[64 * (e / 4) + 4 * j + e % 4] = v;
+                    s += v;
+                }
+                a->xs[(r * nb + b) * 16 + j] = d * (float)s;
+            }
+        }
+    }
+    return ITERSERVE_OK;
+}
+
+static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
+        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
+        const uint8_t *wrow, int64_t pf, float *out) {
+    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+    const int64_t K = a->K, nb = K / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    /* byte j of the lane-order scale vectors: the sub-block of group g(j) (Q4_K / Q5_K) */
+    const __m128i sub = _mm_setr_epi8(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
+    const __m128i grp = _mm_loadu_si128((const __m128i *)kqv_group);
+    __m512 acc[KQW_TILE];
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        if (pf)                   /* the same super-block pf bytes on (kq_pf columns ahead) */
+            for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)blk + pf + l, _MM_HINT_T0);
+        __m512i w[4];
+        __m512 dsc, off;
+        if (type == GGML_Q4_K || type == GGML_Q5_K) {
+            uint32_t u[4];
+            q4k_scales(blk + 4, u);
+            const __m512 d = _mm512_set1_ps(f16(blk)), dmin = _mm512_set1_ps(-f16(blk + 2));
+            const __m128i sm = _mm_set_epi32(u[3], u[2], u[1], u[0]);   /* 8 scales, 8 mins */
+            const __m128i sj = _mm_shuffle_epi8(sm, sub);
+            const __m128i mj = _mm_shuffle_epi8(sm, _mm_add_epi8(sub, _mm_set1_epi8(8)));
+            dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sj)));
+            off = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mj)));
+            const int qo = type == GGML_Q5_K ? 48 : 16;
+            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                 : _mm256_setzero_si256();
+            const __m256i one = _mm256_set1_epi8(1);
+            _Pragma("GCC unroll 4")
+            for (int p = 0; p < 4; p++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
+                w[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
+                                                           _mm256_srli_epi16(raw, 4), 1), m4);
+                if (type == GGML_Q5_K) {
+                    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4);
+                    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
+                    w[p] = _mm512_or_si512(w[p], _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+                }
+            }
+        } else {                                   /* Q6_K: group g is sub-block g */
+            const __m512 d = _mm512_set1_ps(f16(blk + 208));
+            const __m128i sj = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), grp);
+            dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sj)));
+            off = _mm512_mul_ps(_mm512_set1_ps(-32.f), dsc);
+            _Pragma("GCC unroll 4")
+            for (int p = 0; p < 4; p++) {
+                const int h = p / 2, g = 2 * (p % 2);
+                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+                const __m512i lo = _mm512_and_si512(g ? _mm512_srli_epi16(l, 4) : l, m4);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i h0 = g ? qh : _mm256_slli_epi16(qh, 4);
+                const __m256i h1 = g ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2);
+                w[p] = _mm512_or_si512(lo, _mm512_and_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), m30));
+            }
+        }
+        /* w[a] dword 4c + e (elements 4e.. of group 4a + c) -> t[e] dword 4c + a */
+        const __m512i t0 = _mm512_unpacklo_epi32(w[0], w[1]), t1 = _mm512_unpackhi_epi32(w[0], w[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(w[2], w[3]), t3 = _mm512_unpackhi_epi32(w[2], w[3]);
+        const __m512i v0 = _mm512_unpacklo_epi64(t0, t2), v1 = _mm512_unpackhi_epi64(t0, t2);
+        const __m512i v2 = _mm512_unpacklo_epi64(t1, t3), v3 = _mm512_unpackhi_epi64(t1, t3);
+        _Pragma("GCC unroll 16")
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = (r0 + r) * nb + b;
+            const int8_t *xq = a->q + (r0 + r) * K + 256 * b;
+            __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0,
+                                               _mm512_loadu_si512((const void *)xq));
+            isum = _mm512_dpbusd_epi32(isum, v1, _mm512_loadu_si512((const void *)(xq + 64)));
+            isum = _mm512_dpbusd_epi32(isum, v2, _mm512_loadu_si512((const void *)(xq + 128)));
+            isum = _mm512_dpbusd_epi32(isum, v3, _mm512_loadu_si512((const void *)(xq + 192)));
+            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(a->dx[rb]));
+            acc[r] = _mm512_fmadd_ps(v, dsc, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a->xs + rb * 16), off, acc[r]);
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]);
+}
+
+/* Which K-quant decode kernels run (iterserve_act8_kq_decode; A/B: ITERSERVE_KQ_DECODE=s15,
+ * benchmarks/bench_kq_decode.py): 0 the dotkw_* kernels above (default), 1 session 15's
+ * (dotk_avx2 / dotk_vnni in row tiles of 4 / kq_tile). */
+static int kq_decode = 0;
+static int kqw_tile = KQW_TILE;       /* rows per dotkw tile (A/B: 4..12) */
+static int kq_pf = 2;                 /* software prefetch, columns ahead (0: none) */
+
+int64_t iterserve_act8_kq_decode(int64_t v) {
+    if (v == 0 || v == 1) kq_decode = (int)v;
+    else if (v >= 100 + 1 && v <= 100 + KQW_TILE) kqw_tile = (int)(v - 100);
+    else if (v >= 200 && v <= 216) kq_pf = (int)(v - 200);
+    return kq_decode;
+}
+
+#define CALLW(R, FN, TYPE) FN(R, TYPE, &a, r0, b0, b1, wn, pf, o)
+#define TILEW(FN, TYPE)                                                                   \
+    switch (R) {                                                                          \
+    case 12: CALLW(12, FN, TYPE); break;                                                  \
+    case 11: CALLW(11, FN, TYPE); break;                                                  \
+    case 10: CALLW(10, FN, TYPE); break;                                                  \
+    case 9: CALLW(9, FN, TYPE); break;                                                    \
+    case 8: CALLW(8, FN, TYPE); break;                                                    \
+    case 7: CALLW(7, FN, TYPE); break;                                                    \
+    case 6: CALLW(6, FN, TYPE); break;                                                    \
+    case 5: CALLW(5, FN, TYPE); break;                                                    \
+    case 4: CALLW(4, FN, TYPE); break;                                                    \
+    case 3: CALLW(3, FN, TYPE); break;                                                    \
+    case 2: CALLW(2, FN, TYPE); break;                                                    \
+    default: CALLW(1, FN, TYPE); break;                                                   \
+    }
+
+/* The column loop of the dotkw kernels: as run_vnni / run_avx2 (threads split the columns,
+ * K chunks sized by kq_chunk for the tile's rows), with one tile of up to kqw_tile rows. */
+#define KQW_RUN(NAME, ATTR, FN)                                                           \
+static ATTR void NAME(int type, const act8 *ap, const uint8_t *w, int64_t n,              \
+                      int64_t row_stride, float *y, int64_t ldy, int nthreads) {          \
+    const act8 a = *ap;                                                                   \
+    const int64_t M = a.M, ntiles = (M + kqw_tile - 1) / kqw_tile, nb = a.K / 256;        \
+    const int64_t pf = kq_pf * row_stride;                                                \
+    _Pragma("omp parallel num_threads(nthreads)")                                         \
+    {                                                                                     \
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();                    \
+        const int64_t n0 = n * t / T, n1 = n * (t + 1) / T;                               \
+        for (int64_t c0 = n0; c0 < n1; c0 += COL_CHUNK) {                                 \
+            const int64_t c1 = c0 + COL_CHUNK < n1 ? c0 + COL_CHUNK : n1;                 \
+            for (int64_t tile = 0; tile < ntiles; tile++) {                               \
+                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;       \
+                const int R = (int)(r1 - r0);                                             \
+                const int64_t kc = kq_chunk(type, R, 256 + 2 * 16 + 4, nb);               \
+                const int64_t nk = (nb + kc - 1) / kc;                                    \
+                for (int64_t kchunk = 0; kchunk < nk; kchunk++) {                         \
+                    const int64_t b0 = nb * kchunk / nk, b1 = nb * (kchunk + 1) / nk;     \
+                    for (int64_t c = c0; c < c1; c++) {                                   \
+                        const uint8_t *wn = w + c * row_stride;                           \
+                        float o[KQW_TILE] = {0};                                          \
+                        switch (type) {                                                   \
+                        case GGML_Q4_K: TILEW(FN, GGML_Q4_K) break;                       \
+                        case GGML_Q5_K: TILEW(FN, GGML_Q5_K) break;                       \
+                        default: TILEW(FN, GGML_Q6_K) break;                              \
+                        }                                                                 \
+                        for (int r = 0; r < R; r++) {                                     \
+                            float *yy = y + (r0 + r) * ldy + c;                           \
+                            *yy = kchunk ? *yy + o[r] : o[r];                             \
+                        }                                                                 \
+                    }                                                                     \
+                }                                                                         \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+}
+KQW_RUN(run_kqw_vnni, VNNI, dotkv_vnni)
+KQW_RUN(run_kqw_avx2, , dotkw_avx2)
+
+
 /* ---- AVX-512 VNNI, 32-element nibble types in groups of 4 blocks (the default) ------------
  * The pair kernel above converts two f16 scales per pair of blocks in scalar code, builds the
  * scale vector with inserts, reads three activation arrays and spends ~22 instructions per 36
@@ -1050,7 +1471,9 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
         run_vbmi((int)type, &a, w, n, row_stride, y, ldy, nthreads);
         return ITERSERVE_OK;
     }
-    if (kq)
+    if (kq && kq_decode == 0 && isa8 == 2)
+        rc = quantise256v(x, M, ldx, k, &a);
+    else if (kq)
         rc = quantise256(x, M, ldx, k, &a);
     else     /* g4 offsets: Q4_0 8, Q5_0 16; Q8_0 128 under VNNI (w + 128), none under AVX2's
               * sign trick; Q4_1 / Q5_1: the sums for their min term */
@@ -1059,6 +1482,13 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
     if (rc) return rc;
     if (nthreads < 1) nthreads = 1;
     if (n < 64 * nthreads) nthreads = 1;
+    if (kq && kq_decode == 0) {                  /* the dotkw kernels (session 16) */
+        if (isa8 == 2)
+            run_kqw_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+        else
+            run_kqw_avx2((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+        return ITERSERVE_OK;
+    }
     if (isa8 == 2)
         run_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
     else

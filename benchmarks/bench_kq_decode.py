@@ -1,0 +1,136 @@
+"""The K-quant decode kernels (model/kernels/qdot8.c), session 15's against session 16's, same
+process, alternating.
+
+Session 15's kernels (`dotk_*`) decode a super-block once per row tile (4 rows on AVX2, up to
+6 on AVX-512 where K <= 4096); session 16's (`dotkw_*`) once for all rows of the call (tiles
+of up to 12) with a shorter per-row tail. For each type, SmolLM2-1.7B shape (qo 2048x2048,
+gate_up 8192x2048, down 2048x8192, lm_head 49152x2048) or Llama-3.1-8B shape (qo8 4096x4096,
+gate_up8 28672x4096, down8 4096x14336), thread count and row count, `kernels.qgemm_int8` runs
+under `iterserve_act8_kq_decode(1)` (s15) and `(0)` (s16) in turn, `--repeats` times, each
+timing at least `--min-s`; medians; `s15_over_s16` > 1 means the new kernels are faster.
+`--cold MB` cycles weight copies of at least MB megabytes so each call streams from memory
+(more than the 32 MB L3: 96). `--clock cpu` times this process's CPU time (one thread on a
+loaded machine: time lost to other processes does not count; with two threads it sums both).
+`--tiles 4,8,12` instead compares dotkw tile sizes (iterserve_act8_kq_decode(100 + rows)).
+
+    PYTHONPATH=src python benchmarks/bench_kq_decode.py --cold 96 --clock cpu --threads 1
+    PYTHONPATH=src python benchmarks/bench_kq_decode.py --cold 96 --threads 2 --rows 1,8
+
+Writes JSON (`--out`, default benchmarks/results/kq-decode.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from iterserve.model import kernels
+
+SHAPES = {"qo": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192),
+          "lm_head": (49152, 2048), "qo8": (4096, 4096), "gate_up8": (28672, 4096),
+          "down8": (4096, 14336)}
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor]:
+    """Valid random K-quant blocks (random codes under small f16 scales)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    t = GGMLQuantizationType[name]
+    elems, nbytes = GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
+    off, cnt = (208, 1) if name == "Q6_K" else (0, 2)
+    raw[:, off:off + 2 * cnt] = rng.uniform(0.001, 0.01, size=(raw.shape[0], cnt)) \
+        .astype(np.float16).view(np.uint8)
+    return int(t), torch.from_numpy(raw.reshape(n, -1))
+
+
+def timed(fn, min_s: float, clock) -> float:
+    fn()
+    n, t0 = 0, clock()
+    while True:
+        fn()
+        n += 1
+        dt = clock() - t0
+        if dt >= min_s:
+            return dt / n
+
+
+def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> list[dict]:
+    lib = kernels._lib()
+    out = []
+    for name in types:
+        for shape in shapes:
+            n, k = SHAPES[shape]
+            t, w = random_blocks(name, n, k)
+            ws = [w] + [w.clone() for _ in range(max(0, -(-(cold_mb << 20) // w.numel()) - 1))]
+            for th in threads:
+                torch.set_num_threads(th)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    y = torch.empty(m, n)
+                    it = iter(range(1 << 62))
+                    fn = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
+                    times = {s: [] for s, _ in sides}
+                    for _ in range(repeats):
+                        for s, setv in sides:
+                            for v in setv:
+                                lib.iterserve_act8_kq_decode(v)
+                            times[s].append(timed(fn, min_s, clock))
+                    med = {s: statistics.median(v) for s, v in times.items()}
+                    base = sides[0][0]
+                    row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th, "rows": m,
+                           **{f"{s}_us": round(med[s] * 1e6, 1) for s in med},
+                           **{f"{s}_gbs": round(w.numel() / med[s] / 1e9, 2) for s in med},
+                           **{f"{base}_over_{s}": round(med[base] / med[s], 3)
+                              for s in med if s != base}}
+                    print(json.dumps(row), flush=True)
+                    out.append(row)
+    lib.iterserve_act8_kq_decode(100 + 12)
+    lib.iterserve_act8_kq_decode(0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--shapes", default="qo,gate_up,down")
+    ap.add_argument("--threads", default="1")
+    ap.add_argument("--rows", default="1,2,4,6,8,12")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--min-s", type=float, default=0.05, help="seconds per timing")
+    ap.add_argument("--cold", type=int, default=96, metavar="MB")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--isa", choices=["avx2", "avx512vnni"], default=None)
+    ap.add_argument("--tiles", default=None, metavar="R,R,...",
+                    help="compare dotkw tile sizes instead (the first is the baseline)")
+    ap.add_argument("--out", default="benchmarks/results/kq-decode.json")
+    a = ap.parse_args()
+    if not kernels.available():
+        raise SystemExit(f"native kernels unavailable: {kernels.unavailable}")
+    if a.isa:
+        kernels.int8_isa(a.isa)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
+    if a.tiles:
+        sides = [(f"t{r}", (0, 100 + int(r))) for r in a.tiles.split(",")]
+    else:
+        sides = [("s15", (1,)), ("s16", (0, 112))]
+    rows = ab(a.types.split(","), a.shapes.split(","), [int(v) for v in a.threads.split(",")],
+              [int(v) for v in a.rows.split(",")], a.repeats, a.min_s, a.cold, clock, sides)
+    meta = {"machine": platform.processor() or platform.machine(),
+            "features": sorted(kernels.features()), "int8_isa": kernels.int8_isa(),
+            "clock": a.clock, "cold_mb": a.cold, "repeats": a.repeats,
+            "note": "same process, sides alternating, medians; machine shared (under load)"}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({**meta, "results": rows}, indent=1) + "\n")
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
