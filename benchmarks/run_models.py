@@ -376,10 +376,18 @@ def run_hf_peer(m: ModelFile, slots: int, num_requests: int, log_dir: Path) -> d
     cmd = [sys.executable, str(HERE / "peers" / "hf_transformers.py"), "--mode", "continuous",
            *src, "--max-num-seqs", str(slots), "--num-requests", str(num_requests),
            "--out", str(out)]
+    out.unlink(missing_ok=True)             # never read an earlier run's figures
     with open(log_dir / "hf.log", "w") as lf:
         subprocess.run(cmd, check=True, stdout=lf, stderr=subprocess.STDOUT, timeout=1800)
     doc = json.loads(out.read_text())
-    return {"output_tok_s": doc["output_throughput"], "duration_s": doc["wall_s"], "failed": 0}
+    # what BENCHMARKS.md's HF row needs: the rate, the engine and its versions, the dtype the
+    # weights ran in (HF dirs: the checkpoint's; GGUF: float32), threads, memory, the command
+    return {"output_tok_s": doc["output_throughput"], "duration_s": doc["wall_s"], "failed": 0,
+            "output_tokens": doc["output_tokens"], "engine": doc["engine"],
+            "max_num_seqs": doc["max_num_seqs"], "threads": doc["threads"],
+            "model_dtype": doc.get("model_dtype"), "peak_rss_gb": doc.get("peak_rss_gb"),
+            "transformers": doc.get("transformers"), "torch": doc.get("torch"),
+            "command": " ".join(shlex.quote(c) for c in cmd)}
 
 
 def serve_and_measure(e: Engine, m: ModelFile, slots: int, ctx: int, what: list[str], w,
