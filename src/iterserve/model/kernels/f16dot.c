@@ -66,7 +66,8 @@ int64_t iterserve_f16_variant(int64_t want) {
 }
 
 int iterserve_f16_takes(int64_t type, int64_t M) {
-    return type == GGML_F16 && M >= 1 && M <= F16_STREAM_ROWS && iterserve_f16_variant(-1) == 0;
+    return type == GGML_F16 && M >= 1 && M <= F16_STREAM_ROWS && iterserve_f16_variant(-1) == 0
+        && !iterserve_bf16_takes(type, M);
 }
 
 /* --- activations: copied once per call into rows 64 bytes more than a multiple of K apart ---
