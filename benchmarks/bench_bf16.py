@@ -13,7 +13,23 @@ times, alternating `--repeats` times and keeping each side's median:
 - "torch": torch's own bf16 matmul (oneDNN, avx512bf16) of x.bfloat16() @ W^T, then .float()
   (bf16 output rounding), for the prefill comparison.
 Decode rows report GB/s of weight bytes streamed; prefill rows GFLOP/s (2 M N K / s). F16
-weights: "old" (F16C float path) against "new" (weights rounded to bf16 in registers).
+weights at decode rows (<= 32; f16_variants): "old" = `qgemm` as session 15 ran it in the auto
+mode (`f16_variant("s15")`), "new" = `qgemm` now (f16dot.c's streamed kernel up to 16 rows),
+"stream512" / "stream2" the streamed kernel forced on AVX-512 / AVX2 at any row count, and
+"float_panel" prefill.c's float32 panel, for the row limit; at prefill rows F16 is unchanged
+("old" the F16C float path against "new" the bf16 panel, weights rounded to bf16). `--shapes
+gate` is one 8192x2048 gate / up segment (what a GGUF's step multiplies; `gate_up` the
+fused pair of a checkpoint).
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --types F16 --shapes qo gate down \
+        --rows 1 2 4 8 12 16 24 --repeats 7 --threads 2          # ~3 min
+
+`--e2e F16_GGUF --f16-variants` alternates session 15's F16 paths and the streamed kernel
+end to end (greedy generation of --batch sequences, auto mode):
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/smollm2-1.7b.F16.gguf --f16-variants --batch 8 --steps 16 --repeats 3 \
+        --threads 2
 Under load: medians of alternating repeats; threads via --threads (default 1: CPU time).
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --quick   # ~1 min

@@ -43,8 +43,24 @@
 #define A512_INLINE static inline __attribute__((always_inline)) A512
 #define A2_INLINE static inline __attribute__((always_inline))
 
-/* Up to this many activation rows F16 decode calls take the streamed kernels (see the report
- * of issue 13, session 16: bench_bf16.py --types F16, measured against session 15's paths). */
+/* Up to this many activation rows F16 decode calls take the streamed kernels. Measured
+ * (bench_bf16.py --types F16 --shapes qo gate down, same process, alternating, medians of 7,
+ * loaded shared 2-core machine; benchmarks/results/f16-kernels-t{1,2}.json), `qgemm` now over
+ * session 15's (auto mode) in time, qo 2048x2048 / gate 8192x2048 / down 2048x8192:
+ * - 1-2 rows: 0.82-0.91 / 0.99-1.11 / 0.93-1.16 (session 15: the AVX-512 register kernel; qo,
+ *   8 MB, is partly cache-resident in a loop; row512 above);
+ * - 4 rows: 1.71-2.39 / 2.29-2.30 / 1.31-1.45; 8 rows: 1.19-1.49 / 1.51-1.56 / 1.55-1.65;
+ *   12 rows: 1.14-1.36 / 1.29-1.39 / 1.63-1.70 (session 15: prefill.c's float32 panel);
+ * - 16 rows, forced, against bf16dot.c's bf16 panel (session 15's auto path from 16 rows):
+ *   0.87-1.00 / 0.95-1.13 / 1.27-1.31, so auto keeps 16+ on that panel (iterserve_f16_takes);
+ *   against prefill.c's float32 panel (float mode) 1.07 / 1.12 / 1.27-1.46 at 16, 0.87 / 0.96
+ *   / 0.96-1.05 at 24: hence 16.
+ * End to end (bench_bf16.py --e2e 1.7B F16 GGUF --f16-variants, 2 threads, 16 steps, medians
+ * of 3, loaded): 2.26x at batch 8 (6.8 -> 15.4 tok/s), 1.73x at batch 3, 1.27x at batch 1.
+ * The batch-8 tile (8 x 3 weight rows, 24 FMAs per 3 weight loads) is bound by FMA
+ * throughput, ~16 GB/s of f16 weights per core; bf16dot.c's vdpbf16ps does twice the products
+ * per instruction, but rounds both sides to bf16. AVX2 ("stream2") is measured on this CPU by
+ * forcing it: level with AVX-512 at 1-4 rows, about half from 8. */
 #ifndef F16_STREAM_ROWS
 #define F16_STREAM_ROWS 16
 #endif
