@@ -13,7 +13,23 @@ times, alternating `--repeats` times and keeping each side's median:
 - "torch": torch's own bf16 matmul (oneDNN, avx512bf16) of x.bfloat16() @ W^T, then .float()
   (bf16 output rounding), for the prefill comparison.
 Decode rows report GB/s of weight bytes streamed; prefill rows GFLOP/s (2 M N K / s). F16
-weights: "old" (F16C float path) against "new" (weights rounded to bf16 in registers).
+weights at decode rows (<= 32; f16_variants): "old" = `qgemm` as session 15 ran it in the auto
+mode (`f16_variant("s15")`), "new" = `qgemm` now (f16dot.c's streamed kernel up to 16 rows),
+"stream512" / "stream2" the streamed kernel forced on AVX-512 / AVX2 at any row count, and
+"float_panel" prefill.c's float32 panel, for the row limit; at prefill rows F16 is unchanged
+("old" the F16C float path against "new" the bf16 panel, weights rounded to bf16). `--shapes
+gate` is one 8192x2048 gate / up segment (what a GGUF's step multiplies; `gate_up` the
+fused pair of a checkpoint).
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --types F16 --shapes qo gate down \
+        --rows 1 2 4 8 12 16 24 --repeats 7 --threads 2          # ~3 min
+
+`--e2e F16_GGUF --f16-variants` alternates session 15's F16 paths and the streamed kernel
+end to end (greedy generation of --batch sequences, auto mode):
+
+    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
+        smollm2-1.7b/smollm2-1.7b.F16.gguf --f16-variants --batch 8 --steps 16 --repeats 3 \
+        --threads 2
 Under load: medians of alternating repeats; threads via --threads (default 1: CPU time).
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --quick   # ~1 min
@@ -54,7 +70,7 @@ import torch
 
 from iterserve.model import kernels
 
-SHAPES = {"qo": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+SHAPES = {"qo": (2048, 2048), "gate": (8192, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 BF16, F16 = 30, 1
 
 
@@ -75,8 +91,35 @@ def _weight(t: int, n: int, k: int, seed: int) -> torch.Tensor:
     return w.view(torch.uint8).view(n, 2 * k)
 
 
+def f16_variants(w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) -> dict:
+    """F16 decode rows (f16dot.c, session 16): "old" = what `qgemm` ran in session 15 in the
+    auto mode (f16_variant("s15"): the register kernel at 1-2 rows, prefill.c's float32 panel
+    at 3-15, bf16dot.c's bf16 panel from 16), "new" = `qgemm` now (auto mode: the streamed
+    kernel up to F16_STREAM_ROWS rows), "stream512" / "stream2" the streamed kernel forced
+    (AVX-512 / AVX2) at any row count, "float_panel" prefill.c's float32 panel (kernels.gemm
+    in float mode), for the row limit."""
+    def q(variant):
+        def fn():
+            kernels.set_activations("auto")
+            kernels.f16_variant(variant)
+            kernels.qgemm(F16, w, k, x, out)
+        return fn
+
+    def forced(isa):
+        return lambda: kernels.qgemm_f16(w, k, x, out, 0, isa)
+
+    def float_panel():
+        kernels.set_activations("float")
+        kernels.gemm(F16, w, k, x, out)
+    v = {"old": q("s15"), "new": q("streamed"), "stream512": forced("avx512")}
+    v["stream2"], v["float_panel"] = forced("avx2"), float_panel
+    return v
+
+
 def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor, torch_too: bool):
     m = x.shape[0]
+    if t == F16 and m <= 32:
+        return f16_variants(w, k, x, out)
 
     def old():
         kernels.set_activations("float")
@@ -98,33 +141,45 @@ def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor
     return v
 
 
-def variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
-    """Greedy generation of `batch` sequences, auto mode, the bf16 decode kernel alternating
-    chunked / streamed `repeats` times after one warm-up round: median output tokens/s each."""
+def variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
+                kind: str = "bf16") -> dict:
+    """Greedy generation of `batch` sequences, auto mode, the decode kernel alternating
+    `repeats` times after one warm-up round: median output tokens/s each. kind "bf16": the bf16
+    kernel chunked / streamed (bf16_variant); "f16": F16 weights' session-15 paths / the
+    streamed f16dot.c kernel (f16_variant "s15" / "streamed")."""
+    if kind == "f16":
+        return _variants_ab(model, batch, steps, repeats, threads, kernels.f16_variant,
+                            ("s15", "streamed"))
+    return _variants_ab(model, batch, steps, repeats, threads, kernels.bf16_variant,
+                        ("chunked", "streamed"))
+
+
+def _variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int, setter,
+                 names: tuple[str, str]) -> dict:
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
     kernels.set_activations("auto")
-    before = kernels.bf16_variant()
-    res: dict[str, list[float]] = {"chunked": [], "streamed": []}
+    before = setter()
+    res: dict[str, list[float]] = {names[0]: [], names[1]: []}
     try:
         for rep in range(repeats + 1):
             for v in res:
-                kernels.bf16_variant(v)
+                setter(v)
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, sp)
                 dt = time.perf_counter() - t0
                 if rep:
                     res[v].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
     finally:
-        kernels.bf16_variant(before)
+        setter(before)
     med = {v: statistics.median(ts) for v, ts in res.items()}
+    a, b = names
     return {"model": model, "batch": batch, "steps": steps, "threads": threads,
-            "repeats": repeats, "chunked_tok_s": round(med["chunked"], 3),
-            "streamed_tok_s": round(med["streamed"], 3),
-            "streamed_over_chunked": round(med["streamed"] / med["chunked"], 3), "raw": res}
+            "repeats": repeats, f"{a}_tok_s": round(med[a], 3), f"{b}_tok_s": round(med[b], 3),
+            f"{b}_over_{a}": round(med[b] / med[a], 3), "raw": res}
 
 
 def mix_split(model: str, slots: int, threads: int) -> dict:
@@ -247,6 +302,8 @@ def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[d
                     for name, fn in vs.items():
                         times[name].append(_time(fn, min_s))
                 kernels.set_activations("float")
+                if t == F16:
+                    kernels.f16_variant("streamed")
                 med = {name: statistics.median(ts) for name, ts in times.items()}
                 row = {"type": tname, "shape": sname, "n": n, "k": k, "rows": m,
                        "threads": threads, "median_s": med}
@@ -269,7 +326,8 @@ def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 32, 128, 512])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["qo", "gate_up", "down"], choices=list(SHAPES),
+                    help="gate: one of the 1.7B's gate / up segments (what a GGUF's step multiplies)")
     ap.add_argument("--types", nargs="+", default=["BF16", "F16"], choices=["BF16", "F16"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-s", type=float, default=0.05)
@@ -281,6 +339,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--variants", action="store_true",
                     help="with --e2e: chunked vs streamed decode kernel (auto mode)")
+    ap.add_argument("--f16-variants", action="store_true",
+                    help="with --e2e on an F16 GGUF: session 15's F16 paths vs the streamed "
+                         "f16dot.c kernel (auto mode)")
     ap.add_argument("--mix-split", action="store_true",
                     help="with --e2e: time `mix`'s engine steps, prefill vs decode (--batch slots)")
     ap.add_argument("--mix-bound", metavar="PROFILE_JSON",
@@ -304,8 +365,9 @@ def main() -> None:
         print(json.dumps(res))
         Path(a.out).write_text(json.dumps(res, indent=1))
         return
-    if a.e2e and a.variants:
-        res = variants_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads)
+    if a.e2e and (a.variants or a.f16_variants):
+        res = variants_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads,
+                          "f16" if a.f16_variants else "bf16")
         print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
         Path(a.out).write_text(json.dumps(res, indent=1))
         return

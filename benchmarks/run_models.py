@@ -275,13 +275,18 @@ def measure_ttft(url: str, samples: int, seed: int) -> dict:
 
 
 async def _saturate(url: str, slots: int, ramp_s: float, window_s: float, seed: int,
-                    ctx: int) -> dict:
+                    ctx: int, min_completed: int = 0, max_window_s: float | None = None) -> dict:
     """Closed loop: `slots` workers, each sending `mix` requests one after another (streamed,
     ignore_eos, greedy, the same payload as the other measures); every text chunk's arrival
     time is kept. Tokens in [ramp, ramp + window] are the chunks there times the tokens per
     chunk of the requests that completed (usage / chunks: 1.0 where every token streams as
     its own chunk, as both servers do; a detokeniser holding back part of a character would
-    make it > 1). At the window's end the workers close their streams (the servers abort)."""
+    make it > 1). At the window's end the workers close their streams (the servers abort).
+    With `min_completed`, a window in which fewer requests than that completed is extended
+    until they have (at most to `max_window_s`, default 4x the window), and the rate is taken
+    over the window actually run (`window_s` in the result; `window_extended` says so): on a
+    loaded machine a short window may end before any request does, and then there is no
+    tokens-per-chunk figure to count with."""
     import httpx
 
     from iterserve.bench.client import ClientOptions, _chunk_text, _payload, discover_model
@@ -339,6 +344,12 @@ async def _saturate(url: str, slots: int, ramp_s: float, window_s: float, seed: 
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(worker(i)) for i in range(slots)]
         await asyncio.sleep(ramp_s + window_s)
+        extended = done["requests"] < min_completed
+        if extended:
+            cap = ramp_s + (max_window_s if max_window_s is not None else 4 * window_s)
+            while done["requests"] < min_completed and time.perf_counter() - t0 < cap:
+                await asyncio.sleep(0.05)
+            window_s = time.perf_counter() - t0 - ramp_s
         stop.set()
         for t in tasks:
             t.cancel()
@@ -348,13 +359,15 @@ async def _saturate(url: str, slots: int, ramp_s: float, window_s: float, seed: 
     per_chunk = done["tokens"] / done["chunks"] if done["chunks"] else 1.0
     return {"output_tok_s": round(n * per_chunk / window_s, 3), "chunks_in_window": n,
             "tokens_per_chunk": round(per_chunk, 4), "completed_requests": done["requests"],
-            "failed": done["failed"], "ramp_s": ramp_s, "window_s": window_s,
+            "failed": done["failed"], "ramp_s": ramp_s, "window_s": round(window_s, 3),
+            **({"window_extended": True} if extended else {}),
             **({"first_error": done["first_error"]} if "first_error" in done else {})}
 
 
 def measure_sat(url: str, slots: int, ramp_s: float, window_s: float, seed: int,
-                ctx: int) -> dict:
-    return asyncio.run(_saturate(url, slots, ramp_s, window_s, seed, ctx))
+                ctx: int, min_completed: int = 0, max_window_s: float | None = None) -> dict:
+    return asyncio.run(_saturate(url, slots, ramp_s, window_s, seed, ctx, min_completed,
+                                 max_window_s))
 
 
 def run_hf_peer(m: ModelFile, slots: int, num_requests: int, log_dir: Path) -> dict:
@@ -363,10 +376,18 @@ def run_hf_peer(m: ModelFile, slots: int, num_requests: int, log_dir: Path) -> d
     cmd = [sys.executable, str(HERE / "peers" / "hf_transformers.py"), "--mode", "continuous",
            *src, "--max-num-seqs", str(slots), "--num-requests", str(num_requests),
            "--out", str(out)]
+    out.unlink(missing_ok=True)             # never read an earlier run's figures
     with open(log_dir / "hf.log", "w") as lf:
         subprocess.run(cmd, check=True, stdout=lf, stderr=subprocess.STDOUT, timeout=1800)
     doc = json.loads(out.read_text())
-    return {"output_tok_s": doc["output_throughput"], "duration_s": doc["wall_s"], "failed": 0}
+    # what BENCHMARKS.md's HF row needs: the rate, the engine and its versions, the dtype the
+    # weights ran in (HF dirs: the checkpoint's; GGUF: float32), threads, memory, the command
+    return {"output_tok_s": doc["output_throughput"], "duration_s": doc["wall_s"], "failed": 0,
+            "output_tokens": doc["output_tokens"], "engine": doc["engine"],
+            "max_num_seqs": doc["max_num_seqs"], "threads": doc["threads"],
+            "model_dtype": doc.get("model_dtype"), "peak_rss_gb": doc.get("peak_rss_gb"),
+            "transformers": doc.get("transformers"), "torch": doc.get("torch"),
+            "command": " ".join(shlex.quote(c) for c in cmd)}
 
 
 def serve_and_measure(e: Engine, m: ModelFile, slots: int, ctx: int, what: list[str], w,
@@ -396,7 +417,7 @@ def serve_and_measure(e: Engine, m: ModelFile, slots: int, ctx: int, what: list[
                 res["ttft"] = measure_ttft(url, args.ttft_samples, seed)
             if "sat" in what:
                 res["sat"] = measure_sat(url, slots, args.sat_ramp_s, args.sat_window_s, seed,
-                                         ctx)
+                                         ctx, args.sat_min_completed)
         finally:
             _stop(proc)
     res["load_1m"] = round(os.getloadavg()[0], 2)
@@ -562,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="`sat`: seconds from the first request before tokens are counted")
     ap.add_argument("--sat-window-s", type=float, default=30.0,
                     help="`sat`: seconds over which output tokens are counted")
+    ap.add_argument("--sat-min-completed", type=int, default=0,
+                    help="`sat`: extend a window in which fewer requests completed (at most "
+                         "to 4x --sat-window-s; the rate is over the window actually run)"),
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--b1-tokens", type=int, default=64)

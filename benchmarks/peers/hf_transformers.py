@@ -110,6 +110,10 @@ def run_static(tok, model, w: Workload, max_num_seqs: int) -> dict:
             "mean_latency_s": round(sum(latencies) / len(latencies), 3)}
 
 
+KV_PAGE = 64              # tokens per KV page (HF's default 256 over-allocates short requests)
+MAX_BATCH_TOKENS = 512    # tokens per CB step: bounds the prefill's activations
+
+
 def run_continuous(tok, model, w: Workload, max_num_seqs: int | None) -> dict:
     """HF's continuous batching manager, one request per workload entry, EOS disabled."""
     import torch
@@ -119,8 +123,16 @@ def run_continuous(tok, model, w: Workload, max_num_seqs: int | None) -> dict:
     ids = _encode(tok, w)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in w.requests),
                            eos_token_id=-1, pad_token_id=tok.pad_token_id or 0)
-    cb = ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs) if max_num_seqs \
-        else ContinuousBatchingConfig()
+    # the KV cache sized for the workload: left alone, HF sizes it as 0.9 of the free memory
+    # (its GPU rule, applied to host RAM: 16.4 GB peak RSS for the 1.7B bf16 on this 24 GB
+    # machine); here every one of `max_num_seqs` running requests gets its longest need
+    # (prompt + max_tokens) in pages of KV_PAGE tokens, as iterserve's run_models sizing does
+    need = sorted(-(-(len(ids[r.index]) + r.max_tokens) // KV_PAGE) for r in w.requests)
+    slots = max_num_seqs or len(need)
+    cb_args = dict(page_size=KV_PAGE, num_blocks=sum(need[-slots:]) + slots,
+                   max_batch_tokens=MAX_BATCH_TOKENS)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs, **cb_args) \
+        if max_num_seqs else ContinuousBatchingConfig(**cb_args)
     results: dict[str, object] = {}
     finish: dict[str, float] = {}
     with torch.inference_mode(), model.continuous_batching_context_manager(
@@ -148,7 +160,8 @@ def run_continuous(tok, model, w: Workload, max_num_seqs: int | None) -> dict:
             "wall_s": round(wall, 3), "output_tokens": out_tokens,
             "output_throughput": round(out_tokens / wall, 3),
             "total_token_throughput": round((out_tokens + w.total_prompt_tokens) / wall, 3),
-            "mean_latency_s": round(sum(finish.values()) / len(finish), 3)}
+            "mean_latency_s": round(sum(finish.values()) / len(finish), 3),
+            "kv_num_blocks": cb_args["num_blocks"], "kv_page_tokens": KV_PAGE}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         res = run_static(tok, model, w, args.max_num_seqs)
     else:
         res = run_continuous(tok, model, w, args.max_num_seqs or None)
+    import torch
+    import transformers
+    with open("/proc/self/status") as f:           # peak resident set: weights + KV + work
+        res["peak_rss_gb"] = next((round(int(line.split()[1]) / 2 ** 20, 3) for line in f
+                                   if line.startswith("VmHWM")), None)
+    res["model_dtype"] = str(model.dtype).replace("torch.", "")
+    res["transformers"], res["torch"] = transformers.__version__, torch.__version__
     doc = {"kind": "offline-peer", "machine": machine_info(), "workload": w.summary(),
            "threads": args.threads, "model": args.model or args.gguf or "bundled GGUF",
            "dtype": args.dtype, **res}

@@ -129,7 +129,8 @@ def test_run_models_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
     out = tmp_path / "bench-tiny.json"
     rc = run_models.main(["--models", str(model), "--engines", "iterserve", "--measures",
                           "mix", "b1", "ttft", "sat", "--sat-slots", "8", "--sat-ramp-s", "0.5",
-                          "--sat-window-s", "2", "--num-requests", "2", "--b1-tokens", "8",
+                          "--sat-window-s", "2", "--sat-min-completed", "1",
+                          "--num-requests", "2", "--b1-tokens", "8",
                           "--ttft-prompt", "32", "--ttft-samples", "1", "--iterserve-args",
                           "--max-num-batched-tokens 64", "--bandwidth-mb", "64", "--out", str(out),
                           "--tag", "t"])
@@ -149,6 +150,10 @@ def test_run_models_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
     # usage tokens per text chunk of the completed requests (> 1: the detokeniser held back
     # a random model's partial characters), so the figure counts tokens, not chunks
     assert 1.0 <= sat["tokens_per_chunk"] < 3.0 and sat["completed_requests"] > 0
+    # under load the 2 s window may end before a request does: it is then extended until
+    # one has (at most to 8 s), and the rate is over the window actually run
+    assert 2.0 <= sat["window_s"] <= 8.5
+    assert sat.get("window_extended", False) == (sat["window_s"] > 2.0)
     assert r["sat_by_slots"] == {"8": sat["output_tok_s"]} and r["sat_best_slots"] == 8
     md = out.with_suffix(".md").read_text()
     assert "| iterserve |" in md and "batch-1 bound" in md and "TTFT 32 ms" in md

@@ -131,6 +131,10 @@ _ARGTYPES = {
     "iterserve_bf16_isa": (_i64, [_i64]),
     "iterserve_bf16_takes": (_i32, [_i64, _i64]),
     "iterserve_bf16_variant": (_i64, [_i64]),
+    "iterserve_f16_gemm": (_i32, [_i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64,
+                                  _i32]),
+    "iterserve_f16_variant": (_i64, [_i64]),
+    "iterserve_f16_takes": (_i32, [_i64, _i64]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -664,6 +668,42 @@ def qgemm_bf16(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: to
         rc = lib.iterserve_bf16_gemm(_BF16_PATHS[path], *args)
         if rc == 4:
             raise ValueError("the bf16 dot-product kernels are not available on this CPU")
+        _rc(rc)
+
+
+# --- streamed decode kernels for F16 weights (f16dot.c) ------------------------------------
+
+_F16_PATHS = {"auto": 0, "avx2": 1, "avx512": 2}
+_F16_VARIANTS = {"streamed": 0, "s15": 1}
+
+
+def f16_variant(want: str | None = None) -> str:
+    """What `qgemm` runs for F16 decode steps (up to f16dot.c's F16_STREAM_ROWS rows):
+    "streamed" (default: f16dot.c, whole weight rows, the next group prefetched, exact float32)
+    or "s15" (session 15's paths: the register kernel at 1-2 rows, the panel GEMMs from 3;
+    ITERSERVE_F16_DECODE=s15 at start), for same-process A/B runs; None only reports.
+    Process-wide, like the activation mode."""
+    got = _lib().iterserve_f16_variant(-1 if want is None else _F16_VARIANTS[want])
+    return {v: k for k, v in _F16_VARIANTS.items()}[int(got)]
+
+
+def f16_takes(rows: int) -> bool:
+    """Whether `qgemm` runs an F16 call of this row count on the streamed F16 kernels."""
+    lib = _library()
+    return bool(lib is not None and lib.iterserve_f16_takes(1, int(rows)))
+
+
+def qgemm_f16(w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor, col0: int = 0,
+              isa: str = "auto") -> None:
+    """`qgemm` of F16 weights on the streamed kernels at any row count (tests, benchmarks):
+    isa "auto" (the one `gemm_isa` says), "avx2" or "avx512" (ValueError where the CPU lacks
+    it). Exact float32: equals x @ dequant(W)^T up to summation order."""
+    lib = _lib()
+    args = _gemm_args(1, w, k, x, out, col0, "qgemm_f16", "qgemm")
+    if args is not None:
+        rc = lib.iterserve_f16_gemm(_F16_PATHS[isa], *args)
+        if rc == 4:
+            raise ValueError(f"the {isa} F16 kernel is not available on this CPU")
         _rc(rc)
 
 

@@ -82,7 +82,8 @@
  * decode kernel the 3 conversion instructions per 32 weights are paid once per tile of <= 8
  * rows and compete with the dot products; in the panel GEMM they are paid once per call.
  * Hence F16_DOT_ROWS = BF16_PANEL_ROWS: decode steps keep the exact F16C kernels, prefill
- * chunks and large batches take the bf16 panel GEMM. `float` keeps F16C everywhere. */
+ * chunks and large batches take the bf16 panel GEMM. `float` keeps F16C everywhere. (Since
+ * session 16 F16 decode steps below that run f16dot.c's streamed exact-float32 kernel.) */
 #ifndef F16_DOT_ROWS
 #define F16_DOT_ROWS BF16_PANEL_ROWS
 #endif

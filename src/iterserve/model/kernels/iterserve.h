@@ -162,6 +162,19 @@ int64_t iterserve_bf16_variant(int64_t want);
 /* internal: whether iterserve_qgemm / iterserve_gemm hand this call to iterserve_bf16_gemm */
 int iterserve_bf16_takes(int64_t type, int64_t M);
 
+/* --- streamed decode kernels for F16 weights (f16dot.c, AVX-512F or AVX2 + F16C) ---------- */
+/* The same product as iterserve_qgemm for F16 weights, exact float32 (weights widened with
+ * vcvtph2ps, float32 FMAs): path 0 the ISA of iterserve_gemm_isa, 1 AVX2, 2 AVX-512F (tests,
+ * benchmarks). Any k >= 1. Returns ITERSERVE_ETYPE (not F16, or an ISA the CPU lacks) or ENOMEM. */
+int iterserve_f16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
+                       int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                       float *y, int64_t ldy, int nthreads);
+/* F16 decode steps: 0 the streamed kernels (default), 1 session 15's paths (qgemm.c register
+ * kernel / prefill.c panel; ITERSERVE_F16_DECODE=s15 at start); -1 only reports. */
+int64_t iterserve_f16_variant(int64_t want);
+/* internal: whether iterserve_qgemm hands this call to iterserve_f16_gemm */
+int iterserve_f16_takes(int64_t type, int64_t M);
+
 /* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
 void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);
 void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I);

@@ -708,6 +708,11 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
     if (iterserve_bf16_takes(type, M)
         && iterserve_bf16_gemm(0, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
         return;
+    /* F16 decode steps on the streamed kernels (f16dot.c), exact float32, every mode (not
+     * where the bf16 panel above took the call) */
+    if (iterserve_f16_takes(type, M)
+        && iterserve_f16_gemm(0, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
+        return;
     if (M < 1 || n < 1) return;
     if (M >= panel_rows(type)
         && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
