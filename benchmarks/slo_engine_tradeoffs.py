@@ -68,8 +68,8 @@ from iterserve.bench.metrics import SLO  # noqa: E402
 from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
 from iterserve.core.step_time import attention_pairs  # noqa: E402
 from iterserve.lab.cost_model import load_cost_model  # noqa: E402
-
-REFERENCE_STEP = (16, 16, 16 * 257, 0)       # 16 decodes at 256 tokens of context
+# The one definition of the preset rate scale and its reference step: lab_vs_engine.py.
+from lab_vs_engine import rate_scale as preset_rate_scale  # noqa: E402
 
 # (preset, case name, option overrides, requests)
 CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -94,6 +94,23 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # the budget for the decodes and a short prompt alongside (the lab's best p99).
         ("chunked, budget 256, threshold 32, 2 partial / 1 long",
          {"max_num_batched_tokens": 256, "long_prefill_token_threshold": 32,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
+        # Session 16: a long prompt's chunk capped by the threshold, a larger budget around
+        # it for the decodes and a short prompt (no short prompt waits behind a long one's
+        # whole chunked prefill; fewer, larger steps than budget 128). The lab's p99 ITL
+        # gains for these are 3.8-4.5x (budget 512 alone: 3.1x; real 2.4x, session 15).
+        ("chunked, budget 512, threshold 256, 2 partial / 1 long",
+         {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
+        ("chunked, budget 384, threshold 320, 2 partial / 1 long",
+         {"max_num_batched_tokens": 384, "long_prefill_token_threshold": 320,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
+        # ... and the long prompts' chunks capped at 256 per step together
+        # (max_long_prefill_tokens): the step that ends one long prefill starts the next
+        # with what is left of the 256, not with a whole second chunk.
+        ("chunked, budget 512, threshold 256, long cap 256, 2 partial / 1 long",
+         {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+          "max_long_prefill_tokens": 256,
           "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
     ],
     "priority-flood": [
@@ -459,6 +476,29 @@ def targets(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def select_cases(cases: list[tuple[str, dict[str, Any]]], spec: str | None
+                 ) -> list[tuple[str, dict[str, Any]]]:
+    """`--cases`: comma-separated parts; a part equal to a case's whole name selects that
+    case alone, any other part every case whose name contains it ("budget 256" also
+    matches "chunked, budget 256, threshold 32, ..."; "chunked, budget 256" is only that)."""
+    if not spec:
+        return list(cases)
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    names = {n for n, _ in cases}
+    # a whole name has commas of its own: rejoin the parts that make one up
+    exact, loose, i = set(), [], 0
+    while i < len(parts):
+        for j in range(len(parts), i, -1):
+            if ", ".join(parts[i:j]) in names:
+                exact.add(", ".join(parts[i:j]))
+                i = j
+                break
+        else:
+            loose.append(parts[i])
+            i += 1
+    return [(n, o) for n, o in cases if n in exact or any(p in n for p in loose)]
+
+
 def main() -> None:
     slo_engine.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -474,7 +514,8 @@ def main() -> None:
                          "other time (ABBA: same-run ratios under load); targets pair each "
                          "chunked case with chunking off of the same repeat")
     ap.add_argument("--cases", help="only the cases whose name contains one of these "
-                                    "comma-separated strings (e.g. 'off,budget 64')")
+                                    "comma-separated strings (e.g. 'off,budget 64'); a "
+                                    "whole case name selects only that case")
     ap.add_argument("--port", type=int, default=18620)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--serve-arg", action="append", help=argparse.SUPPRESS)
@@ -497,8 +538,7 @@ def main() -> None:
         cost = cal.cost_model
         cal_source = {"mean_abs_rel_error": cal.mean_abs_rel_error,
                       "max_abs_rel_error": cal.max_abs_rel_error, **cal.cost_model.to_dict()}
-    shipped = load_cost_model("smollm2-cpu")
-    rate_scale = shipped.step_time(*REFERENCE_STEP) / cost.step_time(*REFERENCE_STEP)
+    rate_scale = preset_rate_scale(cost)
     print(f"this machine runs the reference step {rate_scale:.2f}x as fast as the shipped "
           f"smollm2-cpu fit: preset rates x {rate_scale:.2f}", flush=True)
     doc: dict[str, Any] = {"benchmark": "slo_engine_tradeoffs", "machine": machine_info(),
@@ -517,8 +557,7 @@ def main() -> None:
     port = args.port
     for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
         t_p = time.time()
-        cases = [(n, o) for n, o in CASES[preset] if not args.cases or any(
-            part.strip() and part.strip() in n for part in args.cases.split(","))]
+        cases = select_cases(CASES[preset], args.cases)
         for r in range(args.repeats):
             for name, over in (cases if r % 2 == 0 else cases[::-1]):
                 row = run_case(args, preset, name, over, cost, rate_scale, port)
