@@ -119,8 +119,8 @@ def measure(repeats: int, chunks: list[int], contexts: list[int], budgets: list[
             if k not in med:
                 continue
             alone, mixed = med[k], med[k + " + decodes"]
-            # the whole prompt's attention share is spread over it; per token at context S the
-            # chunk pays more attention than the average token of a whole prefill
+            # per token against the whole prompt's average token (whose attention runs over
+            # half the prompt on average: a chunk at context > ~1000 pays more per token)
             rows.append({"chunk": c, "context": s, "alone_s": alone, "mixed_s": mixed,
                          "per_token_vs_whole": (alone / c) / (whole / prompt),
                          "decodes_in_mixed_s": mixed - alone,
@@ -135,15 +135,11 @@ def measure(repeats: int, chunks: list[int], contexts: list[int], budgets: list[
         n = len(plans[f"plan budget {b}"])
         base = med[f"whole {prompt} + decodes"] + (n - 1) * dec
         ch = med[f"plan budget {b}"]
-        # the same work split by part: prefill alone per chunk, decodes inside mixed steps
-        chunk_sum = sum(med.get(f"chunk {c} @{s}", float("nan")) for s, c in
-                        plan_chunks(prompt, b - decodes))
         plan_rows.append({"budget": b, "chunks": n, "chunked_s": ch, "unchunked_s": base,
                           "extra_s": ch - base, "extra_frac": (ch - base) / base})
         print(f"  plan budget {b:4d}: {n:3d} chunk steps {ch:.3f} s vs whole + "
               f"{n - 1} decode steps {base:.3f} s: +{ch - base:.3f} s "
               f"({(ch - base) / base:+.1%}) per {prompt}-token prompt", flush=True)
-        del chunk_sum
     print(f"  decode step ({decodes} @{DEC_CTX}) {dec * 1e3:.1f} ms; whole {prompt} "
           f"{whole * 1e3:.1f} ms ({whole / prompt * 1e3:.3f} ms/token); whole + decodes "
           f"{med[f'whole {prompt} + decodes'] * 1e3:.1f} ms", flush=True)
