@@ -21,7 +21,10 @@ machine): longprompt with chunked prefill off and on at budgets 128, 256 and 512
 512 with a 256-token long-prefill threshold, 2 partial prefills of which 1 long
 (`max_long_partial_prefills`); longprompt-heavy (the stall-heavy variant, 70% long prompts;
 run it alone with `--presets longprompt-heavy`, ~8-9 min quiet) with chunking off and
-budgets 64 / 128 / 256 / 512, and budget 256 with a 32-token threshold, 2 partial / 1 long; priority-flood under priority, under priority with the less
+budgets 64 / 128 / 256 / 512, budget 256 with a 32-token threshold, budget 512 with a
+256-token threshold and budget 384 with a 320-token one (2 partial / 1 long each), and budget
+512 / threshold 256 with the long prompts' chunks capped at 256 per step together
+(`max_long_prefill_tokens`); priority-flood under priority, under priority with the less
 urgent class capped at 4 tokens per step while the urgent one is active
 (`priority_less_urgent_tokens`), and fcfs, plus the interactive class alone (same server);
 kv-pressure with recompute and swap. Per case: real and lab throughput, p99 ITL, p99 TTFT
@@ -68,8 +71,8 @@ from iterserve.bench.metrics import SLO  # noqa: E402
 from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
 from iterserve.core.step_time import attention_pairs  # noqa: E402
 from iterserve.lab.cost_model import load_cost_model  # noqa: E402
-
-REFERENCE_STEP = (16, 16, 16 * 257, 0)       # 16 decodes at 256 tokens of context
+# The one definition of the preset rate scale and its reference step: lab_vs_engine.py.
+from lab_vs_engine import rate_scale as preset_rate_scale  # noqa: E402
 
 # (preset, case name, option overrides, requests)
 CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -94,6 +97,23 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # the budget for the decodes and a short prompt alongside (the lab's best p99).
         ("chunked, budget 256, threshold 32, 2 partial / 1 long",
          {"max_num_batched_tokens": 256, "long_prefill_token_threshold": 32,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
+        # Session 16: a long prompt's chunk capped by the threshold, a larger budget around
+        # it for the decodes and a short prompt (no short prompt waits behind a long one's
+        # whole chunked prefill; fewer, larger steps than budget 128). The lab's p99 ITL
+        # gains for these are 3.8-4.5x (budget 512 alone: 3.1x; real 2.4x, session 15).
+        ("chunked, budget 512, threshold 256, 2 partial / 1 long",
+         {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
+        ("chunked, budget 384, threshold 320, 2 partial / 1 long",
+         {"max_num_batched_tokens": 384, "long_prefill_token_threshold": 320,
+          "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
+        # ... and the long prompts' chunks capped at 256 per step together
+        # (max_long_prefill_tokens): the step that ends one long prefill starts the next
+        # with what is left of the 256, not with a whole second chunk.
+        ("chunked, budget 512, threshold 256, long cap 256, 2 partial / 1 long",
+         {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+          "max_long_prefill_tokens": 256,
           "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
     ],
     "priority-flood": [
@@ -183,93 +203,6 @@ def step_shapes(cost) -> list[dict[str, Any]]:
 def _p99(values: list[float]) -> float | None:
     values = sorted(values)
     return values[min(len(values) - 1, int(0.99 * len(values)))] if values else None
-
-
-def chunk_cost(repeats: int = 3, prompt: int = 2000, decodes: int = 16,
-               budgets: tuple[int, ...] = (128, 256, 512)) -> dict[str, Any]:
-    """What chunking one long prompt costs the engine, on the model runner, per budget.
-
-    Chunked, the prompt's chunks (budget - decodes tokens each, at a growing context) ride in
-    steps with `decodes` running decodes; unchunked, one step prefills it whole next to the
-    decodes and the other steps are decode-only. Both give the decodes the same number of
-    tokens, so `extra_s` = sum(chunk steps) - (whole step + (chunks - 1) decode steps) is
-    the time chunking adds per long prompt: what longprompt's throughput cost is made of.
-    With the native paged prefill attention (model/attention.py PREFILL_NATIVE) and without
-    it, alternating, medians of `repeats`."""
-    import random
-
-    from iterserve.core.request import SamplingParams
-    from iterserve.core.scheduler_output import NewRequestData, SchedulerOutput
-    from iterserve.model import attention
-    from iterserve.model.loader import load_model
-    from iterserve.model.runner import ModelRunner
-
-    rng, bs = random.Random(1), 16
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    ctx = 256
-    dec_blocks = -(-(ctx + 1) // bs)
-    long_blocks = -(-prompt // bs)
-    nb = decodes * dec_blocks + long_blocks
-    dec_tokens = [[rng.randrange(3, 1000) for _ in range(ctx + 1)] for _ in range(decodes)]
-    long_tokens = [rng.randrange(3, 1000) for _ in range(prompt)]
-    seq = [0]
-
-    def step(chunk: tuple[int, int] | None, with_decodes: bool = True) -> SchedulerOutput:
-        seq[0] += 1
-        new, num = [], {}
-        if with_decodes:
-            for j in range(decodes):
-                rid = f"d{seq[0]}-{j}"
-                new.append(NewRequestData(rid, dec_tokens[j], params,
-                                          tuple(range(j * dec_blocks, (j + 1) * dec_blocks)), ctx))
-                num[rid] = 1
-        if chunk is not None:
-            start, n = chunk
-            rid = f"L{seq[0]}"
-            new.append(NewRequestData(rid, long_tokens[:start + n], params,
-                                      tuple(range(decodes * dec_blocks, nb)), start))
-            num[rid] = n
-        return SchedulerOutput(step=seq[0], scheduled_new_reqs=new, num_scheduled_tokens=num,
-                               num_batched_tokens=sum(num.values()))
-
-    plans: dict[str, list[SchedulerOutput]] = {"unchunked": [step((0, prompt))],
-                                                "decode step": [step(None)]}
-    for b in budgets:
-        c = b - decodes
-        plans[f"budget {b}"] = [step((s0, min(c, prompt - s0))) for s0 in range(0, prompt, c)]
-    runner = ModelRunner(load_model(None), num_blocks=nb, block_size=bs)
-    times: dict[tuple[str, bool], list[float]] = {}
-    native_default = attention.PREFILL_NATIVE
-    try:
-        for native in (True, False):                       # warm both paths
-            attention.PREFILL_NATIVE = native
-            for outs in plans.values():
-                runner.execute(outs[0])
-        for _ in range(repeats):
-            for native in (True, False):
-                attention.PREFILL_NATIVE = native
-                for name, outs in plans.items():
-                    t = time.perf_counter()
-                    for o in outs:
-                        runner.execute(o)
-                    times.setdefault((name, native), []).append(time.perf_counter() - t)
-    finally:
-        attention.PREFILL_NATIVE = native_default
-    rows = []
-    for native in (True, False):
-        med = {name: statistics.median(times[(name, native)]) for name in plans}
-        for b in budgets:
-            n = len(plans[f"budget {b}"])
-            base = med["unchunked"] + (n - 1) * med["decode step"]
-            extra = med[f"budget {b}"] - base
-            rows.append({"native_prefill_attention": native, "budget": b, "chunks": n,
-                         "chunked_s": med[f"budget {b}"], "unchunked_s": base,
-                         "extra_s": extra, "extra_frac": extra / base})
-            print(f"  {'native' if native else 'torch '} budget {b:4d}: {n:3d} chunks "
-                  f"{med[f'budget {b}']:.3f} s vs whole + decode steps {base:.3f} s: "
-                  f"+{extra:.3f} s ({extra / base:+.1%}) per {prompt}-token prompt", flush=True)
-    return {"prompt": prompt, "decodes": decodes, "context": ctx, "repeats": repeats,
-            "rows": rows}
 
 
 def _pct(values, q: float) -> float | None:
@@ -459,6 +392,29 @@ def targets(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def select_cases(cases: list[tuple[str, dict[str, Any]]], spec: str | None
+                 ) -> list[tuple[str, dict[str, Any]]]:
+    """`--cases`: comma-separated parts; a part equal to a case's whole name selects that
+    case alone, any other part every case whose name contains it ("budget 256" also
+    matches "chunked, budget 256, threshold 32, ..."; "chunked, budget 256" is only that)."""
+    if not spec:
+        return list(cases)
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    names = {n for n, _ in cases}
+    # a whole name has commas of its own: rejoin the parts that make one up
+    exact, loose, i = set(), [], 0
+    while i < len(parts):
+        for j in range(len(parts), i, -1):
+            if ", ".join(parts[i:j]) in names:
+                exact.add(", ".join(parts[i:j]))
+                i = j
+                break
+        else:
+            loose.append(parts[i])
+            i += 1
+    return [(n, o) for n, o in cases if n in exact or any(p in n for p in loose)]
+
+
 def main() -> None:
     slo_engine.stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -467,14 +423,15 @@ def main() -> None:
     ap.add_argument("--no-shapes", action="store_true", help="skip the long-prefill steps")
     ap.add_argument("--cost-model", help="skip the calibration: use this fit (file or name)")
     ap.add_argument("--chunk-cost", action="store_true",
-                    help="also time what chunking a 2000-token prompt adds, with and without "
-                         "the native prefill attention (~1-2 min quiet)")
+                    help="also time what chunking a 2000-token prompt adds on the model "
+                         "runner (slo_chunk_cost.py; ~1 min quiet)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each preset's cases this many times, the order reversed every "
                          "other time (ABBA: same-run ratios under load); targets pair each "
                          "chunked case with chunking off of the same repeat")
     ap.add_argument("--cases", help="only the cases whose name contains one of these "
-                                    "comma-separated strings (e.g. 'off,budget 64')")
+                                    "comma-separated strings (e.g. 'off,budget 64'); a "
+                                    "whole case name selects only that case")
     ap.add_argument("--port", type=int, default=18620)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--serve-arg", action="append", help=argparse.SUPPRESS)
@@ -497,8 +454,7 @@ def main() -> None:
         cost = cal.cost_model
         cal_source = {"mean_abs_rel_error": cal.mean_abs_rel_error,
                       "max_abs_rel_error": cal.max_abs_rel_error, **cal.cost_model.to_dict()}
-    shipped = load_cost_model("smollm2-cpu")
-    rate_scale = shipped.step_time(*REFERENCE_STEP) / cost.step_time(*REFERENCE_STEP)
+    rate_scale = preset_rate_scale(cost)
     print(f"this machine runs the reference step {rate_scale:.2f}x as fast as the shipped "
           f"smollm2-cpu fit: preset rates x {rate_scale:.2f}", flush=True)
     doc: dict[str, Any] = {"benchmark": "slo_engine_tradeoffs", "machine": machine_info(),
@@ -510,15 +466,15 @@ def main() -> None:
         print("long-prefill steps, model runner vs the lab's linear cost model:", flush=True)
         doc["step_shapes"] = step_shapes(cost)
     if args.chunk_cost:
-        print("chunking one long prompt, model runner (native vs torch prefill attention):",
-              flush=True)
-        doc["chunk_cost"] = chunk_cost()
+        import slo_chunk_cost
+
+        print("chunking one long prompt, model runner (slo_chunk_cost.py's plans):", flush=True)
+        doc["chunk_cost"] = slo_chunk_cost.measure(3, [], [], [128, 256, 512], 16, 2000)
         out.write_text(json.dumps(doc, indent=2) + "\n")
     port = args.port
     for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
         t_p = time.time()
-        cases = [(n, o) for n, o in CASES[preset] if not args.cases or any(
-            part.strip() and part.strip() in n for part in args.cases.split(","))]
+        cases = select_cases(CASES[preset], args.cases)
         for r in range(args.repeats):
             for name, over in (cases if r % 2 == 0 else cases[::-1]):
                 row = run_case(args, preset, name, over, cost, rate_scale, port)

@@ -70,6 +70,8 @@ def serve_args(p: LabPlan) -> list[str]:
         args += ["--long-prefill-token-threshold", str(sc.long_prefill_token_threshold)]
     if sc.max_long_partial_prefills is not None:
         args += ["--max-long-partial-prefills", str(sc.max_long_partial_prefills)]
+    if sc.max_long_prefill_tokens:
+        args += ["--max-long-prefill-tokens", str(sc.max_long_prefill_tokens)]
     if sc.priority_less_urgent_tokens:
         args += ["--priority-less-urgent-tokens", str(sc.priority_less_urgent_tokens),
                  "--priority-guard-steps", str(sc.priority_guard_steps)]

@@ -707,6 +707,54 @@ def test_max_long_partial_prefills_is_checked_and_off_by_default():
     assert scheduled(out) == {"long1": 8, "short": 6}
 
 
+# --- max_long_prefill_tokens: long prompts' chunks share one cap per step ------------------
+def test_max_long_prefill_tokens_keeps_the_step_that_ends_one_long_prefill_as_short():
+    # 40-token prompts in chunks of 16 (the threshold), budget 48, 2 partial / 1 long.
+    kw = dict(max_num_batched_tokens=48, long_prefill_token_threshold=16,
+              max_num_partial_prefills=2, max_long_partial_prefills=1)
+    steps = {}
+    for cap in (0, 16):
+        s = make(max_long_prefill_tokens=cap, **kw)
+        for rid in ("long1", "long2"):
+            s.add_request(req(rid, prompt_len=40))
+        steps[cap] = [scheduled(step(s)[0]) for _ in range(4)]
+    # Without the cap, long1's last 8 tokens leave long1 short: long2 starts next to them
+    # with a whole chunk, a step of 24 prefill tokens against 16 in the others.
+    assert steps[0][:3] == [{"long1": 16}, {"long1": 16}, {"long1": 8, "long2": 16}]
+    # With it, long2 starts with what long1's last chunk left of the 16.
+    assert steps[16][:3] == [{"long1": 16}, {"long1": 16}, {"long1": 8, "long2": 8}]
+    assert steps[16][3] == {"long1": 1, "long2": 16}
+    assert all(sum(n for rid, n in st.items() if n > 1) <= 16 for st in steps[16])
+
+
+def test_max_long_prefill_tokens_passes_a_long_prompt_over_but_not_short_ones():
+    s = make(max_num_batched_tokens=64, long_prefill_token_threshold=16,
+             max_num_partial_prefills=3, max_long_prefill_tokens=16)
+    for rid, n in (("long1", 40), ("long2", 40), ("short", 10)):
+        s.add_request(req(rid, prompt_len=n))
+    out, _ = step(s)
+    # long1 takes the 16; long2 (its cap spent) keeps its place, the short prompt starts.
+    assert scheduled(out) == {"long1": 16, "short": 10}
+    assert ids(s.waiting) == ["long2"]
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 16, "short": 1}
+    out, _ = step(s)
+    assert scheduled(out) == {"long1": 8, "short": 1, "long2": 8}
+
+
+def test_max_long_prefill_tokens_needs_a_threshold_and_is_off_by_default():
+    from iterserve.core.config import ConfigError
+
+    assert SchedulerConfig().validate().max_long_prefill_tokens == 0
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        SchedulerConfig(max_long_prefill_tokens=16).validate()
+    # Without chunked prefill a prompt runs whole: the cap must not starve it.
+    s = make(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64,
+             long_prefill_token_threshold=16, max_long_prefill_tokens=16)
+    s.add_request(req("long", prompt_len=40))
+    assert scheduled(step(s)[0]) == {"long": 40}
+
+
 # --- priority_less_urgent_tokens: short steps while an urgent class is active --------------
 def _flood(cap, guard=50):
     s = make(scheduling_policy="priority", max_num_seqs=8, max_num_batched_tokens=64,

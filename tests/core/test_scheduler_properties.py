@@ -42,6 +42,7 @@ def configs(draw):
         max_num_partial_prefills=(partial := draw(st.integers(1, 3))),
         max_long_partial_prefills=draw(st.sampled_from(
             [None] + (list(range(1, partial + 1)) if threshold else []))),
+        max_long_prefill_tokens=draw(st.sampled_from([0, 0] + ([1, 4, 9] if threshold else []))),
         priority_less_urgent_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         priority_guard_steps=draw(st.sampled_from([0, 5])),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority", "slo"])),

@@ -303,3 +303,18 @@ def test_targets_under_another_policy_are_refused_naming_the_field(policy, field
     assert policy in str(exc.value)
     assert not s.requests and s.num_waiting == 0
     s.add_request(Request("ok", [1, 2], SamplingParams(max_tokens=2)))   # the rest still works
+
+
+def test_ttft_prediction_chunks_a_long_prompt_as_the_scheduler_does():
+    """The prediction's chunk is the scheduler's: the threshold, and under
+    max_long_prefill_tokens the long prompts' per-step cap; a long prompt's predicted
+    prefill time is as many of those steps as the scheduler will run."""
+    e = Engine(long_prefill_token_threshold=64)
+    capped = Engine(long_prefill_token_threshold=64, max_long_prefill_tokens=32)
+    assert e.s.slo._chunk(400) == 64 and capped.s.slo._chunk(400) == 32
+    assert e.s.slo._chunk(40) == capped.s.slo._chunk(40) == 40    # short: whole
+    assert capped.s.slo.prefill_time(400, 0, 0) > e.s.slo.prefill_time(400, 0, 0)
+    # and the scheduler runs exactly those chunks
+    capped.add("long", prompt_len=400)
+    out, _ = capped.step()
+    assert dict(out.num_scheduled_tokens) == {"long": 32}

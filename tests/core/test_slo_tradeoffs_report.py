@@ -70,6 +70,46 @@ def test_serve_flags_carry_the_long_partial_cap_and_the_less_urgent_cap(bench):
     flags = w.serve_args(p)
     assert flags[flags.index("--priority-less-urgent-tokens") + 1] == "4"
     assert "--max-long-partial-prefills" not in flags
+    assert "--max-long-prefill-tokens" not in flags
+    p = w.plan("longprompt-heavy", requests=8, max_num_batched_tokens=512,
+               long_prefill_token_threshold=256, max_long_prefill_tokens=256)
+    flags = w.serve_args(p)
+    assert flags[flags.index("--max-long-prefill-tokens") + 1] == "256"
+
+
+def test_cases_select_by_substring_or_by_a_whole_name(bench):
+    t, _ = bench
+    cases = t.CASES["longprompt-heavy"]
+    pick = lambda spec: [n for n, _ in t.select_cases(cases, spec)]  # noqa: E731
+    assert pick(None) == [n for n, _ in cases]
+    # "budget 256" also matches the threshold case; its whole name is that case alone
+    assert pick("budget 256") == ["chunked, budget 256",
+                                  "chunked, budget 256, threshold 32, 2 partial / 1 long"]
+    assert pick("off,chunked, budget 256") == ["chunking off", "chunked, budget 256"]
+    assert pick("off,chunked, budget 512, threshold 256, 2 partial / 1 long,long cap") == [
+        "chunking off", "chunked, budget 512, threshold 256, 2 partial / 1 long",
+        "chunked, budget 512, threshold 256, long cap 256, 2 partial / 1 long"]
+    assert pick("no such case") == []
+
+
+def test_the_long_prefill_cap_trims_the_heavy_presets_tail_in_the_lab(bench):
+    """max_long_prefill_tokens on longprompt-heavy (budget 512, threshold 256, 2 partial /
+    1 long): without it the step that ends one long prefill starts the next with a whole
+    second chunk; with it that step is no longer than the others, so p99.9 / max ITL drop
+    at the same throughput (same requests, same cost model: the lab runs this scheduler)."""
+    from iterserve.lab.cost_model import load_cost_model
+
+    t, w = bench
+    cost = load_cost_model("smollm2-cpu")
+    base = {**w.preset_options("longprompt-heavy"), "cost_model": cost, "seed": 0,
+            "max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+            "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}
+    free = t.lab_run(base)
+    capped = t.lab_run({**base, "max_long_prefill_tokens": 256})
+    assert capped["max_itl_s"] < 0.85 * free["max_itl_s"]
+    assert capped["p999_itl_s"] < 0.85 * free["p999_itl_s"]
+    assert capped["p99_itl_s"] <= free["p99_itl_s"]
+    assert capped["throughput_tokens_per_s"] >= 0.99 * free["throughput_tokens_per_s"]
 
 
 def test_chunking_target_pairs_each_case_with_chunking_off_of_its_own_repeat(bench):

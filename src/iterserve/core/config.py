@@ -195,6 +195,11 @@ class SchedulerConfig:
         "long_prefill_token_threshold tokens left); a long prompt over the cap is passed over "
         "for shorter ones behind it (vLLM's, whose default is 1; applies when "
         "max_num_partial_prefills > 1)", int, minimum=1, nullable=True)
+    max_long_prefill_tokens: int = knob(
+        0, "tokens per step that long prompts (more than long_prefill_token_threshold "
+        "tokens) may take in all, so the step that ends one long prefill and starts the "
+        "next is no longer than the others: one long chunk's worth per step, whatever "
+        "the budget leaves (0: no cap)", int, minimum=0)
     scheduling_policy: SchedulingPolicy = knob(
         SchedulingPolicy.FCFS, "queue order (priority: lower value first, may preempt)",
         SchedulingPolicy)
@@ -250,6 +255,10 @@ class SchedulerConfig:
             raise ConfigError(
                 "max_long_partial_prefills needs long_prefill_token_threshold (the prompt "
                 "length above which a prefill counts as long)", "max_long_partial_prefills")
+        if self.max_long_prefill_tokens and not self.long_prefill_token_threshold:
+            raise ConfigError(
+                "max_long_prefill_tokens needs long_prefill_token_threshold (the prompt "
+                "length above which a prefill counts as long)", "max_long_prefill_tokens")
         if self.max_num_batched_tokens is None:
             budget = default_max_num_batched_tokens
             if not self.enable_chunked_prefill:

@@ -26,7 +26,10 @@ hit, or 1 for a decode. One loop covers all of them, as in vLLM's v1 core and na
    tokens left) over the long cap is passed over, keeping its place, and shorter prompts
    behind it start; likewise, with a threshold set, a prompt that would be one partial
    prefill over `max_num_partial_prefills` is passed over for the prompts behind it that
-   complete within the budget left. Under the
+   complete within the budget left. With `max_long_prefill_tokens` the chunks of long
+   prompts (more than the threshold in all) take at most that many tokens per step
+   together: the step that ends one long prefill starts the next with what is left of it,
+   and a long prompt that finds it spent is passed over like one over the long cap. Under the
    `slo` policy (core/slo_policy.py) the queue is ordered by slack, a request that cannot
    meet its TTFT target is refused in add_request, and admission holds while one more
    decode would push the running requests past their TPOT target.
@@ -119,6 +122,12 @@ class Scheduler:
         long_cap = config.max_long_partial_prefills
         self._max_long = (long_cap if long_cap and long_cap < config.max_num_partial_prefills
                           and self._threshold else 0)
+        # max_long_prefill_tokens: what the chunks of long prompts (more than the threshold
+        # in all) may take per step together, so the step that ends one long prefill and
+        # starts the next costs what the others cost (with chunked prefill only: unchunked,
+        # a long prompt runs whole or never).
+        self._long_tokens = (config.max_long_prefill_tokens
+                             if self._chunked and self._threshold else 0)
         # Priority: the most urgent class seen lately and the step it was last seen
         # (priority_less_urgent_tokens caps the others while it is active).
         self._low_cap = config.priority_less_urgent_tokens if self._priority else 0
@@ -288,6 +297,8 @@ class Scheduler:
         num_partial = 0       # requests that will still be mid-prefill after this step
         num_long = 0          # of those, long ones (max_long_partial_prefills)
         threshold = self._threshold
+        long_cap = self._long_tokens
+        long_left = long_cap      # max_long_prefill_tokens left this step (if long_cap)
         # Priority with priority_less_urgent_tokens: requests less urgent than `low_p` share
         # `low_left` tokens this step (None: no cap); `low_sched` are those scheduled.
         low_p, low_left = self._low_cap_now(step) if self._low_cap else (None, 0)
@@ -316,10 +327,16 @@ class Scheduler:
             if n > 1:
                 if threshold and n > threshold:
                     num_long += 1           # a long prefill (or recompute) mid-way
-                n = clamp(n, low_left if low and low_left < budget else budget)
+                cap = low_left if low and low_left < budget else budget
+                long_req = long_cap and num_tokens > threshold
+                if long_req and long_left < cap:
+                    cap = long_left
+                n = clamp(n, cap)
                 if not n:
                     i += 1                  # a whole recompute that does not fit this step
                     continue
+                if long_req:
+                    long_left -= n
             rid = req.request_id
             if start + n <= granted[rid]:
                 new_blocks = ()             # the common decode step: its last block has room
@@ -431,7 +448,17 @@ class Scheduler:
                 hits = bm.find_cached_blocks(req)
                 num_hit = len(hits) * bs
                 left = req.num_tokens - num_hit
-                n = clamp(left, low_left if low and low_left < budget else budget)
+                cap = low_left if low and low_left < budget else budget
+                long_req = long_cap and left > 1 and req.num_tokens > threshold
+                if long_req and long_left < cap:
+                    if long_left <= 0:
+                        # max_long_prefill_tokens spent by the long chunks already in this
+                        # step: pass this long prompt over (it keeps its place).
+                        if scan is None:
+                            scan = iter([r for r in source if r is not req])
+                        continue
+                    cap = long_left
+                n = clamp(left, cap)
                 if not n:
                     break
                 partial = num_hit + n < req.num_tokens
@@ -484,6 +511,8 @@ class Scheduler:
                 budget -= n
                 if low:
                     low_left -= n
+                if long_req:
+                    long_left -= n
                 if partial:
                     num_partial += 1
                     if is_long:

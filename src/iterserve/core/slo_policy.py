@@ -207,8 +207,13 @@ class SloPolicy:
         cfg = self.scheduler.config
         c = n
         if cfg.enable_chunked_prefill:
-            if cfg.long_prefill_token_threshold and c > cfg.long_prefill_token_threshold:
-                c = cfg.long_prefill_token_threshold
+            t = cfg.long_prefill_token_threshold
+            if t and c > t:
+                c = t
+                # max_long_prefill_tokens: the long prompts' chunks together (a long
+                # prompt's chunk is at most this, next to no other long prefill)
+                if cfg.max_long_prefill_tokens and c > cfg.max_long_prefill_tokens:
+                    c = cfg.max_long_prefill_tokens
             room = cfg.max_num_batched_tokens - self._last_seqs
             c = min(c, max(room, 1))
         return max(c, 1)

@@ -63,6 +63,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int | None = None   # None: max_num_partial_prefills
+    max_long_prefill_tokens: int = 0         # long prompts' tokens per step in all (0: none)
     priority_less_urgent_tokens: int = 0     # scheduling_policy priority: cap while urgent
     priority_guard_steps: int = 500
     scheduling_policy: str = "fcfs"

@@ -185,6 +185,7 @@ def plan_lab(options: dict | None, *, shared_prefix: SharedPrefixSpec | None = N
                 long_prefill_token_threshold=o.long_prefill_token_threshold,
                 max_num_partial_prefills=o.max_num_partial_prefills,
                 max_long_partial_prefills=o.max_long_partial_prefills,
+                max_long_prefill_tokens=o.max_long_prefill_tokens,
                 priority_less_urgent_tokens=o.priority_less_urgent_tokens,
                 priority_guard_steps=o.priority_guard_steps,
                 slo_ttft_ms=o.slo_ttft_ms, slo_tpot_ms=o.slo_tpot_ms,

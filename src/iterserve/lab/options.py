@@ -35,6 +35,7 @@ _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
     "long_prefill_token_threshold": (0, None),
     "max_num_partial_prefills": (1, None),
     "max_long_partial_prefills": (None, None),
+    "max_long_prefill_tokens": (0, None),
     "priority_less_urgent_tokens": (0, None),
     "priority_guard_steps": (500, None),
     "scheduling_policy": ("fcfs", None),
@@ -49,6 +50,11 @@ _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
     "slo_tpot_ms": (None, None),          # whenever one is set; policy slo admits by them
 }
 
+
+# What the two document-QA presets share (they differ in the long share, rate and budget).
+_LONGPROMPT_BASE: dict[str, Any] = {"batching": "continuous", "max_num_seqs": 16,
+                                    "mix": "longprompt", "enable_chunked_prefill": True,
+                                    "cost_model": "smollm2-cpu"}
 
 # Presets (issue 18's trade-offs, and the SLO overload case): named option sets a user picks
 # on the page (GET /v1/lab/presets fills the form) or with `iterserve lab --preset NAME`.
@@ -76,10 +82,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "each long prompt stalls every running decode for its whole prefill "
                        "(seconds: p99 inter-token latency ~10x worse), for ~2% more "
                        "throughput and a shorter TTFT for the long prompts.",
-        "options": {"batching": "continuous", "max_num_seqs": 16, "requests": 200,
-                    "mix": "longprompt", "long_prompt_frac": 0.3, "arrival_rate_s": 0.35,
-                    "enable_chunked_prefill": True, "max_num_batched_tokens": 128,
-                    "cost_model": "smollm2-cpu"},
+        "options": {**_LONGPROMPT_BASE, "requests": 200, "long_prompt_frac": 0.3,
+                    "arrival_rate_s": 0.35, "max_num_batched_tokens": 128},
     },
     # The traffic chunked prefill exists for, at this engine's speed. With chunking off a
     # long prompt stalls every running decode for its whole prefill, but p99 ITL sees that
@@ -99,10 +103,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "prompt stalls the running decodes for its whole prefill, often "
                        "enough (>= 1% of the gaps) to be the p99 inter-token latency; a "
                        "64-token budget caps every gap at one small chunk step.",
-        "options": {"batching": "continuous", "max_num_seqs": 16, "requests": 64,
-                    "mix": "longprompt", "long_prompt_frac": 0.7, "arrival_rate_s": 0.248,
-                    "enable_chunked_prefill": True, "max_num_batched_tokens": 64,
-                    "num_kv_blocks": 2048, "cost_model": "smollm2-cpu"},
+        "options": {**_LONGPROMPT_BASE, "requests": 64, "long_prompt_frac": 0.7,
+                    "arrival_rate_s": 0.248, "max_num_batched_tokens": 64,
+                    "num_kv_blocks": 2048},
     },
     "priority-flood": {
         "description": "An interactive class (10%, priority 0) while a batch class floods "
