@@ -180,24 +180,79 @@ def test_steps_given_without_attention_pairs_still_fit_as_before():
     assert mean_rel_error(m, TRUE, random.Random(23)) < 0.05
 
 
-def test_a_cost_model_with_token_corrections_seeds_from_its_closest_linear_model():
-    """The online model has no token corrections; seeded from a fit that has them, it
-    starts from the linear model closest to that fit's predictions, not from the joint
-    fit's linear part alone (which leans on corrections of -30% here)."""
+JOINT_LIN = dict(c0=0.028, c_tok=1.4e-3, c_seq=2.8e-3, c_kv=1.4e-6)
+JOINT_CORR = ((1, -0.01), (8, -0.015), (16, -0.02), (128, -0.06), (512, -0.25))
+JOINT_SHAPES = ((1, 1, 300, 0, 0), (8, 8, 8 * 300, 0, 0), (128, 1, 128, 128, 128 * 128),
+                (40, 8, 7 * 300 + 33, 33, 33 * 33), (2000, 1, 2000, 2000, 2000 * 2001 // 2))
+
+
+def test_a_cost_model_with_token_corrections_seeds_with_them():
+    """Seeded from a v3 fit, the online model predicts what the lab's cost model says for
+    every shape (the same corrections, the same clamp, proportional beyond the last knot):
+    the SLO policy and the lab's simulated steps are the same function at the seed."""
     from iterserve.lab.cost_model import CostModel
 
-    lin = dict(c0=0.028, c_tok=1.4e-3, c_seq=2.8e-3, c_kv=1.4e-6)
-    joint = CostModel(**lin, token_corrections=((1, -0.01), (8, -0.015), (16, -0.02),
-                                                (128, -0.06), (512, -0.25)))
-    raw = CostModel(**lin)
+    joint = CostModel(**JOINT_LIN, token_corrections=JOINT_CORR)
+    raw = CostModel(**JOINT_LIN)
     m = StepTimeModel.from_cost_model(joint)
-    for shape in ((8, 8, 8 * 300, 0, 0), (128, 1, 128, 128, 128 * 128),
-                  (40, 8, 7 * 300 + 33, 33, 33 * 33)):
+    assert m.correction_level == 1.0
+    for shape in JOINT_SHAPES:
         want = joint.runner_time(*shape)
-        assert abs(raw.runner_time(*shape) / want - 1) > 0.2
-        assert m.predict(*shape) == pytest.approx(want, rel=0.12)
-    plain = CostModel(c0=0.02, c_tok=1e-3)
-    assert StepTimeModel.from_cost_model(plain).coefficients["c0"] == pytest.approx(0.02)
+        if shape[0] > 1:
+            assert abs(raw.runner_time(*shape) / want - 1) > 0.05
+        assert m.predict(*shape) == pytest.approx(want, rel=1e-9)
+    clamped = CostModel(c0=0.01, token_corrections=((1, -1.0), (2, -1.0)))
+    assert StepTimeModel.from_cost_model(clamped).predict(1, 1, 0) == pytest.approx(0.001)
+    plain = StepTimeModel.from_cost_model(CostModel(c0=0.02, c_tok=1e-3))
+    assert plain.coefficients["c0"] == pytest.approx(0.02) and plain.correction_level == 0.0
+
+
+def joint_seconds(cost, level, speed, shape):
+    """A runner whose corrections are `level` x the seed's, on a machine `speed` x slower."""
+    lin = sum(getattr(cost, k) * f for k, f in zip(COEFFICIENTS, (1, *shape)))
+    return speed * max(lin + level * cost.correction(shape[0]), 0.1 * lin)
+
+
+def joint_shapes(rng, n):
+    for _ in range(n):
+        d = rng.randint(1, 24)
+        kv = sum(rng.randint(16, 1024) for _ in range(d))
+        r = rng.random()
+        if r < 0.3:
+            p = rng.choice([16, 64, 128, 256])
+            yield d + p, d + 1, kv + p, p, p * (p + 1) // 2
+        elif r < 0.35:
+            p = rng.choice([512, 1024, 2000])
+            yield p, 1, p, p, p * (p + 1) // 2
+        else:
+            yield d, d, kv, 0, 0
+
+
+@pytest.mark.parametrize("level, speed", [(1.0, 1.0), (1.0, 2.0), (0.4, 1.0), (1.6, 1.3)])
+def test_the_corrections_level_is_refitted_online_and_follows_the_machine(level, speed):
+    """The corrections' shape comes from the seed; their level is learned with the linear
+    terms: on a machine twice as slow they double with the rest, and a runner whose
+    corrections are weaker or stronger than the fit's is matched too."""
+    from iterserve.lab.cost_model import CostModel
+
+    joint = CostModel(**JOINT_LIN, token_corrections=JOINT_CORR)
+    m = StepTimeModel.from_cost_model(joint)
+    rng = random.Random(31)
+    for shape in joint_shapes(rng, 2000):
+        m.observe(*shape[:4], joint_seconds(joint, level, speed, shape), shape[4])
+    errs = [abs(m.predict(*s) / joint_seconds(joint, level, speed, s) - 1)
+            for s in joint_shapes(random.Random(32), 300)]
+    assert sum(errs) / len(errs) < 0.03
+    for shape in JOINT_SHAPES:
+        assert m.predict(*shape) == pytest.approx(joint_seconds(joint, level, speed, shape),
+                                                  rel=0.08)
+
+
+def test_bad_corrections_are_refused():
+    with pytest.raises(ValueError, match="corrections"):
+        StepTimeModel(TRUE, corrections=((8, 0.0), (4, 0.1)))
+    with pytest.raises(ValueError, match="corrections"):
+        StepTimeModel(TRUE, corrections=((1, float("nan")),))
 
 
 def test_attention_pairs_are_causal_so_a_prompt_costs_what_its_chunks_add_up_to():

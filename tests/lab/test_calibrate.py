@@ -204,10 +204,9 @@ def test_grid_point_features_count_what_the_lab_counts():
         check_point(GridPoint())
 
 
-def test_quick_calibration_on_a_tiny_model_writes_a_cost_model_the_lab_loads(tmp_path, capsys):
-    from fixtures.tiny_models import make_tiny_model_dir
-
-    model = make_tiny_model_dir(tmp_path)
+def test_quick_calibration_on_a_tiny_model_writes_a_cost_model_the_lab_loads(tiny_model_dir,
+                                                                            tmp_path, capsys):
+    model = tiny_model_dir
     out = tmp_path / "fit.json"
     assert main(["lab", "calibrate", "--model", str(model), "--quick", "--repeats", "2",
                  "--out", str(out)]) == 0
@@ -284,9 +283,7 @@ def test_big_models_drop_the_grid_points_whose_kv_does_not_fit_and_share_one_poo
         assert len(ids) == len(set(ids)) and min(ids) == 0
 
 
-def test_a_kv_budget_too_small_for_the_fit_is_an_error(tmp_path):
-    from fixtures.tiny_models import make_tiny_model_dir
+def test_a_kv_budget_too_small_for_the_fit_is_an_error(tiny_model_dir):
     from iterserve.lab.calibrate import calibrate
-    model = make_tiny_model_dir(tmp_path)
     with pytest.raises(CalibrationError, match="kv-budget-gib"):
-        calibrate(str(model), quick=True, kv_budget_gib=1e-6)
+        calibrate(str(tiny_model_dir), quick=True, kv_budget_gib=1e-6)

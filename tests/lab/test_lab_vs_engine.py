@@ -27,10 +27,9 @@ def lve():
     return mod
 
 
-def test_lab_vs_engine_reports_the_lab_error_on_mix_and_a_preset(lve, tmp_path, capsys):
-    from fixtures.tiny_models import make_tiny_model_dir
-
-    model = make_tiny_model_dir(tmp_path)
+def test_lab_vs_engine_reports_the_lab_error_on_mix_and_a_preset(lve, tiny_model_dir, tmp_path,
+                                                                 capsys):
+    model = tiny_model_dir
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"format": "iterserve-lab-cost-model", "version": 2,
                                "c0": 0.002, "c_seq": 2e-4, "c_kv": 1e-7, "c_prefill_tok": 5e-5,

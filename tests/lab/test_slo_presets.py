@@ -98,7 +98,7 @@ def test_presets_follow_the_shipped_fit_speed():
     experiment: rates x 2.5, time targets / 2.5, so the same steps, in 2.5x less time."""
     from iterserve.lab.cost_model import CostModel
     from iterserve.lab.preset_scale import (
-        DECODE_STEP, LONGPROMPT_STEP, REFERENCE_FIT, scale_options, speed)
+        DECODE_STEP, FULL_BATCH_STEP, LONGPROMPT_STEP, REFERENCE_FIT, scale_options, speed)
 
     ref = CostModel.from_dict(REFERENCE_FIT)
     fast = CostModel.from_dict({k: v / 2.5 for k, v in REFERENCE_FIT.items()})
@@ -108,7 +108,7 @@ def test_presets_follow_the_shipped_fit_speed():
     attn = CostModel.from_dict({**REFERENCE_FIT, "c_attn": 1e-6})
     assert speed(DECODE_STEP, attn) == 1.0 and speed(LONGPROMPT_STEP, attn) < 0.8
     base = PRESETS["slo-overload"]["options"]
-    s = speed(DECODE_STEP)
+    s = speed(FULL_BATCH_STEP)                  # slo-overload's own (64 slots)
     scaled = scale_options(base, 2.5)
     assert scaled["arrival_rate_s"] == pytest.approx(base["arrival_rate_s"] * 2.5, rel=0.01)
     assert scaled["slo_tpot_ms"] == pytest.approx(base["slo_tpot_ms"] / 2.5, rel=0.01)

@@ -160,14 +160,20 @@ def test_the_simulator_adds_the_serving_overhead_to_every_busy_step():
     assert float(b.step_start_s[-1] - a.step_start_s[-1]) == pytest.approx(0.003 * a.steps)
 
 
-def test_token_corrections_interpolate_hold_their_ends_and_round_trip(tmp_path):
-    """corr(tokens) is linear between the token counts it was read off at and holds its end
-    values beyond them; a file with corrections loads back to the same model."""
+def test_token_corrections_interpolate_extrapolate_per_token_and_round_trip(tmp_path):
+    """corr(tokens) is linear between the token counts it was read off at, holds its first
+    value below them and goes on per token beyond the last (a 2k-token prompt gets 8x the
+    256-token step's correction, not the same); a file with corrections loads back."""
     m = CostModel(c0=0.01, c_seq=0.001,
                   token_corrections=((1, 0.0), (16, 0.004), (33, -0.002)))
     assert m.correction(1) == 0.0 and m.correction(16) == pytest.approx(0.004)
     assert m.correction(8.5) == pytest.approx(0.002)
-    assert m.correction(0) == 0.0 and m.correction(500) == pytest.approx(-0.002)
+    assert m.correction(0) == 0.0 and m.correction(33) == pytest.approx(-0.002)
+    assert m.correction(66) == pytest.approx(-0.004)
+    assert m.correction(500) == pytest.approx(-0.002 * 500 / 33)
+    big = CostModel(c0=0.01, c_tok=1e-3, token_corrections=((128, -0.02), (256, -0.06)))
+    assert big.correction(2048) == pytest.approx(-0.48)
+    assert big.runner_time(2048, 1, 0) == pytest.approx(0.01 + 2.048 - 0.48)
     assert m.runner_time(16, 1, 0) == pytest.approx(0.01 + 0.001 + 0.004)
     assert m.step_time(33, 1, 0) == pytest.approx(0.011 - 0.002)
     f = tmp_path / "fit.json"
@@ -195,3 +201,18 @@ def test_bad_token_corrections_name_the_key(bad, message):
     with pytest.raises(CostModelError, match="token_corrections") as e:
         CostModel.from_dict({"c0": 0.01, "token_corrections": bad})
     assert message in str(e.value)
+
+
+def test_linear_equivalent_is_the_closest_linear_model_not_the_joint_fits_linear_part():
+    """For a shipped fit that must stay linear: the linear terms refitted to the joint
+    fit's own predictions, not its linear part alone (which leans on corrections of -30%)."""
+    lin = dict(c0=0.028, c_tok=1.4e-3, c_seq=2.8e-3, c_kv=1.4e-6)
+    joint = CostModel(**lin, token_corrections=((1, -0.01), (8, -0.015), (16, -0.02),
+                                                (128, -0.06), (512, -0.25)))
+    eq = joint.linear_equivalent()
+    assert eq.token_corrections == () and eq.linear_equivalent() is eq
+    for shape in ((8, 8, 8 * 300, 0, 0), (128, 1, 128, 128, 128 * 128),
+                  (40, 8, 7 * 300 + 33, 33, 33 * 33)):
+        want = joint.runner_time(*shape)
+        assert abs(CostModel(**lin).runner_time(*shape) / want - 1) > 0.2
+        assert eq.runner_time(*shape) == pytest.approx(want, rel=0.12)

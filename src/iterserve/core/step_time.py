@@ -12,14 +12,15 @@ calibrate`:
 (`attn_pairs`: query-key pairs of the step's prefill chunks, `attention_pairs` summed over
 them: causal, so a chunk of n tokens after s of context has n x s + n (n + 1) / 2; a chunk deep into a long prompt costs more than
 the same chunk at its start, and only this term can say so.) This module keeps that form
-and refits the six coefficients online from every measured
+(plus the fit's token corrections, below) and refits it online from every measured
 step (features of the step, seconds it took): exponentially forgotten least squares (the
 normal equations of recursive least squares, kept as sums so they cannot lose positive
 definiteness), with a ridge pull towards the seed and a non-negative solve, so it follows
 the machine (other load, thermal limits, a different model) within ~1 / (1 - FORGETTING)
 steps. Design points, all about staying cheap and stable:
 
-- Pure Python on fixed 6x6 lists: `observe` is 27 multiply-adds; the 6x6 solve (~0.2k
+- Pure Python on fixed 7x7 lists (six terms and the correction's level): `observe` is 35
+  multiply-adds and one bisect over the correction's knots; the 7x7 solve (~0.2k
   flops) runs only when a prediction is asked for after new observations.
 - Features are scaled to O(1) (`_SCALE`) so the covariance stays well conditioned.
 - Each observation is weighted by 1 / seconds^2, i.e. the fit minimises *relative* error, as
@@ -45,12 +46,51 @@ steps. Design points, all about staying cheap and stable:
   weak (a whole step, not 5% of one) and it takes its anchor shape from the data as soon as
   chunks with context excite it, so the first long prompts teach it instead of being
   explained away as a slower machine.
+
+Token corrections (cost model v3): the model runner's GEMMs change kernel with the number
+of rows a step puts through them, which no linear term can say (a 16-token chunk costs what
+16 decodes cost; a 2k-token prompt runs its GEMMs faster per token than a 256-token chunk).
+The offline fit has a piecewise-linear correction by the step's token count for that
+(`token_correction`, the one definition the lab's cost model uses too); seeded from such a
+fit, this model carries the correction's *shape* as a seventh feature, corr_seed(tokens),
+whose coefficient (the correction's level, 1.0 at the seed) is refitted online with the
+rest: the same normal equations, ridge and speed anchor, so on a machine twice as slow the
+correction doubles with everything else, and traffic that shows the shape is off shrinks or
+grows it. Refitting the knots themselves online would take a dozen more unknowns that a
+stretch of decode-only traffic never excites; the level is the one that every step informs.
+A prediction is clamped like the lab's (`MIN_LINEAR_SHARE` of the linear terms at least),
+so the simulated steps and the policy's predictions are the same function at the seed.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from typing import Iterable, Mapping, Sequence
+
+
+def token_correction(knots: Sequence[tuple[int, float]], tokens: float) -> float:
+    """corr(tokens) of a cost model's `token_corrections` ((tokens, seconds) pairs, tokens
+    strictly increasing): linear between the knots, the first value held below them, and
+    *proportional* beyond the last (corr(last) * tokens / last: a per-token correction).
+
+    Why proportional beyond the last knot: there the correction says how much cheaper (or
+    dearer) per token a big step's GEMMs run than the linear terms' slope, and a bigger
+    step keeps that per-token rate; holding the value instead priced a 2k-token prompt
+    (the long-prompt presets with chunking off) at the 256-token step's correction, an
+    eighth of it. Not the last segment's slope: one segment timed on a few points is a
+    noisy slope, and extrapolated over 8x the tokens it can swing the step to the clamp.
+    0 without knots."""
+    if not knots:
+        return 0.0
+    i = bisect_right(knots, (tokens, math.inf))
+    if i == 0:
+        return knots[0][1]
+    if i == len(knots):
+        t1, v1 = knots[-1]
+        return v1 * tokens / t1 if tokens > t1 else v1
+    (t0, v0), (t1, v1) = knots[i - 1], knots[i]
+    return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
 
 
 def attention_pairs(start: int, n: int) -> int:
@@ -62,7 +102,8 @@ def attention_pairs(start: int, n: int) -> int:
     return n * start + n * (n + 1) // 2
 
 COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok", "c_attn")
-_N = len(COEFFICIENTS)
+_N = len(COEFFICIENTS) + 1       # ... and the token correction's level (feature corr(tokens))
+MIN_LINEAR_SHARE = 0.1      # a correction never takes a step below this share of the linear
 # Typical magnitude of each feature (1, tokens, seqs, kv tokens, prefill tokens, attention
 # pairs: a 128-token chunk at ~1k tokens of context).
 _SCALE = (1.0, 256.0, 32.0, 16384.0, 256.0, 131072.0)
@@ -77,7 +118,7 @@ MIN_PRIOR_SHARE = 0.05      # prior scale of a coefficient seeded at 0, as a sha
 # measured", not "free"; its prior scale is a whole step, and a few dozen chunks deep into a
 # prompt decide it. (A tight prior would hold it near 0, leave the chunk steps unexplained,
 # and the speed fit would blow up trying to explain them instead.)
-_PRIOR_SHARE = (MIN_PRIOR_SHARE,) * 5 + (1.0,)
+_PRIOR_SHARE = (MIN_PRIOR_SHARE,) * 5 + (1.0, MIN_PRIOR_SHARE)
 CONFIDENT_INFO = 4.0        # decayed sum of (term's share of the step)^2 to trust a term
 SPEED_RANGE = (0.02, 50.0)  # the speed fit is clipped to this (a broken clock stays bounded)
 
@@ -109,24 +150,38 @@ class StepTimeModel:
 
     __slots__ = ("_theta", "_seed", "_ridge", "_A", "_b", "_dirty", "forgetting",
                  "num_observed", "last_seconds", "_fitted_at", "_shape", "_info", "_seen",
-                 "_unmeasured")
+                 "_unmeasured", "corrections", "_corr_scale")
 
     def __init__(self, coefficients: Mapping[str, float] | Sequence[float],
-                 forgetting: float = FORGETTING) -> None:
+                 forgetting: float = FORGETTING,
+                 corrections: Sequence[tuple[int, float]] = ()) -> None:
+        """`coefficients`: the six linear terms (a mapping, or a sequence in COEFFICIENTS
+        order; five from before c_attn). `corrections`: the seed's token corrections
+        ((tokens, seconds) pairs, see `token_correction`), whose level is refitted."""
         if isinstance(coefficients, Mapping):
             coefs = [float(coefficients.get(k, 0.0)) for k in COEFFICIENTS]
         else:
             coefs = [float(c) for c in coefficients]
-        if len(coefs) == _N - 1:          # a seed from before c_attn: no attention term
+        if len(coefs) == len(COEFFICIENTS) - 1:     # a seed from before c_attn: no attention
             coefs.append(0.0)
-        if len(coefs) != _N:
-            raise ValueError(f"expected {_N} coefficients, got {len(coefs)}")
+        if len(coefs) != len(COEFFICIENTS):
+            raise ValueError(f"expected {len(COEFFICIENTS)} coefficients, got {len(coefs)}")
         if any(not math.isfinite(c) or c < 0 for c in coefs):
             raise ValueError(f"coefficients must be finite and non-negative, got {coefs}")
         if not 0 < forgetting <= 1:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
-        # theta lives in scaled units: theta[i] = coef[i] * scale[i] (seconds at typical size).
+        knots = tuple((int(t), float(v)) for t, v in corrections)
+        if any(not math.isfinite(v) for _, v in knots) or any(
+                b[0] <= a[0] for a, b in zip(knots, knots[1:])) or any(t < 1 for t, _ in knots):
+            raise ValueError("corrections must be (tokens >= 1, finite seconds) pairs, tokens "
+                             f"strictly increasing, got {corrections!r}")
+        self.corrections = knots
+        # The correction feature in units of its largest knot (O(1), as the others).
+        self._corr_scale = max((abs(v) for _, v in knots), default=0.0) or 1.0
+        # theta lives in scaled units: theta[i] = coef[i] * scale[i] (seconds at typical size);
+        # the correction's level 1.0 is theta = its scale.
         self._seed = [c * s for c, s in zip(coefs, _SCALE)]
+        self._seed.append(self._corr_scale if knots else 0.0)
         self._theta = list(self._seed)
         ref = max(sum(self._seed), 1e-6)
         # Ridge: (theta_i - seed_i) of one prior scale costs PRIOR_WEIGHT relative-error
@@ -150,18 +205,22 @@ class StepTimeModel:
     def from_cost_model(cls, cost) -> "StepTimeModel":
         """Seed from anything with the lab cost model's attributes (a `CostModel`; a term
         it lacks is 0). Only the runner's terms: the serving overhead around a step is
-        measured by the policy itself (`SloPolicy.overhead_s`). A cost model with token
-        corrections (which this linear form cannot hold) seeds from its closest linear
-        model (`CostModel.linear_equivalent`)."""
-        if getattr(cost, "token_corrections", ()) and hasattr(cost, "linear_equivalent"):
-            cost = cost.linear_equivalent()
-        return cls({k: getattr(cost, k, 0.0) for k in COEFFICIENTS})
+        measured by the policy itself (`SloPolicy.overhead_s`). Its token
+        corrections (cost model v3) come along: their level is refitted online."""
+        return cls({k: getattr(cost, k, 0.0) for k in COEFFICIENTS},
+                   corrections=tuple(getattr(cost, "token_corrections", ()) or ()))
 
     # --- use --------------------------------------------------------------------------------
     @property
     def coefficients(self) -> dict[str, float]:
         th = self._fit()
         return {k: t / s for k, t, s in zip(COEFFICIENTS, th, _SCALE)}
+
+    @property
+    def correction_level(self) -> float:
+        """The token corrections' fitted level (1.0: the seed's corrections as given; 0
+        without corrections)."""
+        return self._fit()[6] / self._corr_scale if self.corrections else 0.0
 
     @property
     def speed(self) -> float:
@@ -185,6 +244,11 @@ class StepTimeModel:
         th = self._fit()
         return {k: self._info[i] * th[i] ** 2 for i, k in enumerate(COEFFICIENTS)}
 
+    def _corr(self, tokens: float) -> float:
+        """The correction feature: corr_seed(tokens) over its scale (0 without corrections)."""
+        knots = self.corrections
+        return token_correction(knots, tokens) / self._corr_scale if knots else 0.0
+
     def predict(self, tokens: float, seqs: float, kv_tokens: float,
                 prefill_tokens: float = 0.0, attn_pairs: float = 0.0) -> float:
         """Seconds a step with this shape is expected to take (an empty step: c0).
@@ -192,9 +256,12 @@ class StepTimeModel:
         Uses the fit as of the last refit, at most REFIT_EVERY observations old (the solve
         costs ~30 us; the memory is ~100 steps, so a few steps' lag changes nothing)."""
         th = self._theta if self._fresh() else self._fit()
-        return (th[0] + th[1] * tokens / 256.0 + th[2] * seqs / 32.0
-                + th[3] * kv_tokens / 16384.0 + th[4] * prefill_tokens / 256.0
-                + th[5] * attn_pairs / 131072.0)
+        linear = (th[0] + th[1] * tokens / 256.0 + th[2] * seqs / 32.0
+                  + th[3] * kv_tokens / 16384.0 + th[4] * prefill_tokens / 256.0
+                  + th[5] * attn_pairs / 131072.0)
+        if not self.corrections:
+            return linear
+        return max(linear + th[6] * self._corr(tokens), MIN_LINEAR_SHARE * linear)
 
     # --- learn ------------------------------------------------------------------------------
     def observe(self, tokens: float, seqs: float, kv_tokens: float, prefill_tokens: float,
@@ -208,10 +275,11 @@ class StepTimeModel:
         # error. A residual beyond MAX_REL_RESIDUAL is shrunk by moving the target (Huber-like).
         inv = 1.0 / seconds
         x = (inv, tokens / 256.0 * inv, seqs / 32.0 * inv, kv_tokens / 16384.0 * inv,
-             prefill_tokens / 256.0 * inv, attn_pairs / 131072.0 * inv)
+             prefill_tokens / 256.0 * inv, attn_pairs / 131072.0 * inv,
+             self._corr(tokens) * inv if self.corrections else 0.0)
         th = self._theta if self._fresh() else self._fit()
         pred = (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4]
-                + th[5] * x[5])
+                + th[5] * x[5] + th[6] * x[6])
         target = 1.0
         if self.num_observed >= TRUST_AFTER:          # the fit is data now, not the seed
             if pred - 1.0 > MAX_REL_RESIDUAL * 2:     # measured far below the prediction
@@ -221,7 +289,7 @@ class StepTimeModel:
         lam = self.forgetting
         seen = self._seen
         for i in range(_N):
-            if x[i] > 0.0:
+            if x[i] != 0.0:              # the correction feature has either sign
                 seen[i] = True
         A, b = self._A, self._b
         for i in range(_N):
@@ -293,4 +361,6 @@ class StepTimeModel:
 
     def __repr__(self) -> str:
         c = ", ".join(f"{k}={v:.3g}" for k, v in self.coefficients.items())
+        if self.corrections:
+            c += f", corrections x{self.correction_level:.3g}"
         return f"StepTimeModel({c}, observed={self.num_observed})"

@@ -134,7 +134,8 @@ def check_point(p: GridPoint) -> GridPoint:
 def default_grid(quick: bool = False) -> list[GridPoint]:
     """The shapes timed. The full grid covers what the engine's defaults produce (up to 32
     sequences, a 256-token budget, decode contexts up to ~1k, prefill chunks at contexts up
-    to 1.5k: the long-prompt presets' chunked prefills); --quick is a dozen points that still
+    to 1.9k: the long-prompt presets' chunked prefills) and whole prompts up to 2k tokens
+    (those presets with chunking off); --quick is a dozen points that still
     separate every coefficient (decodes at two context lengths, chunks at context 0 and deep
     into a prompt, one step of each kind mixed), for a big model on a small machine."""
     if quick:
@@ -169,6 +170,14 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
              for p in (64, 128, 256) for c in (512, 1536)]
     grid += [GridPoint(8, 256, prefill_tokens=128, prefill_chunks=1, prefill_context=c)
              for c in (768, 1536)]
+    # What a 128-token budget runs next to a full batch of 16 at the end of a 2k prompt.
+    grid += [GridPoint(16, 512, prefill_tokens=112, prefill_chunks=1, prefill_context=1888)]
+    # Whole prompts up to 2k tokens (chunking off, or a budget above the prompt), alone and
+    # next to 16 decodes: the token corrections are read off up to here, so a whole-prompt
+    # step is priced from its own timing, not extrapolated from 256 tokens (where the
+    # GEMMs run slower per token than at 2k).
+    grid += [GridPoint(prefill_tokens=p, prefill_chunks=1) for p in (512, 1024, 2048)]
+    grid += [GridPoint(16, 256, prefill_tokens=2000, prefill_chunks=1)]
     return grid
 
 
@@ -468,7 +477,7 @@ class _ExecuteTimer:
                     sum(sched.values()), n,
                     sum(d.num_computed_tokens + sched[d.req_id] for d in data),
                     sum(sched[d.req_id] for d in chunks),
-                    sum(sched[d.req_id] * (d.num_computed_tokens + sched[d.req_id])
+                    sum(attention_pairs(d.num_computed_tokens, sched[d.req_id])
                         for d in chunks), dt))
 
     def __getattr__(self, name: str) -> Any:

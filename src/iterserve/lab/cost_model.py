@@ -16,7 +16,8 @@ around it:
                                          detokenisation), per step and per sequence
 
          + corr(tokens)                  a piecewise-linear correction by the step's token
-                                         count (`token_corrections`), clamped so a step
+                                         count (`token_corrections`), proportional to the
+                                         tokens beyond the last knot, clamped so a step
                                          never costs less than a tenth of the linear terms
 
 Why `corr(tokens)`: the model runner's GEMMs change kernel with the number of rows a step
@@ -24,8 +25,9 @@ puts through them (on CPU: the decode kernels up to `QUANT_MAX_ROWS` rows, a pan
 above; int8 kernels that work in groups of rows), so a 16-token prefill chunk costs what 16
 decodes cost, not a 16th of a 256-token chunk, and 4 rows can cost what 2 do. No linear term
 can say that; a correction read off at the token counts the calibration timed (linear
-between them, the end values held beyond them) can, while the linear terms keep their
-meaning for everything that reads only them (the SLO policy's online model seeds from them).
+between them, the first value held below them, a per-token rate beyond the last: see
+`core.step_time.token_correction`, the one definition the SLO policy's online model uses
+too, so its predictions and the lab's simulated steps are the same function of a step).
 
 Why `c_attn`: a decode reads its context once (`c_kv`), but every token of a prefill chunk
 attends to the whole context, so a 128-token chunk at context 1,500 costs far more than the
@@ -61,11 +63,12 @@ from __future__ import annotations
 
 import json
 import math
-from bisect import bisect_right
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from iterserve.core.step_time import MIN_LINEAR_SHARE, token_correction
 
 FORMAT = "iterserve-lab-cost-model"
 VERSION = 3
@@ -77,7 +80,6 @@ COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok", "c_attn")
 OVERHEADS = ("overhead_s", "overhead_seq_s")
 _META_KEYS = ("format", "version", "description", "source")
 CORRECTIONS = "token_corrections"
-MIN_LINEAR_SHARE = 0.1       # a correction never takes a step below this share of the linear
 
 
 def check_corrections(value: Any) -> tuple[tuple[int, float], ...]:
@@ -137,26 +139,21 @@ class CostModel:
         return max(linear + self.correction(tokens), MIN_LINEAR_SHARE * linear)
 
     def correction(self, tokens: float) -> float:
-        """corr(tokens): linear between the corrections' token counts, the end values
-        held outside them, 0 without corrections."""
-        knots = self.token_corrections
-        if not knots:
-            return 0.0
-        i = bisect_right(knots, (tokens, math.inf))
-        if i == 0:
-            return knots[0][1]
-        if i == len(knots):
-            return knots[-1][1]
-        (t0, v0), (t1, v1) = knots[i - 1], knots[i]
-        return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+        """corr(tokens) (`core.step_time.token_correction`): linear between the
+        corrections' token counts, the first value held below them, proportional to the
+        tokens beyond the last; 0 without corrections."""
+        return token_correction(self.token_corrections, tokens)
 
     def linear_equivalent(self) -> "CostModel":
         """This model without token corrections: the linear terms refitted (non-negative
         least squares on relative error) to its own predictions over the shapes an engine
         runs (decodes of 1-32 rows at 64-1k of context, chunks of 16-512 tokens at context
-        0-1.5k, mixed steps). What reads only the linear terms (the SLO policy's online
-        step-time model seeds from them) gets the closest linear model, not the linear
-        part of a joint fit (which leans on the corrections). Itself without corrections."""
+        0-1.5k, mixed steps). What reads only the linear terms gets the closest linear model,
+        not the linear part of a joint fit (which leans on the corrections). Itself
+        without corrections. The SLO policy's online model carries the corrections now
+        (core/step_time.py); this is for a shipped fit that must stay linear (see
+        lab/slo.py: the SLO goodput preset's targets assume a step time linear in the
+        batch)."""
         if not self.token_corrections:
             return self
         from iterserve.lab.calibrate import GridPoint, fit_coefficients

@@ -138,7 +138,8 @@ def _follow_the_shipped_fit() -> None:
     from iterserve.lab import preset_scale
 
     for name, p in PRESETS.items():
-        step = getattr(preset_scale, _TYPICAL_STEP.get(name, "DECODE_STEP"))
+        step = (getattr(preset_scale, _TYPICAL_STEP[name]) if name in _TYPICAL_STEP
+                else preset_scale.decode_step(p["options"]["max_num_seqs"]))
         p["options"] = preset_scale.scale_options(p["options"], preset_scale.speed(step))
         p["description"] = p["description"].format(**p["options"])
 
