@@ -420,6 +420,15 @@ def mixed_model(tmp_path_factory):
 
 def _greedy(loaded, prompt, mode: str, fused: bool = True):
     """Greedy decode of NEW_TOKENS on the native path in `mode`: tokens, per-step logits."""
+    tokens, seen = _steps(loaded, [prompt], mode, fused, NEW_TOKENS, num_blocks=16, block_size=16)
+    return tokens[0], seen
+
+
+def _steps(loaded, prompts, mode: str, fused: bool, steps: int, num_blocks: int,
+           block_size: int):
+    """`steps` greedy steps of all `prompts` together in `mode` (the first prefills them
+    whole, then one token each), fused decode layers on or off: each request's tokens and the
+    logits of every step."""
     from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
     from iterserve.model.runner import ModelRunner
     seen = []
@@ -430,18 +439,19 @@ def _greedy(loaded, prompt, mode: str, fused: bool = True):
 
     kernels.set_activations(mode)
     try:
-        runner = ModelRunner(loaded, num_blocks=16, block_size=16, sampler=sampler)
+        runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, sampler=sampler)
         assert runner.fused_decode
         if not fused:
             assert not loaded.model.use_fused_decode(False)
-        blocks, r = Blocks(16, 16), request("r", prompt)
-        for s in range(NEW_TOKENS):
-            out = step(chunk(blocks, r), step_no=s)
+        blocks = Blocks(num_blocks, block_size)
+        reqs = [request(f"r{i}", p) for i, p in enumerate(prompts)]
+        for s in range(steps):
+            out = step(*(chunk(blocks, r) for r in reqs), step_no=s)
             advance(out, runner.execute(out))
     finally:
         kernels.set_activations("float")
         loaded.model.use_fused_decode(True)
-    return r.output_token_ids, seen
+    return [r.output_token_ids for r in reqs], seen
 
 
 def _prompt(loaded):
@@ -619,37 +629,16 @@ def test_fused_decode_layers_equal_the_per_module_path_on_the_hand_over(tmp_path
     per-module path give bit-identical logits, and they are not those of the path without the
     hand-over (ITERSERVE_Q32_DECODE=s15's rows), so the int8 prefill GEMM really ran."""
     from fixtures.tiny_gguf import load_all_quant_model
-    from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
-    from iterserve.model.runner import ModelRunner
     loaded = load_all_quant_model(tmp_path / "allquant.gguf", seed=7)
     lib = kernels._lib()
+    prompts = [[3 + i, 7, 11 + i] for i in range(24)]
 
     def run(fused: bool, rows_override: int):
-        seen = []
-
-        def sampler(logits, requests):
-            seen.append(logits.clone())
-            return greedy(logits, requests)
-
-        kernels.set_activations("auto")
         lib.iterserve_act8_q32_gemm_rows(rows_override)
         try:
-            runner = ModelRunner(loaded, num_blocks=80, block_size=4, sampler=sampler)
-            assert runner.fused_decode
-            if not fused:
-                assert not loaded.model.use_fused_decode(False)
-            blocks = Blocks(80, 4)
-            reqs = [request(f"r{i}", [3 + i, 7, 11 + i]) for i in range(24)]
-            out = step(*(chunk(blocks, r) for r in reqs))
-            advance(out, runner.execute(out))
-            for s in range(3):
-                out = step(*(chunk(blocks, r, 1) for r in reqs), step_no=1 + s)
-                advance(out, runner.execute(out))
+            return _steps(loaded, prompts, "auto", fused, 4, num_blocks=80, block_size=4)[1][1:]
         finally:
-            kernels.set_activations("float")
             lib.iterserve_act8_q32_gemm_rows(0)
-            loaded.model.use_fused_decode(True)
-        return seen[1:]                                      # the decode steps
 
     on, off, old = run(True, 0), run(False, 0), run(True, 33)
     assert len(on) == len(off) == 3

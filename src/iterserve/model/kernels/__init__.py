@@ -536,8 +536,9 @@ def set_activations(mode: str) -> str:
     weight block expanded to float32, results equal a float GEMM up to summation order),
     "int8" (rows quantised to 8 bits once per call and dotted in integers, as llama.cpp does,
     for the types `supports_int8` names, up to 32 rows; other calls stay float) or "auto"
-    (int8 up to the row counts where qdot8.c measured it faster: 32 for the K-quants, 8 for
-    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0). The same mode routes `gemm` (prefill chunks): "int8"
+    (int8 up to the row counts where qdot8.c measured it faster, and decode steps of many rows
+    on the int8 prefill GEMM from the rows measured per type and K: qdot8.c KQ_GEMM8_ROWS_*,
+    Q32_GEMM8_ROWS_*). The same mode routes `gemm` (prefill chunks): "int8"
     and "auto" (from 33 rows) run the int8-activation prefill GEMM (prefill8.c) for the types
     `supports_gemm_int8` names. Process-wide; returns the mode now in use."""
     if mode not in ACTIVATION_MODES:
