@@ -32,7 +32,11 @@
  * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
  * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced; AVX-512
  * K-quants up to 6 where K <= 4096: kq_tile), K in
- * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). K-quant
+ * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). Since
+ * session 16 the K-quants take dotkv_vnni / dotkw_avx2 (one decode of a super-block for all
+ * rows of the call, tiles of up to 12; AVX-512 on vpdpbusd with lanes of 16-element groups;
+ * a software prefetch 2 columns ahead), session 15's tiles kept for one Q4_K / Q5_K row and
+ * for A/B (kq_decode). K-quant
  * decode steps of many rows go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
@@ -946,8 +950,39 @@ static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
 }
 
 /* Which K-quant decode kernels run (iterserve_act8_kq_decode; A/B: ITERSERVE_KQ_DECODE=s15,
- * benchmarks/bench_kq_decode.py): 0 the dotkw_* kernels above (default), 1 session 15's
- * (dotk_avx2 / dotk_vnni in row tiles of 4 / kq_tile). */
+ * benchmarks/bench_kq_decode.py): 0 dotkv_vnni / dotkw_avx2 above (default), 1 session 15's
+ * (dotk_vnni / dotk_avx2 in row tiles of kq_tile / 4).
+ * Measured (bench_kq_decode.py --cold 96 --clock cpu: one thread, CPU time, weights streamed
+ * from memory, same process, alternating, medians of 7, under load ~6-9 from four other
+ * engineers; results/kq-decode-t1.json), session 15 time / this time, AVX-512:
+ *   rows               1     2     4     6     8     12
+ *   Q4_K qo 2048^2   0.89  1.04  1.07  1.17  1.41  1.31
+ *        gate_up     0.91  0.98  1.02  1.19  1.23  1.22
+ *        down        0.95  1.58  1.54  1.80  1.61  1.38
+ *   Q5_K qo          0.98  0.96  1.02  1.18  1.28  1.42
+ *        gate_up     0.95  0.97  1.05  1.22  1.28  1.39
+ *        down        0.95  1.01  1.60  1.83  1.63  1.11
+ *   Q6_K qo          1.03  1.07  1.13  1.25  1.29  1.24
+ *        gate_up     1.03  1.03  1.20  1.54  1.32  1.50
+ *        down        1.02  1.34  2.50  1.06  2.21  1.17
+ * Hence these kernels from 2 rows, and for one row Q6_K (the LM head); one Q4_K / Q5_K row
+ * stays on dotk_vnni (its decode is shorter: no transpose, no float scale vectors). AVX2
+ * (forced here; results/kq-decode-t1-avx2.json, medians of 5), rows 1 4 8 12: Q4_K qo 1.00
+ * 1.02 0.98 1.01, down 0.98 1.23 1.01 0.88; Q6_K qo 1.01 0.98 0.99 1.16, down 1.01 1.79 1.44
+ * 1.32: equal at K = 2048 (AVX2 has no vpdpbusd; its per-row work is the same), faster on
+ * down: dotkw_avx2 everywhere (no AVX2-only CPU measured).
+ * The software prefetch (kq_pf: the same super-block 2 columns on, i.e. the next-but-one
+ * column's K chunk) is what made the one-tile kernels pay with weights from memory: without
+ * it dotkv_vnni at 8 rows ran 0.64-0.79x session 15 cold though 1.2-1.3x hot (the hardware
+ * prefetcher did not keep up once a super-block carried 8 rows of work). Same-process A/B,
+ * cold, one thread, medians of 11, us, no prefetch | 1 | 2 | 4 columns ahead: Q6_K qo 8 rows
+ * 540 358 303 302, Q4_K qo 8 rows 423 315 279 279, Q6_K down 8 rows 3758 1529 1596 1690,
+ * 4 rows 2218 - 845 -, 1 row 538 - 465 -; Q4_K qo 1 row 122 133 127 126 (hence 2).
+ * Against the int8 prefill GEMM (bench_int8.py --crossover, results/kq-crossover-s16.json),
+ * these kernels' time / GEMM time at 8 12 13 16 rows: Q4_K gate_up 0.59 0.71 0.94 0.90, down
+ * 0.62 0.89 0.84 1.05; Q6_K gate_up 0.46 0.59 0.72 0.72, down 0.51 1.12 1.34 0.81: the
+ * hand-over rows KQ_GEMM8_ROWS_* below (measured against session 15's kernels) now hand
+ * over too early, down_proj (from 8 rows) most; they are not changed here. */
 static int kq_decode = 0;
 static int kqw_tile = KQW_TILE;       /* rows per dotkw tile (A/B: 4..12) */
 static int kq_pf = 2;                 /* software prefetch, columns ahead (0: none) */
