@@ -15,8 +15,11 @@ loaded machine: time lost to other processes does not count; with two threads it
 
     PYTHONPATH=src python benchmarks/bench_kq_decode.py --cold 96 --clock cpu --threads 1
     PYTHONPATH=src python benchmarks/bench_kq_decode.py --cold 96 --threads 2 --rows 1,8
+    PYTHONPATH=src python benchmarks/bench_kq_decode.py --decode MODEL.gguf --batch 8 \\
+        --steps 16 --repeats 3 --threads 2 --out benchmarks/results/kq-decode-e2e-b8.json
 
-Writes JSON (`--out`, default benchmarks/results/kq-decode.json).
+`--decode` instead times end-to-end greedy generation (the offline LLM, auto activations)
+with the two kernel sets alternating in one process. Writes JSON (`--out`, default benchmarks/results/kq-decode.json).
 """
 
 from __future__ import annotations
@@ -97,6 +100,33 @@ def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> l
     return out
 
 
+def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
+    """End to end in one process: greedy generation of `batch` sequences, `steps` tokens
+    each, through the offline LLM (auto activations), with session 15's K-quant decode
+    kernels and the new ones alternating (after one warm-up round each): median output
+    tokens/s per side (prefill of the short prompts included in both)."""
+    from iterserve import LLM, SamplingParams
+    torch.set_num_threads(threads)
+    lib = kernels._lib()
+    llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
+    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    prompts = [f"Once upon a time {i}" for i in range(batch)]
+    res = {"s15": [], "s16": []}
+    for rep in range(repeats + 1):
+        for side in res:
+            lib.iterserve_act8_kq_decode(1 if side == "s15" else 0)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            dt = time.perf_counter() - t0
+            if rep:
+                res[side].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    lib.iterserve_act8_kq_decode(0)
+    med = {s: statistics.median(v) for s, v in res.items()}
+    return {"model": model, "batch": batch, "steps": steps, "threads": threads,
+            "s15_tok_s": round(med["s15"], 3), "s16_tok_s": round(med["s16"], 3),
+            "s16_over_s15": round(med["s16"] / med["s15"], 3), "raw": res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
@@ -110,12 +140,24 @@ def main() -> None:
     ap.add_argument("--isa", choices=["avx2", "avx512vnni"], default=None)
     ap.add_argument("--tiles", default=None, metavar="R,R,...",
                     help="compare dotkw tile sizes instead (the first is the baseline)")
+    ap.add_argument("--decode", metavar="GGUF", help="end-to-end A/B on this model instead")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/results/kq-decode.json")
     a = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"native kernels unavailable: {kernels.unavailable}")
     if a.isa:
         kernels.int8_isa(a.isa)
+    if a.decode:
+        res = decode_ab(a.decode, a.batch, a.steps, a.repeats, int(a.threads.split(",")[-1]))
+        print(json.dumps(res))
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"features": sorted(kernels.features()),
+                                           "note": "same process, alternating; under load",
+                                           "decode": res}, indent=1) + "\n")
+        print("wrote", a.out)
+        return
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.tiles:
         sides = [(f"t{r}", (0, 100 + int(r))) for r in a.tiles.split(",")]

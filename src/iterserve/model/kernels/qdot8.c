@@ -32,9 +32,12 @@
  * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
  * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced; AVX-512
  * K-quants up to 6 where K <= 4096: kq_tile), K in
- * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). Decode
- * steps of many rows (K-quants from 8-16, the 32-element types from 4-14, by type and K) go
- * to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
+ * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). Since
+ * session 16 the K-quants take dotkv_vnni / dotkw_avx2 (one decode of a super-block for all
+ * rows of the call, tiles of up to 12; AVX-512 on vpdpbusd with lanes of 16-element groups;
+ * a software prefetch 2 columns ahead), session 15's tiles kept for one Q4_K / Q5_K row and
+ * for A/B (kq_decode). Decode steps of many rows (K-quants and the 32-element types, rows by
+ * type and K) go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
  * rows, for Q4_0 / Q4_1 / Q5_0 / Q5_1 up to 32 where the 4-block VBMI kernels run, else and
@@ -693,110 +696,19 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
 
 /* ---- K-quant decode, all rows of a step over one decode of the weights (session 16) ------
  * The kernels above decode a super-block once per row tile (4 rows on AVX2, up to 6 on
- * AVX-512) and then, per row, spend ~19 instructions per super-block on top of the 8 integer
- * ones (maddubs + dpwssd per 64 weights): the min / offset term in a register of its own, its
- * scale d_min * d_x and the weights' d * d_x formed in scalar code and broadcast per row, two
- * converts and two FMAs into two accumulators. At 8 rows that is two decodes and 8 x 19: the
- * quiet batch-8 profile ran Q4_K at 9.1 GB/s against ~40. These kernels (`dotkw_*`):
- *   - per row, one accumulator and one tail: v = d . float(isum) [+ -d_min . float(mins term)
- *     for Q4_K / Q5_K], acc += v . d_x, where d and d_min are broadcast once per super-block
- *     for all rows and d_x is an embedded broadcast from memory: no scalar work per row;
- *   - Q6_K's offset (-32 per code) is folded into the integer sum: its scale is -32 d, so
- *     isum starts at -32 . sum_j sc_j . bsum16_j (one vpmaddwd) and needs no tail of its own;
- *   - AVX-512: the super-block's codes and scales stay in 8 zmm, and every row of the step
- *     (tiles of up to kqw_tile = 12 rows: 12 accumulators + 8 + ~5 temporaries fit the 32
- *     zmm) runs over that one decode; AVX2: the decoded super-block (8 code + 8 scale ymm)
- *     goes to a 512-byte stack scratch (L1) and the rows run over it 4 at a time (the code
- *     vector loaded once per 4 rows), so it too is decoded once for all rows.
- * Same results as the kernels above up to float rounding (the integer parts are the same).
- * Measured: see kq_decode below. */
+ * AVX-512 where K <= 4096) and then, per row, spend ~19 instructions per super-block on top
+ * of the 8 integer ones (maddubs + dpwssd per 64 weights): the min / offset term in a
+ * register of its own, its scale d_min * d_x and the weights' d * d_x formed in scalar code
+ * and broadcast per row, two converts and two FMAs into two accumulators. At 8 rows that is
+ * two decodes and 8 x 19: the quiet batch-8 profile ran Q4_K at 9.1 GB/s against ~40.
+ * dotkw_avx2 (AVX2) keeps their integer scheme but decodes a super-block once for all rows
+ * of the call (tiles of up to kqw_tile = 12): the decoded super-block (8 code + 8 scale ymm)
+ * goes to a stack scratch (L1) and the rows run over it 4 at a time (a code vector loaded
+ * once per 4 rows); per row one accumulator and one tail, v = d . float(isum) [+ -d_min .
+ * float(mins term)], acc += v . d_x, with d, d_min broadcast once per super-block; and
+ * Q6_K's offset (-32 per code, scale -32 d) folded into the integer sum (isum starts at -32
+ * sum_j sc_j bsum16_j, one vpmaddwd). AVX-512: dotkv_vnni below. */
 #define KQW_TILE 12
-
-static inline __attribute__((always_inline)) VNNI void dotkw_vnni(
-        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
-        const uint8_t *wrow, float *out) {
-    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
-    const int64_t K = a->K, nb = K / 256;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
-                                          17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
-                                          2, 1, 0);
-    __m512 acc[KQW_TILE];
-    _Pragma("GCC unroll 16")
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *blk = wrow + b * bb;
-        __m512i w[4], s[4];
-        __m512 dv, cv = _mm512_setzero_ps();
-        __m128i mins = _mm_setzero_si128();
-        __m256i sc16m = _mm256_setzero_si256();
-        if (type == GGML_Q4_K || type == GGML_Q5_K) {
-            uint32_t u[4];
-            q4k_scales(blk + 4, u);
-            dv = _mm512_set1_ps(f16(blk)), cv = _mm512_set1_ps(-f16(blk + 2));
-            const int qo = type == GGML_Q5_K ? 48 : 16;
-            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
-                                                 : _mm256_setzero_si256();
-            const __m256i one = _mm256_set1_epi8(1);
-            const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-            const __m512i sc = _mm512_castsi256_si512(ms);
-            mins = _mm256_extracti128_si256(ms, 1);
-            _Pragma("GCC unroll 16")
-            for (int p = 0; p < 4; p++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
-                w[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
-                                                           _mm256_srli_epi16(raw, 4), 1), m4);
-                if (type == GGML_Q5_K) {
-                    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4);
-                    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
-                    w[p] = _mm512_or_si512(w[p], _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
-                }
-                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(2 * p)),
-                                                                 _mm512_srli_epi16(iota, 4)), sc);
-            }
-        } else {                                   /* Q6_K */
-            dv = _mm512_set1_ps(f16(blk + 208));
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            sc16m = _mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), sc16), 5);
-            const __m512i sc = _mm512_castsi256_si512(sc16);
-            _Pragma("GCC unroll 16")
-            for (int p = 0; p < 4; p++) {
-                const int h = p / 2, g = 2 * (p % 2);
-                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
-                const __m512i lo = _mm512_and_si512(g ? _mm512_srli_epi16(l, 4) : l, m4);
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                const __m256i h0 = g ? qh : _mm256_slli_epi16(qh, 4);
-                const __m256i h1 = g ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2);
-                const __m512i hi = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), m30);
-                w[p] = _mm512_or_si512(lo, hi);
-                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * p)),
-                                                                 _mm512_srli_epi16(iota, 3)), sc);
-            }
-        }
-        _Pragma("GCC unroll 16")
-        for (int r = 0; r < R; r++) {
-            const int64_t rb = (r0 + r) * nb + b;
-            const int8_t *xq = a->q + (r0 + r) * K + 256 * b;
-            __m512i isum = type == GGML_Q6_K
-                ? _mm512_madd_epi16(_mm512_zextsi256_si512(sc16m), _mm512_zextsi256_si512(
-                      _mm256_loadu_si256((const __m256i *)(a->bs16 + rb * 16))))
-                : _mm512_setzero_si512();
-            _Pragma("GCC unroll 16")
-            for (int p = 0; p < 4; p++)
-                isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(
-                    w[p], _mm512_loadu_si512((const void *)(xq + 64 * p))), s[p]);
-            __m512 v = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum));
-            if (type != GGML_Q6_K) {
-                const __m128i mt = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)(a->bs32 + rb * 8)));
-                v = _mm512_fmadd_ps(cv, _mm512_zextps128_ps512(_mm_cvtepi32_ps(mt)), v);
-            }
-            acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(a->dx[rb]), acc[r]);
-        }
-    }
-    _Pragma("GCC unroll 16")
-    for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]);
-}
 
 static inline __attribute__((always_inline)) void dotkw_avx2(
         int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
@@ -1038,8 +950,39 @@ static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
 }
 
 /* Which K-quant decode kernels run (iterserve_act8_kq_decode; A/B: ITERSERVE_KQ_DECODE=s15,
- * benchmarks/bench_kq_decode.py): 0 the dotkw_* kernels above (default), 1 session 15's
- * (dotk_avx2 / dotk_vnni in row tiles of 4 / kq_tile). */
+ * benchmarks/bench_kq_decode.py): 0 dotkv_vnni / dotkw_avx2 above (default), 1 session 15's
+ * (dotk_vnni / dotk_avx2 in row tiles of kq_tile / 4).
+ * Measured (bench_kq_decode.py --cold 96 --clock cpu: one thread, CPU time, weights streamed
+ * from memory, same process, alternating, medians of 7, under load ~6-9 from four other
+ * engineers; results/kq-decode-t1.json), session 15 time / this time, AVX-512:
+ *   rows               1     2     4     6     8     12
+ *   Q4_K qo 2048^2   0.89  1.04  1.07  1.17  1.41  1.31
+ *        gate_up     0.91  0.98  1.02  1.19  1.23  1.22
+ *        down        0.95  1.58  1.54  1.80  1.61  1.38
+ *   Q5_K qo          0.98  0.96  1.02  1.18  1.28  1.42
+ *        gate_up     0.95  0.97  1.05  1.22  1.28  1.39
+ *        down        0.95  1.01  1.60  1.83  1.63  1.11
+ *   Q6_K qo          1.03  1.07  1.13  1.25  1.29  1.24
+ *        gate_up     1.03  1.03  1.20  1.54  1.32  1.50
+ *        down        1.02  1.34  2.50  1.06  2.21  1.17
+ * Hence these kernels from 2 rows, and for one row Q6_K (the LM head); one Q4_K / Q5_K row
+ * stays on dotk_vnni (its decode is shorter: no transpose, no float scale vectors). AVX2
+ * (forced here; results/kq-decode-t1-avx2.json, medians of 5), rows 1 4 8 12: Q4_K qo 1.00
+ * 1.02 0.98 1.01, down 0.98 1.23 1.01 0.88; Q6_K qo 1.01 0.98 0.99 1.16, down 1.01 1.79 1.44
+ * 1.32: equal at K = 2048 (AVX2 has no vpdpbusd; its per-row work is the same), faster on
+ * down: dotkw_avx2 everywhere (no AVX2-only CPU measured).
+ * The software prefetch (kq_pf: the same super-block 2 columns on, i.e. the next-but-one
+ * column's K chunk) is what made the one-tile kernels pay with weights from memory: without
+ * it dotkv_vnni at 8 rows ran 0.64-0.79x session 15 cold though 1.2-1.3x hot (the hardware
+ * prefetcher did not keep up once a super-block carried 8 rows of work). Same-process A/B,
+ * cold, one thread, medians of 11, us, no prefetch | 1 | 2 | 4 columns ahead: Q6_K qo 8 rows
+ * 540 358 303 302, Q4_K qo 8 rows 423 315 279 279, Q6_K down 8 rows 3758 1529 1596 1690,
+ * 4 rows 2218 - 845 -, 1 row 538 - 465 -; Q4_K qo 1 row 122 133 127 126 (hence 2).
+ * Against the int8 prefill GEMM (bench_int8.py --crossover, results/kq-crossover-s16.json),
+ * these kernels' time / GEMM time at 8 12 13 16 rows: Q4_K gate_up 0.59 0.71 0.94 0.90, down
+ * 0.62 0.89 0.84 1.05; Q6_K gate_up 0.46 0.59 0.72 0.72, down 0.51 1.12 1.34 0.81: the
+ * hand-over rows KQ_GEMM8_ROWS_* below (measured against session 15's kernels) now hand
+ * over too early, down_proj (from 8 rows) most; they are not changed here. */
 static int kq_decode = 0;
 static int kqw_tile = KQW_TILE;       /* rows per dotkw tile (A/B: 4..12) */
 static int kq_pf = 2;                 /* software prefetch, columns ahead (0: none) */
@@ -1471,7 +1414,9 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
         run_vbmi((int)type, &a, w, n, row_stride, y, ldy, nthreads);
         return ITERSERVE_OK;
     }
-    if (kq && kq_decode == 0 && isa8 == 2)
+    /* the dotkv / dotkw kernels, except one Q4_K / Q5_K row on AVX-512 (see kq_decode) */
+    const int kqw = kq && kq_decode == 0 && !(isa8 == 2 && M == 1 && type != GGML_Q6_K);
+    if (kqw && isa8 == 2)
         rc = quantise256v(x, M, ldx, k, &a);
     else if (kq)
         rc = quantise256(x, M, ldx, k, &a);
@@ -1482,7 +1427,7 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
     if (rc) return rc;
     if (nthreads < 1) nthreads = 1;
     if (n < 64 * nthreads) nthreads = 1;
-    if (kq && kq_decode == 0) {                  /* the dotkw kernels (session 16) */
+    if (kqw) {                                   /* session 16's kernels */
         if (isa8 == 2)
             run_kqw_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
         else
