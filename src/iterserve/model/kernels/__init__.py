@@ -319,6 +319,10 @@ def _library() -> ctypes.CDLL | None:
     kq_env = os.environ.get("ITERSERVE_KQ_DECODE", "").lower()
     # dlopen hands back the same library (and its static state) on a reload: set the K-quant
     # decode kernels every time
+    # ITERSERVE_KQ_DECODE=s15 (A/B only, "s15=ITERSERVE_KQ_DECODE=s15"): session 15's K-quant
+    # decode kernels (row tiles that decode a super-block once per tile) instead of qdot8.c's
+    # dotkw kernels and session 15's
+    # hand-over rows (qdot8.c KQ15_GEMM8_ROWS_*); all else as now
     lib.iterserve_act8_kq_decode(1 if kq_env in ("s14", "s15") else 0)
     if kq_env == "s14":
         # A/B only (benchmarks/run_models.py --iterserve-variants "s14=ITERSERVE_KQ_DECODE=s14"):
@@ -333,9 +337,6 @@ def _library() -> ctypes.CDLL | None:
         # prefill GEMM up to 32 rows; qdot8.c Q32_GEMM8_ROWS_*) and its one-block panel decode
         lib.iterserve_act8_q32_gemm_rows(33)
         lib.iterserve_gemm8_pack_variant(1)
-    # ITERSERVE_KQ_DECODE=s15 (A/B only, "s15=ITERSERVE_KQ_DECODE=s15"): session 15's K-quant
-    # decode kernels (row tiles that decode a super-block once per tile) instead of qdot8.c's
-    # dotkw kernels; all else as now
     bits = lib.iterserve_cpu_features()
     _lib_features = frozenset(n for i, n in enumerate(_FEATURE_BITS) if bits >> i & 1)
     _caps = caps

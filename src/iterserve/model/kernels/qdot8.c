@@ -1483,15 +1483,30 @@ int64_t iterserve_set_act_mode(int64_t mode) {
 }
 
 #define ACT8_MAX_ROWS 32
-/* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end) */
 /* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end);
- * K > 4096 (down_proj): the decode kernels' activation tile no longer fits L1 */
-#define KQ_GEMM8_ROWS_Q4_K 13
-#define KQ_GEMM8_ROWS_Q5_K 13
-#define KQ_GEMM8_ROWS_Q6_K 16
-#define KQ_GEMM8_ROWS_LONG_Q4_K 8
-#define KQ_GEMM8_ROWS_LONG_Q5_K 12
-#define KQ_GEMM8_ROWS_LONG_Q6_K 8
+ * K > 4096 (down_proj): the decode kernels' activation tile no longer fits L1. Session 16's
+ * dotkv / dotkw kernels moved them up (quiet, same process, alternating, CPU time, weights
+ * cold: bench_int8.py --crossover --sides decode,gemm8, results/kq-crossover-s16-quiet*.json),
+ * decode time / GEMM time, 1 | 2 threads:
+ *            qo 2048x2048          gate_up 8192x2048     down 2048x8192
+ *   Q4_K  16: 1.01 | 1.21    16: 0.94 | 0.92, 20: 1.01 | 1.12    12: 0.92 | 1.11, 14: 0.94 | 1.02, 16: 1.09 | 1.30
+ *   Q5_K  16: 1.09 | 1.32    16: 0.93 | 1.04                     12: 0.98 | 1.52, 14: 0.97 | 1.04, 16: 1.10 | 1.22
+ *   Q6_K  20: 0.90 | 0.91, 24: 1.04 | 1.05   24: 0.91 | 0.95     10: 0.93 | 1.00, 11: 1.02 | 1.14 (16: 0.87 | 0.95)
+ * AVX2 forced (2 threads, -avx2.json) crosses at about the same rows (Q4_K down 12: 0.96,
+ * 16: 1.14; Q6_K qo 16: 0.99, 20: 1.10; Q6_K down 12: 1.36). Session 15's kernels
+ * (ITERSERVE_KQ_DECODE=s15) keep session 15's rows (KQ15_*), so an A/B compares paths. */
+#define KQ_GEMM8_ROWS_Q4_K 17
+#define KQ_GEMM8_ROWS_Q5_K 16
+#define KQ_GEMM8_ROWS_Q6_K 24
+#define KQ_GEMM8_ROWS_LONG_Q4_K 14
+#define KQ_GEMM8_ROWS_LONG_Q5_K 14
+#define KQ_GEMM8_ROWS_LONG_Q6_K 11
+#define KQ15_GEMM8_ROWS_Q4_K 13
+#define KQ15_GEMM8_ROWS_Q5_K 13
+#define KQ15_GEMM8_ROWS_Q6_K 16
+#define KQ15_GEMM8_ROWS_LONG_Q4_K 8
+#define KQ15_GEMM8_ROWS_LONG_Q5_K 12
+#define KQ15_GEMM8_ROWS_LONG_Q6_K 8
 
 int iterserve_act8_takes(int64_t type, int64_t M) {
     if (act_mode == 0 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
@@ -1608,6 +1623,10 @@ int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k) {
     if (!is_kq(type)) return q32_gemm8_takes(type, M, k);
     if (kq_gemm8_rows) return M >= kq_gemm8_rows;
     const int lng = k > 4096;
+    if (kq_decode == 1)   /* session 15's kernels: session 15's rows */
+        return M >= (type == GGML_Q4_K ? (lng ? KQ15_GEMM8_ROWS_LONG_Q4_K : KQ15_GEMM8_ROWS_Q4_K)
+                     : type == GGML_Q5_K ? (lng ? KQ15_GEMM8_ROWS_LONG_Q5_K : KQ15_GEMM8_ROWS_Q5_K)
+                     : (lng ? KQ15_GEMM8_ROWS_LONG_Q6_K : KQ15_GEMM8_ROWS_Q6_K));
     const int from = type == GGML_Q4_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q4_K : KQ_GEMM8_ROWS_Q4_K)
                    : type == GGML_Q5_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q5_K : KQ_GEMM8_ROWS_Q5_K)
                    : (lng ? KQ_GEMM8_ROWS_LONG_Q6_K : KQ_GEMM8_ROWS_Q6_K);
