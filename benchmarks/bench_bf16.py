@@ -70,19 +70,15 @@ import torch
 
 from iterserve.model import kernels
 
+from _timing import time_call  # noqa: E402  (benchmarks/ is the script's directory)
+
 SHAPES = {"qo": (2048, 2048), "gate": (8192, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 BF16, F16 = 30, 1
 
 
 def _time(fn, min_s: float) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= min_s and n >= 2:
-            return dt / n
+    """Seconds per call (at least two timed calls): the shared loop in benchmarks/_timing.py."""
+    return time_call(fn, min_s, min_calls=2)
 
 
 def _weight(t: int, n: int, k: int, seed: int) -> torch.Tensor:
