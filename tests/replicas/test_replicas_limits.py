@@ -88,6 +88,7 @@ def test_503_only_when_every_replica_queue_is_full_and_queued_requests_time_out(
 def test_priorities_work_through_the_pool(limited):
     c = openai.OpenAI(base_url=limited.v1, api_key="unused", max_retries=0, timeout=60)
     for prio in (0, 5, -3):
+        # ignore_eos: the random tiny model may sample its EOS first (unseeded sampling)
         r = c.completions.create(model="tiny-llama", prompt="p", max_tokens=2,
-                                 extra_body={"priority": prio})
+                                 extra_body={"priority": prio, "ignore_eos": True})
         assert r.usage.completion_tokens == 2
