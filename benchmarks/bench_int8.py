@@ -59,7 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import alternate  # noqa: E402
 
 SHAPES = {"qo": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192),
-          "lm_head": (49152, 2048)}
+          "lm_head": (49152, 2048),
+          # the bundled 135M model (hidden 576): its tied Q8_0 LM head, q/o, gate|up, down
+          "head135": (49152, 576), "qo135": (576, 576), "up135": (1536, 576), "down135": (576, 1536)}
 def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor]:
     """(type id, uint8 [n, row_bytes]): random codes under small valid f16 scales, from the
     test fixtures (tests/fixtures/tiny_gguf.random_blocks), so any type and shape is quick."""

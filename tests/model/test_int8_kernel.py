@@ -241,6 +241,11 @@ def test_auto_runs_32_element_steps_of_many_rows_on_the_int8_prefill_gemm(name, 
     k2 = 4352                                                # > 4096, 136 blocks
     t2, w2, ref2 = gguf_blocks(name, 33, k2, seed=5)
     assert _switch_rows(name, t2, w2, k2, ref2, lib.iterserve_act8_q32_gemm_rows) == long_rows
+    if name == "Q8_0":
+        # K not a multiple of 256 (the bundled model's tied LM head, K = 576): the GEMM's
+        # one-block panel decode loses below 12 rows (qdot8.c Q32_GEMM8_ROWS_Q8_0_RAGGED)
+        t3, w3, ref3 = gguf_blocks(name, 33, 576, seed=6)
+        assert _switch_rows(name, t3, w3, 576, ref3, lib.iterserve_act8_q32_gemm_rows) == 12
 
 
 def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone():

@@ -1589,6 +1589,12 @@ static int kq_gemm8_rows = 0;   /* 0: the measured rows below; v > 0: from v row
 #define Q32_GEMM8_ROWS_LONG_Q5_1 6
 #define Q32_GEMM8_ROWS_LONG_Q8_0 4
 #define Q32_GEMM8_ROWS_NOGROUPS 12     /* without the VBMI kernels: at the latest from here */
+/* Q8_0 where K is not a multiple of 256 (prefill8.c's grouped panel decode needs 8 blocks a
+ * row; the bundled 135M model's tied LM head, 49152 x 576): the one-block panel decode makes
+ * the GEMM lose up to 12 rows (integrator, quiet, 2 threads, results/q32-q8_0-head135-quiet
+ * .json: decode / GEMM 0.33 at 4 rows, 0.80 at 8, 1.02 at 12, 1.40 at 16; at K = 2048 1.67
+ * at 4). From 4 rows it cost the bundled model's `mix` @8 20% (279.9 vs 348.9 tok/s). */
+#define Q32_GEMM8_ROWS_Q8_0_RAGGED 12
 static int q32_gemm8_rows = 0;  /* 0: the measured rows above; v > 0: from v rows (A/B) */
 
 int64_t iterserve_act8_q32_gemm_rows(int64_t v) {
@@ -1607,7 +1613,8 @@ static int q32_gemm8_takes(int64_t type, int64_t M, int64_t k) {
     case GGML_Q4_1: from = lng ? Q32_GEMM8_ROWS_LONG_Q4_1 : Q32_GEMM8_ROWS_Q4_1; break;
     case GGML_Q5_0: from = lng ? Q32_GEMM8_ROWS_LONG_Q5_0 : Q32_GEMM8_ROWS_Q5_0; break;
     case GGML_Q5_1: from = lng ? Q32_GEMM8_ROWS_LONG_Q5_1 : Q32_GEMM8_ROWS_Q5_1; break;
-    default: from = lng ? Q32_GEMM8_ROWS_LONG_Q8_0 : Q32_GEMM8_ROWS_Q8_0; break;
+    default: from = k % 256 ? Q32_GEMM8_ROWS_Q8_0_RAGGED
+                            : lng ? Q32_GEMM8_ROWS_LONG_Q8_0 : Q32_GEMM8_ROWS_Q8_0; break;
     }
     if (!groups && from > Q32_GEMM8_ROWS_NOGROUPS) from = Q32_GEMM8_ROWS_NOGROUPS;
     return M >= from;
