@@ -28,6 +28,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -35,34 +36,13 @@ import torch
 
 from iterserve.model import kernels
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import time_call  # noqa: E402  (benchmarks/: the shared timing loop)
+from bench_int8 import random_blocks  # noqa: E402  (valid random blocks, tests/fixtures)
+
 SHAPES = {"qo": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192),
           "lm_head": (49152, 2048), "qo8": (4096, 4096), "gate_up8": (28672, 4096),
           "down8": (4096, 14336)}
-
-
-def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor]:
-    """Valid random K-quant blocks (random codes under small f16 scales)."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    t = GGMLQuantizationType[name]
-    elems, nbytes = GGML_QUANT_SIZES[t]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
-    off, cnt = (208, 1) if name == "Q6_K" else (0, 2)
-    raw[:, off:off + 2 * cnt] = rng.uniform(0.001, 0.01, size=(raw.shape[0], cnt)) \
-        .astype(np.float16).view(np.uint8)
-    return int(t), torch.from_numpy(raw.reshape(n, -1))
-
-
-def timed(fn, min_s: float, clock) -> float:
-    fn()
-    n, t0 = 0, clock()
-    while True:
-        fn()
-        n += 1
-        dt = clock() - t0
-        if dt >= min_s:
-            return dt / n
 
 
 def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> list[dict]:
@@ -85,7 +65,7 @@ def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> l
                         for s, setv in sides:
                             for v in setv:
                                 lib.iterserve_act8_kq_decode(v)
-                            times[s].append(timed(fn, min_s, clock))
+                            times[s].append(time_call(fn, min_s, clock))
                     med = {s: statistics.median(v) for s, v in times.items()}
                     base = sides[0][0]
                     row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th, "rows": m,
