@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from fixtures.gguf_blocks import gguf_blocks
+from fixtures.tiny_models import greedy_steps
 from iterserve.model import kernels
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
@@ -425,38 +426,8 @@ def mixed_model(tmp_path_factory):
 
 def _greedy(loaded, prompt, mode: str, fused: bool = True):
     """Greedy decode of NEW_TOKENS on the native path in `mode`: tokens, per-step logits."""
-    tokens, seen = _steps(loaded, [prompt], mode, fused, NEW_TOKENS, num_blocks=16, block_size=16)
+    tokens, seen = greedy_steps(loaded, [prompt], mode, fused, NEW_TOKENS, num_blocks=16, block_size=16)
     return tokens[0], seen
-
-
-def _steps(loaded, prompts, mode: str, fused: bool, steps: int, num_blocks: int,
-           block_size: int):
-    """`steps` greedy steps of all `prompts` together in `mode` (the first prefills them
-    whole, then one token each), fused decode layers on or off: each request's tokens and the
-    logits of every step."""
-    from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
-    from iterserve.model.runner import ModelRunner
-    seen = []
-
-    def sampler(logits, requests):
-        seen.append(logits.clone())
-        return greedy(logits, requests)
-
-    kernels.set_activations(mode)
-    try:
-        runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size, sampler=sampler)
-        assert runner.fused_decode
-        if not fused:
-            assert not loaded.model.use_fused_decode(False)
-        blocks = Blocks(num_blocks, block_size)
-        reqs = [request(f"r{i}", p) for i, p in enumerate(prompts)]
-        for s in range(steps):
-            out = step(*(chunk(blocks, r) for r in reqs), step_no=s)
-            advance(out, runner.execute(out))
-    finally:
-        kernels.set_activations("float")
-        loaded.model.use_fused_decode(True)
-    return [r.output_token_ids for r in reqs], seen
 
 
 def _prompt(loaded):
@@ -641,7 +612,7 @@ def test_fused_decode_layers_equal_the_per_module_path_on_the_hand_over(tmp_path
     def run(fused: bool, rows_override: int):
         lib.iterserve_act8_q32_gemm_rows(rows_override)
         try:
-            return _steps(loaded, prompts, "auto", fused, 4, num_blocks=80, block_size=4)[1][1:]
+            return greedy_steps(loaded, prompts, "auto", fused, 4, num_blocks=80, block_size=4)[1][1:]
         finally:
             lib.iterserve_act8_q32_gemm_rows(0)
 

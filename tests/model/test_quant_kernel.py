@@ -13,7 +13,7 @@ import torch
 
 from fixtures.gguf_blocks import gguf_blocks
 from fixtures.tiny_gguf import load_all_quant_model, write_tiny_llama_gguf
-from fixtures.tiny_models import Blocks, advance, chunk, greedy, request, step
+from fixtures.tiny_models import Blocks, advance, chunk, greedy, greedy_steps, request, step
 from iterserve.model import kernels
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
@@ -226,31 +226,9 @@ def kq_model(tmp_path_factory):
 def _decode(loaded, nreq: int, fused: bool, mode: str):
     """nreq prompts prefilled, then 4 decode steps of nreq rows in `mode`: every step's
     logits and the tokens."""
-    from iterserve.model.runner import ModelRunner
-    seen = []
-
-    def sampler(logits, requests):
-        seen.append(logits.clone())
-        return greedy(logits, requests)
-
-    kernels.set_activations(mode)
-    try:
-        runner = ModelRunner(loaded, num_blocks=64, block_size=4, sampler=sampler)
-        assert runner.fused_decode
-        if not fused:
-            assert not loaded.model.use_fused_decode(False)
-        blocks = Blocks(64, 4)
-        reqs = [request(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(3 + i % 4)])
-                for i in range(nreq)]
-        out = step(*(chunk(blocks, r) for r in reqs))
-        advance(out, runner.execute(out))
-        for s in range(4):
-            out = step(*(chunk(blocks, r, 1) for r in reqs), step_no=1 + s)
-            advance(out, runner.execute(out))
-    finally:
-        kernels.set_activations("float")
-        loaded.model.use_fused_decode(True)
-    return seen, [r.output_token_ids for r in reqs]
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(3 + i % 4)] for i in range(nreq)]
+    tokens, seen = greedy_steps(loaded, prompts, mode, fused, 5, num_blocks=64, block_size=4)
+    return seen, tokens
 
 
 def test_kquant_model_fused_decode_equals_per_module_path_at_1_to_12_rows(kq_model):

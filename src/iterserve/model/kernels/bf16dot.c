@@ -61,6 +61,7 @@
 #include <omp.h>
 
 #include "iterserve.h"
+#include "scratch.h"
 #include "transpose.h"
 
 #define BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16")))
@@ -122,17 +123,11 @@ int iterserve_bf16_takes(int64_t type, int64_t M) {
 }
 
 /* --- activations rounded to bf16, once per call --------------------------------------- */
-static __thread uint16_t *xb_buf = NULL;
-static __thread size_t xb_cap = 0;
+static __thread void *xb_buf = NULL;
+static __thread size_t xb_cap = 0;   /* bytes */
 
 static uint16_t *xb_scratch(size_t elems) {
-    if (elems > xb_cap) {
-        free(xb_buf);
-        xb_cap = (elems + 4095) & ~(size_t)4095;
-        xb_buf = aligned_alloc(64, xb_cap * sizeof(uint16_t));
-        if (!xb_buf) xb_cap = 0;
-    }
-    return xb_buf;
+    return scratch_grow(&xb_buf, &xb_cap, elems * sizeof(uint16_t));
 }
 
 static BF16 void round_rows(const float *x, int64_t M, int64_t ldx, int64_t K, uint16_t *xb,

@@ -38,6 +38,7 @@
 
 #include "iterserve.h"
 #include "simd.h"
+#include "scratch.h"
 
 #define A512 __attribute__((target("avx512f,avx512vl,avx512bw,f16c,fma")))
 #define A512_INLINE static inline __attribute__((always_inline)) A512
@@ -88,17 +89,11 @@ int iterserve_f16_takes(int64_t type, int64_t M) {
 
 /* --- activations: copied once per call into rows 64 bytes more than a multiple of K apart ---
  * (rows K * 4 bytes apart, K a multiple of 1,024, all fall into the same L1 sets) */
-static __thread float *xs_buf = NULL;
-static __thread size_t xs_cap = 0;
+static __thread void *xs_buf = NULL;
+static __thread size_t xs_cap = 0;   /* bytes */
 
 static float *xs_scratch(size_t elems) {
-    if (elems > xs_cap) {
-        free(xs_buf);
-        xs_cap = (elems + 4095) & ~(size_t)4095;
-        xs_buf = aligned_alloc(64, xs_cap * sizeof(float));
-        if (!xs_buf) xs_cap = 0;
-    }
-    return xs_buf;
+    return scratch_grow(&xs_buf, &xs_cap, elems * sizeof(float));
 }
 
 /* --- AVX-512: R activation rows x C weight rows, 16 elements per step ------------------- */
