@@ -87,6 +87,39 @@ def test_int8_gemm_equals_quantised_activations_times_dequantised_weights(name, 
     check(name, wide[:, 5:72], x, ref)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("k", [256, 768, 2048, 8192])
+def test_one_kquant_row_on_avx512_equals_session_15s_kernel(name, k, monkeypatch):
+    """One Q4_K / Q5_K row on AVX-512 runs dotk1_vnni (64-byte code loads, activations in
+    their order, scales decoded in SSE); session 15's dotk_vnni (iterserve_act8_kq_decode
+    301) does the same integer arithmetic, so the two agree to float summation order, for one
+    to 32 super-blocks a row, one and two threads, and both match the reference."""
+    if kernels.int8_isa("avx512vnni") != "avx512vnni":
+        kernels.int8_isa()
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    n = 131
+    t, w, ref = gguf_blocks(name, n, k, seed=k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
+    x[0, 256 * (k // 512):256 * (k // 512) + 256] = 0.0      # one all-zero super-block
+    lib = kernels._lib()
+    outs = {}
+    try:
+        for threads in (1, 2):
+            monkeypatch.setattr(kernels, "_threads", lambda threads=threads: threads)
+            for v in (300, 301):
+                lib.iterserve_act8_kq_decode(v)
+                out = torch.empty(1, n)
+                kernels.qgemm_int8(t, w, k, x, out)
+                check(name, out, x, ref)
+                outs[(threads, v)] = out
+    finally:
+        lib.iterserve_act8_kq_decode(300)
+        kernels.int8_isa()
+    mag = quantised(x, block_of(name))[0].abs() @ ref.abs().T
+    for o in outs.values():
+        assert ((o - outs[(1, 301)]).abs() <= 4e-6 * mag + 1e-9).all()
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_int8_long_rows_two_threads_and_both_isas_agree(name, monkeypatch):
     """K of 8192 (down_proj's) splits into several K chunks; 2 threads split 193 columns;

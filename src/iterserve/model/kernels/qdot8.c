@@ -35,8 +35,9 @@
  * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). Since
  * session 16 the K-quants take dotkv_vnni / dotkw_avx2 (one decode of a super-block for all
  * rows of the call, tiles of up to 12; AVX-512 on vpdpbusd with lanes of 16-element groups;
- * a software prefetch 2 columns ahead), session 15's tiles kept for one Q4_K / Q5_K row and
- * for A/B (kq_decode). Decode steps of many rows (K-quants and the 32-element types, rows by
+ * a software prefetch 2 columns ahead; one Q4_K / Q5_K row on AVX-512: dotk1_vnni, session
+ * 17), session 15's tiles kept for A/B (kq_decode). Activations are quantised in vector code
+ * (qblocks512 / qblocks256, the same values as the scalar rounding). Decode steps of many rows (K-quants and the 32-element types, rows by
  * type and K) go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
@@ -88,8 +89,73 @@ static void *scratch(size_t bytes) {
     return abuf;
 }
 
-static inline int8_t q8(float v, float id) {
-    return (int8_t)(int)nearbyintf(v * id);
+static int isa8 = 0;            /* 0: not chosen; 1: AVX2; 2: AVX-512 VNNI (iterserve_act8_isa) */
+
+/* nb blocks of B (a multiple of 32) floats: d[b] = max|x| / 127 and q = x . (127 / max|x|)
+ * rounded to nearest even, vectorised. The scalar loop (nearbyintf and fmaxf per element) cost
+ * ~2.8 ns per element, ~23 us per row of K = 8192: a few percent of a batch-1 step and more
+ * at batch 8 (every row is quantised once per GEMM call, on one thread). The values are
+ * the same: max is exact in any order, the product is the same one multiply, and
+ * vcvtps2dq rounds to nearest even as nearbyintf does in the default rounding mode
+ * (|x . id| <= 127, so the narrowing never saturates). */
+static __attribute__((target("avx512f,avx512bw,avx512vl"))) void qblocks512(
+        const float *x, int64_t nb, int B, int8_t *q, float *d) {
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + (int64_t)B * b;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < B; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        d[b] = amax / 127.f;
+        const __m512 iv = _mm512_set1_ps(id);
+        for (int i = 0; i < B; i += 16)
+            _mm_storeu_si128((__m128i *)(q + (int64_t)B * b + i), _mm512_cvtsepi32_epi8(
+                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), iv))));
+    }
+}
+
+static void qblocks256(const float *x, int64_t nb, int B, int8_t *q, float *d) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + (int64_t)B * b;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < B; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + i), absm));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        d[b] = amax / 127.f;
+        const __m256 iv = _mm256_set1_ps(id);
+        for (int i = 0; i < B; i += 32) {
+            __m256i c[4];
+            for (int u = 0; u < 4; u++)
+                c[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * u), iv));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                                 _mm256_packs_epi32(c[2], c[3]));
+            _mm256_storeu_si256((__m256i *)(q + (int64_t)B * b + i), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+}
+
+/* a second thread-local buffer: one row quantised in memory order, before a kernel's own order */
+static __thread uint8_t *tbuf;
+static __thread size_t tbuf_size;
+
+static void *tscratch(size_t bytes) {
+    if (bytes > tbuf_size) {
+        free(tbuf);
+        tbuf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        tbuf_size = tbuf ? bytes : 0;
+    }
+    return tbuf;
+}
+
+/* qblocks for one row of K floats (d: K / B floats) */
+static void qrow(const float *x, int64_t K, int B, int8_t *q, float *d) {
+    if (isa8 == 2) qblocks512(x, K / B, B, q, d);
+    else qblocks256(x, K / B, B, q, d);
 }
 
 /* Q8_0-style quantisation of M rows in blocks of 32; shift >= 0: g4 with off = 1 << shift;
@@ -109,11 +175,9 @@ static int quantise32(const float *x, int64_t M, int64_t ldx, int64_t K, int shi
         int8_t *q = a->q + r * K;
         int32_t *g = a->g4 + r * (K / 4);
         float *dx = a->dx + r * nb * 8;
-        for (int64_t b = 0; b < nb; b++) {
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xr[32 * b + i]));
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < 32; i++) q[32 * b + i] = q8(xr[32 * b + i], id);
+        qrow(xr, K, 32, q, dx);                   /* d[b] at dx[b], spread to 8 below */
+        for (int64_t b = nb - 1; b >= 0; b--) {   /* downwards: dx[b] is read before dx[8b..] */
+            const float d = dx[b];
             for (int i = 0; i < 8; i++) dx[8 * b + i] = d;
             if (shift >= 0)
                 for (int i = 0; i < 8; i++) {
@@ -146,12 +210,8 @@ static int quantise256(const float *x, int64_t M, int64_t ldx, int64_t K, act8 *
     for (int64_t r = 0; r < M; r++) {
         const float *xr = x + r * ldx;
         int8_t *q = a->q + r * K;
+        qrow(xr, K, 256, q, a->dx + r * nb);
         for (int64_t b = 0; b < nb; b++) {
-            float amax = 0.f;
-            for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xr[256 * b + i]));
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < 256; i++) q[256 * b + i] = q8(xr[256 * b + i], id);
-            a->dx[r * nb + b] = d;
             for (int j = 0; j < 16; j++) {
                 int s = 0;
                 for (int i = 0; i < 16; i++) s += q[256 * b + 16 * j + i];
@@ -511,7 +571,6 @@ static inline __attribute__((always_inline)) VNNI void dotk_vnni(
 }
 
 /* ---- the driver ---------------------------------------------------------------------------- */
-static int isa8 = 0;            /* 0: not chosen; 1: AVX2; 2: AVX-512 VNNI */
 
 int64_t iterserve_act8_isa(int64_t want) {
     if (want == -1 && isa8) return isa8;
@@ -843,20 +902,19 @@ static int quantise256v(const float *x, int64_t M, int64_t ldx, int64_t K, act8 
     a->dx = (float *)(p + xb);
     a->q = (int8_t *)(p + xb + db);
     a->bs16 = a->bs32 = NULL;
+    int8_t *t = tscratch((size_t)K);
+    if (!t) return ITERSERVE_ENOMEM;
     for (int64_t r = 0; r < M; r++) {
-        const float *xr = x + r * ldx;
+        qrow(x + r * ldx, K, 256, t, a->dx + r * nb);
         for (int64_t b = 0; b < nb; b++) {
-            const float *xv = xr + 256 * b;
+            const int8_t *tv = t + 256 * b;
             int8_t *q = a->q + r * K + 256 * b;
-            float amax = 0.f;
-            for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(xv[i]));
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            a->dx[r * nb + b] = d;
+            const float d = a->dx[r * nb + b];
             for (int j = 0; j < 16; j++) {
                 const int g = kqv_group[j];
                 int s = 0;
                 for (int e = 0; e < 16; e++) {
-                    const int8_t v = q8(xv[16 * g + e], id);
+                    const int8_t v = tv[16 * g + e];
                     q[64 * (e / 4) + 4 * j + e % 4] = v;
                     s += v;
                 }
@@ -949,6 +1007,118 @@ static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
     for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]);
 }
 
+/* ---- AVX-512 VNNI, one Q4_K / Q5_K row (session 17) --------------------------------------
+ * Batch-1 decode of a Q4_K_M model is ~75% Q4_K GEMMs, and session 15's dotk_vnni ran them at
+ * ~20 GB/s per thread hot and cold alike (bench_kq_decode.py --rows 1: bound by instructions,
+ * while one thread can read ~34 GB/s and two ~40), so two threads read ~30 of the ~40 GB/s.
+ * This kernel does the same integer arithmetic (codes x int8 activations in vpmaddubsw, the
+ * sub-block scales in vpdpwssd, one float multiply per super-block) with fewer instructions
+ * per super-block:
+ *   - the codes are read 64 bytes at a time: and / shift / and give two zmm, each holding
+ *     two 32-element sub-blocks (low nibbles: sub-blocks 2j and 2j + 2, high: 2j + 1 and
+ *     2j + 3), so no 256-bit inserts; the activations are quantised in that order once per
+ *     call (quantise256p: chunks of 32 in the order 0 2 1 3 4 6 5 7);
+ *   - the 12 packed scale bytes are decoded in SSE registers (two vpshufb, shifts, masks:
+ *     q4k_scales_v) instead of scalar code and four GPR-to-vector inserts;
+ *   - d and d_min are converted together (one vcvtph2ps) and times d_x in one multiply.
+ * Same rounding as quantise256, so the result equals dotk_vnni's up to float summation order.
+ * Measured: see kq_decode below. */
+static const uint8_t kq1_src[8] = {0, 2, 1, 3, 4, 6, 5, 7};   /* quantised chunk i <- x chunk */
+
+static int quantise256p(const float *x, int64_t M, int64_t ldx, int64_t K, act8 *a) {
+    const int rc = quantise256(x, M, ldx, K, a);
+    if (rc) return rc;
+    int8_t tmp[256];
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < K / 256; b++) {
+            int8_t *q = a->q + r * K + 256 * b;
+            memcpy(tmp, q, 256);
+            for (int i = 0; i < 8; i++) memcpy(q + 32 * i, tmp + 32 * kq1_src[i], 32);
+        }
+    return ITERSERVE_OK;
+}
+
+/* q4k_scales in SSE: bytes 0-7 the 8 scales, 8-15 the 8 mins (reads 16 bytes from s12). */
+static inline __attribute__((always_inline)) VNNI __m128i q4k_scales_v(const uint8_t *s12) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)s12);
+    /* A = [s0-3, s8-11, s4-7, s8-11], B = [0, s0-3, 0, s4-7] */
+    const __m128i A = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i B = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i lo = _mm_and_si128(A, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(A, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_set1_epi8(0x30));
+    return _mm_or_si128(_mm_or_si128(lo, hi), top);
+}
+
+static inline __attribute__((always_inline)) VNNI float dotk1_vnni(
+        int type, const act8 *a, int64_t b0, int64_t b1, const uint8_t *wrow) {
+    const int bb = type == GGML_Q4_K ? 144 : 176, qo = type == GGML_Q4_K ? 16 : 48;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    /* int16 lanes of the four code vectors -> their sub-block (L0, H0, L1, H1) */
+    const __m512i i0 = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002, 0x0002000200020002, 0, 0, 0, 0);
+    const __m512i i1 = _mm512_add_epi16(i0, _mm512_set1_epi16(1));
+    const __m512i i2 = _mm512_add_epi16(i0, _mm512_set1_epi16(4));
+    const __m512i i3 = _mm512_add_epi16(i0, _mm512_set1_epi16(5));
+    /* Q5_K: the qh bit of each code vector's two halves moved to bit 4 (left / right) */
+    const __m512i hl0 = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), hl1 = _mm512_set_epi64(1, 1, 1, 1, 3, 3, 3, 3);
+    const __m512i hr2 = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), hr3 = _mm512_set_epi64(3, 3, 3, 3, 1, 1, 1, 1);
+    const int64_t K = a->K, nb = K / 256;
+    (void)nb;
+    const int8_t *xq = a->q;
+    __m512 acc = _mm512_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        const int8_t *xb = xq + 256 * b;
+        const __m128i sm = q4k_scales_v(blk + 4);
+        const __m256i s16 = _mm256_cvtepu8_epi16(sm);          /* scales 0-7, mins 8-15 */
+        const __m512i sc = _mm512_castsi256_si512(s16);
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)blk)),
+                                     _mm_set1_ps(a->dx[b]));   /* d . d_x, d_min . d_x */
+        const __m512i v0 = _mm512_loadu_si512((const void *)(blk + qo));
+        const __m512i v1 = _mm512_loadu_si512((const void *)(blk + qo + 64));
+        __m512i L0 = _mm512_and_si512(v0, m4), H0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+        __m512i L1 = _mm512_and_si512(v1, m4), H1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+        if (type == GGML_Q5_K) {
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+            L0 = _mm512_or_si512(L0, _mm512_and_si512(_mm512_sllv_epi64(qh, hl0), m10));
+            H0 = _mm512_or_si512(H0, _mm512_and_si512(_mm512_sllv_epi64(qh, hl1), m10));
+            L1 = _mm512_or_si512(L1, _mm512_and_si512(_mm512_srlv_epi64(qh, hr2), m10));
+            H1 = _mm512_or_si512(H1, _mm512_and_si512(_mm512_srlv_epi64(qh, hr3), m10));
+        }
+        __m512i isum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(
+            L0, _mm512_loadu_si512((const void *)xb)), _mm512_permutexvar_epi16(i0, sc));
+        __m512i isum2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(
+            H0, _mm512_loadu_si512((const void *)(xb + 64))), _mm512_permutexvar_epi16(i1, sc));
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(
+            L1, _mm512_loadu_si512((const void *)(xb + 128))), _mm512_permutexvar_epi16(i2, sc));
+        isum2 = _mm512_dpwssd_epi32(isum2, _mm512_maddubs_epi16(
+            H1, _mm512_loadu_si512((const void *)(xb + 192))), _mm512_permutexvar_epi16(i3, sc));
+        acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dd), _mm512_cvtepi32_ps(_mm512_add_epi32(isum, isum2)), acc);
+        const __m128i mt = _mm_madd_epi16(_mm256_extracti128_si256(s16, 1),
+                                          _mm_loadu_si128((const __m128i *)(a->bs32 + 8 * b)));
+        accm = _mm_fnmadd_ps(_mm_permute_ps(dd, _MM_SHUFFLE(1, 1, 1, 1)), _mm_cvtepi32_ps(mt), accm);
+    }
+    return hsum16f(acc) + hsum4f(accm);
+}
+
+/* The column loop for one row: threads split the columns, each column's row whole (one
+ * row's quantised activations, <= 292 bytes per super-block, stay in L1 up to K = 40k). */
+static VNNI void run_kq1_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
+                              int64_t row_stride, float *y, int nthreads) {
+    const act8 a = *ap;
+    const int64_t nb = a.K / 256;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t n0 = n * t / T, n1 = n * (t + 1) / T;
+        if (type == GGML_Q4_K)
+            for (int64_t c = n0; c < n1; c++) y[c] = dotk1_vnni(GGML_Q4_K, &a, 0, nb, w + c * row_stride);
+        else
+            for (int64_t c = n0; c < n1; c++) y[c] = dotk1_vnni(GGML_Q5_K, &a, 0, nb, w + c * row_stride);
+    }
+}
+
 /* Which K-quant decode kernels run (iterserve_act8_kq_decode; A/B: ITERSERVE_KQ_DECODE=s15,
  * benchmarks/bench_kq_decode.py): 0 dotkv_vnni / dotkw_avx2 above (default), 1 session 15's
  * (dotk_vnni / dotk_avx2 in row tiles of kq_tile / 4).
@@ -966,7 +1136,14 @@ static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
  *        gate_up     1.03  1.03  1.20  1.54  1.32  1.50
  *        down        1.02  1.34  2.50  1.06  2.21  1.17
  * Hence these kernels from 2 rows, and for one row Q6_K (the LM head); one Q4_K / Q5_K row
- * stays on dotk_vnni (its decode is shorter: no transpose, no float scale vectors). AVX2
+ * stayed on dotk_vnni (its decode is shorter: no transpose, no float scale vectors) and since
+ * session 17 runs dotk1_vnni (above; kq_decode 301 or ITERSERVE_KQ_DECODE=s15 restore
+ * dotk_vnni). Its measurements (bench_kq_decode.py --rows 1 --cold 96, medians of 5, quiet,
+ * s15 time / this time, results/kq-decode-s17-1row.json): Q4_K qo / gate_up / down 1.14 /
+ * 1.28 / 1.06 on one thread, 1.05 / 1.05 / 1.07 on two (35-36 GB/s of ~40 on gate_up and
+ * down); Q5_K 1.09 / 1.25 / 1.15 on one thread; hot in L2 (a C loop) 4.6 ns a super-block
+ * against 6.6. End to end, batch-1 1.7B Q4_K_M (run_models.py b1, same run, repeats 3):
+ * 32.7 tok/s against 26.6 for session 15's K-quant kernels, 0.86 of the bandwidth bound. AVX2
  * (forced here; results/kq-decode-t1-avx2.json, medians of 5), rows 1 4 8 12: Q4_K qo 1.00
  * 1.02 0.98 1.01, down 0.98 1.23 1.01 0.88; Q6_K qo 1.01 0.98 0.99 1.16, down 1.01 1.79 1.44
  * 1.32: equal at K = 2048 (AVX2 has no vpdpbusd; its per-row work is the same), faster on
@@ -986,11 +1163,13 @@ static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
 static int kq_decode = 0;
 static int kqw_tile = KQW_TILE;       /* rows per dotkw tile (A/B: 4..12) */
 static int kq_pf = 2;                 /* software prefetch, columns ahead (0: none) */
+static int kq1_variant = 0;           /* one Q4_K / Q5_K row on AVX-512: 0 dotk1_vnni, 1 dotk_vnni */
 
 int64_t iterserve_act8_kq_decode(int64_t v) {
     if (v == 0 || v == 1) kq_decode = (int)v;
     else if (v >= 100 + 1 && v <= 100 + KQW_TILE) kqw_tile = (int)(v - 100);
     else if (v >= 200 && v <= 216) kq_pf = (int)(v - 200);
+    else if (v == 300 || v == 301) kq1_variant = (int)(v - 300);
     return kq_decode;
 }
 
@@ -1092,21 +1271,20 @@ static int quantise32g(const float *x, int64_t M, int64_t ldx, int64_t K, int of
     a->M = M, a->K = K;
     a->q = (int8_t *)p;
     memset(p, 0, (size_t)(M * ng * G32_BYTES));
+    int8_t *t = tscratch((size_t)K + 4 * (size_t)nb);
+    if (!t) return ITERSERVE_ENOMEM;
+    float *td = (float *)(t + K);            /* K: a multiple of 32 */
     for (int64_t r = 0; r < M; r++) {
-        const float *xr = x + r * ldx;
+        qrow(x + r * ldx, K, 32, t, td);
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *gp = p + (r * ng + b / 4) * G32_BYTES;
             const int i = (int)(b % 4);
             int8_t *xlo = (int8_t *)gp + 16 * i, *xhi = (int8_t *)gp + 64 + 16 * i;
             int32_t *g = (int32_t *)(gp + 128) + 4 * i;
             float *dx = (float *)(gp + 192) + 4 * i;
-            float amax = 0.f;
-            for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(xr[32 * b + e]));
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            for (int e = 0; e < 16; e++) {
-                xlo[e] = q8(xr[32 * b + e], id);
-                xhi[e] = q8(xr[32 * b + 16 + e], id);
-            }
+            const float d = td[b];
+            memcpy(xlo, t + 32 * b, 16);
+            memcpy(xhi, t + 32 * b + 16, 16);
             for (int l = 0; l < 4; l++) {
                 int s = 0;
                 for (int e = 0; e < 4; e++) s += xlo[4 * l + e] + xhi[4 * l + e];
@@ -1415,7 +1593,16 @@ int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_
         return ITERSERVE_OK;
     }
     /* the dotkv / dotkw kernels, except one Q4_K / Q5_K row on AVX-512 (see kq_decode) */
-    const int kqw = kq && kq_decode == 0 && !(isa8 == 2 && M == 1 && type != GGML_Q6_K);
+    const int kq1 = kq && isa8 == 2 && M == 1 && type != GGML_Q6_K;
+    const int kqw = kq && kq_decode == 0 && !kq1;
+    if (kq1 && kq_decode == 0 && kq1_variant == 0) {
+        rc = quantise256p(x, M, ldx, k, &a);
+        if (rc) return rc;
+        if (nthreads < 1) nthreads = 1;
+        if (n < 64 * nthreads) nthreads = 1;
+        run_kq1_vnni((int)type, &a, w, n, row_stride, y, nthreads);
+        return ITERSERVE_OK;
+    }
     if (kqw && isa8 == 2)
         rc = quantise256v(x, M, ldx, k, &a);
     else if (kq)
