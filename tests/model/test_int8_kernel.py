@@ -613,6 +613,24 @@ def test_kq_decode_env_selects_session_14s_kquant_path_for_ab(monkeypatch):
         kernels.clear_cache()
 
 
+def test_kq_gemm_rows_env_moves_the_kquant_hand_over_for_ab(monkeypatch):
+    """ITERSERVE_KQ_GEMM_ROWS=N (an A/B variant of run_models.py) hands K-quant decode steps
+    of N rows and more to the int8 prefill GEMM; unset again, a reload restores the
+    measured rows (0: by type and K)."""
+    monkeypatch.setenv("ITERSERVE_KQ_GEMM_ROWS", "13")
+    kernels.clear_cache()
+    try:
+        lib = kernels._lib()
+        assert lib.iterserve_act8_kq_gemm_rows(-1) == 13
+        monkeypatch.delenv("ITERSERVE_KQ_GEMM_ROWS")
+        kernels.clear_cache()
+        assert kernels._lib().iterserve_act8_kq_gemm_rows(-1) == 0
+    finally:
+        monkeypatch.delenv("ITERSERVE_KQ_GEMM_ROWS", raising=False)
+        kernels.clear_cache()
+        kernels._lib().iterserve_act8_kq_gemm_rows(0)
+
+
 def test_q32_decode_env_selects_session_15s_path_for_ab(monkeypatch):
     """ITERSERVE_Q32_DECODE=s15 loads the kernels with the 32-element types' decode steps as
     session 15 left them: no hand-over to the int8 prefill GEMM up to 32 rows and its

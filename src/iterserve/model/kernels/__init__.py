@@ -331,6 +331,14 @@ def _library() -> ctypes.CDLL | None:
         lib.iterserve_act8_kq_variant(1)
         lib.iterserve_act8_kq_tile(4)
         lib.iterserve_act8_kq_gemm_rows(33)
+    kq_rows = os.environ.get("ITERSERVE_KQ_GEMM_ROWS", "")
+    if kq_rows.isdigit() and 1 <= int(kq_rows) <= 33:
+        # A/B only (run_models.py --iterserve-variants "kq13=ITERSERVE_KQ_GEMM_ROWS=13"): every
+        # K-quant decode step of at least this many rows goes to the int8 prefill GEMM (33:
+        # none), instead of qdot8.c's measured rows by type and K (KQ_GEMM8_ROWS_*)
+        lib.iterserve_act8_kq_gemm_rows(int(kq_rows))
+    elif kq_env != "s14":
+        lib.iterserve_act8_kq_gemm_rows(0)
     if os.environ.get("ITERSERVE_Q32_DECODE", "").lower() == "s15":
         # A/B only (run_models.py --iterserve-variants "s15=ITERSERVE_Q32_DECODE=s15"): decode
         # steps of the 32-element types as session 15 left them (no hand-over to the int8
