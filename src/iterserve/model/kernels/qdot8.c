@@ -56,6 +56,7 @@
 
 #include "iterserve.h"
 #include "kscales.h"
+#include "scratch.h"
 
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 #define COL_CHUNK 64
@@ -77,17 +78,10 @@ typedef struct {
     float *xs;          /* dotkv_vnni: d_x * the 16-element group sums (quantise256v) */
 } act8;
 
-static __thread uint8_t *abuf;
+static __thread void *abuf;
 static __thread size_t abuf_size;
 
-static void *scratch(size_t bytes) {
-    if (bytes > abuf_size) {
-        free(abuf);
-        abuf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        abuf_size = abuf ? bytes : 0;
-    }
-    return abuf;
-}
+static void *scratch(size_t bytes) { return scratch_grow(&abuf, &abuf_size, bytes); }
 
 static int isa8 = 0;            /* 0: not chosen; 1: AVX2; 2: AVX-512 VNNI (iterserve_act8_isa) */
 
@@ -140,17 +134,10 @@ static void qblocks256(const float *x, int64_t nb, int B, int8_t *q, float *d) {
 }
 
 /* a second thread-local buffer: one row quantised in memory order, before a kernel's own order */
-static __thread uint8_t *tbuf;
+static __thread void *tbuf;
 static __thread size_t tbuf_size;
 
-static void *tscratch(size_t bytes) {
-    if (bytes > tbuf_size) {
-        free(tbuf);
-        tbuf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        tbuf_size = tbuf ? bytes : 0;
-    }
-    return tbuf;
-}
+static void *tscratch(size_t bytes) { return scratch_grow(&tbuf, &tbuf_size, bytes); }
 
 /* qblocks for one row of K floats (d: K / B floats) */
 static void qrow(const float *x, int64_t K, int B, int8_t *q, float *d) {
