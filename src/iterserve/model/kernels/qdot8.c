@@ -37,8 +37,9 @@
  * rows of the call, tiles of up to 12; AVX-512 on vpdpbusd with lanes of 16-element groups;
  * a software prefetch 2 columns ahead; one Q4_K / Q5_K row on AVX-512: dotk1_vnni, session
  * 17), session 15's tiles kept for A/B (kq_decode). Activations are quantised in vector code
- * (qblocks512 / qblocks256, the same values as the scalar rounding). Decode steps of many rows (K-quants and the 32-element types, rows by
- * type and K) go to prefill8.c's GEMM (iterserve_act8_gemm8_takes, the end).
+ * (qblocks512 / qblocks256, the same values as the scalar rounding). Decode steps of many
+ * rows (K-quants and the 32-element types, rows by type and K) go to prefill8.c's GEMM
+ * (iterserve_act8_gemm8_takes, the end).
  *
  * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
  * rows, for Q4_0 / Q4_1 / Q5_0 / Q5_1 up to 32 where the 4-block VBMI kernels run, else and

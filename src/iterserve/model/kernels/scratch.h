@@ -2,10 +2,10 @@
  *
  * Why: several kernels copy, round or quantise a call's activations into a buffer of their
  * own layout once per call (f16dot.c, bf16dot.c, qdot8.c). Allocating it per call would cost
- * a malloc/free per GEMM on the decode path, so each kernel keeps one thread-local buffer (the OpenMP pool's
- * threads live as long as the process) and grows it in 16 KB steps, 64-byte aligned for
- * aligned vector loads. On allocation failure it returns NULL and forgets the old size, so
- * the caller reports ITERSERVE_ENOMEM and the next call tries again.
+ * a malloc/free per GEMM on the decode path, so each kernel keeps one thread-local buffer
+ * (the OpenMP pool's threads live as long as the process) and grows it in 16 KB steps,
+ * 64-byte aligned for aligned vector loads. On allocation failure it returns NULL and forgets
+ * the old size, so the caller reports ITERSERVE_ENOMEM and the next call tries again.
  */
 #ifndef ITERSERVE_SCRATCH_H
 #define ITERSERVE_SCRATCH_H
