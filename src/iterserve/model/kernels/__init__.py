@@ -320,9 +320,9 @@ def _library() -> ctypes.CDLL | None:
     # dlopen hands back the same library (and its static state) on a reload: set the K-quant
     # decode kernels every time
     # ITERSERVE_KQ_DECODE=s15 (A/B only, "s15=ITERSERVE_KQ_DECODE=s15"): session 15's K-quant
-    # decode kernels (row tiles that decode a super-block once per tile) instead of qdot8.c's
-    # dotkw kernels and session 15's
-    # hand-over rows (qdot8.c KQ15_GEMM8_ROWS_*); all else as now
+    # decode kernels (row tiles that decode a super-block once per tile, dotk_vnni for one
+    # row) instead of qdot8.c's dotkv / dotkw / dotk1 kernels, and session 15's hand-over
+    # rows (qdot8.c KQ15_GEMM8_ROWS_*); all else as now
     lib.iterserve_act8_kq_decode(1 if kq_env in ("s14", "s15") else 0)
     if kq_env == "s14":
         # A/B only (benchmarks/run_models.py --iterserve-variants "s14=ITERSERVE_KQ_DECODE=s14"):

@@ -1050,8 +1050,6 @@ static inline __attribute__((always_inline)) VNNI float dotk1_vnni(
     /* Q5_K: the qh bit of each code vector's two halves moved to bit 4 (left / right) */
     const __m512i hl0 = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), hl1 = _mm512_set_epi64(1, 1, 1, 1, 3, 3, 3, 3);
     const __m512i hr2 = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), hr3 = _mm512_set_epi64(3, 3, 3, 3, 1, 1, 1, 1);
-    const int64_t K = a->K, nb = K / 256;
-    (void)nb;
     const int8_t *xq = a->q;
     __m512 acc = _mm512_setzero_ps();
     __m128 accm = _mm_setzero_ps();
@@ -1061,7 +1059,7 @@ static inline __attribute__((always_inline)) VNNI float dotk1_vnni(
         const __m128i sm = q4k_scales_v(blk + 4);
         const __m256i s16 = _mm256_cvtepu8_epi16(sm);          /* scales 0-7, mins 8-15 */
         const __m512i sc = _mm512_castsi256_si512(s16);
-        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)blk)),
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_loadu_si32(blk)),
                                      _mm_set1_ps(a->dx[b]));   /* d . d_x, d_min . d_x */
         const __m512i v0 = _mm512_loadu_si512((const void *)(blk + qo));
         const __m512i v1 = _mm512_loadu_si512((const void *)(blk + qo + 64));
@@ -1145,9 +1143,9 @@ static VNNI void run_kq1_vnni(int type, const act8 *ap, const uint8_t *w, int64_
  * 4 rows 2218 - 845 -, 1 row 538 - 465 -; Q4_K qo 1 row 122 133 127 126 (hence 2).
  * Against the int8 prefill GEMM (bench_int8.py --crossover, results/kq-crossover-s16.json),
  * these kernels' time / GEMM time at 8 12 13 16 rows: Q4_K gate_up 0.59 0.71 0.94 0.90, down
- * 0.62 0.89 0.84 1.05; Q6_K gate_up 0.46 0.59 0.72 0.72, down 0.51 1.12 1.34 0.81: the
- * hand-over rows KQ_GEMM8_ROWS_* below (measured against session 15's kernels) now hand
- * over too early, down_proj (from 8 rows) most; they are not changed here. */
+ * 0.62 0.89 0.84 1.05; Q6_K gate_up 0.46 0.59 0.72 0.72, down 0.51 1.12 1.34 0.81: session
+ * 15's hand-over rows handed over too early, down_proj (from 8 rows) most, so they were
+ * re-measured against these kernels (KQ_GEMM8_ROWS_* below; session 15's kept as KQ15_*). */
 static int kq_decode = 0;
 static int kqw_tile = KQW_TILE;       /* rows per dotkw tile (A/B: 4..12) */
 static int kq_pf = 2;                 /* software prefetch, columns ahead (0: none) */
