@@ -15,7 +15,7 @@ before its max_tokens (10-500), so both runs generate exactly the same number of
 every constrained output is checked as a valid prefix of the schema's language.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_constrained_overhead.py \
-        [--repeats 3] [--port 18500] [--model PATH] [--out benchmarks/results/api-constrained.json]
+        [--repeats 3] [--port 18500] [--model PATH] [--out benchmarks/results/constrained-json-overhead.json]
 """
 
 from __future__ import annotations

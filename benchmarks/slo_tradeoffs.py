@@ -23,7 +23,7 @@ each case over several workload draws and reports medians.
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_tradeoffs.py [--seeds 3]
         [--sections longprompt,longprompt-heavy,priority-flood,kv-pressure]
-        [--out benchmarks/results/slo-tradeoffs.json]
+        [--out benchmarks/results/tradeoffs-lab.json]
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sections", default="longprompt,longprompt-heavy,priority-flood,kv-pressure")
-    ap.add_argument("--out", default="benchmarks/results/slo-tradeoffs.json")
+    ap.add_argument("--out", default="benchmarks/results/tradeoffs-lab.json")
     args = ap.parse_args()
     sections = {x.strip() for x in args.sections.split(",")}
     seeds = [100 + i for i in range(args.seeds)]
