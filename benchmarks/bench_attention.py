@@ -1,15 +1,16 @@
 """Same-process A/B of prefill-chunk attention: the torch path (index_select of the context
 from the KV pools + SDPA with an explicit mask; `is_causal` at context 0) against the native
-kernel (kernels/prefill_attention.c, through the block tables), issues 13 and 18.
+kernel (kernels/prefill_attention.c, through the block tables).
 
 Why: a 128-token chunk at context 1500 cost 220 ms on the real engine (bundled 135M model)
 against 139 ms at the lab's linear price; at context 0 the two agreed. Two parts:
 
 - `kernel`: one layer's `paged_attention` (new K/V written + attention) for chunk sizes x
-  contexts at a model's attention shape, old and new alternating in one process (and the
-  AVX2 and AVX-512 builds of the kernel), medians; plus the per-step metadata build.
+  contexts at a model's attention shape, torch ("old") and kernel ("new") alternating in
+  one process (and the AVX2 and AVX-512 builds of the kernel), medians; plus the per-step
+  metadata build.
 - `engine`: `ModelRunner.execute` of one prefill chunk at a context (the whole forward: all
-  layers, the LM head), old and new alternating on one runner (attention.PREFILL_NATIVE
+  layers, the LM head), torch and kernel alternating on one runner (attention.PREFILL_NATIVE
   toggled between steps), medians.
 
     python benchmarks/bench_attention.py kernel [--shape 9/3/64] [--repeats 15]

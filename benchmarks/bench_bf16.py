@@ -3,28 +3,29 @@ process, alternating.
 
 For SmolLM2-1.7B shapes (q/o 2048x2048, gate_up 16384x2048, down 2048x8192) and row counts,
 times, alternating `--repeats` times and keeping each side's median:
-- "old": `kernels.qgemm` in the float activation mode (what iterserve_qgemm ran before: the
-  AVX-512 register kernel at 1-2 rows, the float32 panel GEMM from 3 rows on); for prefill
+- "old": `kernels.qgemm` in the float activation mode (what iterserve_qgemm runs without bf16
+  dot products: the AVX-512 register kernel at 1-2 rows, the float32 panel GEMM from 3 rows on); for prefill
   rows (> 32) `kernels.gemm` in float mode (what layers.py calls there);
 - "new": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 16 rows, the bf16
-  panel GEMM from 16), also "new_decode" (session 14's decode kernel, K chunks),
+  panel GEMM from 16), also "new_decode" (the K-chunked decode kernel),
   "new_stream" (the streamed decode kernel, auto's default) and "new_panel" forced, for the
   row threshold;
 - "torch": torch's own bf16 matmul (oneDNN, avx512bf16) of x.bfloat16() @ W^T, then .float()
   (bf16 output rounding), for the prefill comparison.
 Decode rows report GB/s of weight bytes streamed; prefill rows GFLOP/s (2 M N K / s). F16
-weights at decode rows (<= 32; f16_variants): "old" = `qgemm` as session 15 ran it in the auto
-mode (`f16_variant("s15")`), "new" = `qgemm` now (f16dot.c's streamed kernel up to 16 rows),
+weights at decode rows (<= 32; f16_variants): "old" = `qgemm` in the auto mode on the
+register-kernel F16 path (`f16_variant(F16_REGISTER)`), "new" = `qgemm` by default (f16dot.c's
+streamed kernel up to 16 rows),
 "stream512" / "stream2" the streamed kernel forced on AVX-512 / AVX2 at any row count, and
-"float_panel" prefill.c's float32 panel, for the row limit; at prefill rows F16 is unchanged
-("old" the F16C float path against "new" the bf16 panel, weights rounded to bf16). `--shapes
+"float_panel" prefill.c's float32 panel, for the row limit; at prefill rows "old" is
+the F16C float path and "new" the bf16 panel, weights rounded to bf16. `--shapes
 gate` is one 8192x2048 gate / up segment (what a GGUF's step multiplies; `gate_up` the
 fused pair of a checkpoint).
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --types F16 --shapes qo gate down \
         --rows 1 2 4 8 12 16 24 --repeats 7 --threads 2          # ~3 min
 
-`--e2e F16_GGUF --f16-variants` alternates session 15's F16 paths and the streamed kernel
+`--e2e F16_GGUF --f16-variants` alternates the register-kernel F16 path and the streamed kernel
 end to end (greedy generation of --batch sequences, auto mode):
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
@@ -36,7 +37,7 @@ Under load: medians of alternating repeats; threads via --threads (default 1: CP
     PYTHONPATH=src python benchmarks/bench_bf16.py           # ~4-6 min
 
 `--e2e MODEL --variants` runs the same generation in the auto mode with the decode kernel
-alternating between session 14's (K chunks, `bf16_variant("chunked")`) and the streamed one
+alternating between the K-chunked one (`bf16_variant("chunked")`) and the streamed one
 (`"streamed"`, the default), and also reports the steps' share of time by kind from the
 engine (prefill vs decode), for the decode-kernel decision:
 
@@ -74,6 +75,8 @@ from _timing import time_call  # noqa: E402  (benchmarks/ is the script's direct
 
 SHAPES = {"qo": (2048, 2048), "gate": (8192, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 BF16, F16 = 30, 1
+# The register-kernel F16 path's name in kernels.f16_variant (the kernels' own spelling).
+F16_REGISTER = "s15"
 
 
 def _time(fn, min_s: float) -> float:
@@ -88,9 +91,9 @@ def _weight(t: int, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def f16_variants(w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) -> dict:
-    """F16 decode rows (f16dot.c, session 16): "old" = what `qgemm` ran in session 15 in the
-    auto mode (f16_variant("s15"): the register kernel at 1-2 rows, prefill.c's float32 panel
-    at 3-15, bf16dot.c's bf16 panel from 16), "new" = `qgemm` now (auto mode: the streamed
+    """F16 decode rows (f16dot.c): "old" = `qgemm` in the auto mode on the register-kernel
+    path (f16_variant(F16_REGISTER): the register kernel at 1-2 rows, prefill.c's float32 panel
+    at 3-15, bf16dot.c's bf16 panel from 16), "new" = `qgemm` by default (auto mode: the streamed
     kernel up to F16_STREAM_ROWS rows), "stream512" / "stream2" the streamed kernel forced
     (AVX-512 / AVX2) at any row count, "float_panel" prefill.c's float32 panel (kernels.gemm
     in float mode), for the row limit."""
@@ -107,7 +110,7 @@ def f16_variants(w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) ->
     def float_panel():
         kernels.set_activations("float")
         kernels.gemm(F16, w, k, x, out)
-    v = {"old": q("s15"), "new": q("streamed"), "stream512": forced("avx512")}
+    v = {"old": q(F16_REGISTER), "new": q("streamed"), "stream512": forced("avx512")}
     v["stream2"], v["float_panel"] = forced("avx2"), float_panel
     return v
 
@@ -141,11 +144,11 @@ def variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
                 kind: str = "bf16") -> dict:
     """Greedy generation of `batch` sequences, auto mode, the decode kernel alternating
     `repeats` times after one warm-up round: median output tokens/s each. kind "bf16": the bf16
-    kernel chunked / streamed (bf16_variant); "f16": F16 weights' session-15 paths / the
-    streamed f16dot.c kernel (f16_variant "s15" / "streamed")."""
+    kernel chunked / streamed (bf16_variant); "f16": F16 weights' register-kernel path / the
+    streamed f16dot.c kernel (f16_variant F16_REGISTER / "streamed")."""
     if kind == "f16":
         return _variants_ab(model, batch, steps, repeats, threads, kernels.f16_variant,
-                            ("s15", "streamed"))
+                            (F16_REGISTER, "streamed"))
     return _variants_ab(model, batch, steps, repeats, threads, kernels.bf16_variant,
                         ("chunked", "streamed"))
 
@@ -336,7 +339,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="with --e2e: chunked vs streamed decode kernel (auto mode)")
     ap.add_argument("--f16-variants", action="store_true",
-                    help="with --e2e on an F16 GGUF: session 15's F16 paths vs the streamed "
+                    help="with --e2e on an F16 GGUF: the register-kernel F16 path vs the streamed "
                          "f16dot.c kernel (auto mode)")
     ap.add_argument("--mix-split", action="store_true",
                     help="with --e2e: time `mix`'s engine steps, prefill vs decode (--batch slots)")

@@ -1,5 +1,5 @@
-"""Issue 14's cost target: `mix` with every request constrained to a small JSON schema runs at
->= 0.85x the unconstrained throughput, same run, through the server.
+"""What constrained decoding costs: `mix` with every request constrained to a small JSON schema
+against the unconstrained throughput (the bar: >= 0.85x), same run, through the server.
 
 One `iterserve serve` process on the bundled model (or --model), then `--repeats` rounds,
 each running the `mix` workload (48 requests, all at t=0, ignore_eos, greedy) twice: plain

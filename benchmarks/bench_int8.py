@@ -18,21 +18,22 @@ offline LLM, float and auto (the default: int8 where measured faster) alternatin
     PYTHONPATH=src python benchmarks/bench_int8.py --decode ~/.cache/iterserve-models/\
         smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf --batch 1 --steps 32 --repeats 3 --threads 2
 
-The K-quant decode path (session 15), all same process, alternating, `--clock cpu --cold 96`:
+The K-quant decode path, all same process, alternating, `--clock cpu --cold 96`:
 `--crossover` (the decode kernels against the int8 prefill GEMM at decode row counts: where
 auto hands over), `--kq-variants 1,0,2,32` (K-chunk variants of the decode kernels),
 `--kq-variants t4,t6` (AVX-512 row tiles), `--kq-variants 1,0 --kq-gemm8` (the prefill GEMM's
-scalar vs vector K-quant scale decode); with `--decode`, `--kq-variants 1` runs session 14's
-K-quant path (s14) against this one (s15) end to end.
+scalar vs vector K-quant scale decode); with `--decode`, `--kq-variants 1` runs the K-quant
+path with 16 KB K chunks, 4-row tiles and no hand-over (`chunk16k`) against the defaults
+(`default`) end to end.
 
-The 32-element types (session 16): `--crossover --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0` times the
-decode kernels, the int8 prefill GEMM, `auto` (the engine's dispatch) and `old` (auto without
-the hand-over: session 15's path, which past the decode kernels' rows is the float one);
-`--sides decode,gemm8,old` picks sides (the first is the ratios' baseline); `--isa avx2` also
+The 32-element types: `--crossover --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0` times the decode
+kernels, the int8 prefill GEMM, `auto` (the engine's dispatch) and `nohandover` (auto without
+the hand-over to the GEMM, which past the decode kernels' rows is the float path);
+`--sides decode,gemm8,nohandover` picks sides (the first is the ratios' baseline); `--isa avx2` also
 forces the float kernels to AVX2 (an AVX2-only CPU); `--gemm8-pack` times the prefill GEMM with
-prefill8.c's one-block (s15) against its grouped panel decode:
+prefill8.c's one-block panel decode against its grouped one:
 
-    PYTHONPATH=src python benchmarks/bench_int8.py --crossover --sides decode,gemm8,old \
+    PYTHONPATH=src python benchmarks/bench_int8.py --crossover --sides decode,gemm8,nohandover \
         --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0 --shapes qo,gate_up,down --threads 1,2 \
         --rows 4,8,12,14,16,24,32 --clock cpu --cold 96      # ~6 min quiet
 
@@ -140,8 +141,8 @@ def _handover(rows: int) -> None:
 def crossover_sides(name, t, next_w, k, x, y):
     """The decode kernels (qdot8.c, `qgemm_int8`) against the int8 prefill GEMM (prefill8.c,
     `gemm_int8`) at decode row counts, and `auto` (kernels.qgemm in the auto mode: what the
-    engine runs, hand-over included) and `old` (auto without the hand-over: for the 32-element
-    types what session 15 ran, which beyond the decode kernels' rows is the float path).
+    engine runs, hand-over included) and `nohandover` (auto without the hand-over: for the
+    32-element types, beyond the decode kernels' rows, the float path).
     decode_over_gemm8 > 1: the prefill GEMM is faster than the decode kernels."""
     def auto(rows):
         return lambda: (kernels.set_activations("auto"), _handover(rows))
@@ -150,20 +151,20 @@ def crossover_sides(name, t, next_w, k, x, y):
              "auto": lambda: kernels.qgemm(t, next_w(), k, x, y)}
     prepare = {"auto": auto(0)}
     if name in Q32:
-        sides["old"] = sides["auto"]
-        prepare["old"] = auto(33)
+        sides["nohandover"] = sides["auto"]
+        prepare["nohandover"] = auto(33)
     prepare["decode"] = prepare["gemm8"] = lambda: _handover(0)
     return sides, prepare
 
 
 def pack_sides(name, t, next_w, k, x, y):
     """The int8 prefill GEMM (kernels.gemm_int8) with prefill8.c's two panel decodes for the
-    32-element types: s15 (one block of a row at a time) against grouped (8 blocks of a row
-    and a prefetch, the default); s15_over_grouped > 1: the grouped decode is faster."""
+    32-element types: oneblock (one block of a row at a time) against grouped (8 blocks of a
+    row and a prefetch, the default); oneblock_over_grouped > 1: the grouped decode is faster."""
     lib = kernels._lib()
     fn = lambda: kernels.gemm_int8(t, next_w(), k, x, y)     # noqa: E731
-    return ({"s15": fn, "grouped": fn},
-            {"s15": lambda: lib.iterserve_gemm8_pack_variant(1),
+    return ({"oneblock": fn, "grouped": fn},
+            {"oneblock": lambda: lib.iterserve_gemm8_pack_variant(1),
              "grouped": lambda: lib.iterserve_gemm8_pack_variant(0)})
 
 
@@ -196,21 +197,21 @@ def _kq_set(v: str) -> None:
 
 
 def _kq_mode(mode: str) -> None:
-    """s14: the K-quant decode kernels as session 14 left them (16 KB K chunks, no hand-over
-    to the prefill GEMM); s15: the defaults (qdot8.c kq_variant 0, KQ_GEMM8_ROWS_*)."""
+    """chunk16k: the K-quant decode kernels with 16 KB K chunks, 4-row tiles and no hand-over
+    to the prefill GEMM; default: the defaults (qdot8.c kq_variant 0, KQ_GEMM8_ROWS_*)."""
     lib = kernels._lib()
-    lib.iterserve_act8_kq_variant(1 if mode == "s14" else 0)
-    lib.iterserve_act8_kq_gemm_rows(33 if mode == "s14" else 0)
-    lib.iterserve_act8_kq_tile(4 if mode == "s14" else 8)
+    lib.iterserve_act8_kq_variant(1 if mode == "chunk16k" else 0)
+    lib.iterserve_act8_kq_gemm_rows(33 if mode == "chunk16k" else 0)
+    lib.iterserve_act8_kq_tile(4 if mode == "chunk16k" else 8)
 
 
 def _q32_mode(mode: str) -> None:
-    """s15: the 32-element types' decode steps as session 15 left them (no hand-over to the
-    int8 prefill GEMM up to 32 rows, its one-block panel decode: ITERSERVE_Q32_DECODE=s15);
-    s16: the defaults (qdot8.c Q32_GEMM8_ROWS_*, the grouped panel decode)."""
+    """nohandover: the 32-element types' decode steps on the decode kernels up to 32 rows
+    (no hand-over to the int8 prefill GEMM) and its one-block panel decode; default: the
+    defaults (qdot8.c Q32_GEMM8_ROWS_*, the grouped panel decode)."""
     lib = kernels._lib()
-    lib.iterserve_act8_q32_gemm_rows(33 if mode == "s15" else 0)
-    lib.iterserve_gemm8_pack_variant(1 if mode == "s15" else 0)
+    lib.iterserve_act8_q32_gemm_rows(33 if mode == "nohandover" else 0)
+    lib.iterserve_gemm8_pack_variant(1 if mode == "nohandover" else 0)
 
 
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
@@ -218,16 +219,16 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
     """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
     alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
     tokens/s per mode (random-weight models: greedy tokens need not agree). variants: the
-    32-element types' two AVX-512 kernels; kq: session 14's K-quant decode path against this
-    one (`_kq_mode`), both auto; q32: session 15's path for the 32-element types against this
-    one (`_q32_mode`), both auto."""
+    32-element types' two AVX-512 kernels; kq: the K-quant decode path with 16 KB chunks and no
+    hand-over against the defaults (`_kq_mode`), both auto; q32: the 32-element types without
+    the hand-over against the defaults (`_q32_mode`), both auto."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    modes = ("s14", "s15") if kq else ("s15", "s16") if q32 else ("pairs", "groups") \
-        if variants else ("float", "auto")
+    modes = ("chunk16k", "default") if kq else ("nohandover", "default") if q32 \
+        else ("pairs", "groups") if variants else ("float", "auto")
     res = {m: [] for m in modes}
     texts = {}
     for rep in range(repeats + 1):
@@ -254,9 +255,9 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
         kernels._lib().iterserve_act8_variant(0)
         kernels._lib().iterserve_gemm8_pack_variant(0)
     if kq:
-        _kq_mode("s15")
+        _kq_mode("default")
     if q32:
-        _q32_mode("s16")
+        _q32_mode("default")
     a_, b_ = modes
     agree = sum(a == b for x, y in zip(texts[a_], texts[b_]) for a, b in zip(x, y))
     total = sum(len(x) for x in texts[a_])
@@ -286,24 +287,24 @@ def main() -> None:
                          "time lost to other processes does not count)")
     ap.add_argument("--variants", action="store_true",
                     help="the 4-block AVX-512 VBMI kernels of the 32-element types against the "
-                         "pair kernels before them (int8 GEMMs; with --decode: auto mode)")
+                         "two-block pair kernels (int8 GEMMs; with --decode: auto mode)")
     ap.add_argument("--crossover", action="store_true",
                     help="the decode kernels against the int8 prefill GEMM (prefill8.c) at "
                          "decode row counts (where auto hands the K-quants over)")
     ap.add_argument("--gemm8-pack", action="store_true",
-                    help="the int8 prefill GEMM with prefill8.c's one-block (s15) against its "
-                         "grouped panel decode of the 32-element types")
+                    help="the int8 prefill GEMM with prefill8.c's one-block panel decode of the "
+                         "32-element types against its grouped one")
     ap.add_argument("--q32", action="store_true",
-                    help="with --decode: session 15's decode path for the 32-element types "
-                         "(ITERSERVE_Q32_DECODE=s15) against this one, both auto")
+                    help="with --decode: the 32-element types without the hand-over to the int8 "
+                         "prefill GEMM against the defaults, both auto")
     ap.add_argument("--sides", default=None, metavar="S,S,...",
-                    help="with --crossover: only these sides (decode, gemm8, auto, old; the "
+                    help="with --crossover: only these sides (decode, gemm8, auto, nohandover; the "
                          "first is the baseline of the ratios)")
     ap.add_argument("--kq-variants", default=None, metavar="V,V,...",
                     help="the K-quant decode kernels' K-chunking variants (qdot8.c "
                          "iterserve_act8_kq_variant; the first is the baseline), e.g. 1,0; "
-                         "with --decode (any value): session 14's K-quant decode path "
-                         "against this one")
+                         "with --decode (any value): the K-quant path with 16 KB chunks, 4-row "
+                         "tiles and no hand-over against the defaults")
     ap.add_argument("--kq-gemm8", action="store_true",
                     help="with --kq-variants: time the int8 prefill GEMM (prefill8.c; variant 1 "
                          "= its scalar K-quant scale decode) instead of the decode kernels")
@@ -320,7 +321,7 @@ def main() -> None:
         CLOCK = time.process_time
     if a.isa:
         kernels.int8_isa(a.isa)
-        if a.isa == "avx2":     # an AVX2-only CPU: the float kernels (the `old` side) too
+        if a.isa == "avx2":     # an AVX2-only CPU: the float kernels (the `nohandover` side) too
             kernels.gemm_isa("avx2")
     meta = {"machine": platform.processor() or platform.machine(), "features":
             sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":

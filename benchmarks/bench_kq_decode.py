@@ -1,13 +1,14 @@
-"""The K-quant decode kernels (model/kernels/qdot8.c), session 15's against session 16's, same
-process, alternating.
+"""The K-quant decode kernels (model/kernels/qdot8.c), per-tile against per-call super-block
+decode, same process, alternating.
 
-Session 15's kernels (`dotk_*`) decode a super-block once per row tile (4 rows on AVX2, up to
-6 on AVX-512 where K <= 4096); session 16's (`dotkw_*`) once for all rows of the call (tiles
-of up to 12) with a shorter per-row tail. For each type, SmolLM2-1.7B shape (qo 2048x2048,
+The per-tile kernels (`dotk_*`) decode a super-block once per row tile (4 rows on AVX2, up to
+6 on AVX-512 where K <= 4096); the per-call ones (`dotkw_*`, the default) once for all rows of
+the call (tiles of up to 12) with a shorter per-row tail. For each type, SmolLM2-1.7B shape (qo 2048x2048,
 gate_up 8192x2048, down 2048x8192, lm_head 49152x2048) or Llama-3.1-8B shape (qo8 4096x4096,
 gate_up8 28672x4096, down8 4096x14336), thread count and row count, `kernels.qgemm_int8` runs
-under `iterserve_act8_kq_decode(1)` (s15) and `(0)` (s16) in turn, `--repeats` times, each
-timing at least `--min-s`; medians; `s15_over_s16` > 1 means the new kernels are faster.
+under `iterserve_act8_kq_decode(1)` (pertile) and `(0)` (percall) in turn, `--repeats` times,
+each timing at least `--min-s`; medians; `pertile_over_percall` > 1 means the per-call kernels
+are faster.
 `--cold MB` cycles weight copies of at least MB megabytes so each call streams from memory
 (more than the 32 MB L3: 96). `--clock cpu` times this process's CPU time (one thread on a
 loaded machine: time lost to other processes does not count; with two threads it sums both).
@@ -82,8 +83,8 @@ def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> l
 
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
     """End to end in one process: greedy generation of `batch` sequences, `steps` tokens
-    each, through the offline LLM (auto activations), with session 15's K-quant decode
-    kernels and the new ones alternating (after one warm-up round each): median output
+    each, through the offline LLM (auto activations), with the per-tile K-quant decode
+    kernels and the per-call ones alternating (after one warm-up round each): median output
     tokens/s per side (prefill of the short prompts included in both)."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
@@ -91,10 +92,10 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) ->
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    res = {"s15": [], "s16": []}
+    res = {"pertile": [], "percall": []}
     for rep in range(repeats + 1):
         for side in res:
-            lib.iterserve_act8_kq_decode(1 if side == "s15" else 0)
+            lib.iterserve_act8_kq_decode(1 if side == "pertile" else 0)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp)
             dt = time.perf_counter() - t0
@@ -103,8 +104,8 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) ->
     lib.iterserve_act8_kq_decode(0)
     med = {s: statistics.median(v) for s, v in res.items()}
     return {"model": model, "batch": batch, "steps": steps, "threads": threads,
-            "s15_tok_s": round(med["s15"], 3), "s16_tok_s": round(med["s16"], 3),
-            "s16_over_s15": round(med["s16"] / med["s15"], 3), "raw": res}
+            "pertile_tok_s": round(med["pertile"], 3), "percall_tok_s": round(med["percall"], 3),
+            "percall_over_pertile": round(med["percall"] / med["pertile"], 3), "raw": res}
 
 
 def main() -> None:
@@ -142,7 +143,7 @@ def main() -> None:
     if a.tiles:
         sides = [(f"t{r}", (0, 100 + int(r))) for r in a.tiles.split(",")]
     else:
-        sides = [("s15", (1,)), ("s16", (0, 112))]
+        sides = [("pertile", (1,)), ("percall", (0, 112))]
     rows = ab(a.types.split(","), a.shapes.split(","), [int(v) for v in a.threads.split(",")],
               [int(v) for v in a.rows.split(",")], a.repeats, a.min_s, a.cold, clock, sides)
     meta = {"machine": platform.processor() or platform.machine(),

@@ -1,4 +1,4 @@
-"""How fast is the cluster lab? 64 replicas x 100,000 requests (issue 16: under 5 minutes).
+"""How fast is the cluster lab? 64 replicas x 100,000 requests (the bar: under 5 minutes).
 
     PYTHONPATH=src python benchmarks/bench_lab_cluster.py [--replicas 64] [--requests 100000]
         [--router prefix_aware] [--out benchmarks/results/lab-cluster-64x100k.json]

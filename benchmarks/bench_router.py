@@ -1,4 +1,4 @@
-"""Router overhead: `Router.route()` per call for 1k-token prompts (issue 16: p50 <= 2 ms).
+"""Router overhead: `Router.route()` per call for 1k-token prompts (the bar: p50 <= 2 ms).
 
 The prompts are the shared-prefix kind the prefix-aware policy is for (G system prompts of
 S tokens, each followed by a unique question), so the index really is walked and updated;

@@ -1,6 +1,6 @@
 """`--tokenizer x.gguf` load time: `Tokenizer.from_path` (the loader's header parser, key/value
-metadata only) against building the same tokenizer from gguf-py's `GGUFReader` (what
-from_path did before session 15: it also parses every tensor's info into numpy views).
+metadata only) against building the same tokenizer from gguf-py's `GGUFReader` (the
+library's way: it also parses every tensor's info into numpy views).
 
 Same process, alternating, medians of `--repeats`; the two tokenizers are checked equal on a
 few strings. Only the header pages of the file are read (no weights).

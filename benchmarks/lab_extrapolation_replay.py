@@ -1,8 +1,8 @@
 """How the cost model should price a step beyond its corrections' last knot, decided on a
-real run: the session-15 quiet `slo_engine_tradeoffs.py --presets longprompt-heavy` result
-(benchmarks/results/longprompt-heavy-chunk128-engine.json: the engine's numbers and the fit made at the
-start of that run, knots up to 256 tokens) replayed through the lab with the correction
-beyond the last knot held at its value (session 15), per token (corr(last) * tokens / last,
+real run: a quiet `slo_engine_tradeoffs.py --presets longprompt-heavy` result
+(benchmarks/results/longprompt-heavy-chunk128-engine.json: the engine's numbers and the fit
+made at the start of that run, knots up to 256 tokens) replayed through the lab with the
+correction beyond the last knot held at its value, per token (corr(last) * tokens / last,
 what `core.step_time.token_correction` does), or extended by the last segment's slope.
 The engine's answer: chunking (budget 128) costs 7.9% of throughput, p99 ITL with chunking
 off 1.43 / 1.39 s. Seconds to run; writes
@@ -29,7 +29,7 @@ def make(mode):
             return orig(knots, tokens)
         return v1 if mode == "held" else v1 + (v1 - v0) / (t1 - t0) * (tokens - t1)
     return corr
-out = {"source": "benchmarks/results/longprompt-heavy-chunk128-engine.json (quiet, session 15; its own fit)", "modes": {}}
+out = {"source": "benchmarks/results/longprompt-heavy-chunk128-engine.json (quiet; its own fit)", "modes": {}}
 real = {}
 for c in res["cases"]:
     real.setdefault(c["case"], []).append(c["real"])

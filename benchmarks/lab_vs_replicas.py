@@ -18,7 +18,7 @@ on 2 threads).
 
 Printed and written (--out): real and predicted throughput (output tokens / makespan,
 first arrival to last finish) and median / p99 TTFT, the ratios lab / real, and whether
-throughput and median TTFT are within 15% (issue 16's target). What the lab does not model
+throughput and median TTFT are within 15% (the bar). What the lab does not model
 and a 2-core machine adds: the HTTP server, Ray's handle and proxy, detokenisation and
 streaming share the two cores with the replicas' own threads.
 

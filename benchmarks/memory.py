@@ -21,9 +21,9 @@ Measured per row:
 - the fixed workload: decode at batch 1 (one request, 32-token prompt, 64 tokens) then batch
   8 (8 at once, same lengths), `ignore_eos`, through one OpenAI streaming client
   (iterserve.bench.client); `decode_tok_s` = batch / median inter-token gap.
-The budget the issue sets is printed beside each row: 1.15 x file + KV + 400 MB.
+The memory budget is printed beside each row: 1.15 x file + KV + 400 MB.
 
-Load time (issue 12: <= 1.5 x llama-server's on the same file) is noisy on a shared machine:
+Load time (the bar: <= 1.5 x llama-server's on the same file) is noisy on a shared machine:
 `--repeats N` starts every engine N times, alternating engines within each repeat, and
 reports the medians and iterserve's same-run ratio (`load_ratio_vs_llama_server`);
 `--load-only` skips the decode workload; `--baseline-src DIR` adds iterserve from another
@@ -201,7 +201,7 @@ def _first_token(url: str) -> str | None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End the server's whole session group (vLLM forks an engine core): the peers' helper."""
+    """End the server's whole session group (vLLM forks an engine core), as the peers do."""
     from vllm_cpu import stop_server
     stop_server(proc)
 

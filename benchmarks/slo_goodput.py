@@ -1,4 +1,4 @@
-"""Lab benchmark (issue 18): goodput of fcfs vs slo at 0.8x, 1.5x and 2x the engine's capacity.
+"""Lab benchmark: goodput of fcfs vs slo at 0.8x, 1.5x and 2x the engine's capacity.
 
 Not a test (tests/lab/test_slo_goodput.py asserts the target on one fixed seed). Runs the
 preset of `iterserve.lab.slo` (the bench `poisson` mix on the shipped `smollm2-cpu` cost

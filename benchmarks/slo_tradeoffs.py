@@ -1,4 +1,4 @@
-"""Issue 18's trade-offs in the lab: chunked prefill, priority flood, recompute vs swap.
+"""The scheduling trade-offs in the lab: chunked prefill, priority flood, recompute vs swap.
 
 Each section starts from a lab preset (`iterserve.lab.options.PRESETS`, the same a user picks
 on the /lab page or with `iterserve lab --preset NAME`) and sweeps the knob the trade-off is

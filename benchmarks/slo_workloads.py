@@ -1,6 +1,6 @@
 """One definition for the lab and the real engine: a lab preset as requests and serve flags.
 
-Issue 18's experiments are lab presets (`iterserve.lab.options.PRESETS`); the real-engine
+The scheduling experiments are lab presets (`iterserve.lab.options.PRESETS`); the real-engine
 benchmarks (`slo_engine.py`, `slo_engine_tradeoffs.py`) run the *same* requests: the lab
 plans the preset (`plan_lab`: the same seeded draw of prompt lengths, output lengths,
 arrival times and classes), and this module turns the plan into what the bench client

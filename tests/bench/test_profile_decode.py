@@ -63,7 +63,8 @@ def test_profile_rows_add_up_to_the_step_and_split_the_layer_gemms_by_type(tmp_p
 
 def test_python_alone_stubs_every_native_entry_that_does_work():
     """"Python alone" stubs the kernel library's function table, not a hand-kept list (which
-    missed session 14's int8 prefill GEMM, bf16 GEMM, prefill attention and act8): every
+    would miss a new entry, as it once missed the int8 prefill GEMM, bf16 GEMM, prefill attention
+    and act8): every
     entry the wrappers call that takes a pointer is stubbed; what stays real are pure integer
     queries (ISA and dispatch decisions), so the step keeps its Python path."""
     import re

@@ -1,4 +1,4 @@
-"""Workloads are fixed-seed, shared by every engine, and shaped as the issue specifies."""
+"""Workloads are fixed-seed, shared by every engine, and shaped as BENCHMARKS.md describes them."""
 
 import importlib.util
 import statistics

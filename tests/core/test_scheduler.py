@@ -1,4 +1,4 @@
-"""The scheduler, one test per rule of issue 2 (and the semantics the lab relies on)."""
+"""The scheduler, one test per rule (and the semantics the lab relies on)."""
 
 import pytest
 

@@ -1,6 +1,6 @@
-"""benchmarks/slo_engine_tradeoffs.py's `targets` block: issue 18's trade-off targets stated
-against a run's numbers (the integrator reads the verdict from it), and the serve flags of
-the new scheduler knobs (the real engine must run what the lab plans)."""
+"""benchmarks/slo_engine_tradeoffs.py's `targets` block: the trade-off targets stated
+against a run's numbers (a reader takes the verdict from it), and the serve flags of
+the scheduler knobs (the real engine must run what the lab plans)."""
 
 import os
 import sys

@@ -134,7 +134,7 @@ def test_a_measured_prefill_cost_keeps_its_ratio_through_decode_only_stretches()
     assert m.predict(8, 8, 2048, 0) == pytest.approx(seconds(slower, 8, 8, 2048, 0), rel=0.03)
 
 
-# --- the attention term: chunks deep into a prompt cost more (issues 13 / 18) ---------------
+# --- the attention term: chunks deep into a prompt cost more ------------------------------
 
 ATTN = dict(TRUE, c_attn=9e-7)
 

@@ -1,4 +1,4 @@
-"""Issue 18: a request that arrives while a step is in flight waits for that step to end
+"""A request that arrives while a step is in flight waits for that step to end
 (the real engine adds requests between steps), and that wait is part of its TTFT; a request
 that arrives while nothing runs starts at its arrival, not on the idle clock's next tick."""
 

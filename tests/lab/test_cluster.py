@@ -92,7 +92,7 @@ def test_least_loaded_beats_round_robin_on_uneven_requests():
 
 
 def test_prefix_aware_doubles_the_hit_rate_of_round_robin_on_shared_prefixes():
-    """The issue's criterion on the replicas, here in the lab: 64 system prompts of 256
+    """The prefix-routing criterion for the replicas, here in the lab: 64 system prompts of 256
     tokens over 4 replicas whose KV pools (392 blocks) hold about a third of them each.
     Round robin sends each group everywhere, so every replica keeps evicting prefixes it
     will need again; prefix-aware keeps a group on its replica (~16 groups each, which

@@ -1,4 +1,4 @@
-"""The lab's presets (issue 18's trade-offs): each runs, shows the trade-off it is named for
+"""The lab's presets (the scheduling trade-offs): each runs, shows the trade-off it is named for
 when its one knob is flipped, and the options given with it override it. The full sweeps are
 benchmarks/slo_tradeoffs.py; these are the one-seed checks that the presets keep meaning
 what their descriptions say."""

@@ -6,7 +6,7 @@ gguf-py's dequantisation times x in float64 to float32 summation error, at every
 the groups and K that is not a multiple of the kernels' 64-element step; `qgemm` must route
 F16 decode steps (1..16 rows, every activation mode) through them bit for bit and leave other
 row counts and types alone; ITERSERVE_F16_DECODE=s15 / f16_variant("s15") must restore the
-old paths; and on a tiny all-F16 GGUF the fused decode layers must equal the per-module path
+register-kernel paths; and on a tiny all-F16 GGUF the fused decode layers must equal the per-module path
 bit for bit and the torch fallback to float32 rounding.
 """
 
@@ -149,8 +149,8 @@ def test_qgemm_routes_f16_decode_steps_through_the_streamed_kernel_in_every_mode
 
 
 def test_the_s15_variant_restores_the_old_paths():
-    """f16_variant("s15"): qgemm no longer takes the streamed kernel; the result is the
-    session-15 path's (the register kernel at 1-2 rows, the panel GEMM from 3) and still
+    """f16_variant("s15"): qgemm does not take the streamed kernel; the result is the
+    register-kernel path's (the register kernel at 1-2 rows, the panel GEMM from 3) and still
     exact to float32 summation error."""
     n, k = 64, 512
     wu = _weight(n, k)

@@ -166,7 +166,7 @@ def test_a_broken_compiler_degrades(monkeypatch, tmp_path):
         kernels.clear_cache()
 
 
-# --- the register kernels of every type, per instruction set (kquant, issue 13) -----------------
+# --- the register kernels of every type, per instruction set -----------------------------------
 REGISTER_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16",
                   "F32"]
 ISAS = ["avx2"] + (["avx512"] if "avx512f" in kernels.features() else [])

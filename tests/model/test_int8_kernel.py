@@ -91,7 +91,7 @@ def test_int8_gemm_equals_quantised_activations_times_dequantised_weights(name, 
 @pytest.mark.parametrize("k", [256, 768, 2048, 8192])
 def test_one_kquant_row_on_avx512_equals_session_15s_kernel(name, k, monkeypatch):
     """One Q4_K / Q5_K row on AVX-512 runs dotk1_vnni (64-byte code loads, activations in
-    their order, scales decoded in SSE); session 15's dotk_vnni (iterserve_act8_kq_decode
+    their order, scales decoded in SSE); the per-tile dotk_vnni (iterserve_act8_kq_decode
     301) does the same integer arithmetic, so the two agree to float summation order, for one
     to 32 super-blocks a row, one and two threads, and both match the reference."""
     if kernels.int8_isa("avx512vnni") != "avx512vnni":
@@ -124,8 +124,8 @@ def test_one_kquant_row_on_avx512_equals_session_15s_kernel(name, k, monkeypatch
 def test_int8_long_rows_two_threads_and_both_isas_agree(name, monkeypatch):
     """K of 8192 (down_proj's) splits into several K chunks; 2 threads split 193 columns;
     AVX2 and AVX-512 give the same integers, so they agree to summation order. The K-quants
-    also under each K-chunk variant (qdot8.c kq_variant: 0 the default 32 / 64 KB, 1 session
-    14's 16 KB, 2 no chunks, 5 a 5 KB chunk: one to several chunks per row tile)."""
+    also under each K-chunk variant (qdot8.c kq_variant: 0 the default 32 / 64 KB, 1
+    16 KB, 2 no chunks, 5 a 5 KB chunk: one to several chunks per row tile)."""
     k, n = 8192, 193
     t, w, ref = gguf_blocks(name, n, k, seed=3)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
@@ -170,8 +170,8 @@ def test_auto_runs_kquant_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa8
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_avx512_row_tiles_of_4_to_8_rows(name):
-    """The AVX-512 K-quant kernels' row tiles (qdot8.c kq_tile: the default 6, session 14's 4,
-    and 5, 7, 8) at every row count 1..17 (one to three balanced tiles), K = 1024."""
+    """The AVX-512 K-quant kernels' row tiles (qdot8.c kq_tile: the default 6, and 4, 5, 7,
+    8) at every row count 1..17 (one to three balanced tiles), K = 1024."""
     if kernels.int8_isa("avx512vnni") != "avx512vnni":
         pytest.skip("the CPU has no AVX-512 VNNI")
     k, n = 1024, 37
@@ -594,8 +594,8 @@ def test_int8_32_element_kernels_read_nothing_past_the_tensor(name, vnni_variant
 
 def test_kq_decode_env_selects_session_14s_kquant_path_for_ab(monkeypatch):
     """ITERSERVE_KQ_DECODE=s14 (what run_models.py --iterserve-variants passes to a server)
-    loads the kernels with the K-quant decode path as session 14 left it; unset, the
-    defaults."""
+    loads the kernels with the K-quant decode path of 16 KB chunks, 4-row tiles and no
+    hand-over; unset, the defaults."""
     lib = kernels._lib()
     assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
             lib.iterserve_act8_kq_gemm_rows(-1)) == (0, 6, 0)
@@ -632,8 +632,8 @@ def test_kq_gemm_rows_env_moves_the_kquant_hand_over_for_ab(monkeypatch):
 
 
 def test_q32_decode_env_selects_session_15s_path_for_ab(monkeypatch):
-    """ITERSERVE_Q32_DECODE=s15 loads the kernels with the 32-element types' decode steps as
-    session 15 left them: no hand-over to the int8 prefill GEMM up to 32 rows and its
+    """ITERSERVE_Q32_DECODE=s15 loads the kernels with the 32-element types' decode steps
+    without the hand-over: to the int8 prefill GEMM up to 32 rows and its
     one-block panel decode; unset, the defaults."""
     lib = kernels._lib()
     assert (lib.iterserve_act8_q32_gemm_rows(-1), lib.iterserve_gemm8_pack_variant(-1)) == (0, 0)

@@ -207,8 +207,8 @@ def test_int8_gemm_long_k_strided_rows_threads_and_isas_agree(name, threads, mon
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_int8_gemm_grouped_panel_decode_of_32_element_types(name, isa8):
     """prefill8.c decodes the 32-element types' panels 8 blocks of a row at a time where K is
-    whole groups of 8 blocks (else one block at a time, as session 15 always did:
-    iterserve_gemm8_pack_variant(1)): for 1-17 blocks (grouped at 8 and 16), at the decode
+    whole groups of 8 blocks (else one block at a time, as
+    iterserve_gemm8_pack_variant(1) always does): for 1-17 blocks (grouped at 8 and 16), at the decode
     row counts that hand over (4, 14, 32), the result is right and equals the one-block
     decode bit for bit (the same codes, scales and summation order)."""
     if not kernels.supports_gemm_int8(int(GGMLQuantizationType[name])):

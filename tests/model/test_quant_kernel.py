@@ -85,7 +85,7 @@ def test_disabling_native_kernels_falls_back_to_float_weights(quant_model, monke
 
 def test_mixed_type_fused_layers_keep_one_segment_per_type(tmp_path):
     """The default tiny GGUF stores q/k/v in three different types: qkv is three segments
-    (weights engineer: row segments since issue 12)."""
+    (one row segment per type)."""
     from gguf import GGMLQuantizationType as Q
     from iterserve.model.loader import load_model
     path = tmp_path / "mixed.gguf"
@@ -95,7 +95,7 @@ def test_mixed_type_fused_layers_keep_one_segment_per_type(tmp_path):
     assert model.layers[0].self_attn.o_proj.quant.types == [Q.Q4_1]      # Q4_1 alone
 
 
-# --- the K-quant int8 decode kernels (qdot8.c dotkv_vnni / dotkw_avx2, session 16) -----------
+# --- the K-quant int8 decode kernels (qdot8.c dotkv_vnni / dotkw_avx2) -----------------------
 
 KQ_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 KQ_ISAS = ["avx2", "avx512vnni"]
@@ -138,8 +138,8 @@ def _check_kq(out: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("name", KQ_TYPES)
 def test_kquant_decode_kernels_every_row_count_against_gguf_py(name, kq_isa):
-    """Session 16's K-quant decode kernels (one decode of a super-block for all rows of a
-    tile of up to 12) and session 15's (iterserve_act8_kq_decode(1): row tiles of 4 / 6), at
+    """The K-quant decode kernels (one decode of a super-block for all rows of a tile of up
+    to 12) and the per-tile ones (iterserve_act8_kq_decode(1): row tiles of 4 / 6), at
     every row count 1..12 and 13, 25 (two and three tiles), K of 1024 (one K chunk) and 8192
     (several), 37 columns; both against gguf-py's dequantisation times a float matmul."""
     lib = kernels._lib()
@@ -184,8 +184,8 @@ def test_kquant_decode_tiles_threads_and_column_offsets(name, kq_isa, monkeypatc
 
 def test_kq_decode_env_selects_session_15s_kernels_for_ab(monkeypatch):
     """ITERSERVE_KQ_DECODE=s15 (run_models.py --iterserve-variants "s15=ITERSERVE_KQ_DECODE=
-    s15") loads the kernels with session 15's K-quant decode kernels, all else as default;
-    unset, the new ones (also after such a reload: dlopen keeps the library's state)."""
+    s15") loads the kernels with the per-tile K-quant decode kernels, all else as
+    default; unset, the per-call ones (also after such a reload: dlopen keeps the library's state)."""
     monkeypatch.setenv("ITERSERVE_KQ_DECODE", "s15")
     kernels.clear_cache()
     try:

@@ -2,7 +2,7 @@
 2 cores), one Serve application per module (~10-20 s: two replica processes import torch and
 load the tiny model), and iterserve's own FastAPI app in a uvicorn thread in front of it.
 
-Each replica gets 1 thread, as the issue asks for this 2-core machine.
+Each replica gets 1 thread: the test machines have 2 cores.
 """
 
 from __future__ import annotations

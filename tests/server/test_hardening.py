@@ -1,5 +1,5 @@
-"""Issue 15: one test per defect the outside test found, each failing on the code before the
-fix (checked against main @ 64b1993), plus the "must hold" items that are not a defect of
+"""Hardening: one test per defect an outside test found, each failing without its fix, plus
+the "must hold" items that are not a defect of
 their own (server faults are 500 + a usable connection, the consistency check)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 try:
     from iterserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
-except ImportError:            # so that this file also runs against main (before the fix)
+except ImportError:            # so that this file also runs on a tree without that constant
     DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 
 OK_MESSAGES = [{"role": "user", "content": "Hi"}]

@@ -1,4 +1,4 @@
-"""Per-request latency targets over HTTP (issue 18): `ttft_slo_ms` / `tpot_slo_ms` as extra
+"""Per-request latency targets over HTTP: `ttft_slo_ms` / `tpot_slo_ms` as extra
 body fields, driven with the official `openai` client against a real uvicorn server.
 
 - any policy but slo: a 400 naming the field and saying it needs --scheduling-policy slo;

@@ -1,5 +1,5 @@
-"""Structured outputs and logits fields over HTTP, driven with the official `openai` client
-(issue 14): each test fails if the server dropped the field it sends."""
+"""Structured outputs and logits fields over HTTP, driven with the official `openai` client:
+each test fails if the server dropped the field it sends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tool calling over HTTP with the official `openai` client (issue 14): tools in the chat
+"""Tool calling over HTTP with the official `openai` client: tools in the chat
 template, tool_choice none / auto / required / named, parallel_tool_calls, streamed deltas
 that the client's own accumulator reassembles into the non-streamed call, an agent loop
 (call -> tool result -> next turn), and 400s naming the field for bad definitions.

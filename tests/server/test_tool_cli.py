@@ -1,4 +1,4 @@
-"""`iterserve serve` with vLLM's frontend spellings (issue 14): a positional MODEL,
+"""`iterserve serve` with vLLM's frontend spellings: a positional MODEL,
 --chat-template FILE|STRING, --enable-auto-tool-choice / --tool-call-parser,
 --generation-config, --tokenizer, --uvicorn-log-level, --enable/--disable-log-requests,
 --max-log-len. Parsing and build_app run in-process; one real process serves a pasted

@@ -11,7 +11,7 @@ is written once:
   from the same metadata (`pydantic_field_specs`), so the lab, its CLI and its page have
   every knob under the same name with the same bounds.
 
-The one cross-knob rule that used to be handled three ways: without chunked prefill a whole
+The one cross-knob rule, kept in one place: without chunked prefill a whole
 prompt must fit in one step, so the token budget must cover max_model_len. As in vLLM, a
 budget that was not given (None) is raised to max_model_len; an explicit one that is too
 small is a ConfigError naming the knob.
@@ -291,7 +291,7 @@ class OmpWaitPolicy(enum.StrEnum):
 
 @dataclass(slots=True)
 class KernelConfig:
-    """How the model's native CPU kernels compute (issue 13), set when the model loads."""
+    """How the model's native CPU kernels compute, set when the model loads."""
 
     kernel_activations: KernelActivations = knob(
         KernelActivations.AUTO, "GEMM activations over GGUF weights: int8 (quantised rows, integer dot "
@@ -316,7 +316,7 @@ class KernelConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    """How one served model is spread over processes (issue 16). Data parallel: N whole
+    """How one served model is spread over processes. Data parallel: N whole
     engine replicas behind one endpoint (Ray Serve), a request goes to one of them by
     `router`. Tensor parallel: one engine whose weights are split over N ranks
     (torch.distributed), the scheduler on rank 0."""

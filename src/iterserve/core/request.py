@@ -81,7 +81,7 @@ class SamplingParams:
     # position; the runner computes the LM head over the prompt rows of such a request, and
     # the prefix cache is not used for it (vLLM does the same: cached rows have no logits).
     prompt_logprobs: int | None = None
-    # Latency targets (issue 18; extension fields, as vLLM-style extra body): the `slo`
+    # Latency targets (extension fields, as vLLM-style extra body): the `slo`
     # scheduling policy orders, admits and refuses by them; None takes the server's
     # --slo-ttft-ms / --slo-tpot-ms. Any other policy refuses a request that sets them.
     ttft_slo_ms: float | None = None

@@ -13,7 +13,7 @@ count is checked against max_model_len before the ids become a Python list. A te
 than any prompt that can fit (max_model_len x the longest vocabulary entry x 4 characters)
 is refused before it is tokenised at all: freeing the tokenizer's result for a 4 MB text
 alone held the GIL for 0.56 s. So a huge prompt costs the server neither `/health` nor a
-stalled step (issue 15, defect 2).
+stalled step.
 
 A consumer that goes away (client disconnect, task cancelled, generator closed) aborts its
 request in the generator's `finally`: the abort is queued on the worker thread at once, so
@@ -23,7 +23,7 @@ The server uses only this class's public API; this class uses only LLMEngine's p
 (add_request, abort_request, step, has_unfinished_requests, stats, scheduler_stats,
 get_trace, check_health, model_name, tokenizer, max_model_len, vocab_size, stat_loggers).
 
-Consistency (issue 15): when the engine goes idle, and after every step with
+Consistency: when the engine goes idle, and after every step with
 `debug_check_consistency`, the engine thread runs `LLMEngine.check_health()`, which checks the
 scheduler's books, logs each violation with its request ids and ends the offending requests
 with finish reason "error" (their streams end normally).
@@ -65,7 +65,7 @@ class AsyncEngine:
         # Requests between add_request's entry and their queueing (tokenising on the text
         # thread): a step does not start for up to `add_grace` s while one is, so that a
         # request that arrived between steps makes the next step instead of waiting for a
-        # whole one (issue 18's priority flood: 1 in 5 urgent requests lost a ~40 ms step so).
+        # whole one (on the priority-flood preset 1 in 5 urgent requests lost a ~40 ms step so).
         self._adding = 0
         self._added = asyncio.Event()
         self._add_grace = add_grace

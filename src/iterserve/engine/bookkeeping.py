@@ -1,4 +1,4 @@
-"""The sizes of everything the engine keeps per request or per step (issue 15's soak).
+"""The sizes of everything the engine keeps per request or per step (what a soak checks).
 
 A long-running server must hold O(live requests) plus fixed bounds, whatever it has served.
 `sizes(engine)` lists every such structure in one flat dict, so a soak can report them next to

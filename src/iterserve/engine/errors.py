@@ -95,7 +95,7 @@ class DuplicateRequestIdError(InvalidRequestError):
 
 class UnsupportedParameterError(InvalidRequestError):
     """A request field iterserve does not implement (yet), set to a value that would matter:
-    refused by name rather than silently ignored (issue 14's rule)."""
+    refused by name rather than silently ignored."""
 
     code = "unsupported_parameter"
 

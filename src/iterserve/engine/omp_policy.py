@@ -5,7 +5,7 @@ By default (OMP_WAIT_POLICY unset) libgomp's idle threads spin for a while befor
 on an idle machine that makes the hand-off between the ~200 parallel regions of a decode
 step cheap, but on a machine whose cores other processes use, a spinning thread holds a core
 that the thread it waits for needs: a bundled-model batch-1 step went from ~1 s to 11-65 ms
-with OMP_WAIT_POLICY=PASSIVE at load average 20 (session 13). libgomp reads the variable once,
+with OMP_WAIT_POLICY=PASSIVE at load average 20. libgomp reads the variable once,
 when it is loaded (with torch), so the policy must be in the environment before that:
 `iterserve serve` calls `apply` first thing. An OMP_WAIT_POLICY already in the environment
 always wins (the user said so explicitly). torch-free on purpose.

@@ -491,7 +491,7 @@ def engine_scale(cost: CostModel, steps: Sequence[tuple[int, int, int, int, int,
     ENGINE_SCALE_RANGE;
     None without steps. The grid times one step shape at a time, back to back; in the
     engine every step is a new shape after the scheduler and the output processing ran,
-    and on the CPU those steps measured 8-16% slower than the grid said (session 14)."""
+    and on the CPU those steps measured 8-16% slower than the grid said."""
     pairs = sorted((s[5] / p, p) for s in steps if (p := cost.runner_time(*s[:5])) > 0
                    and s[5] > 0)
     if not pairs:

@@ -33,7 +33,7 @@ bisection over full runs.
 
 The option is `data_parallel_size`, the engine's own knob name (every lab option is, so a
 setting moves between `iterserve lab` and `iterserve serve` unchanged); `--replicas` is the
-lab CLI's spelling of the same flag, as the issue writes it, next to the generated
+lab CLI's short spelling of the same flag, next to the generated
 `--data-parallel-size` / `-dp`.
 """
 

@@ -31,7 +31,7 @@ too, so its predictions and the lab's simulated steps are the same function of a
 
 Why `c_attn`: a decode reads its context once (`c_kv`), but every token of a prefill chunk
 attends to the whole context, so a 128-token chunk at context 1,500 costs far more than the
-same chunk at context 0 (on the session-13 runner 220 ms vs 132 ms with 16 decodes, where
+same chunk at context 0 (measured on the runner: 220 ms vs 132 ms with 16 decodes, where
 the linear terms said 139 ms for both). Why the overhead terms: the model runner is what
 `lab calibrate` times, but a client waits for the whole engine step; the calibration measures
 the rest on a short run of the real engine (`overhead_*`), so the lab's seconds are the
@@ -56,7 +56,7 @@ increasing, seconds of either sign.
 version-2 file (no corrections) loads and
 means what it meant. The shipped default (lab/data/default_cost_model.json) is
 an order-of-magnitude guess for a 7B fp16 model on one A100-class GPU; fitting it to the real
-model runner is `iterserve lab calibrate`'s job (benchmarks issue), which writes this format.
+model runner is `iterserve lab calibrate`'s job, which writes this format.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ _LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
     "max_queued_requests": (0, MAX_REQUESTS),  # a full queue refuses the arrival
     "request_timeout": (None, None),      # in simulated steps here (the scheduler's clock)
     "queue_timeout": (None, None),
-    "slo_ttft_ms": (None, None),          # SLO targets (issue 18): goodput is reported
+    "slo_ttft_ms": (None, None),          # SLO targets: goodput is reported
     "slo_tpot_ms": (None, None),          # whenever one is set; policy slo admits by them
 }
 
@@ -56,7 +56,7 @@ _LONGPROMPT_BASE: dict[str, Any] = {"batching": "continuous", "max_num_seqs": 16
                                     "mix": "longprompt", "enable_chunked_prefill": True,
                                     "cost_model": "smollm2-cpu"}
 
-# Presets (issue 18's trade-offs, and the SLO overload case): named option sets a user picks
+# Presets (the scheduling trade-offs, and the SLO overload case): named option sets a user picks
 # on the page (GET /v1/lab/presets fills the form) or with `iterserve lab --preset NAME`.
 # A preset's options are defaults: options given with it override them. Each says which one
 # knob to flip to see the trade-off; benchmarks/slo_tradeoffs.py runs the full sweeps and
@@ -129,8 +129,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# The numbers above were chosen on the session-13 smollm2-cpu fit; rescale them to the fit
-# shipped now, so each preset stays the same experiment (lab/preset_scale.py says why).
+# The numbers above were chosen on a reference smollm2-cpu fit; rescale them to the fit
+# shipped, so each preset stays the same experiment (lab/preset_scale.py says why).
 _TYPICAL_STEP = {"longprompt": "LONGPROMPT_STEP", "longprompt-heavy": "LONGPROMPT_STEP"}
 
 

@@ -197,7 +197,7 @@ __all__ = ["RequestSpec", "WorkloadSpec", "WorkloadError", "draw_workload", "par
            "check_range", "check_lengths", "read_lengths_file", "MAX_LENGTH"]
 
 
-# --- Shared-prefix workloads (the cluster lab, issue 16) -----------------------------------
+# --- Shared-prefix workloads (the cluster lab) --------------------------------------------
 # Many requests open with one of a few long system prompts (a chat product's instructions, a
 # RAG template, few-shot examples), then a question of their own. That is the workload a
 # prefix-aware router is for: sending a group's requests to the replica that already holds

@@ -11,7 +11,7 @@ Order (vLLM's sampler): after the raw logprobs are taken and before penalties an
 temperature: allowed_token_ids, bad_words, then min_tokens and logit_bias.
 `apply_logits_processors` does all four in that order.
 
-The validation helpers (`validate_logit_bias`, `validate_token_ids`) and
+The validation functions (`validate_logit_bias`, `validate_token_ids`) and
 `bad_words_token_ids` belong to the request side (the input processor): they turn request
 fields into the ids these functions take and raise `LogitsParamError` (a ValueError naming
 the field) for a 400.

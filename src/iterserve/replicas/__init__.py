@@ -1,4 +1,4 @@
-"""Data parallel: N engine replicas on Ray Serve behind the one OpenAI endpoint (issue 16).
+"""Data parallel: N engine replicas on Ray Serve behind the one OpenAI endpoint.
 
     launch.py          start_pool / close_pool: Ray (local or --ray-address), the deployment
     deployment.py      EngineReplica: one AsyncEngine per replica process

@@ -1,4 +1,4 @@
-"""The published /openapi.json says what the server does (issue 15, defect 7).
+"""The published /openapi.json says what the server does.
 
 FastAPI documents a 422 with its own `detail` body for every route with a body; this server
 answers validation errors 400 with an OpenAI error body (server/errors.py). So the schema is

@@ -2,8 +2,8 @@
 
 Why constraints and not checks in the handlers: `/openapi.json` is generated from these
 models, so the published schema states every limit (n <= 128, the stop list's size, the seed's
-range, logprobs <= 20, no NaN or infinity, ...) and a request valid by the schema is served
-(issue 15). What the schema cannot say statically, max_tokens <= max_model_len - 1, is added
+range, logprobs <= 20, no NaN or infinity, ...) and a request valid by the schema is served.
+What the schema cannot say statically, max_tokens <= max_model_len - 1, is added
 to the published schema per app (server/openapi.py); prompt tokens + max_tokens <=
 max_model_len is checked by the engine once the prompt is tokenised.
 
@@ -11,7 +11,7 @@ Models are strict (a string where a number belongs is a 400, not silently coerce
 NaN / +-inf in every float field, reject strings with lone UTF-16 surrogates (JSON allows the
 escape `"\\udcff"`; no tokenizer or response encoder can handle it), and forbid unknown
 fields: an unknown field is a 400 "Unrecognized request argument supplied: <name>", as
-OpenAI answers (issue 14's rule: no field is silently ignored).
+OpenAI answers (the rule: no field is silently ignored).
 
 Fields fall in three groups:
 
@@ -172,7 +172,7 @@ class _SamplingFields(_Model):
                                              "server started with --scheduling-policy priority")
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
-    # latency targets (issue 18): need --scheduling-policy slo, else a 400 naming them
+    # latency targets: need --scheduling-policy slo, else a 400 naming them
     ttft_slo_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description=(
         "time-to-first-token target in ms (default --slo-ttft-ms); a request that cannot "
         "meet it is refused early with 429 + Retry-After; needs --scheduling-policy slo"))

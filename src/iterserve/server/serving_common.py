@@ -59,7 +59,7 @@ def to_api_error(exc: BaseException) -> APIError | None:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, SLOUnattainableError):
-        # Issue 18: refused early because its TTFT target cannot be met. With a retry-after
+        # Refused early because its TTFT target cannot be met. With a retry-after
         # estimate it is a 429 (come back later); without one (the prompt alone prefills too
         # slowly) retrying cannot help, so it is the request's own 400.
         if exc.retry_after_s is None:
@@ -85,7 +85,7 @@ def to_api_error(exc: BaseException) -> APIError | None:
 
 def check_priority(priority: int | None, engine: AsyncEngine) -> int:
     """priority only means something under the priority policy; elsewhere 0 is the only
-    honest value (issue 14)."""
+    honest value."""
     priority = priority or 0
     if priority and engine.scheduling_policy != "priority":
         raise UnsupportedParameterError(
