@@ -39,12 +39,15 @@ three. `make_policy` picks them from a `SchedulerConfig`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
 
 from iterserve.core.config import Batching, SchedulerConfig, SchedulingPolicy
 from iterserve.core.request import Request, SamplingParamsError
 from iterserve.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from iterserve.core.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from iterserve.core.slo_policy import SloPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +81,7 @@ class Policy(Protocol):
     refusal_reason: str | None
     # The slo policy deciding (itself, or the one a wrapper delegates to), else None: the
     # lab installs its clock on it, the engine reports its counters.
-    slo: object | None
+    slo: SloPolicy | None
 
     # --- admission ------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
