@@ -14,10 +14,10 @@ import pytest
 
 from iterserve.core import scheduler as scheduler_module
 from iterserve.core.config import CacheConfig, SchedulerConfig
-from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules, make_policy
+from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules
 from iterserve.core.priority_policy import PriorityPolicy
 from iterserve.core.request import Request, SamplingParams, SamplingParamsError
-from iterserve.core.scheduler import Scheduler
+from iterserve.core.scheduler import Scheduler, make_policy
 from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.core.slo_policy import SloPolicy, SloQueue
 from iterserve.core.static_batching import StaticBatching

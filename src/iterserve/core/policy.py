@@ -33,7 +33,7 @@ kept here as parts of one scheduler so that preemption can cross them within a s
 The implementations: `FcfsPolicy` here (the default, and the base whose no-op hooks the
 others inherit), `PriorityPolicy` (core/priority_policy.py), `SloPolicy`
 (core/slo_policy.py) and `StaticBatching` (core/static_batching.py), which wraps any of the
-three. `make_policy` picks them from a `SchedulerConfig`.
+three. `make_policy` (core/scheduler.py) picks them from a `SchedulerConfig`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
 
-from iterserve.core.config import Batching, SchedulerConfig, SchedulingPolicy
+from iterserve.core.config import SchedulerConfig
 from iterserve.core.request import Request, SamplingParamsError
 from iterserve.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from iterserve.core.scheduler_output import SchedulerOutput
@@ -206,24 +206,3 @@ class FcfsPolicy:
 
     def step_done(self, running: Sequence[Request]) -> None:
         pass
-
-
-def make_policy(config: SchedulerConfig, clock) -> Policy:
-    """The policy a (validated) `SchedulerConfig` names; `clock` is the scheduler's."""
-    # Local imports: each policy module imports FcfsPolicy from here (and slo_policy imports
-    # QueueFullError from core/scheduler, which imports this module).
-    if config.scheduling_policy is SchedulingPolicy.PRIORITY:
-        from iterserve.core.priority_policy import PriorityPolicy
-
-        policy: Policy = PriorityPolicy(config)
-    elif config.scheduling_policy is SchedulingPolicy.SLO:
-        from iterserve.core.slo_policy import SloPolicy
-
-        policy = SloPolicy(config, clock)
-    else:
-        policy = FcfsPolicy(config)
-    if config.batching is Batching.STATIC:
-        from iterserve.core.static_batching import StaticBatching
-
-        policy = StaticBatching(policy, config.max_num_seqs)
-    return policy

@@ -58,11 +58,14 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple
 
 from iterserve.core.block_manager import BlockManager, cdiv
-from iterserve.core.config import CacheConfig, PreemptionMode, SchedulerConfig
-from iterserve.core.policy import Policy, StepRules, make_policy
+from iterserve.core.config import (
+    Batching, CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy)
+from iterserve.core.policy import FcfsPolicy, Policy, StepRules
+from iterserve.core.priority_policy import PriorityPolicy
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.request_queue import RequestQueue
 from iterserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from iterserve.core.static_batching import StaticBatching
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -84,6 +87,22 @@ class SchedulerStats:
     num_preemptions: int            # preemptions (recompute or swap) in the last step
     num_preemptions_total: int
     prefix_cache_hit_rate: float = 0.0   # cached / looked-up prompt blocks, lifetime
+
+
+def make_policy(config: SchedulerConfig, clock: Callable[[], float]) -> Policy:
+    """The policy a (validated) `SchedulerConfig` names; `clock` is the scheduler's."""
+    if config.scheduling_policy is SchedulingPolicy.PRIORITY:
+        policy: Policy = PriorityPolicy(config)
+    elif config.scheduling_policy is SchedulingPolicy.SLO:
+        # Imported here: slo_policy imports QueueFullError from this module.
+        from iterserve.core.slo_policy import SloPolicy
+
+        policy = SloPolicy(config, clock)
+    else:
+        policy = FcfsPolicy(config)
+    if config.batching is Batching.STATIC:
+        policy = StaticBatching(policy, config.max_num_seqs)
+    return policy
 
 
 class _Step:
