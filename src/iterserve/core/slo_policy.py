@@ -20,8 +20,8 @@ policy spends the same capacity on requests that can still make it:
   prefill chunks interleaved with decodes (`TPOT_HEADROOM`).
 
 Predictions come from `StepTimeModel` (core/step_time.py), seeded from a cost model and
-refitted from every step's measured time: the scheduler stamps `schedule()`'s start and
-`update_from_output()`'s call, which bracket the executor, so the real engine and the lab's
+refitted from every step's measured time: the policy's `begin_step` (in `schedule()`) and
+`step_done` (in `update_from_output()`) hooks bracket the executor, so the real engine and the lab's
 simulated executor feed it through the same code. Times are seconds on `self.clock`: the
 scheduler's clock by default (wall time in the engine); the lab, whose scheduler clock
 counts steps, installs its simulated seconds with `use_clock`, and then a request's arrival
@@ -42,8 +42,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
+from iterserve.core.config import SchedulerConfig
+from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules
 from iterserve.core.request import Request
 from iterserve.core.request_queue import RequestQueue
 from iterserve.core.scheduler import QueueFullError
@@ -162,16 +164,23 @@ class SloQueue(RequestQueue):
         return iter(ordered + [r for s, r in self._late if live.get(r.request_id) == s])
 
 
-class SloPolicy:
-    """The scheduler's `slo` hooks (see the module docstring); one per Scheduler."""
+class SloPolicy(FcfsPolicy):
+    """The `slo` policy (see the module docstring); one per Scheduler.
 
-    def __init__(self, scheduler, model: StepTimeModel | None = None) -> None:
-        self.scheduler = scheduler
+    Otherwise fcfs: swapped requests resume by arrival, the latest arrival is the victim."""
+
+    refusal_reason = "slo_unattainable"
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float],
+                 model: StepTimeModel | None = None) -> None:
+        super().__init__(config)
+        self.config = config
         self.model = model if model is not None else default_step_time_model(
-            scheduler.config.slo_cost_model or DEFAULT_SEED_COST_MODEL)
-        self.clock: Callable[[], float] = scheduler.clock
+            config.slo_cost_model or DEFAULT_SEED_COST_MODEL)
+        self.clock: Callable[[], float] = clock
         self._own_clock = False
-        self.queue = SloQueue(self)
+        self.waiting = SloQueue(self)
+        self._step = 0
         # The last step's shape (for predictions) and what is needed to time it.
         self._t0 = 0.0
         self._features = (0, 0, 0, 0, 0)
@@ -197,6 +206,10 @@ class SloPolicy:
         self.num_refused = 0
         self.num_held_steps = 0
 
+    @property
+    def slo(self) -> "SloPolicy":
+        return self
+
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Measure in seconds on `clock` instead of the scheduler's clock (the lab)."""
         self.clock = clock
@@ -204,7 +217,7 @@ class SloPolicy:
 
     # --- predictions ------------------------------------------------------------------------
     def _chunk(self, n: int) -> int:
-        cfg = self.scheduler.config
+        cfg = self.config
         c = n
         if cfg.enable_chunked_prefill:
             t = cfg.long_prefill_token_threshold
@@ -244,8 +257,16 @@ class SloPolicy:
         return self._sat_admitted / self._sat_seconds
 
     # --- hooks ------------------------------------------------------------------------------
+    def check_request(self, request: Request) -> None:
+        pass                                    # latency targets are what this policy reads
+
     def on_add(self, request: Request) -> None:
-        """Refuse `request` (SLOUnattainableError) if it cannot meet its TTFT target."""
+        """Give `request` the configured default targets, then refuse it
+        (SLOUnattainableError) if it cannot meet its TTFT target."""
+        if request.ttft_slo_ms is None:
+            request.ttft_slo_ms = self.config.slo_ttft_ms
+        if request.tpot_slo_ms is None:
+            request.tpot_slo_ms = self.config.slo_tpot_ms
         slo_ms = request.ttft_slo_ms
         if slo_ms is None or self.model.num_observed < MIN_OBSERVED_TO_REFUSE:
             return          # a seed from another machine must not refuse a fresh engine's work
@@ -265,7 +286,7 @@ class SloPolicy:
         wait = max(now - arrival, 0.0) + self._last_step_s
         rate = self.admission_rate
         if self._saturated and rate is not None:
-            wait += (self.queue.num_ahead(arrival + slo - alone) + 1) / rate
+            wait += (self.waiting.num_ahead(arrival + slo - alone) + 1) / rate
         predicted = wait + own
         if predicted > slo:
             self.num_refused += 1
@@ -276,21 +297,25 @@ class SloPolicy:
                 f"retry in ~{retry:.1f} s",
                 retry_after_s=retry, predicted_ttft_s=predicted, ttft_slo_s=slo)
 
-    def step_started(self) -> None:
+    def begin_step(self, step: int, running: Sequence[Request]) -> StepRules:
+        """Stamp the step's start (`step_done` times it) and measure the gap since the
+        last one ended."""
+        self._step = step
         self._t0 = t0 = self.clock()
         if self._t_done >= 0.0:                 # the last step left work: back to back
             gap = t0 - self._t_done
             if 0.0 <= gap < max(4 * self._last_step_s, 0.05):   # not an idle wait
                 self.overhead_s += OVERHEAD_EWMA * (gap - self.overhead_s)
             self._t_done = -1.0
-        self._popped_before = self.queue.num_popped
+        self._popped_before = self.waiting.num_popped
         # A step that starts with a backlog left by the previous one measures the service
         # rate: how fast waiting requests get in when they have to wait.
         self._backlog = self._saturated
+        return NO_RULES
 
-    def hold(self, request: Request, running: list[Request]) -> bool:
+    def holds(self, request: Request, running: Sequence[Request]) -> bool:
         """True to stop admitting: one more decode would break the tightest TPOT target."""
-        step = self.scheduler.step
+        step = self._step
         if self._hold_step != step:
             self._hold_step = step
             kv = 0
@@ -322,17 +347,16 @@ class SloPolicy:
             self._hold_tpot = t
         return False
 
-    def scheduled(self, out: SchedulerOutput) -> None:
+    def end_step(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """End of schedule(): remember the step's shape to time it in `step_done`.
 
-        The shape costs a pass over the scheduled requests; in big batches (> BIG_BATCH sequences) only
-        every SAMPLE_EVERY-th step is measured (their shapes change slowly)."""
-        self._saturated = bool(self.queue)
+        The shape costs a pass over the scheduled requests; in big batches (> BIG_BATCH
+        sequences) only every SAMPLE_EVERY-th step is measured (their shapes change slowly)."""
+        self._saturated = bool(self.waiting)
         scheduled = out.num_scheduled_tokens
         if len(scheduled) > BIG_BATCH and out.step % SAMPLE_EVERY:
             self._features = None
             return
-        requests = self.scheduler.requests
         kv = prefill = pairs = 0
         for rid, n in scheduled.items():
             req = requests[rid]
@@ -343,11 +367,11 @@ class SloPolicy:
                 pairs += attention_pairs(start, n)
         self._features = (out.num_batched_tokens, len(scheduled), kv, prefill, pairs)
 
-    def step_done(self) -> None:
+    def step_done(self, running: Sequence[Request]) -> None:
         """update_from_output(): the executor has run; fold its measured time in."""
         now = self.clock()
         dt = now - self._t0
-        if self.scheduler.running or self.queue:
+        if running or self.waiting:
             self._t_done = now
         if self._features is not None:
             tokens, seqs, kv, prefill, pairs = self._features
@@ -357,7 +381,7 @@ class SloPolicy:
             self._last_seqs = seqs
             self._last_kv = kv
         if dt > 0:
-            admitted = self.queue.num_popped - self._popped_before
+            admitted = self.waiting.num_popped - self._popped_before
             if self._backlog:
                 d = math.exp(-dt / RATE_TIME_CONSTANT_S)
                 self._sat_admitted = self._sat_admitted * d + admitted
@@ -365,6 +389,6 @@ class SloPolicy:
 
     def stats(self) -> dict:
         return {"refused": self.num_refused, "held_steps": self.num_held_steps,
-                "late_waiting": self.queue.num_late, "admission_rate": self.admission_rate,
+                "late_waiting": self.waiting.num_late, "admission_rate": self.admission_rate,
                 "overhead_s": self.overhead_s,
                 "step_time_model": self.model.coefficients}
