@@ -228,3 +228,14 @@ def test_serve_logs_a_notice_at_start(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="iterserve.serve"), pytest.raises(Stop):
         cli.build_app(args)
     assert [r.getMessage() for r in caplog.records] == ["--x has no effect here: y"]
+
+
+def test_every_flag_the_readme_knob_table_names_exists():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    table = readme.split("### The scheduler's knobs", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+|-[a-z]{2})(?![\w-])", table))
+    flags = _flags(_parser("serve"))
+    assert named and not named - set(flags), sorted(named - set(flags))

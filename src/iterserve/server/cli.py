@@ -3,7 +3,8 @@
 With no --model it serves the bundled default model on 127.0.0.1:8000 (`make serve`).
 uvicorn handles SIGINT/SIGTERM: it stops accepting connections, gives in-flight responses
 `--shutdown-timeout` seconds to finish, then cancels them (which aborts their requests),
-and the app's lifespan shuts the engine down.
+and the app's lifespan shuts the engine down. Every flag is a knob of core/config.py (the
+server's and the OpenAI frontend's configs, then EngineArgs's), generated from there.
 """
 
 from __future__ import annotations
