@@ -239,3 +239,12 @@ def test_every_flag_the_readme_knob_table_names_exists():
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+|-[a-z]{2})(?![\w-])", table))
     flags = _flags(_parser("serve"))
     assert named and not named - set(flags), sorted(named - set(flags))
+
+
+def test_a_repeatable_knob_is_a_list_of_checked_values():
+    p = _parser("generate")
+    args = p.parse_args(["hi", "--stop", "a", "--stop", "b"])
+    assert config_from(GenerateConfig, vars(args)).stop == ["a", "b"]
+    assert config_from(GenerateConfig, vars(p.parse_args(["hi"]))).stop is None
+    with pytest.raises(ConfigError, match="stop must be a string"):
+        config_from(GenerateConfig, {"stop": ["a", 3]})

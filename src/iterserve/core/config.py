@@ -29,6 +29,7 @@ small is a ConfigError naming the knob.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -77,6 +78,11 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
         if k.nullable:
             return None
         raise ConfigError(f"{name} must be set", name)
+    if k.repeat:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}", name)
+        one = dataclasses.replace(k, repeat=False, nullable=False)
+        return [check_knob(name, v, one) for v in value]
     if isinstance(k.kind, type) and issubclass(k.kind, enum.Enum):
         try:
             return k.kind(value)
@@ -490,7 +496,8 @@ class GenerateConfig:
     progress: bool = knob(True, "show a progress bar", bool)
 
     def validate(self) -> "GenerateConfig":
-        return self                 # SamplingParams.validate() checks the sampling values
+        _check_fields(self)         # types only: SamplingParams.validate() checks the values
+        return self
 
 
 # The configs EngineArgs is made of (engine/args.py), and the server's own.
