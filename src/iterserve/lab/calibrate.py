@@ -63,6 +63,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from iterserve import envs
 from iterserve.core.step_time import attention_pairs
 from iterserve.lab.cost_model import COEFFICIENTS, FORMAT, VERSION, CostModel
 
@@ -700,7 +701,7 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
         "block_size": block_size, "timing_s": round(elapsed, 1),
         "total_s": round(elapsed_all + load_s, 1), "load_s": round(load_s, 1),
         "kernel_activations": _activation_mode(kernels),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": envs.OMP_WAIT_POLICY,
         "kv_budget_gib": kv_budget_gib, "dropped_points": [p.label() for p in dropped],
         "load_average_before": load_before, "load_average_after": load_after,
         "fit": "non-negative least squares on relative error"

@@ -28,17 +28,20 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Run the engine's scheduler with a simulated executor and compare "
                     "static and continuous batching (steps, utilisation, latency).")
     w = p.add_argument_group("workload")
-    from iterserve.lab.options import PRESETS
+    from iterserve.lab.options import OPTION_DEFAULTS as D
+    from iterserve.lab.options import PRESETS, RENAMED
     w.add_argument("--preset", choices=tuple(PRESETS),
                    help="start from a named option set (the other flags override it): "
                         + "; ".join(f"{k}: {v['description']}"
                                     for k, v in PRESETS.items()).replace("%", "%%"))
-    w.add_argument("--batching", choices=("static", "continuous", "both"))
-    w.add_argument("--requests", type=int, help="number of requests (default 48)")
+    w.add_argument("--requests", type=int, help=f"number of requests (default {D['requests']})")
     w.add_argument("--seed", type=int, help="random seed of the draw (default: the reference seed)")
-    w.add_argument("--short-frac", type=float, help="share of short answers (default 0.8)")
-    w.add_argument("--short", metavar="MIN-MAX", help="short answer lengths (default 10-100)")
-    w.add_argument("--long", metavar="MIN-MAX", help="long answer lengths (default 250-500)")
+    w.add_argument("--short-frac", type=float,
+                   help=f"share of short answers (default {D['short_frac']})")
+    w.add_argument("--short", metavar="MIN-MAX",
+                   help="short answer lengths (default {}-{})".format(*D["short"]))
+    w.add_argument("--long", metavar="MIN-MAX",
+                   help="long answer lengths (default {}-{})".format(*D["long"]))
     w.add_argument("--lengths", metavar="FILE",
                    help="one output length per line instead of drawing them")
     w.add_argument("--arrival-rate", type=float, metavar="R",
@@ -46,10 +49,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     s = p.add_argument_group("scheduler (prefill on)")
     s.add_argument("--prompt-len", metavar="MIN-MAX",
                    help="prompt lengths; turns prefill on (default: prefill ignored)")
-    s.add_argument("--max-num-batched-tokens", type=int)
-    s.add_argument("--num-kv-blocks", type=int)
-    s.add_argument("--block-size", type=int)
-    s.add_argument("--preemption-mode", choices=("recompute", "swap"))
     s.add_argument("--priority-frac", type=float,
                    help="share of urgent requests under --scheduling-policy priority "
                         "(default 0.2)")
@@ -58,33 +57,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "(--prompt-len, default 20-100); turns prefill on")
     s.add_argument("--long-prompt-frac", type=float,
                    help="--mix longprompt: share of the long prompts (default 0.1)")
-    # The engine's own knobs, flags and help generated from core/config.py (the same
-    # spellings as `iterserve serve`); the help gives the lab's default where it differs.
-    from iterserve.core.config import (
-        CacheConfig, SchedulerConfig, add_knob_argument, knob_fields)
-    from iterserve.lab.options import OPTION_DEFAULTS, RENAMED
-    for cls, group, names in (
-            (SchedulerConfig, w, ("max_num_seqs",)),
-            (SchedulerConfig, s, ("enable_chunked_prefill", "scheduling_policy",
-                                  "long_prefill_token_threshold", "max_num_partial_prefills",
-                                  "slo_ttft_ms", "slo_tpot_ms")),
-            (CacheConfig, s, ("enable_prefix_caching",))):
-        for name, _default, k in knob_fields(cls):
-            if name in names:
-                add_knob_argument(group, name, k, None, f"default {OPTION_DEFAULTS[name]}")
+    _add_knob_arguments(w, s)
     # The lab's former flags: hidden, and an error that names the new flag.
     for old, new in RENAMED.items():
         p.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,
                        action=_Renamed, new="--" + new.replace("_", "-"))
-    s.add_argument("--max-queued-requests", type=int, metavar="N",
-                   help="bound on the waiting queue; a full queue refuses the arrival "
-                        "(counted as refused; default 0: none)")
-    s.add_argument("--request-timeout", type=float, metavar="STEPS",
-                   help="in simulated steps from arrival: a request still running (or "
-                        "waiting) then ends with finish_reason timeout (default: none)")
-    s.add_argument("--queue-timeout", type=float, metavar="STEPS",
-                   help="in simulated steps: a request not admitted by then ends with "
-                        "finish_reason timeout (default: none)")
     s.add_argument("--arrival-rate-s", type=float, metavar="R",
                    help="Poisson arrivals, requests per simulated second (instead of per "
                         "step; for SLO experiments)")
@@ -110,6 +87,34 @@ def register(subparsers) -> argparse.ArgumentParser:
             importlib.import_module(module).register(sub)
     p.set_defaults(func=run)
     return p
+
+
+# Shared knobs whose flag sits with the workload's; the rest go with the scheduler's.
+_WORKLOAD_KNOBS = ("batching", "max_num_seqs")
+_METAVARS = {"request_timeout": "STEPS", "queue_timeout": "STEPS", "max_queued_requests": "N"}
+
+
+def _add_knob_arguments(workload, scheduler) -> None:
+    """A flag for every engine knob the lab takes (lab/options.py SHARED_KNOBS), spelled as
+    `iterserve serve` spells it and generated from core/config.py; the help gives the
+    lab's default, its units and its extra choices where they differ."""
+    from dataclasses import replace
+
+    from iterserve.core.config import CacheConfig, SchedulerConfig, add_knob_argument, knobs_of
+    from iterserve.lab.options import (
+        LAB_CHOICES, LAB_DEFAULTS, LAB_HELP, OPTION_DEFAULTS, SHARED_KNOBS)
+
+    schema = knobs_of(SchedulerConfig, CacheConfig)
+    for name in SHARED_KNOBS:
+        k = schema[name][1]
+        if name in LAB_CHOICES:
+            k = replace(k, kind=str, choices_=LAB_CHOICES[name])
+        k = replace(k, help=LAB_HELP.get(name, k.help), metavar=_METAVARS.get(name, k.metavar))
+        default = OPTION_DEFAULTS[name]
+        text = (f"default {default}" if default is not None
+                else "default: from the workload" if name in LAB_DEFAULTS else "")
+        add_knob_argument(workload if name in _WORKLOAD_KNOBS else scheduler, name, k, None,
+                          text)
 
 
 # Cluster flags (lab/cluster.py): any of them makes the run a cluster run.
@@ -162,16 +167,15 @@ class _Renamed(argparse.Action):
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """CLI flags -> run_lab options (files are read here; values are checked by run_lab)."""
     from iterserve.lab.cost_model import load_cost_model
+    from iterserve.lab.options import SHARED_KNOBS
     from iterserve.lab.workload import parse_range, read_lengths_file
 
     opts: dict[str, Any] = {"batching": args.batching or (None if args.preset else "both"),
                             "preset": args.preset}
-    for name in ("max_num_seqs", "requests", "seed", "short_frac", "arrival_rate",
-                 "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
-                 "enable_chunked_prefill", "scheduling_policy", "priority_frac", "mix", "enable_prefix_caching", "long_prompt_frac",
-                 "long_prefill_token_threshold", "max_num_partial_prefills",
-                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms", "max_queued_requests",
-                 "request_timeout", "queue_timeout"):
+    for name in (*SHARED_KNOBS, "requests", "seed", "short_frac", "arrival_rate",
+                 "priority_frac", "mix", "long_prompt_frac", "arrival_rate_s"):
+        if name == "batching":
+            continue
         value = getattr(args, name)
         if value is not None:
             opts[name] = value

@@ -27,6 +27,8 @@ import os
 import threading
 from typing import Any, AsyncIterator
 
+from iterserve import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,7 +63,7 @@ class EngineReplica:
         if threads:
             # OMP_NUM_THREADS also comes through the runtime env (before torch is imported);
             # set_num_threads covers a process that imported torch already.
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            envs.export("OMP_NUM_THREADS", threads)
             import torch
             torch.set_num_threads(threads)
         from ray import serve

@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from iterserve.core.config import ServerConfig, default_of
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.errors import TokenIdOutOfRangeError
 from iterserve.server.errors import APIError, error_response, install_exception_handlers
@@ -53,7 +54,7 @@ from iterserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+DEFAULT_MAX_REQUEST_BODY_BYTES = default_of(ServerConfig, "max_request_body_bytes")   # the knob's
 """4 MiB: a max_model_len-sized prompt as token-id JSON (131,072 ids ~ 1 MB) or as text
 (~0.5 MB) fits with room for a batch of prompts; the outside test's 10 MB prompt does not."""
 
