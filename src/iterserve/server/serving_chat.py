@@ -48,6 +48,7 @@ class ChatFormat(ChoiceFormat):
         self.token_ids_as_text = token_ids_as_text
         self.called: dict[int, bool] = {}
         self.streams: dict[int, StreamedToolCalls] = {}
+        self.pending_logprobs: dict[int, list] = {}  # of tokens whose chunk was not sent
         self.prompt_logprobs: list | None = None     # vLLM's top-level field, sent once
         self._prompt_sent = False
 
@@ -77,24 +78,35 @@ class ChatFormat(ChoiceFormat):
         return out
 
     def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
-        message, self.called[index] = message_with_tools(self.tools, co.text)
+        message, self.called[index] = message_with_tools(self.tools, co.text,
+                                                         co.finish_reason == "length")
         if self.echo and not self.called[index]:
             message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(co.logprobs)}
 
-    def delta_choice(self, index: int, co: CompletionOutput | None) -> dict[str, Any]:
+    def delta_choice(self, index: int, co: CompletionOutput | None
+                     ) -> dict[str, Any] | None:
         if co is None:
             return {"index": index, "delta": {}, "logprobs": None}
-        if self.tools.parses:
-            st = self.streams.get(index)
-            if st is None:
-                st = self.streams[index] = StreamedToolCalls(self.tools)
-            delta = st.delta(co.delta_text, co.finished_in_this_step)
-            self.called[index] = st.called
-        else:
+        if not self.tools.parses:
             delta = {"content": co.delta_text} if (co.delta_text or co.delta_token_ids) else {}
-        return {"index": index, "delta": delta,
-                "logprobs": self._logprobs(co.delta_logprobs)}
+            return {"index": index, "delta": delta,
+                    "logprobs": self._logprobs(co.delta_logprobs)}
+        st = self.streams.get(index)
+        if st is None:
+            st = self.streams[index] = StreamedToolCalls(self.tools)
+        delta = st.delta(co.delta_text, co.finished_in_this_step,
+                         co.finish_reason == "length")
+        self.called[index] = st.called
+        # While the parser holds text back (a `<tool_call>` tag being written, a call whose
+        # name is incomplete) there is nothing to say: no chunk, and the tokens' logprobs
+        # ride on the next chunk that is sent.
+        pending = self.pending_logprobs.setdefault(index, [])
+        pending += co.delta_logprobs or []
+        if not delta and not co.finished_in_this_step:
+            return None
+        self.pending_logprobs[index] = []
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(pending)}
 
     def finish_reason(self, index: int, co: CompletionOutput) -> str | None:
         return self.tools.finish_reason(co.finish_reason, self.called.get(index, False))
