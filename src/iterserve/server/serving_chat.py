@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import CompletionOutput
@@ -213,6 +214,18 @@ async def start_chat(body: ChatCompletionRequest, engine: AsyncEngine, served_mo
 
 
 # --- for the APIs layered over chat (Responses, Anthropic Messages): one choice, n = 1 ------
+
+def as_chat_request(fields: dict[str, Any], param: str) -> ChatCompletionRequest:
+    """The chat request another API's body maps to; one chat cannot take is a 400 naming
+    `param` (the other API's field) and where chat refused it."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise APIError(400, f"{param}: {err.get('msg')} (as chat: {where})",
+                       param=param) from None
+
 
 @dataclass
 class FinalChat:

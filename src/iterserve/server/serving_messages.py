@@ -36,14 +36,13 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.server.errors import APIError
-from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.protocol_anthropic import CountTokensRequest, MessagesRequest
 from iterserve.server.serving_chat import (
-    FinalChat, StartedChat, chat_deltas, final_chat, render_request, start_chat)
+    FinalChat, StartedChat, as_chat_request, chat_deltas, final_chat, render_request,
+    start_chat)
 from iterserve.server.serving_common import check_model, close_streams, to_api_error
 from iterserve.server.serving_config import ServingConfig
 
@@ -58,20 +57,6 @@ def _tool_use_id(call_id: str) -> str:
     """Anthropic's `toolu_` ids, from the parser's `call_` ones (the same id in a stream and
     in the final message)."""
     return "toolu_" + call_id.removeprefix("call_")
-
-
-def as_chat(body: MessagesRequest | CountTokensRequest, fields: dict[str, Any]
-            ) -> ChatCompletionRequest:
-    """`fields` (from the body) as the chat request; a conversation chat cannot take is a
-    400 naming where (the Anthropic body was valid, so this is rare: e.g. an assistant turn
-    that is nothing but an empty list)."""
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ()))
-        raise APIError(400, f"messages: {err.get('msg')} (as chat: {where})",
-                       param="messages") from None
 
 
 def stop_reason(finish_reason: str | None, stop: str | int | None, called: bool
@@ -115,7 +100,7 @@ def message_body(done: FinalChat, *, msg_id: str, model: str) -> dict[str, Any]:
 
 async def create_message(body: MessagesRequest, raw: Request, engine: AsyncEngine,
                          served_model: str, config: ServingConfig | None = None):
-    chat = as_chat(body, body.to_chat())
+    chat = as_chat_request(body.to_chat(), "messages")
     msg_id = _id("msg")
     started = await start_chat(chat, engine, served_model, config or ServingConfig(), msg_id)
     if not body.stream:
@@ -213,7 +198,7 @@ async def count_message_tokens(body: CountTokensRequest, engine: AsyncEngine,
                                served_model: str, config: ServingConfig | None = None
                                ) -> dict[str, int]:
     """The prompt a message with this body would have (template, tools and all), counted."""
-    chat = as_chat(body, body.chat_fields())
+    chat = as_chat_request(body.chat_fields(), "messages")
     try:
         check_model(body.model, served_model)
         _, ids = await render_request(engine, chat, config or ServingConfig())

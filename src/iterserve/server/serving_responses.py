@@ -25,7 +25,7 @@ from typing import Annotated, Any, AsyncIterator, Literal, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, Tag
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.errors import EngineDeadError
@@ -33,7 +33,8 @@ from iterserve.server.errors import APIError
 from iterserve.server.protocol import (
     MAX_TOOLS, ChatCompletionRequest, FunctionName, INT64_MAX, NonEmptyText, Text, _Model,
     _not_implemented, _nothing, _falsy)
-from iterserve.server.serving_chat import chat_deltas, final_chat, start_chat
+from iterserve.server.serving_chat import (
+    as_chat_request, chat_deltas, final_chat, start_chat)
 from iterserve.server.serving_common import close_streams
 from iterserve.server.serving_config import ServingConfig
 
@@ -198,13 +199,7 @@ class ResponsesRequest(_Model):
                 if fmt.strict is not None:
                     spec["strict"] = fmt.strict
                 body["response_format"] = {"type": "json_schema", "json_schema": spec}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            raise APIError(400, f"input: {err.get('msg')} (as chat: {where})",
-                           param="input") from None
+        return as_chat_request(body, "input")
 
 
 # --- the response --------------------------------------------------------------------------
