@@ -249,3 +249,56 @@ def test_auto_tool_choice_follows_the_server_flags(srv, start_server):
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model=plain.model, max_tokens=4, messages=USER, tools=[ADD])
     assert "--enable-auto-tool-choice" in _anthropic_error(e.value)["message"]
+
+
+def test_a_claude_code_shaped_request(client, srv):
+    """What Claude Code sends: `?beta=true`, beta headers, system blocks with cache_control,
+    tools whose schema names its draft, metadata, a stream; a forced call comes back."""
+    tool = {"name": "Read", "description": "Read a file", "input_schema": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+        "properties": {"file_path": {"type": "string", "maxLength": 20}},
+        "required": ["file_path"], "additionalProperties": False}}
+    body = {"model": srv.model, "max_tokens": 120, "stream": True, "temperature": 1,
+            "metadata": {"user_id": "user_abc_account__session_1"},
+            "system": [{"type": "text", "text": "You are a CLI.",
+                        "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "read a.txt", "cache_control": {"type": "ephemeral"}}]}],
+            "tools": [tool], "tool_choice": {"type": "any"}}
+    r = httpx.post(srv.base_url + "/v1/messages?beta=true", json=body, timeout=60, headers={
+        "anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219",
+        "x-api-key": "unused"})
+    assert r.status_code == 200, r.text
+    starts = [json.loads(f.split("\ndata: ")[1]) for f in r.text.split("\n\n")
+              if f.startswith("event: content_block_start")]
+    assert starts and starts[0]["content_block"]["name"] == "Read"
+    assert "event: message_stop" in r.text
+
+
+def test_a_stream_the_client_leaves_is_aborted(srv):
+    """Closing a stream mid-way aborts the request: it ends as "abort" with a few tokens of
+    its 900, nothing is left running and every KV block is free again."""
+    import time
+
+    def stats():
+        return httpx.get(srv.v1 + "/engine/stats", timeout=30).json()
+
+    free = stats()["num_free_blocks"]
+    body = {"model": srv.model, "max_tokens": 900, "stream": True, "messages": USER}
+    with httpx.stream("POST", srv.base_url + "/v1/messages", json=body, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if line.startswith("event: content_block_delta"):
+                break                                  # leave after the first token
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        trace = httpx.get(f"{srv.v1}/requests/{rid}/trace", timeout=30)
+        if trace.status_code == 200 and trace.json().get("finish_reason"):
+            break
+        time.sleep(0.1)
+    assert trace.json()["finish_reason"] == "abort", trace.json()
+    assert trace.json()["output_tokens"] < 900
+    while stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    s = stats()
+    assert (s["num_running"], s["num_free_blocks"]) == (0, free), s
