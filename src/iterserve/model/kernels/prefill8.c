@@ -31,9 +31,8 @@
  *
  * ISA: AVX-512 F/BW/VL/VNNI (MR8 = 6 rows x 32 columns) where the CPU has it, else AVX2
  * (`vpmaddubsw` + `vpmaddwd`, 4 rows x 16 columns; not Q8_0, whose byte products would
- * saturate vpmaddubsw's int16 pair sums); iterserve_act8_isa chooses for both int8 files.
- * prefill.c's iterserve_gemm dispatches here under the activation mode (iterserve_gemm8_takes,
- * with the measurements). */
+ * saturate vpmaddubsw's int16 pair sums); iterserve_st.int8 chooses for both int8 files.
+ * dispatch.c sends calls here under the activation mode (with the measurements). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -100,26 +99,13 @@ static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> lo nibbles
 
 /* Q4_K / Q5_K's 6-bit scale and min of sub-block j (gguf-py's get_scale_min) */
 /* All 8 scales (bytes 0-7) and 8 mins (bytes 8-15) of a Q4_K / Q5_K super-block from its 12
- * packed bytes (llama.cpp's utmp shuffle; what kscale8 gives one at a time). Vectorising
- * these and Q6_K's scale conversion cut the K-quant panel decode, most of this GEMM's time at
- * decode row counts (qdot8.c hands K-quant steps of 8-32 rows here); pack_s14 keeps the
- * scalar code for A/B (qdot8.c kq_variant 1, bench_int8.py --kq-gemm8). */
-static int pack_s14 = 0;
-
+ * packed bytes (llama.cpp's utmp shuffle). Vectorising these and Q6_K's scale conversion cut
+ * the K-quant panel decode, most of this GEMM's time at decode row counts: the GEMM
+ * 1.10-1.36x for Q4_K, 1.02-1.07x for Q6_K (kq-gemm8-scales.json). */
 static inline __m128i kscale8_all(const uint8_t *s12) {
     uint32_t u[4];
     q4k_scales(s12, u);
     return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
-}
-
-static inline void kscale8(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
 }
 
 /* One type block of one weight row -> its signed codes (qb8 bytes, in element order), the
@@ -177,14 +163,7 @@ static inline __attribute__((always_inline)) void decode8(int type, const uint8_
             _mm256_storeu_si256((__m256i *)(codes + 64 * j), lo);
             _mm256_storeu_si256((__m256i *)(codes + 64 * j + 32), hi);
         }
-        if (pack_s14) {
-            for (int j = 0; j < 8; j++) {
-                int sc, mn;
-                kscale8(b + 4, j, &sc, &mn);
-                scale[j] = d * (float)sc;
-                mins[j] = dmin * (float)mn;
-            }
-        } else {             /* the same values, 8 at a time (kscale8_all) */
+        {
             const __m128i v = kscale8_all(b + 4);
             _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d),
                                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
@@ -214,9 +193,7 @@ static inline __attribute__((always_inline)) void decode8(int type, const uint8_
                 _mm256_storeu_si256((__m256i *)(codes + 128 * h + 32 * c),
                                     _mm256_sub_epi8(_mm256_or_si256(lo[c], hb[c]), off));
         }
-        if (pack_s14) {
-            for (int j = 0; j < 16; j++) scale[j] = d * (float)(int8_t)b[192 + j];
-        } else {
+        {
             const __m128i v = _mm_loadu_si128((const __m128i *)(b + 192));
             const __m256 dd = _mm256_set1_ps(d);
             _mm256_storeu_ps(scale, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
@@ -315,21 +292,15 @@ static int panel_alloc(int64_t K, int G, panel8 *p) {
  * whole 256s): each row's 144-272 bytes in a row are one short stream instead of 18-34 bytes
  * per row and block, the next group is prefetched, and the transposes and scale copies run
  * as for one 256-element super-block. Decode steps of 13-32 rows spend most of this GEMM's
- * time here (qdot8.c Q32_GEMM8_ROWS_*); pack_q32_s15 = 1 keeps the one-block loop (A/B,
- * iterserve_gemm8_pack_variant, bench_int8.py --gemm8-pack). */
-static int pack_q32_s15 = 0;
-
-int64_t iterserve_gemm8_pack_variant(int64_t v) {
-    if (v == 0 || v == 1) pack_q32_s15 = (int)v;
-    return pack_q32_s15;
-}
+ * time here (dispatch.c); against one block at a time the GEMM ran 1.15-1.94x at 8-32 rows
+ * (bench_int8.py, benchmarks/results/q4-gemm8-pack.json). */
 
 static inline __attribute__((always_inline)) void pack8(
         int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows, int64_t K,
         int8_t *tmp, panel8 *p) {
     const int QB = qb8(type), BB = bb8(type), G = g8(type), SB = QB / G;
     const int64_t nbk = K / QB;
-    const int GB = QB == 32 && nbk % 8 == 0 && !pack_q32_s15 ? 8 : 1;   /* blocks per step */
+    const int GB = QB == 32 && nbk % 8 == 0 ? 8 : 1;   /* blocks per step */
     const int QE = QB * GB, SE = SB * GB;
     float sc[NP8][16], mn[NP8][16];
     memset(tmp + (size_t)rows * QE, 0, (size_t)(NP8 - rows) * QE);
@@ -556,13 +527,13 @@ static void pack8_256(int type, const uint8_t *w, int64_t row_stride, int64_t p0
     }
 }
 
-int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
-                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads) {
+int iterserve_k_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                      int nthreads) {
     if (!iterserve_can_gemm8(type) || K <= 0 || K % qb8((int)type)) return ITERSERVE_ETYPE;
     if (M < 1 || N < 1) return ITERSERVE_OK;
-    const int wide = iterserve_act8_isa(-1) == 2;
+    const int wide = iterserve_st.int8 == 2;
     if (!wide && type == GGML_Q8_0) return ITERSERVE_ETYPE;     /* vpmaddubsw would saturate */
-    pack_s14 = iterserve_act8_kq_variant(-1) == 1;
     const int64_t nb = K / 32;
     const size_t need = (size_t)(M * K) + 2 * (size_t)(M * nb) * sizeof(float) + 128;
     if (need > xbuf_size) {
@@ -607,22 +578,4 @@ int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_strid
         }
     }
     return err;
-}
-
-/* ---- the mode iterserve_gemm dispatches on -------------------------------------------------- */
-/* "float" (act mode 0): never (prefill.c's float panel GEMM, the numerical reference);
- * "int8" (1): every type above at any row count; "auto" (2): from 33 rows (what layers.py
- * sends to the prefill GEMM; 9-32 rows of the 32-element types stay with the decode kernels'
- * measured rule, qdot8.c / qgemm.c's panel_rows). Measured (one thread, CPU time, same
- * process, alternating, 2-core AVX-512 EPYC under load ~9; bench_prefill.py --gemm,
- * benchmarks/results/i8gemm-prefill-gemm-t1.json): float time / int8 time on the 1.7B
- * shapes at 64 / 512 rows, AVX-512 VNNI 2.1-2.5x / 2.7-3.1x (Q4_K, Q6_K, Q4_0; the int8
- * micro-kernel ~520-610 GOP/s per core, the panel decode ~5% of a 512-row call); the AVX2
- * variants of both kernels on the same CPU 1.4-1.6x / 1.3-1.6x (not measured on an AVX2-only
- * CPU). So auto takes it on both ISAs (Q8_0 only with VNNI: iterserve_gemm8 refuses it on
- * AVX2 and iterserve_gemm keeps the float path). */
-int iterserve_gemm8_takes(int64_t type, int64_t M) {
-    const int64_t mode = iterserve_set_act_mode(-1);
-    if (mode == 0 || !iterserve_can_gemm8(type)) return 0;
-    return mode == 1 || M > 32;
 }
