@@ -323,7 +323,7 @@ def _baseline_lib(rev: str):
     if hasattr(lib, "iterserve_configure"):         # one configuration, set once
         from iterserve.model.kernels._abi import Config
         lib.iterserve_configure.restype, lib.iterserve_configure.argtypes = None, [p]
-        lib.iterserve_configure(ctypes.byref(Config(0, 0)))
+        lib.iterserve_configure(ctypes.byref(Config(0, 0, 0)))
     else:                                             # a tree with per-file ISA setters
         lib.iterserve_gemm_isa.restype, lib.iterserve_gemm_isa.argtypes = i64, [i64]
         lib.iterserve_gemm_isa(0)

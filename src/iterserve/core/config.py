@@ -301,6 +301,10 @@ class KernelConfig:
         "Q8_0 up to 8; prefill chunks of more than 32 rows of these types; bf16 dot products "
         "for BF16 weights, and F16 from 16 rows, on avx512bf16 CPUs)", KernelActivations,
         group="model")
+    batch_invariant: bool = knob(
+        False, "compute every linear output in one order whatever else the step holds (a "
+        "sequence's logits then do not depend on its batch; the linear kernels cost 1.2-3.7x "
+        "at decode row counts)", bool, group="model")
     omp_wait_policy: OmpWaitPolicy = knob(
         OmpWaitPolicy.ENV, "idle OpenMP threads: env (as OMP_WAIT_POLICY says, libgomp "
         "spins by default), active, passive (sleep: on a machine whose cores other "

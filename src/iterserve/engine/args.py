@@ -90,6 +90,7 @@ class EngineArgs:
     threads_per_replica: int | None = None
     # kernels (core/config.py KernelConfig)
     kernel_activations: str = "auto"
+    batch_invariant: bool = False
     omp_wait_policy: str = "env"             # applied by the CLI (engine/omp_policy.py)
     # observability
     max_finished_requests: int = 1000        # finished requests kept for /trace

@@ -34,7 +34,7 @@ from iterserve.model.kernels.build import (KernelsUnavailable, _build, _compiler
                                            supports_dequant, supports_qgemm)
 from iterserve.model.kernels.config import (ACTIVATION_MODES, KernelConfig, activations,
                                             bf16_isa, config, configure, gemm_isa, int8_isa,
-                                            set_activations)
+                                            set_activations, set_batch_invariant)
 from iterserve.model.kernels.decode_layers import DecodeLayers, LayerSpec
 from iterserve.model.kernels.ops import (KV_TYPES, PREFILL_ISAS, PREFILL_KV_TYPES, PrefillChunks,
                                          bf16_takes, decode_attention, dequant, f16_takes, gemm,
@@ -58,5 +58,5 @@ __all__ = [
     "dequant", "f16_takes", "features", "gemm", "gemm_int8", "gemm_isa", "int8_isa", "kv_type",
     "prefill_attention", "prefill_attention_isa", "qgemm", "qgemm_bf16", "qgemm_f16",
     "qgemm_int8", "qgemm_path", "qk_norm", "rmsnorm", "rope", "route", "row_bytes",
-    "set_activations", "silu_mul", "supports_dequant", "supports_gemm_int8", "supports_int8",
+    "set_activations", "set_batch_invariant", "silu_mul", "supports_dequant", "supports_gemm_int8", "supports_int8",
 ]

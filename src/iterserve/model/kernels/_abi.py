@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-ABI_VERSION = 4                      # iterserve.h's ITERSERVE_ABI_VERSION
+ABI_VERSION = 5                      # iterserve.h's ITERSERVE_ABI_VERSION
 
 
 class Segment(ctypes.Structure):
@@ -41,7 +41,8 @@ class Layer(ctypes.Structure):
 
 class Config(ctypes.Structure):
     """iterserve.h's iterserve_config: what `configure` hands the library."""
-    _fields_ = [("activations", ctypes.c_int64), ("isa", ctypes.c_int64)]
+    _fields_ = [("activations", ctypes.c_int64), ("isa", ctypes.c_int64),
+                ("batch_invariant", ctypes.c_int64)]
 
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -109,7 +110,8 @@ def abi_expected() -> list[int]:
             S.row_stride.offset, S.data.offset, o(L), L.nseg.offset, L.k.offset, L.seg.offset,
             MAX_SEGMENTS, o(Y), Y.ln1.offset, Y.ln2.offset, Y.qkv_bias.offset,
             Y.q_norm.offset, Y.k_norm.offset, Y.qkv.offset, Y.o.offset, Y.gate_up.offset,
-            Y.down.offset, o(Config), Config.activations.offset, Config.isa.offset]
+            Y.down.offset, o(Config), Config.activations.offset, Config.isa.offset,
+            Config.batch_invariant.offset]
 
 
 def check_abi(lib: ctypes.CDLL) -> dict[int, TypeCaps]:

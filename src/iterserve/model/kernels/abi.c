@@ -35,6 +35,7 @@ int64_t iterserve_abi(int64_t *out, int64_t cap) {
     v[n++] = sizeof(iterserve_config);
     v[n++] = offsetof(iterserve_config, activations);
     v[n++] = offsetof(iterserve_config, isa);
+    v[n++] = offsetof(iterserve_config, batch_invariant);
     v[n++] = GGML_TYPE_LIMIT;
     for (int t = 0; t < GGML_TYPE_LIMIT; t++) {
         v[n++] = iterserve_block_elems(t);

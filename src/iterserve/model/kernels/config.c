@@ -59,12 +59,14 @@ void iterserve_configure(const iterserve_config *cfg) {
              ? 2 : 1;
     s.vbmi = s.int8 == 2 && (f & ITERSERVE_F_AVX512VBMI) ? 1 : 0;
     s.bf16 = wide_ok && (f & ITERSERVE_F_AVX512BF16) ? 1 : 0;
+    s.invariant = cfg->batch_invariant ? 1 : 0;
     iterserve_st = s;
 }
 
 int64_t iterserve_config_state(int64_t *out, int64_t cap) {
-    const int64_t v[6] = {iterserve_st.activations, iterserve_st.features, iterserve_st.wide,
-                          iterserve_st.int8, iterserve_st.vbmi, iterserve_st.bf16};
-    for (int i = 0; i < 6 && i < cap; i++) out[i] = v[i];
-    return 6;
+    const int64_t v[7] = {iterserve_st.activations, iterserve_st.features, iterserve_st.wide,
+                          iterserve_st.int8, iterserve_st.vbmi, iterserve_st.bf16,
+                          iterserve_st.invariant};
+    for (int i = 0; i < 7 && i < cap; i++) out[i] = v[i];
+    return 7;
 }

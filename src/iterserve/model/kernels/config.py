@@ -39,10 +39,14 @@ class KernelConfig:
     isa: the widest vector ISA the kernels may use: None (the best this CPU has), "avx2" or
     "avx512" (more than the CPU has falls back to the best). Threads follow torch's
     (`torch.get_num_threads()`, read per call).
+    batch_invariant: every linear output computed in one order whatever the call's row count
+    (dispatch.c): a sequence's logits do not depend on what else its step holds. Off by
+    default: at decode row counts it costs 1.2-3x per GEMM call (measured, see dispatch.c).
     """
 
     activations: str = "float"
     isa: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATION_MODES:
@@ -55,7 +59,8 @@ class KernelConfig:
     def from_knobs(cls, knobs: Any) -> "KernelConfig":
         """From the engine's knobs (core/config.py's KernelConfig: `kernel_activations`)."""
         mode = knobs.kernel_activations
-        return cls(activations=str(getattr(mode, "value", mode)))
+        return cls(activations=str(getattr(mode, "value", mode)),
+                   batch_invariant=bool(getattr(knobs, "batch_invariant", False)))
 
 
 _current = KernelConfig()
@@ -64,7 +69,8 @@ _current = KernelConfig()
 def apply(lib: ctypes.CDLL) -> None:
     """Hand the current configuration to a loaded library (build.py calls it on load)."""
     from iterserve.model.kernels._abi import Config
-    c = Config(ACTIVATION_MODES[_current.activations], ISAS[_current.isa])
+    c = Config(ACTIVATION_MODES[_current.activations], ISAS[_current.isa],
+               int(_current.batch_invariant))
     lib.iterserve_configure(ctypes.byref(c))
 
 
@@ -73,7 +79,8 @@ def state_of(lib: ctypes.CDLL) -> dict[str, int]:
     int8 (2: AVX-512 VNNI int8 kernels), vbmi, bf16."""
     buf = (ctypes.c_int64 * 8)()
     n = lib.iterserve_config_state(buf, 8)
-    return dict(zip(("activations", "features", "wide", "int8", "vbmi", "bf16"), buf[:n]))
+    return dict(zip(("activations", "features", "wide", "int8", "vbmi", "bf16", "invariant"),
+                    buf[:n]))
 
 
 def configure(cfg: KernelConfig) -> KernelConfig:
@@ -109,6 +116,12 @@ def set_activations(mode: str) -> str:
     mode now in use."""
     configure(dataclasses.replace(_current, activations=mode))
     return activations()
+
+
+def set_batch_invariant(on: bool) -> bool:
+    """`configure` with batch_invariant replaced; returns it."""
+    configure(dataclasses.replace(_current, batch_invariant=bool(on)))
+    return _current.batch_invariant
 
 
 def activations() -> str:

@@ -52,6 +52,35 @@
 
 #include "iterserve.h"
 
+/* ---- batch invariance (iterserve_config.batch_invariant) ----------------------------------
+ * For every output element one order of arithmetic whatever the call's row count, so that a
+ * sequence's logits do not depend on what else its step holds (decode rows, prefill chunks,
+ * chunk sizes). Every kernel below splits the output columns over threads and never K.
+ * - int8 / auto, the int8 types: prefill8.c's arithmetic at every row count (its decode-row
+ *   kernel iterserve_k_dec8 below DEC8_GEMM_ROWS, its panel GEMM from there; the two are
+ *   bit-identical, and so are the AVX2 and AVX-512 GEMMs).
+ * - otherwise (float mode, the float types, the types without int8 kernels): prefill.c's
+ *   float panel GEMM at every row count (one FMA chain per output, k in order); BF16 in auto
+ *   on avx512bf16 CPUs bf16dot.c's panel GEMM at every row count; F16 the float panel.
+ * Cost (same process, alternating, one thread, CPU time, weights cycled through 96 MB, medians
+ * of 5, 2-core AVX2 EPYC under load ~12), iterserve_k_dec8 time / the default int8 decode
+ * kernels' at 1 | 8 rows: Q4_K 2048x2048 2.96 | 1.57, 2048x8192 2.06 | 1.49; Q6_K 2048x2048
+ * 3.73 | 2.36; Q4_0 2048x2048 1.60 | 0.69; Q4_1 1536x576 1.44 | 1.06; Q8_0 4096x576 1.82 |
+ * 1.20. Far above the 10% a default may cost, so it is opt-in. */
+#define DEC8_GEMM_ROWS 8
+
+static int64_t route_invariant(int64_t type, int64_t M) {
+    const int mode = iterserve_st.activations;
+    if (mode != ITERSERVE_ACT_FLOAT && iterserve_can_gemm8(type)) {
+        if (M >= DEC8_GEMM_ROWS && (type != GGML_Q8_0 || iterserve_st.int8 == 2))
+            return ITERSERVE_K_GEMM8;
+        return ITERSERVE_K_DEC8;
+    }
+    if (type == GGML_BF16 && mode == ITERSERVE_ACT_AUTO && iterserve_st.bf16)
+        return ITERSERVE_K_BF16;
+    return ITERSERVE_K_PANEL;
+}
+
 #define ACT8_MAX_ROWS 32       /* decode steps: layers.QUANT_MAX_ROWS */
 #define F16_STREAM_ROWS 16     /* f16dot.c's kernels up to here */
 #define F16_DOT_ROWS 16        /* auto on avx512bf16 CPUs: F16 on the bf16 panel from here */
@@ -117,6 +146,7 @@ static int64_t route_gemm(int64_t type, int64_t M) {
 }
 
 int64_t iterserve_route(int64_t type, int64_t M, int64_t k) {
+    if (iterserve_st.invariant) return route_invariant(type, M);
     if (iterserve_st.activations == ITERSERVE_ACT_AUTO && M <= ACT8_MAX_ROWS
         && iterserve_can_act8(type) && iterserve_can_gemm8(type) && M >= gemm8_from(type, k)
         && (type != GGML_Q8_0 || iterserve_st.int8 == 2))
@@ -147,9 +177,11 @@ int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int6
         return iterserve_k_act8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     case ITERSERVE_K_GEMM8:
         return iterserve_k_gemm8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    case ITERSERVE_K_DEC8:
+        return iterserve_k_dec8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     case ITERSERVE_K_BF16:
-        return iterserve_k_bf16(M >= BF16_PANEL_ROWS ? 2 : 1, type, w, n, row_stride, k, x, M,
-                                ldx, y, ldy, nthreads);
+        return iterserve_k_bf16(M >= BF16_PANEL_ROWS || iterserve_st.invariant ? 2 : 1, type, w,
+                                n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     case ITERSERVE_K_F16:
         return iterserve_k_f16(0, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     default:
@@ -179,7 +211,7 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride
     int QB, BB;
     if (!iterserve_block_decoder(type, &QB, &BB) || k % QB) return ITERSERVE_ETYPE;
     if (M < 1 || n < 1) return ITERSERVE_OK;
-    const int64_t kern = route_gemm(type, M);
+    const int64_t kern = iterserve_st.invariant ? route_invariant(type, M) : route_gemm(type, M);
     if (kern != ITERSERVE_K_PANEL
         && iterserve_linear_kernel(kern, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads)
            == ITERSERVE_OK)

@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 4
+#define ITERSERVE_ABI_VERSION 5
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -65,6 +65,7 @@ enum { ITERSERVE_ISA_BEST = 0, ITERSERVE_ISA_AVX2 = 1, ITERSERVE_ISA_AVX512 = 2 
 typedef struct {
     int64_t activations;        /* ITERSERVE_ACT_*: how the linear kernels treat activations */
     int64_t isa;                /* ITERSERVE_ISA_*: the widest vector ISA the kernels may use */
+    int64_t batch_invariant;    /* 1: one arithmetic per output whatever the row count (dispatch.c) */
 } iterserve_config;
 /* CPU feature bits (iterserve_cpu_features) */
 enum { ITERSERVE_F_AVX2 = 1 << 0, ITERSERVE_F_FMA = 1 << 1, ITERSERVE_F_F16C = 1 << 2,
@@ -74,7 +75,8 @@ enum { ITERSERVE_F_AVX2 = 1 << 0, ITERSERVE_F_FMA = 1 << 1, ITERSERVE_F_F16C = 1
        ITERSERVE_F_AVX512VBMI = 1 << 9 };
 /* Resolves the configuration against the CPU into iterserve_st (below). */
 void iterserve_configure(const iterserve_config *cfg);
-/* The resolved state as int64s (activations, features, wide, int8, vbmi, bf16); returns 6. */
+/* The resolved state as int64s (activations, features, wide, int8, vbmi, bf16, invariant);
+ * returns 7. */
 int64_t iterserve_config_state(int64_t *out, int64_t cap);
 /* CPU features as run-time detected bits (ITERSERVE_F_*: cpuid + OS state). */
 int64_t iterserve_cpu_features(void);
@@ -100,7 +102,7 @@ int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride
  * the table's choice). Returns ITERSERVE_ETYPE where that kernel does not take the call. */
 enum { ITERSERVE_K_AUTO = 0, ITERSERVE_K_REGISTERS = 1, ITERSERVE_K_GENERIC = 2,
        ITERSERVE_K_PANEL = 3, ITERSERVE_K_ACT8 = 4, ITERSERVE_K_GEMM8 = 5, ITERSERVE_K_BF16 = 6,
-       ITERSERVE_K_F16 = 7 };
+       ITERSERVE_K_F16 = 7, ITERSERVE_K_DEC8 = 8 };
 int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int64_t n,
                             int64_t row_stride, int64_t k, const float *x, int64_t M,
                             int64_t ldx, float *y, int64_t ldy, int nthreads);
@@ -180,7 +182,7 @@ int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void 
  * wide: 2 = AVX-512F for the float kernels, else AVX2; int8: 2 = AVX-512 F/BW/VL/VNNI for the
  * int8 kernels, else AVX2; vbmi: int8 == 2 and AVX-512 VBMI; bf16: AVX-512 BF16 usable. */
 typedef struct {
-    int activations, wide, int8, vbmi, bf16;
+    int activations, wide, int8, vbmi, bf16, invariant;
     int64_t features;
 } iterserve_state;
 extern iterserve_state iterserve_st;
@@ -203,6 +205,9 @@ int iterserve_k_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
 int iterserve_k_gemm8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                       const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                       int nthreads);
+/* prefill8.c: the int8 GEMM's arithmetic at decode row counts (column tiles, no panel). */
+int iterserve_k_dec8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
 /* bf16dot.c: activations rounded to bf16, vdpbf16ps (BF16 / F16 weights, avx512bf16 only);
  * path 0 by row count, 1 the decode kernel, 2 the panel GEMM. */
 int iterserve_k_bf16(int64_t path, int64_t type, const uint8_t *w, int64_t n,

@@ -123,7 +123,7 @@ def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Te
 
 
 _KERNELS = {"auto": 0, "registers": 1, "generic": 2, "panel": 3, "int8": 4, "gemm8": 5,
-            "bf16": 6, "f16": 7}                    # iterserve.h ITERSERVE_K_*
+            "bf16": 6, "f16": 7, "dec8": 8}         # iterserve.h ITERSERVE_K_*
 _KERNEL_NAMES = {v: k for k, v in _KERNELS.items()}
 
 

@@ -579,3 +579,146 @@ int iterserve_k_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_str
     }
     return err;
 }
+
+/* ---- decode row counts: column tiles in the GEMM's arithmetic ------------------------------
+ * Why: a sequence's logits must not depend on what else its step holds (issue 28). The int8
+ * GEMM above computes every output y[m][n] as one chain over the scale blocks of K, in order:
+ *     acc = fma(float(I_b), fl(scale_b * dx_b), acc)   [then acc -= min_b * xs_b]
+ * with I_b the exact integer dot of the block's codes and quantised activations, and the
+ * activations quantised per row and per 32 elements (quantise_rows), so nothing depends on
+ * M, the tile or the ISA. The decode kernels of earlier designs kept 8-16 float lanes per
+ * output (partial sums across K) and so rounded differently: a row's result changed with
+ * the kernel its step's row count chose. This kernel does the GEMM's arithmetic for any row
+ * count without its panel transpose (which only pays from ~12 rows): 8 weight rows (output
+ * columns) at a time, each type block decoded once per tile (decode8, the GEMM's decoder);
+ * per activation row and 32 elements the 8 columns' integer partial sums (vpmaddubsw on
+ * |code| and sign(x, code), vpmaddwd) are reduced with 6 vphaddd and 2 lane permutes into
+ * one vector whose lane c is column c's exact block sum, and the float chain runs with lanes
+ * = columns, as in the GEMM's micro-kernel. |code| <= 128 and |x| <= 127 keep the int16 pair
+ * sums below 32768 for every type, Q8_0 included (the GEMM's unsigned-activation form
+ * would saturate there on AVX2). AVX2 only: its lanes hold columns, so the AVX-512 GEMM and
+ * this kernel agree bit for bit on any CPU. */
+static inline __attribute__((always_inline)) __m256i dec8_sum8(const __m256i *v) {
+    const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i p = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q, p, 0x20), _mm256_permute2x128_si256(q, p, 0x31));
+}
+
+static inline __attribute__((always_inline)) void dec8_tile(
+        int type, const uint8_t *w, int64_t row_stride, int64_t c0, int nc, const xq8 *a,
+        float *acc, int8_t *codes, int8_t *acodes, float *y, int64_t ldy) {
+    const int QB = qb8(type), BB = bb8(type), G = g8(type), SB = QB / G, MIN = has_min8(type);
+    const int64_t K = a->K, M = a->M, nbk = K / QB, nb32 = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1), x80 = _mm256_set1_epi8((char)0x80);
+    float sc[8][16], mn[8][16];
+    float scv[16][8] __attribute__((aligned(32))), mnv[16][8] __attribute__((aligned(32)));
+    (void)acodes;
+    memset(sc, 0, sizeof sc);
+    memset(mn, 0, sizeof mn);
+    memset(codes, 0, (size_t)8 * QB);
+    for (int64_t i = 0; i < M * 8; i++) acc[i] = 0.f;
+    for (int64_t b = 0; b < nbk; b++) {
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *blk = w + (c0 + c) * row_stride + b * BB;
+            if (b + 1 < nbk) _mm_prefetch((const char *)blk + 4 * BB, _MM_HINT_T0);
+            decode8(type, blk, codes + c * QB, sc[c], mn[c]);
+        }
+        /* scales and mins with lanes = columns: 8x8 transposes of the decoded [column][block] */
+        for (int j = 0; j < SB; j += 8) {
+            tr8x8(&sc[0][j], 16, &scv[j][0], 8);
+            if (MIN) tr8x8(&mn[0][j], 16, &mnv[j][0], 8);
+        }
+        if (SB == 1)
+            for (int c = 0; c < 8; c++) scv[0][c] = sc[c][0], mnv[0][c] = mn[c][0];
+        for (int64_t r = 0; r < M; r++) {
+            const uint8_t *xr = a->xu + r * K + b * QB;
+            const float *dxr = a->dx + r * nb32 + b * (QB / 32), *xsr = a->xs + r * nb32 + b * (QB / 32);
+            __m256 fa = _mm256_loadu_ps(acc + 8 * r);
+            for (int u = 0; u < QB / 32; u++) {                /* 32 elements: 1 or 2 blocks */
+                const __m256i xq = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xr + 32 * u)), x80);
+                __m256i v[8];
+                for (int c = 0; c < 8; c++) {
+                    const __m256i cw = _mm256_loadu_si256((const __m256i *)(codes + c * QB + 32 * u));
+                    v[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(cw),
+                                                                  _mm256_sign_epi8(xq, cw)), ones);
+                }
+                const __m256 d = _mm256_set1_ps(dxr[u]);
+                if (G == 32) {
+                    const __m256i I = dec8_sum8(v);
+                    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(_mm256_load_ps(scv[u]), d), fa);
+                    if (MIN) fa = _mm256_fnmadd_ps(_mm256_load_ps(mnv[u]), _mm256_set1_ps(xsr[u]), fa);
+                } else {                                       /* Q6_K: two blocks of 16 */
+                    const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                    const __m256i p = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+                    const __m256i I0 = _mm256_permute2x128_si256(q, p, 0x20);
+                    const __m256i I1 = _mm256_permute2x128_si256(q, p, 0x31);
+                    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I0), _mm256_mul_ps(_mm256_load_ps(scv[2 * u]), d), fa);
+                    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I1), _mm256_mul_ps(_mm256_load_ps(scv[2 * u + 1]), d), fa);
+                }
+            }
+            _mm256_storeu_ps(acc + 8 * r, fa);
+        }
+    }
+    for (int64_t r = 0; r < M; r++) memcpy(y + r * ldy + c0, acc + 8 * r, sizeof(float) * (size_t)nc);
+}
+
+static __thread uint8_t *dbuf;
+static __thread size_t dbuf_size;
+
+int iterserve_k_dec8(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                     int nthreads) {
+    if (!iterserve_can_gemm8(type) || K <= 0 || K % qb8((int)type)) return ITERSERVE_ETYPE;
+    if (M < 1 || N < 1) return ITERSERVE_OK;
+    const int wide = iterserve_st.int8 == 2;
+    const int64_t nb = K / 32;
+    const size_t need = (size_t)(M * K) + 2 * (size_t)(M * nb) * sizeof(float) + 128;
+    if (need > xbuf_size) {
+        free(xbuf);
+        xbuf = aligned_alloc(64, (need + 63) / 64 * 64);
+        xbuf_size = xbuf ? need : 0;
+        if (!xbuf) return ITERSERVE_ENOMEM;
+    }
+    xq8 a = {M, K, xbuf, (float *)(xbuf + (M * K + 63) / 64 * 64), NULL};
+    a.xs = a.dx + M * nb;
+    const int64_t ntiles = (N + 7) / 8;
+    if (nthreads < 1) nthreads = 1;
+    if (N < 64 * nthreads) nthreads = 1;
+    int err = ITERSERVE_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t r0 = M * t / T, r1 = M * (t + 1) / T;
+        if (wide) quantise_rows512(x, ldx, r0, r1, &a);
+        else quantise_rows(x, ldx, r0, r1, &a);
+        const size_t mine = (size_t)M * 8 * sizeof(float) + 2 * 8 * 256 + 64;
+        if (mine > dbuf_size) {
+            free(dbuf);
+            dbuf = aligned_alloc(64, (mine + 63) / 64 * 64);
+            dbuf_size = dbuf ? mine : 0;
+        }
+        if (!dbuf) {
+#pragma omp atomic write
+            err = ITERSERVE_ENOMEM;
+        }
+#pragma omp barrier
+        if (!err) {
+            float *acc = (float *)dbuf;
+            int8_t *codes = (int8_t *)(dbuf + (size_t)M * 8 * sizeof(float));
+            int8_t *acodes = codes + 8 * 256;
+            const int64_t q0 = ntiles * t / T, q1 = ntiles * (t + 1) / T;
+            for (int64_t q = q0; q < q1; q++) {
+                const int64_t c0 = 8 * q;
+                const int nc = N - c0 < 8 ? (int)(N - c0) : 8;
+                switch (type) {
+#define D8(TY) case TY: dec8_tile(TY, w, row_stride, c0, nc, &a, acc, codes, acodes, y, ldy); break;
+                D8(GGML_Q4_0) D8(GGML_Q4_1) D8(GGML_Q5_0) D8(GGML_Q5_1) D8(GGML_Q8_0)
+                D8(GGML_Q4_K) D8(GGML_Q5_K)
+                default: dec8_tile(GGML_Q6_K, w, row_stride, c0, nc, &a, acc, codes, acodes, y, ldy);
+#undef D8
+                }
+            }
+        }
+    }
+    return err;
+}
