@@ -58,7 +58,8 @@ def build_engine_parts(args: Any) -> EngineParts:
         from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
-    _configure_kernels(args)
+    from iterserve.model import kernels
+    kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     parallel = args.create_parallel_config()
     if parallel.data_parallel_size > 1:
         # One LLMEngine is one replica: replicas are separate processes behind the server's
@@ -79,12 +80,6 @@ def build_engine_parts(args: Any) -> EngineParts:
                              block_size=cache_cfg.block_size,
                              num_swap_blocks=cache_cfg.num_swap_blocks)
     return _parts(args, loaded, runner, sched_cfg, cache_cfg)
-
-
-def _configure_kernels(args: Any) -> None:
-    """The process-wide kernel knobs (core/config.py KernelConfig), before the model loads."""
-    from iterserve.model import kernels
-    kernels.configure_activations(args.create_kernel_config().kernel_activations.value)
 
 
 def _build_tensor_parallel(args: Any) -> EngineParts:
