@@ -13,11 +13,11 @@ from typing import ClassVar
 import pytest
 
 from iterserve.core import config
-from iterserve.core.config import (
-    ENGINE_CONFIGS, SERVER_CONFIGS, CacheConfig, ConfigError, GenerateConfig, SchedulerConfig,
-    add_config_arguments, config_from, default_on, flag_of, knob, knob_fields, knob_notices,
-    knobs_of, per_device)
+from iterserve.core.config import (ENGINE_CONFIGS, SERVER_CONFIGS, CacheConfig, GenerateConfig,
+                                   SchedulerConfig, add_config_arguments, config_from, default_on,
+                                   flag_of, knob, knob_fields, knob_notices, knobs_of, per_device)
 from iterserve.engine.args import EngineArgs
+from iterserve.errors import ConfigError
 
 
 def _parser(command: str) -> argparse.ArgumentParser:

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from iterserve.cli import main
+from iterserve.errors import CalibrationError, CostModelError
 from iterserve.lab.api import run_lab
-from iterserve.lab.calibrate import (
-    CalibrationError, GridPoint, check_point, correction_knots, default_grid, fit_coefficients,
-    fit_errors, fit_overhead, fit_with_corrections, nnls)
-from iterserve.lab.cost_model import (
-    COEFFICIENTS, CostModelError, load_cost_model, shipped_cost_models)
+from iterserve.lab.calibrate import (GridPoint, check_point, correction_knots, default_grid,
+                                     fit_coefficients, fit_errors, fit_overhead,
+                                     fit_with_corrections, nnls)
+from iterserve.lab.cost_model import COEFFICIENTS, load_cost_model, shipped_cost_models
 
 TRUE = {"c0": 0.025, "c_tok": 1.2e-3, "c_seq": 4e-4, "c_kv": 2e-6, "c_prefill_tok": 3e-4,
         "c_attn": 8e-7}

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import run_lab
 from iterserve.lab.options import PRESETS, presets_json
 
 

@@ -9,8 +9,9 @@ import torch
 
 from fixtures.tiny_gguf import TINY_LLAMA, write_tiny_llama_gguf
 from fixtures.tiny_tokenizer import write_tiny_tokenizer
-from iterserve.model.default_model import DefaultModelMissing, default_model_path
-from iterserve.model.gguf_loader import GGUFLoadError, dequantize_state, load_gguf
+from iterserve.errors import DefaultModelMissing, GGUFLoadError
+from iterserve.model.default_model import default_model_path
+from iterserve.model.gguf_loader import dequantize_state, load_gguf
 from iterserve.model.tokenizer import Tokenizer
 
 

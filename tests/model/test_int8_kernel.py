@@ -25,6 +25,7 @@ import torch
 
 from fixtures.gguf_blocks import gguf_blocks
 from fixtures.tiny_models import greedy_steps
+from iterserve.errors import ConfigError
 from iterserve.model import kernels
 from iterserve.model.kernels import ops
 from iterserve.model.kernels.config import state_of
@@ -447,7 +448,6 @@ def test_fused_decode_layers_equal_the_per_module_path_in_int8_mode(mixed_model)
 # --- the knob ----------------------------------------------------------------------------------
 
 def test_kernel_activations_knob_reaches_the_kernels(tiny_model_dir):
-    from iterserve.core.config import ConfigError
     from iterserve.engine.args import EngineArgs
     import argparse
 

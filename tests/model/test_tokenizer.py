@@ -6,8 +6,8 @@ import os
 import pytest
 
 from fixtures.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tiny_tokenizer, write_tiny_tokenizer
-from iterserve.model.chat_template import ChatTemplateError
-from iterserve.model.tokenizer import Tokenizer, TokenizerLoadError
+from iterserve.errors import ChatTemplateError, DefaultModelMissing, TokenizerLoadError
+from iterserve.model.tokenizer import Tokenizer
 
 SAMPLES = [
     "Hello, world!",
@@ -166,7 +166,7 @@ def test_template_tojson_keeps_unicode_and_sandbox_blocks_attribute_escapes(tiny
 # --- the bundled SmolLM2 GGUF against transformers loading the same file ------------------
 @pytest.fixture(scope="module")
 def smollm2():
-    from iterserve.model.default_model import DefaultModelMissing, default_model_path
+    from iterserve.model.default_model import default_model_path
     from iterserve.model.gguf_loader import open_gguf
     try:
         path = default_model_path()

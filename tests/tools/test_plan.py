@@ -9,9 +9,9 @@ import pytest
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.chat_tools import plan_offline_tools, tool_params
+from iterserve.errors import InvalidRequestError, ToolChoiceError
 from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.serving_tools import ToolServerConfig, plan_tools
-from iterserve.tools import ToolChoiceError
 from iterserve.tools.plan import NO_TOOLS, ToolPlan, plan_tool_choice
 
 WEATHER = {"type": "function", "function": {
@@ -74,7 +74,6 @@ def test_sampling_params_force_the_call_and_keep_mistral_special_tokens():
 def test_the_policies_differ_only_where_they_should():
     """The server needs --enable-auto-tool-choice for "auto"; the offline API reads "auto"
     with its tool_parser (default hermes) and refuses an unknown one."""
-    from iterserve.engine.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError, match="enable-auto-tool-choice"):
         _server("auto", auto=False)
     plan, _ = _server("required", auto=False)               # forced: hermes by default

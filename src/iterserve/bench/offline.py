@@ -19,12 +19,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+
 from .client import machine_info
 from .workloads import Workload, build_workload
 
-
-class OfflineBenchError(ValueError):
-    """Bad offline-benchmark arguments (batching mode, workload with arrivals)."""
+from iterserve.errors import OfflineBenchError
 
 
 class CountingExecutor:

@@ -29,12 +29,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from iterserve.core.request import Request
+from iterserve.errors import NoFreeBlocksError
 
 BlockKey = tuple  # (parent hash or None, tuple of block_size token ids)
-
-
-class NoFreeBlocksError(RuntimeError):
-    """An allocation was attempted without checking that enough blocks are free (a bug)."""
 
 
 def cdiv(a: int, b: int) -> int:

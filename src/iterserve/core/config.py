@@ -38,14 +38,8 @@ from typing import Any, ClassVar, Iterable, Mapping
 from iterserve.core.knobs import (  # noqa: F401  (the schema's vocabulary, re-exported)
     Knob, PerDevice, add_config_arguments, add_knob_argument, default_of, default_on, device_type,
     flag_of, knob, knob_fields, knobs_of, per_device)
+from iterserve.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A knob has a value that cannot work; the message names the knob (`knob` holds it)."""
-
-    def __init__(self, message: str, knob: str | None = None):
-        super().__init__(message)
-        self.knob = knob
 
 
 class SchedulingPolicy(enum.StrEnum):

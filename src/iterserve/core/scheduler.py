@@ -66,12 +66,9 @@ from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.request_queue import RequestQueue
 from iterserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from iterserve.core.static_batching import StaticBatching
+from iterserve.errors import QueueFullError
 
 _RUNNING = RequestStatus.RUNNING
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_queued_requests` requests; retry later (HTTP 503/429)."""
 
 
 @dataclass(slots=True)

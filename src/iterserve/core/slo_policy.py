@@ -48,9 +48,9 @@ from iterserve.core.config import SchedulerConfig
 from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules
 from iterserve.core.request import Request
 from iterserve.core.request_queue import RequestQueue
-from iterserve.core.scheduler import QueueFullError
 from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.core.step_time import StepTimeModel, attention_pairs
+from iterserve.errors import SLOUnattainableError
 
 TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT target
 RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
@@ -61,23 +61,6 @@ MIN_OBSERVED_TO_REFUSE = 20  # measured steps before predictions may refuse a re
 BIG_BATCH = 32               # above this many sequences a step's shape is sampled ...
 SAMPLE_EVERY = 4             # ... every 4th step
 _INF = math.inf
-
-
-class SLOUnattainableError(QueueFullError):
-    """A request that cannot meet its TTFT target, refused before it is queued.
-
-    `retry_after_s`: seconds after which the same request could be admitted in time (the
-    queue ahead having drained), or None when it could not be even on an idle engine (its
-    prefill alone is slower than its target). The server maps it to 429 with `Retry-After:
-    ceil(retry_after_s)` and an OpenAI error body; with None, to 400 (param `ttft_slo_ms`).
-    """
-
-    def __init__(self, message: str, *, retry_after_s: float | None,
-                 predicted_ttft_s: float, ttft_slo_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.predicted_ttft_s = predicted_ttft_s
-        self.ttft_slo_s = ttft_slo_s
 
 
 def default_step_time_model(name: str = DEFAULT_SEED_COST_MODEL) -> StepTimeModel:

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.config import (
-    ENGINE_CONFIGS, CacheConfig, ConfigError, KernelConfig, ParallelConfig, SchedulerConfig,
+    ENGINE_CONFIGS, CacheConfig, KernelConfig, ParallelConfig, SchedulerConfig,
     add_config_arguments, check_knob, default_on, knob_fields)
+from iterserve.errors import ConfigError
 
 GiB = 1 << 30
 _SCHEDULER = {name: (default, k) for name, default, k in knob_fields(SchedulerConfig)}

@@ -39,10 +39,10 @@ import threading
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import (EmptyPromptError, EngineDeadError, IterserveError,
-                                     InvalidRequestError, PromptTooLongError)
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.errors import (EmptyPromptError, EngineDeadError, InvalidRequestError,
+                              IterserveError, PromptTooLongError)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

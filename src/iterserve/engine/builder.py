@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
+from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.scheduler import Scheduler
+from iterserve.errors import ConfigError
 
 
 @dataclass(eq=False)

@@ -13,7 +13,7 @@ import json
 from typing import Any, Sequence
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import InvalidRequestError
+from iterserve.errors import InvalidRequestError
 from iterserve.tools import TOOL_PARSERS
 from iterserve.tools.choice import normalize_tools
 from iterserve.tools.plan import ToolPlan, plan_tool_choice

@@ -16,6 +16,7 @@ import sys
 import time
 
 from iterserve.core.config import GenerateConfig, add_config_arguments, knob_notices
+from iterserve.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +34,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from iterserve.core.config import ConfigError
     from iterserve.core.request import SamplingParams
     from iterserve.engine.args import EngineArgs
     from iterserve.engine.llm import LLM

@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.args import EngineArgs
-from iterserve.engine.errors import InvalidRequestError
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import parse_prompts
+from iterserve.errors import InvalidRequestError
 
 PromptArg = str | list[int] | dict[str, Any]
 

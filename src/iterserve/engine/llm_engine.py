@@ -28,13 +28,13 @@ from typing import Any, Callable, Iterable, Sequence
 from iterserve.core.request import FinishReason, SamplingParams
 from iterserve.core.scheduler import SchedulerStats
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
-from iterserve.engine.errors import DuplicateRequestIdError
 from iterserve.engine.input_processor import InputProcessor
 from iterserve.engine.interfaces import EngineScheduler, Executor
 from iterserve.engine.metrics import StatLogger, StepStats
 from iterserve.engine.output_processor import OutputProcessor
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.tracing import Tracer
+from iterserve.errors import DuplicateRequestIdError
 
 __all__ = ["LLMEngine", "Executor", "EngineScheduler"]
 

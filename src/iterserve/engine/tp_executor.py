@@ -40,8 +40,8 @@ import time
 import weakref
 from typing import Any, Callable
 
-from iterserve.core.config import ConfigError
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
+from iterserve.errors import ConfigError, ModelLoadError, RankFailedError
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 # that dies is seen at once). Start-up waits for model loads by polling, not by collectives.
 COLLECTIVE_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 5.0
-
-
-class RankFailedError(RuntimeError):
-    """A tensor-parallel rank died or the group broke: the executor cannot run steps."""
 
 
 def _cpu_count() -> int:
@@ -265,7 +261,6 @@ class TPExecutor:
 
     def _wait_loaded(self, store) -> None:
         """Each rank's "ok" or error line; a rank that exits without one fails at once."""
-        from iterserve.model.config import ModelLoadError
         for r, p in enumerate(self.procs, start=1):
             key = f"iterserve/tp/loaded/{r}"
             while not store.check([key]):

@@ -65,11 +65,8 @@ import numpy as np
 
 from iterserve import envs
 from iterserve.core.step_time import attention_pairs
+from iterserve.errors import CalibrationError
 from iterserve.lab.cost_model import COEFFICIENTS, FORMAT, VERSION, CostModel
-
-
-class CalibrationError(ValueError):
-    """Bad calibration input (options, grid, timings); the message says which."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,9 @@ import json
 import sys
 from typing import Any
 
+from iterserve.errors import LabOptionsError
+
+
 # Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
 # `iterserve lab calibrate` fits the cost model to the real model runner.
 LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate"),
@@ -195,7 +198,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.serve:
         return serve(args.host, args.port)
-    from iterserve.lab.api import LabOptionsError, plan_lab, simulate_plan
+    from iterserve.lab.api import plan_lab, simulate_plan
     from iterserve.lab.metrics import summarize
 
     if any(getattr(args, name, None) is not None for name in CLUSTER_ARGS):
@@ -230,7 +233,6 @@ def run(args: argparse.Namespace) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     """`iterserve lab --replicas N --router POLICY ...`: the cluster lab (lab/cluster.py)."""
     from iterserve.lab.cluster import run_cluster_lab
-    from iterserve.lab.options import LabOptionsError
 
     for flag, value in (("--trace", args.trace), ("--plot", args.plot),
                         ("--per-request", args.per_request or None)):

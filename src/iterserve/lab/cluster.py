@@ -50,12 +50,12 @@ from pydantic import ConfigDict, Field, ValidationError, create_model
 from iterserve.core.config import ParallelConfig, knob_fields
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.router import ReplicaLoad, Router
-from iterserve.core.scheduler import QueueFullError, Scheduler
-from iterserve.core.slo_policy import SLOUnattainableError
+from iterserve.core.scheduler import Scheduler
+from iterserve.errors import LabOptionsError, QueueFullError, SLOUnattainableError, SimulationError
 from iterserve.lab.api import LabPlan, plan_lab
 from iterserve.lab.cost_model import CostModel, shipped_cost_models
-from iterserve.lab.options import LabOptions, LabOptionsError, _field, _message, apply_preset
-from iterserve.lab.simulator import STALL_LIMIT, SimExecutor, SimSettings, SimulationError
+from iterserve.lab.options import LabOptions, _field, _message, apply_preset
+from iterserve.lab.simulator import STALL_LIMIT, SimExecutor, SimSettings
 from iterserve.lab.workload import (
     MAX_LENGTH, RequestSpec, SharedPrefixSpec, prompt_token_ids)
 

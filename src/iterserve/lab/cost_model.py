@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.core.step_time import MIN_LINEAR_SHARE, token_correction
+from iterserve.errors import CostModelError
 
 FORMAT = "iterserve-lab-cost-model"
 VERSION = 3
@@ -99,10 +100,6 @@ def check_corrections(value: Any) -> tuple[tuple[int, float], ...]:
                                  f"got {item[0]} after {out[-1][0]}")
         out.append((int(item[0]), float(item[1])))
     return tuple(out)
-
-
-class CostModelError(ValueError):
-    """A cost-model file or dict that cannot be used; the message names the key."""
 
 
 @dataclass(frozen=True, slots=True)

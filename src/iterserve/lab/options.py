@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from iterserve.core.config import CacheConfig, Knob, SchedulerConfig, default_on, knobs_of
+from iterserve.errors import LabOptionsError
 
 MAX_SLOTS = 4096
 MAX_REQUESTS = 1_000_000
@@ -178,14 +179,6 @@ def presets_json() -> dict[str, Any]:
     """The presets as JSON (GET /v1/lab/presets): name -> description and options."""
     return {name: {"description": p["description"], "options": dict(p["options"])}
             for name, p in PRESETS.items()}
-
-
-class LabOptionsError(ValueError):
-    """A lab option with a bad value (or an unknown option); the message names it."""
-
-    def __init__(self, message: str, option: str | None = None):
-        super().__init__(message)
-        self.option = option
 
 
 # The lab's clock counts steps, so its timeouts do too (the engine's are in seconds).

@@ -23,6 +23,7 @@ import struct
 import numpy as np
 import torch
 
+from iterserve.errors import GGUFLoadError
 from iterserve.model.startup import phase
 from iterserve.model.tokenizer import Tokenizer
 from iterserve.model.weights import SUPPORTED_TYPES, TensorRef, map_file, type_name
@@ -30,10 +31,6 @@ from iterserve.model.weights import SUPPORTED_TYPES, TensorRef, map_file, type_n
 __all__ = ["load_gguf", "open_gguf", "read_gguf_config", "dequantize_state", "GGUFLoadError"]
 
 log = logging.getLogger(__name__)
-
-
-class GGUFLoadError(ValueError):
-    """The file is not a GGUF we can load (bad magic, architecture, quant type, tensors)."""
 
 
 # llama.cpp architecture name -> (HF model_type, HF architectures entry)

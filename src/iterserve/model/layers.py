@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.model.config import ModelConfig, UnsupportedModelError
+from iterserve.errors import UnsupportedModelError
+from iterserve.model.config import ModelConfig
 from iterserve.model.weights import EncodedWeight, decode_rows, scratch, tile_rows
 
 

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.errors import ModelLoadError
 from iterserve.model.attention import AttentionMetadata, paged_attention
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.model.config import ModelConfig
 from iterserve.model import layers as layers_mod
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from iterserve.model.config import ModelConfig, ModelLoadError, parse_dtype, parse_kv_cache_dtype
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import ModelConfig, parse_dtype, parse_kv_cache_dtype
 from iterserve.model.hf_loader import read_hf_config, read_hf_weights
 from iterserve.model.gpt2 import GPT2ForCausalLM
 from iterserve.model.llama import LlamaForCausalLM

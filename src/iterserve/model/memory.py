@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from iterserve.model.config import ModelLoadError
+from iterserve.errors import InsufficientMemoryError
 from iterserve.model.weights import type_name
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ log = logging.getLogger(__name__)
 # Activations, logits, the reference path's tiles, allocator slack: what a step needs beyond
 # weights and KV (a 256-token step of an 8B-shaped model needs ~100 MB).
 RESERVE_BYTES = 256 << 20
-
-
-class InsufficientMemoryError(ModelLoadError):
-    """Model + requested KV cache do not fit in the memory available."""
 
 
 def _meminfo_available() -> int | None:

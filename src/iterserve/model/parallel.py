@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import ModelConfig
 from iterserve.model.layers import Embedding, Linear
 from iterserve.model.weights import F32, FLOAT_TYPES, TensorRef, decode_rows, tile_rows, type_name
 

@@ -28,6 +28,7 @@ import threading
 from typing import Any, AsyncIterator
 
 from iterserve import envs
+from iterserve.errors import QueueFullError, ReplicaDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,6 @@ class EngineReplica:
         """Accept the request (raising its validation error), yield ("accepted", replica id,
         prompt ids), then every RequestOutput. `target_replica` / `exclude_replicas` are
         read by the request router only."""
-        from iterserve.core.scheduler import QueueFullError
 
         try:
             stream = await self.engine.generate(prompt_token_ids, params,
@@ -128,8 +128,6 @@ class EngineReplica:
         """A per-replica call routed here because its target is gone fails, rather than
         answer with another replica's numbers."""
         if target_replica is not None and target_replica != self.replica_id:
-            from iterserve.replicas.pool import ReplicaDiedError
-
             raise ReplicaDiedError(f"replica {target_replica} is gone (answered by "
                                    f"{self.replica_id})")
 

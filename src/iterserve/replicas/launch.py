@@ -20,14 +20,13 @@ import os
 import uuid
 from typing import Any
 
+from iterserve.errors import RayNotInstalledError
+
+
 logger = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 128 << 20
 ROUTING_STATS_PERIOD_S = 0.2
-
-
-class RayNotInstalledError(RuntimeError):
-    pass
 
 
 def require_ray() -> None:

@@ -32,18 +32,10 @@ from typing import Any, AsyncIterator, Sequence
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import (EmptyPromptError, EngineDeadError, PromptTooLongError,
-                                     ServerError)
+from iterserve.errors import (EmptyPromptError, EngineDeadError, PromptTooLongError,
+                              QueueFullError, ReplicaDiedError)
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaDiedError(ServerError):
-    """A replica died (or became unreachable) while serving the request: a 503, and mid-stream
-    an SSE error chunk. The other replicas keep serving; Ray Serve restarts this one."""
-
-    status_code = 503
-    error_type = "service_unavailable"
 
 
 class _DriverView:
@@ -286,7 +278,6 @@ class ReplicaPool(AsyncEngine):
                        request_id: str | None = None, **kw: Any) -> AsyncIterator[Any]:
         """As AsyncEngine.generate: validation errors (from the tokenizer here, or from the
         replica's engine) raise before the first output; leaving the stream aborts."""
-        from iterserve.core.scheduler import QueueFullError
 
         if not self._accepting or self._closed:
             raise EngineDeadError("the server is shutting down")

@@ -41,8 +41,9 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.core.config import ServerConfig, default_of
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import TokenIdOutOfRangeError
-from iterserve.server.errors import APIError, error_response, install_exception_handlers
+from iterserve.errors import TokenIdOutOfRangeError
+from iterserve.server.errors import (APIError, error_response, install_exception_handlers,
+                                     to_api_error)
 from iterserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from iterserve.server.openapi import install_openapi
 from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -52,7 +53,7 @@ from iterserve.server.serving_chat import create_chat_completion, render_request
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_messages import install_messages_api
 from iterserve.server.serving_responses import ResponsesRequest, create_response
-from iterserve.server.serving_common import check_model, to_api_error
+from iterserve.server.serving_common import check_model
 from iterserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from iterserve import envs
 from iterserve.core.config import (
     SERVER_CONFIGS, FrontendConfig, ServerConfig, add_config_arguments, config_from,
     knob_notices)
+from iterserve.errors import ConfigError, RayNotInstalledError
 
 logger = logging.getLogger("iterserve.serve")
 
@@ -100,13 +101,10 @@ def build_app(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from iterserve.core.config import ConfigError
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from iterserve.engine import omp_policy        # before anything loads torch (libgomp)
     omp_policy.apply(getattr(args, "omp_wait_policy", "env"))
-    from iterserve.replicas.launch import RayNotInstalledError
 
     try:
         app, engine = build_app(args)

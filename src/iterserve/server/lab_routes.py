@@ -23,7 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from iterserve.lab.api import OPTION_DEFAULTS, LabOptionsError, run_lab
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import OPTION_DEFAULTS, run_lab
 from iterserve.server.errors import error_response
 
 router = APIRouter(tags=["lab"])

@@ -27,12 +27,13 @@ from pydantic import ValidationError
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import CompletionOutput
+from iterserve.errors import ChatTemplateError, InvalidRequestError
+from iterserve.server.errors import to_api_error
 from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.errors import APIError
 from iterserve.server.serving_common import (
     ChoiceFormat, chat_logprobs, check_model, check_priority, close_streams, collect_final,
-    error_finish_message, merge_streams, new_id, prompt_logprobs_json, respond, start_streams,
-    to_api_error)
+    error_finish_message, merge_streams, new_id, prompt_logprobs_json, respond, start_streams)
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_tools import (
     NO_TOOLS, StreamedToolCalls, ToolPlan, message_with_tools, plan_tools)
@@ -147,8 +148,7 @@ def request_template(body: Any, config: ServingConfig) -> str | None:
     `chat_template`."""
     if body.chat_template is None:
         return config.chat_template
-    from iterserve.engine.errors import InvalidRequestError
-    from iterserve.model.chat_template import ChatTemplateError, compile_template
+    from iterserve.model.chat_template import compile_template
     if not config.trust_request_chat_template:
         raise InvalidRequestError(
             "a request's own chat_template is refused unless the server is started with "

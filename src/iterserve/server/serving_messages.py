@@ -38,12 +38,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.server.errors import APIError
+from iterserve.server.errors import APIError, to_api_error
 from iterserve.server.protocol_anthropic import CountTokensRequest, MessagesRequest
 from iterserve.server.serving_chat import (
     FinalChat, StartedChat, as_chat_request, chat_deltas, final_chat, render_request,
     start_chat)
-from iterserve.server.serving_common import check_model, close_streams, to_api_error
+from iterserve.server.serving_common import check_model, close_streams
 from iterserve.server.serving_config import ServingConfig
 
 PATH = "/v1/messages"

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Discriminator, Field, Tag
 
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import EngineDeadError
+from iterserve.errors import EngineDeadError
 from iterserve.server.errors import APIError
 from iterserve.server.protocol import (
     MAX_TOOLS, ChatCompletionRequest, FunctionName, INT64_MAX, NonEmptyText, Text, _Model,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import InvalidRequestError
+from iterserve.errors import InvalidRequestError
 from iterserve.tools import ToolCallStream, get_tool_parser
 from iterserve.tools.plan import NO_TOOLS, ToolPlan, plan_tool_choice
 from iterserve.tools.types import DeltaMessage

@@ -26,12 +26,9 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from iterserve.structured.params import StructuredOutputsError, StructuredOutputsParams
+from iterserve.errors import ToolChoiceError
+from iterserve.structured.params import StructuredOutputsParams
 from iterserve.tools.schema import closed_schema
-
-
-class ToolChoiceError(StructuredOutputsError):
-    """`tools` / `tool_choice` the server must refuse (400); `param` names the field."""
 
 
 MAX_PARALLEL_CALLS = 8

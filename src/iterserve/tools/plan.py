@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from iterserve.tools.choice import ToolChoiceError, tool_choice_constraint
+from iterserve.errors import ToolChoiceError
+from iterserve.tools.choice import tool_choice_constraint
 from iterserve.tools.parsers import ToolParser, get_tool_parser
 from iterserve.tools.types import ExtractedToolCalls
 

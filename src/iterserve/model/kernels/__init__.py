@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from iterserve.model.kernels import build as _build_module
 from iterserve.model.kernels._abi import MAX_SEGMENTS, Layer, Linear, Segment, TypeCaps
-from iterserve.model.kernels.build import (KernelsUnavailable, _build, _compiler,
+from iterserve.model.kernels.build import (_build, _compiler,
                                            _cpu_has_avx2_fma, _cpuinfo_features, _lib, _library,
                                            available, cache_dir, clear_cache, features,
                                            supports_dequant, supports_qgemm)
@@ -51,7 +51,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ACTIVATION_MODES", "DecodeLayers", "KV_TYPES", "KernelConfig", "KernelsUnavailable",
+    "ACTIVATION_MODES", "DecodeLayers", "KV_TYPES", "KernelConfig",
     "Layer", "LayerSpec", "Linear", "MAX_SEGMENTS", "PREFILL_ISAS", "PREFILL_KV_TYPES",
     "PrefillChunks", "Segment", "TypeCaps", "activations", "available", "bf16_isa",
     "bf16_takes", "cache_dir", "clear_cache", "config", "configure", "decode_attention",

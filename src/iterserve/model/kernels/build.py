@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from iterserve import envs
+from iterserve.errors import KernelsUnavailable
 from iterserve.model.kernels._abi import (ARGTYPES, CPUINFO_NAMES, FEATURE_BITS, TypeCaps,
                                           check_abi)
 
@@ -42,10 +43,6 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off",
 _REQUIRED = frozenset({"avx2", "fma", "f16c"})
 
 unavailable: str | None = None       # why the kernels are not in use, for logs and benchmarks
-
-
-class KernelsUnavailable(RuntimeError):
-    """A wrapper was called while `available()` is False (see `unavailable`)."""
 
 
 def cache_dir() -> Path:
