@@ -97,7 +97,7 @@ def test_the_cli_takes_a_preset(capsys):
 def test_presets_follow_the_shipped_fit_speed():
     """A re-fitted smollm2-cpu that runs every step 2.5x faster keeps each preset the same
     experiment: rates x 2.5, time targets / 2.5, so the same steps, in 2.5x less time."""
-    from iterserve.lab.cost_model import CostModel
+    from iterserve.core.cost_model import CostModel
     from iterserve.lab.preset_scale import (
         DECODE_STEP, FULL_BATCH_STEP, LONGPROMPT_STEP, REFERENCE_FIT, scale_options, speed)
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from iterserve.core.cost_model import CostModel, default_cost_model, load_cost_model
 from iterserve.errors import CostModelError, WorkloadError
-from iterserve.lab.cost_model import CostModel, default_cost_model, load_cost_model
 from iterserve.lab.workload import WorkloadSpec, draw_workload, parse_range, read_lengths_file
 
 

@@ -45,6 +45,7 @@ from collections import deque
 from typing import Callable, Iterator, Mapping, Sequence
 
 from iterserve.core.config import SchedulerConfig
+from iterserve.core.cost_model import load_cost_model
 from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules
 from iterserve.core.request import Request
 from iterserve.core.request_queue import RequestQueue
@@ -64,9 +65,7 @@ _INF = math.inf
 
 
 def default_step_time_model(name: str = DEFAULT_SEED_COST_MODEL) -> StepTimeModel:
-    """Seed from a cost model: a JSON file or a shipped name (lab/data; a pure-data import)."""
-    from iterserve.lab.cost_model import load_cost_model
-
+    """Seed from a cost model: a JSON file or a shipped name (core/data)."""
     return StepTimeModel.from_cost_model(load_cost_model(name))
 
 

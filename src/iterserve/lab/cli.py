@@ -169,7 +169,7 @@ class _Renamed(argparse.Action):
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """CLI flags -> run_lab options (files are read here; values are checked by run_lab)."""
-    from iterserve.lab.cost_model import load_cost_model
+    from iterserve.core.cost_model import load_cost_model
     from iterserve.lab.options import SHARED_KNOBS
     from iterserve.lab.workload import parse_range, read_lengths_file
 

@@ -169,7 +169,7 @@ def apply_preset(options: dict[str, Any]) -> dict[str, Any]:
     merged = dict(PRESETS[name]["options"])
     merged.update({k: v for k, v in options.items() if k != "preset" and v is not None})
     if isinstance(merged.get("cost_model"), str):
-        from iterserve.lab.cost_model import load_cost_model
+        from iterserve.core.cost_model import load_cost_model
 
         merged["cost_model"] = load_cost_model(merged["cost_model"])
     return merged

@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.cost_model import CostModel
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.scheduler import Scheduler
-from iterserve.core.step_time import attention_pairs
 from iterserve.core.scheduler_output import SchedulerOutput
+from iterserve.core.step_time import attention_pairs
 from iterserve.errors import QueueFullError, SLOUnattainableError, SimulationError
-from iterserve.lab.cost_model import CostModel
 from iterserve.lab.workload import RequestSpec
 
 PROMPT_TOKEN = 1       # the token every simulated prompt is made of (so, with prefix

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from iterserve.core.cost_model import load_cost_model
 from iterserve.errors import CostModelError, LabOptionsError
 from iterserve.lab.api import run_lab
-from iterserve.lab.cost_model import load_cost_model
 from iterserve.lab.preset_scale import scale_options, speed
 
 PRESET: dict[str, Any] = {
