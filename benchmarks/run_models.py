@@ -135,7 +135,8 @@ def model_limits(m: ModelFile) -> dict:
         heads = c["num_attention_heads"]
         return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads", heads),
                 "head_dim": c.get("head_dim") or c["hidden_size"] // heads}
-    from iterserve.model.gguf_loader import open_gguf, read_gguf_config
+    from iterserve.model.gguf import open_gguf
+    from iterserve.model.gguf_loader import read_gguf_config
     c = read_gguf_config(open_gguf(m.path))
     heads = c["num_attention_heads"]
     return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads") or heads,

@@ -160,7 +160,8 @@ def check_model(path: str | None, world: int) -> None:
     if p.is_dir():
         hf = read_hf_config(p)
     elif p.is_file() and p.suffix.lower() == ".gguf":
-        from iterserve.model.gguf_loader import open_gguf, read_gguf_config
+        from iterserve.model.gguf import open_gguf
+        from iterserve.model.gguf_loader import read_gguf_config
         hf = read_gguf_config(open_gguf(p))
     else:
         return
