@@ -196,8 +196,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.serve:
-        return serve(args.host, args.port)
+    if args.serve:               # the server's handler, set by iterserve/cli.py
+        return args.serve_lab_page(args.host, args.port)
     from iterserve.lab.api import plan_lab, simulate_plan
     from iterserve.lab.metrics import summarize
 
@@ -315,15 +315,6 @@ def format_cluster_report(r: dict[str, Any]) -> str:
             lines.append(f"  {what}: p99 TTFT {row.get('p99_ttft_s', 0):.3f} s, refused "
                          f"{row['refused']}, {'meets' if row['meets'] else 'misses'}")
     return "\n".join(lines)
-
-
-def serve(host: str, port: int) -> int:
-    import uvicorn
-
-    from iterserve.server.app import create_app
-
-    uvicorn.run(create_app(engine=None), host=host, port=port)
-    return 0
 
 
 def _fmt(value: Any, kind: str) -> str:
