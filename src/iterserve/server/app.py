@@ -169,7 +169,7 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
     prom: PrometheusStatLogger | None = None
     if engine is not None:
         prom = PrometheusStatLogger(model_name)
-        engine.add_stat_logger(prom)
+        engine.add_stat_logger(prom, per_replica=prom.for_replica)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
