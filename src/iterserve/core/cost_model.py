@@ -156,7 +156,8 @@ class CostModel:
         batch)."""
         if not self.token_corrections:
             return self
-        from iterserve.core.fit import GridPoint, fit_coefficients  # numpy: only to refit
+        # numpy (core/fit.py) only to refit: the scheduler and the lab never load it
+        from iterserve.core.fit import GridPoint, fit_coefficients
 
         shapes = [GridPoint(d, kv) for d in (1, 2, 4, 8, 16, 32) for kv in (64, 256, 1024)]
         shapes += [GridPoint(prefill_tokens=p, prefill_chunks=1, prefill_context=c)

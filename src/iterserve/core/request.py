@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from iterserve.errors import SamplingParamsError
+from iterserve.structured.params import StructuredOutputsParams
 
 
 
@@ -158,7 +159,6 @@ class SamplingParams:
         the engine's input processor does them)."""
         so = self.structured_outputs
         if so is not None:
-            from iterserve.structured.params import StructuredOutputsParams
             if isinstance(so, dict):
                 self.structured_outputs = so = StructuredOutputsParams.from_structured_outputs(so)
             if not isinstance(so, StructuredOutputsParams):

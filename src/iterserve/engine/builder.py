@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.scheduler import Scheduler
+from iterserve.engine import omp_policy
 from iterserve.errors import ConfigError
+from iterserve.model.startup import log_imports, phase
 
 
 @dataclass(eq=False)
@@ -38,7 +40,7 @@ class EngineParts:
 
 def kv_cache_config(args: Any, loaded: Any) -> CacheConfig:
     """The KV pool: `num_kv_blocks`, or as many blocks as `kv_cache_memory` GiB holds."""
-    from iterserve.model.runner import ModelRunner
+    from iterserve.model.runner import ModelRunner  # torch: the engine package imports none
 
     cfg = loaded.config
     bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size)
@@ -46,8 +48,6 @@ def kv_cache_config(args: Any, loaded: Any) -> CacheConfig:
 
 
 def build_engine_parts(args: Any) -> EngineParts:
-    from iterserve.engine import omp_policy
-    from iterserve.model.startup import log_imports, phase
     log_imports()
     # The offline API reaches here without `iterserve serve`'s early call: apply the knob
     # before torch loads libgomp (a no-op when serve already set it).
@@ -55,6 +55,7 @@ def build_engine_parts(args: Any) -> EngineParts:
     with phase("torch"):
         import torch
 
+        # the model layer (torch) loads here, once an engine is built, timed as "torch"
         from iterserve.model.loader import load_model
         from iterserve.model.runner import ModelRunner
 

@@ -16,14 +16,15 @@ import sys
 import time
 
 from iterserve.core.config import GenerateConfig, add_config_arguments, knob_notices
+from iterserve.core.request import SamplingParams
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.llm import LLM
 from iterserve.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """`iterserve generate`: its own flags (GenerateConfig) and EngineArgs's, all from the
     knob schema (core/config.py)."""
-    from iterserve.engine.args import EngineArgs
-
     p = subparsers.add_parser("generate", help="generate offline for prompts given as arguments",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,10 +35,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from iterserve.core.request import SamplingParams
-    from iterserve.engine.args import EngineArgs
-    from iterserve.engine.llm import LLM
-
     prompts: list[str] = []
     for p in args.prompts:
         if p == "-":

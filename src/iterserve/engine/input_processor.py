@@ -67,6 +67,7 @@ class InputProcessor:
         if self._compiler is None:
             with self._compiler_lock:     # the server's event loop may ask first
                 if self._compiler is None:
+                    # llguidance and torch: once a request asks for structured outputs
                     from iterserve.structured.backend import StructuredOutputCompiler
                     try:
                         self._compiler = StructuredOutputCompiler(
@@ -157,6 +158,7 @@ class InputProcessor:
         if not (params.structured_outputs is not None or params.logit_bias
                 or params.allowed_token_ids or params.bad_words or params.min_tokens):
             return params, None
+        # torch: only for a request with logit_bias, allowed/bad tokens or min_tokens
         from iterserve.model.logits_processors import (bad_words_token_ids, validate_logit_bias,
                                                        validate_token_ids)
         changes: dict[str, Any] = {}

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 from iterserve.core.request import FinishReason, SamplingParams
 from iterserve.core.scheduler import SchedulerStats
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
+from iterserve.engine.builder import build_engine_parts
 from iterserve.engine.input_processor import InputProcessor
 from iterserve.engine.interfaces import EngineScheduler, Executor
 from iterserve.engine.metrics import StatLogger, StepStats
@@ -80,8 +81,6 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: Any, *, stat_loggers: Sequence[StatLogger] = ()) -> "LLMEngine":
         """Load the model, size the KV pool and build scheduler + runner (engine/builder.py)."""
-        from iterserve.engine.builder import build_engine_parts
-
         p = build_engine_parts(args)
         engine = cls(p.scheduler, p.executor, p.tokenizer, model_name=p.model_name,
                      max_model_len=p.max_model_len, vocab_size=p.vocab_size,

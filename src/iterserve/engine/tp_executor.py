@@ -72,6 +72,7 @@ def _rank_device(device: str, rank: int) -> str:
 
 
 def _load_shard(args: Any, rank: int, world: int):
+    # torch: the kernels and the model layer load in the rank process, not with the engine
     from iterserve.model import kernels
     from iterserve.model.loader import load_model
     from iterserve.model.parallel import Shard
@@ -83,7 +84,7 @@ def _load_shard(args: Any, rank: int, world: int):
 
 
 def _make_runner(loaded, cache: tuple[int, int, int]):
-    from iterserve.model.runner import ModelRunner
+    from iterserve.model.runner import ModelRunner   # torch: in the rank process only
     num_blocks, block_size, num_swap = cache
     return ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size,
                        num_swap_blocks=num_swap)
@@ -207,7 +208,7 @@ class TPExecutor:
         if str(args.device).startswith("cuda") and torch.cuda.device_count() < world:
             raise ConfigError(f"tensor_parallel_size {world} on CUDA needs {world} GPUs, this "
                               f"machine has {torch.cuda.device_count()}", "tensor_parallel_size")
-        from iterserve.model.parallel import check_model
+        from iterserve.model.parallel import check_model    # torch: the engine imports none
         check_model(args.model, world)          # a split the model cannot take: no spawn
         self.world_size = world
         self.threads = rank_threads(args, world)

@@ -67,7 +67,11 @@ from iterserve import envs
 from iterserve.core.cost_model import COEFFICIENTS, FORMAT, VERSION, CostModel
 from iterserve.core.fit import (CORRECTION_RIDGE, GridPoint, correction_knots, design_matrix,
                                 fit_coefficients, fit_with_corrections, nnls)
+from iterserve.core.request import SamplingParams
+from iterserve.core.scheduler_output import NewRequestData, SchedulerOutput
 from iterserve.core.step_time import attention_pairs
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.errors import CalibrationError
 
 
@@ -161,9 +165,6 @@ def _build_outputs(grid: Sequence[GridPoint], block_size: int, vocab: int):
     they read need not be correct (module docstring), so they can share one pool region: the
     pool is the largest point's, not the sum of all points' (a 1.7B model's KV for the whole
     default grid would be ~35 GB in float32)."""
-    from iterserve.core.request import SamplingParams
-    from iterserve.core.scheduler_output import NewRequestData, SchedulerOutput
-
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     outputs, pool_blocks = [], 0
@@ -206,7 +207,7 @@ def time_grid(loaded, grid: Sequence[GridPoint], *, repeats: int = 5, block_size
               ) -> list[list[float]]:
     """Seconds of `ModelRunner.execute` per grid point, `repeats` each (after one untimed
     warm-up pass), interleaved across points in a shuffled order per round."""
-    from iterserve.model.runner import ModelRunner
+    from iterserve.model.runner import ModelRunner  # torch: only when timing runs
 
     outputs, num_blocks = _build_outputs(grid, block_size, loaded.config.vocab_size)
     runner = ModelRunner(loaded, num_blocks=max(1, num_blocks), block_size=block_size)
@@ -372,8 +373,6 @@ def measure_overhead(engine, *, num_requests: int = OVERHEAD_REQUESTS,
     seconds). A step's time is the loop iteration that ran it (`engine.step()` and the loop
     itself), so what a caller of the offline engine waits for between two forward passes is
     counted."""
-    from iterserve.core.request import SamplingParams
-
     rng = random.Random(seed)
     vocab = engine.vocab_size
     timer = _ExecuteTimer(engine.executor)
@@ -424,9 +423,7 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
 
     import torch
 
-    from iterserve.engine.args import EngineArgs
-    from iterserve.engine.llm_engine import LLMEngine
-    from iterserve.model.runner import ModelRunner
+    from iterserve.model.runner import ModelRunner  # torch: only when timing runs
 
     t_load = time.perf_counter()
     # The engine's own KV pool only serves the overhead run (16 short requests); the grid
@@ -479,7 +476,7 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
     medians = [statistics.median(t) for t in times]
     knots: list[int] = []
     if corrections:
-        from iterserve.model import layers
+        from iterserve.model import layers  # torch: only when timing runs
         max_rows = int(getattr(layers, "QUANT_MAX_ROWS", 32))
         knots = correction_knots(max_rows, max(f[0] for f in feats))
         coef, corr = fit_with_corrections(feats, medians, knots)
@@ -511,7 +508,7 @@ def calibrate(model: str | None = None, *, quick: bool = False, repeats: int | N
     model_name = (Path(model).name if model else
                   "SmolLM2-135M-Instruct.Q4_1.gguf (bundled default)")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    from iterserve.model import kernels
+    from iterserve.model import kernels  # torch: only when timing runs
     machine = (f"{_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
                f"({torch.get_num_threads()} threads), {loaded.config.dtype}")
     source = {

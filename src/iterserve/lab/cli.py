@@ -16,7 +16,18 @@ import json
 import sys
 from typing import Any
 
+from iterserve.core.config import (CacheConfig, ParallelConfig, SchedulerConfig, add_knob_argument,
+                                   knob_fields, knobs_of)
+from iterserve.core.cost_model import load_cost_model
 from iterserve.errors import LabOptionsError
+from iterserve.lab.api import plan_lab, simulate_plan
+from iterserve.lab.cluster import CLUSTER_FIELDS, DEFAULT_REPLICAS, run_cluster_lab
+from iterserve.lab.metrics import summarize
+from iterserve.lab.options import (LAB_CHOICES, LAB_DEFAULTS, LAB_HELP, OPTION_DEFAULTS, PRESETS,
+                                   RENAMED, SHARED_KNOBS)
+from iterserve.lab.plot import write_plot
+from iterserve.lab.trace import write_trace
+from iterserve.lab.workload import parse_range, read_lengths_file
 
 
 # Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
@@ -31,8 +42,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Run the engine's scheduler with a simulated executor and compare "
                     "static and continuous batching (steps, utilisation, latency).")
     w = p.add_argument_group("workload")
-    from iterserve.lab.options import OPTION_DEFAULTS as D
-    from iterserve.lab.options import PRESETS, RENAMED
+    D = OPTION_DEFAULTS
     w.add_argument("--preset", choices=tuple(PRESETS),
                    help="start from a named option set (the other flags override it): "
                         + "; ".join(f"{k}: {v['description']}"
@@ -103,10 +113,6 @@ def _add_knob_arguments(workload, scheduler) -> None:
     lab's default, its units and its extra choices where they differ."""
     from dataclasses import replace
 
-    from iterserve.core.config import CacheConfig, SchedulerConfig, add_knob_argument, knobs_of
-    from iterserve.lab.options import (
-        LAB_CHOICES, LAB_DEFAULTS, LAB_HELP, OPTION_DEFAULTS, SHARED_KNOBS)
-
     schema = knobs_of(SchedulerConfig, CacheConfig)
     for name in SHARED_KNOBS:
         k = schema[name][1]
@@ -129,9 +135,6 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """`--replicas N --router POLICY ...`: the knobs' flags generated from ParallelConfig
     (`--replicas` is the lab's spelling of --data-parallel-size / -dp, which work too)."""
     from dataclasses import replace
-
-    from iterserve.core.config import ParallelConfig, add_knob_argument, knob_fields
-    from iterserve.lab.cluster import CLUSTER_FIELDS, DEFAULT_REPLICAS
 
     c = p.add_argument_group(
         "cluster (N replicas behind the server's router; any of these makes a cluster run)")
@@ -169,10 +172,6 @@ class _Renamed(argparse.Action):
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """CLI flags -> run_lab options (files are read here; values are checked by run_lab)."""
-    from iterserve.core.cost_model import load_cost_model
-    from iterserve.lab.options import SHARED_KNOBS
-    from iterserve.lab.workload import parse_range, read_lengths_file
-
     opts: dict[str, Any] = {"batching": args.batching or (None if args.preset else "both"),
                             "preset": args.preset}
     for name in (*SHARED_KNOBS, "requests", "seed", "short_frac", "arrival_rate",
@@ -198,8 +197,6 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.serve:               # the server's handler, set by iterserve/cli.py
         return args.serve_lab_page(args.host, args.port)
-    from iterserve.lab.api import plan_lab, simulate_plan
-    from iterserve.lab.metrics import summarize
 
     if any(getattr(args, name, None) is not None for name in CLUSTER_ARGS):
         return run_cluster(args)
@@ -212,12 +209,8 @@ def run(args: argparse.Namespace) -> int:
     summaries = {m: summarize(r, per_request=plan.per_request) for m, r in results.items()}
     try:
         if args.trace:
-            from iterserve.lab.trace import write_trace
-
             write_trace(results, args.trace)
         if args.plot:
-            from iterserve.lab.plot import write_plot
-
             write_plot(results, summaries, args.plot)
     except OSError as e:
         print(f"iterserve lab: error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
@@ -232,8 +225,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_cluster(args: argparse.Namespace) -> int:
     """`iterserve lab --replicas N --router POLICY ...`: the cluster lab (lab/cluster.py)."""
-    from iterserve.lab.cluster import run_cluster_lab
-
     for flag, value in (("--trace", args.trace), ("--plot", args.plot),
                         ("--per-request", args.per_request or None)):
         if value is not None:

@@ -20,7 +20,9 @@ from typing import Any, Literal, Optional
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from iterserve.core.config import CacheConfig, Knob, SchedulerConfig, default_on, knobs_of
+from iterserve.core.cost_model import load_cost_model
 from iterserve.errors import LabOptionsError
+from iterserve.lab import preset_scale
 
 MAX_SLOTS = 4096
 MAX_REQUESTS = 1_000_000
@@ -144,8 +146,6 @@ _TYPICAL_STEP = {"longprompt": "LONGPROMPT_STEP", "longprompt-heavy": "LONGPROMP
 
 
 def _follow_the_shipped_fit() -> None:
-    from iterserve.lab import preset_scale
-
     for name, p in PRESETS.items():
         step = (getattr(preset_scale, _TYPICAL_STEP[name]) if name in _TYPICAL_STEP
                 else preset_scale.decode_step(p["options"]["max_num_seqs"]))
@@ -169,8 +169,6 @@ def apply_preset(options: dict[str, Any]) -> dict[str, Any]:
     merged = dict(PRESETS[name]["options"])
     merged.update({k: v for k, v in options.items() if k != "preset" and v is not None})
     if isinstance(merged.get("cost_model"), str):
-        from iterserve.core.cost_model import load_cost_model
-
         merged["cost_model"] = load_cost_model(merged["cost_model"])
     return merged
 

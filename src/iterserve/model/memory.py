@@ -30,6 +30,8 @@ import os
 import torch
 
 from iterserve.errors import InsufficientMemoryError
+from iterserve.model.kv_cache import PagedKVCache
+from iterserve.model.layers import Embedding, Linear
 from iterserve.model.weights import type_name
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,6 @@ def process_rss_bytes() -> int:
 
 def _weight_tensors(model: torch.nn.Module):
     """(encoding name, uint8-or-float tensor) of every distinct weight of the model."""
-    from iterserve.model.layers import Embedding, Linear
     seen: set[tuple[int, int]] = set()
 
     def once(t: torch.Tensor) -> bool:
@@ -119,7 +120,6 @@ def _mapped_ranges(loaded) -> list[tuple[int, int]]:
 
 def compute_paths(model: torch.nn.Module) -> dict:
     """How the Linears compute: {"linears": {native, mixed, reference, dense, by_encoding}}."""
-    from iterserve.model.layers import Linear
     counts = {"native": 0, "mixed": 0, "reference": 0, "dense": 0}
     by: dict[str, dict[str, int]] = {}
     for m in model.modules():
@@ -136,7 +136,6 @@ def compute_paths(model: torch.nn.Module) -> dict:
 def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
                 kv_dtype: torch.dtype | None = None) -> dict:
     """The plan dict (module docstring) for `loaded` with a KV pool of this size."""
-    from iterserve.model.kv_cache import PagedKVCache
     cfg = loaded.config
     kv_dtype = kv_dtype or cfg.kv_cache_dtype or cfg.dtype
     per_block = PagedKVCache.bytes_per_block(cfg, block_size, kv_dtype)

@@ -28,6 +28,7 @@ import threading
 from typing import Any, AsyncIterator
 
 from iterserve import envs
+from iterserve.engine.async_engine import AsyncEngine
 from iterserve.errors import QueueFullError, ReplicaDiedError
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ class EngineReplica:
             import torch
             torch.set_num_threads(threads)
         from ray import serve
-
-        from iterserve.engine.async_engine import AsyncEngine
 
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -31,6 +31,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from iterserve.core.request import SamplingParams
+from iterserve.core.scheduler import SchedulerStats
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.errors import (EmptyPromptError, EngineDeadError, PromptTooLongError,
                               QueueFullError, ReplicaDiedError)
@@ -111,7 +112,7 @@ class ReplicaPool(AsyncEngine):
     # --- replicas ---------------------------------------------------------------------------
     @property
     def router(self) -> Any:
-        from iterserve.replicas.request_router import ROUTERS
+        from iterserve.replicas.request_router import ROUTERS  # ray: Serve's router class
         return ROUTERS.get(self.router_key)
 
     def replica_ids(self) -> list[str]:
@@ -184,8 +185,6 @@ class ReplicaPool(AsyncEngine):
     async def scheduler_stats(self) -> Any:
         """The replicas' SchedulerStats summed (KV usage over all their blocks, the prefix-
         cache hit rate over all their lookups); feeds the step stats to the loggers."""
-        from iterserve.core.scheduler import SchedulerStats
-
         got = await self._each("scheduler_stats")
         for rid, res in got.items():
             per = self._replica_logger(rid)

@@ -19,15 +19,20 @@ from iterserve import envs
 from iterserve.core.config import (
     SERVER_CONFIGS, FrontendConfig, ServerConfig, add_config_arguments, config_from,
     knob_notices)
+from iterserve.engine import omp_policy
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.async_engine import AsyncEngine
 from iterserve.errors import ConfigError, RayNotInstalledError
+from iterserve.replicas import close_pool, start_pool
+from iterserve.server.serving_config import (ServingConfig, load_chat_template,
+                                             load_generation_defaults)
+from iterserve.server.serving_tools import ToolServerConfig
 
 logger = logging.getLogger("iterserve.serve")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """`iterserve serve`: every flag comes from the knob schema (core/config.py): the
     server's and the OpenAI frontend's configs, then EngineArgs's."""
-    from iterserve.engine.args import EngineArgs
-
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (completions, chat, "
@@ -60,10 +65,6 @@ def resolve_model_args(args: argparse.Namespace) -> None:
 
 
 def serving_config_from_args(args: argparse.Namespace, model: str | None):
-    from iterserve.server.serving_config import (
-        ServingConfig, load_chat_template, load_generation_defaults)
-    from iterserve.server.serving_tools import ToolServerConfig
-
     f = config_from(FrontendConfig, vars(args))
     return ServingConfig(
         chat_template=load_chat_template(f.chat_template),
@@ -75,8 +76,7 @@ def serving_config_from_args(args: argparse.Namespace, model: str | None):
 
 
 def build_app(args: argparse.Namespace):
-    from iterserve.engine.args import EngineArgs
-    from iterserve.engine.async_engine import AsyncEngine
+    # fastapi: for `serve` only (`iterserve --help` builds every subcommand's parser)
     from iterserve.server.app import create_app
 
     resolve_model_args(args)
@@ -86,7 +86,6 @@ def build_app(args: argparse.Namespace):
     for line in knob_notices(server, config_from(FrontendConfig, vars(args)), engine_args):
         logger.warning(line)
     if engine_args.data_parallel_size > 1:          # replicas on Ray Serve (replicas/)
-        from iterserve.replicas import start_pool
         engine = start_pool(engine_args, ray_address=engine_args.ray_address,
                             debug_check_consistency=server.debug_check_consistency)
     else:
@@ -103,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from iterserve.engine import omp_policy        # before anything loads torch (libgomp)
-    omp_policy.apply(getattr(args, "omp_wait_policy", "env"))
+    omp_policy.apply(getattr(args, "omp_wait_policy", "env"))   # before torch loads libgomp
 
     try:
         app, engine = build_app(args)
@@ -136,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         if getattr(engine, "app_name", None):          # a replica pool: stop its replicas
-            from iterserve.replicas import close_pool
             close_pool(engine)
     # Everything is shut down (streams ended, engine stopped, aborts flushed). Interpreter
     # teardown with torch loaded took ~0.9 s more, which would break the promise that the

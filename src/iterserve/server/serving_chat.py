@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import CompletionOutput
 from iterserve.errors import ChatTemplateError, InvalidRequestError
+from iterserve.model.chat_template import compile_template
 from iterserve.server.errors import to_api_error
 from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.errors import APIError
@@ -148,7 +149,6 @@ def request_template(body: Any, config: ServingConfig) -> str | None:
     `chat_template`."""
     if body.chat_template is None:
         return config.chat_template
-    from iterserve.model.chat_template import compile_template
     if not config.trust_request_chat_template:
         raise InvalidRequestError(
             "a request's own chat_template is refused unless the server is started with "

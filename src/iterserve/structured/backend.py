@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from iterserve.errors import GrammarCompileError, GrammarCompileTimeout
+from iterserve.structured.bitmask import allocate_bitmask
 from iterserve.structured.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,6 @@ class StructuredOutputCompiler:
         return (self.vocab_size + 31) // 32
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        from iterserve.structured.bitmask import allocate_bitmask
         return allocate_bitmask(num_rows, self.vocab_size)
 
     # --- compile ------------------------------------------------------------------------
