@@ -17,6 +17,7 @@ from typing import Any, Callable
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.scheduler import Scheduler
 from iterserve.engine import omp_policy
+from iterserve.engine.tp_executor import TPExecutor
 from iterserve.errors import ConfigError
 from iterserve.model.startup import log_imports, phase
 
@@ -60,7 +61,7 @@ def build_engine_parts(args: Any) -> EngineParts:
         from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
-    from iterserve.model import kernels
+    from iterserve.model import kernels  # torch: the engine package imports none
     kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     parallel = args.create_parallel_config()
     if parallel.data_parallel_size > 1:
@@ -86,8 +87,6 @@ def build_engine_parts(args: Any) -> EngineParts:
 
 def _build_tensor_parallel(args: Any) -> EngineParts:
     """-tp N: engine/tp_executor.py loads rank 0's slice here and spawns the other ranks."""
-    from iterserve.engine.tp_executor import TPExecutor
-
     executor = TPExecutor(args, kv_cache_config)
     try:
         sched_cfg = args.create_scheduler_config(executor.config.max_position_embeddings)
