@@ -288,7 +288,9 @@ def _padded_ids(lists: list[list[int]], device: torch.device) -> tuple[torch.Ten
 
     Each row is padded with its own first id (0 for an empty row), so a scatter of a value
     computed from the gathered logit writes that id's one correct value more than once and
-    no other id is touched.
+    no other id is touched. (The padding must get the penalised value too: a scatter's
+    duplicate writes land in no defined order, and a pad that wrote the unpenalised value
+    would win or lose with the batch's widest row.) The mask says which entries are real.
     """
     width = max(len(x) for x in lists)
     rows = [x + [x[0] if x else 0] * (width - len(x)) for x in lists]
@@ -334,7 +336,8 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> to
         vals = logits.gather(1, ids)
         rep = column([p.repetition_penalty for p in params])
         penalised = torch.where(vals > 0, vals / rep, vals * rep)
-        logits.scatter_(1, ids, torch.where(valid, penalised, vals))
+        # every entry of a non-empty row is one of its seen ids (pads repeat the first)
+        logits.scatter_(1, ids, torch.where(valid[:, :1], penalised, vals))
     freq = [p.frequency_penalty for p in params]
     pres = [p.presence_penalty for p in params]
     outputs = [r.output_token_ids for r in requests]
@@ -345,7 +348,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> to
             logits.scatter_add_(1, ids, step)
         if any(pres):   # once per distinct id: duplicates write the same value
             vals = logits.gather(1, ids)
-            logits.scatter_(1, ids, torch.where(valid, vals - column(pres), vals))
+            logits.scatter_(1, ids, torch.where(valid[:, :1], vals - column(pres), vals))
     return logits
 
 
