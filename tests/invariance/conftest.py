@@ -5,18 +5,16 @@ The tests here are written for the default path. Some model forms still run line
 whose summation order follows the row count of a call (the GGUF block types, F16 / BF16
 rows, bf16 / fp16 checkpoints: fixtures/invariance.invariant_now); their cases carry the
 marker `needs_invariant_linear` and are skipped, saying so, until the batch-invariant linear
-kernels are in the tree. Flip LINEAR_KERNELS_INVARIANT to True (or set
-ITERSERVE_TEST_LINEAR_INVARIANT=1) to run them: they are expected to pass then, and fail
-today.
+kernels are in the tree. Flip LINEAR_KERNELS_INVARIANT in tests/fixtures/invariance.py to
+True (or set ITERSERVE_TEST_LINEAR_INVARIANT=1) to run them: they are expected to pass
+then, and fail today.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-LINEAR_KERNELS_INVARIANT = False
+from fixtures.invariance import SKIP_REASON, linear_kernels_invariant
 
 
 def pytest_configure(config):
@@ -26,10 +24,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if LINEAR_KERNELS_INVARIANT or os.environ.get("ITERSERVE_TEST_LINEAR_INVARIANT") == "1":
+    if linear_kernels_invariant():
         return
-    skip = pytest.mark.skip(reason="needs the batch-invariant linear kernels: set "
-                            "LINEAR_KERNELS_INVARIANT = True in tests/invariance/conftest.py")
+    skip = pytest.mark.skip(reason=SKIP_REASON)
     for item in items:
         if "needs_invariant_linear" in item.keywords:
             item.add_marker(skip)
