@@ -107,11 +107,17 @@ class ModelRunner:
         self.native_ops = self.model.use_native_ops(on) if hasattr(self.model, "use_native_ops") \
             else False
         self.decode_kernel = None
+        self.prefill_kernel = False
         # The native attention reads float32 or f16 pools (f16: half the KV bytes per step;
-        # kernels/decode_attention.c); a bf16 pool keeps the torch path.
+        # kernels/decode_attention.c); bf16 pools only the prefill kernel, which then takes
+        # the decodes too (attention.build_metadata). One order of operations in both keeps
+        # a sequence's logits independent of the batch.
         if on and self.device.type == "cpu" and self.config.dtype == torch.float32 \
-                and kv_dtype in (torch.float32, torch.float16) and self.config.head_dim % 8 == 0:
-            self.decode_kernel = kernels.decode_attention()
+                and kv_dtype in (torch.float32, torch.float16, torch.bfloat16) \
+                and self.config.head_dim % 8 == 0:
+            self.prefill_kernel = kernels.available()
+            if kv_dtype != torch.bfloat16:
+                self.decode_kernel = kernels.decode_attention()
         # Small decode-only steps: every layer in one native call (llama.use_fused_decode).
         # The model checks the rest (block kernel and native ops in use, architecture).
         self.fused_decode = self.model.use_fused_decode(self.decode_kernel is not None) \
@@ -202,7 +208,8 @@ class ModelRunner:
             last_row[i] = len(ids) - 1
             spans.append((start, n, st.block_ids))
         meta = build_metadata(spans, self.block_size, self.config.sliding_window, self.device,
-                              self.config.dtype, decode_kernel=self.decode_kernel)
+                              self.config.dtype, decode_kernel=self.decode_kernel,
+                              prefill_kernel=self.prefill_kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
