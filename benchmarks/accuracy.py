@@ -2,7 +2,7 @@
 
 Why: the default activations (`--kernel-activations auto`: 8-bit activation rows dotted in
 integers, as llama.cpp does) trade accuracy for speed; this measures the trade on real text
-so the README can say what it costs and the default can be chosen by numbers (issue 28).
+so the README can say what it costs and the default can be chosen by numbers.
 
 For each text (the seed text ../shared/background/continuous-batching.txt and the two in
 benchmarks/data/accuracy-*.txt, written for this benchmark and dedicated to the public
