@@ -274,8 +274,10 @@ class AsyncEngine:
                         busy = False
                         if await loop.run_in_executor(self._thread, self._check_health):
                             continue            # ended requests emit their outputs next step
+                    # Re-read _closed after the clear: shutdown may have set _closed and
+                    # _work while the health check ran, and its wake-up is cleared here.
                     self._work.clear()
-                    if not self.engine.has_unfinished_requests():
+                    if not self._closed and not self.engine.has_unfinished_requests():
                         await self._work.wait()
                     continue
                 busy = True
