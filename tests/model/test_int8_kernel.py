@@ -428,9 +428,16 @@ def test_int8_continues_the_bundled_model_greedily_as_float_does(mixed_model):
     prompt = _prompt(mixed_model)
     f_tokens, f_logits = _greedy(mixed_model, prompt, "float")
     i_tokens, i_logits = _greedy(mixed_model, prompt, "int8")
-    assert i_tokens == f_tokens, (mixed_model.tokenizer.decode(i_tokens),
-                                  mixed_model.tokenizer.decode(f_tokens))
-    for a, b in zip(i_logits[1:], f_logits[1:]):             # the decode steps
+    # The 8-layer cut of the model is near random, so its continuation meets near-ties: the
+    # texts may part only where float's own top two are within 8-bit error of each other
+    # (2% of the logits' spread), and not before the third token.
+    same = next((k for k, (a, b) in enumerate(zip(i_tokens, f_tokens)) if a != b), len(f_tokens))
+    if same < len(f_tokens):
+        f = f_logits[same][0]
+        margin = ((f[f_tokens[same]] - f[i_tokens[same]]) / f.std()).item()
+        assert same >= 3 and margin < 0.02, (same, margin, mixed_model.tokenizer.decode(i_tokens),
+                                             mixed_model.tokenizer.decode(f_tokens))
+    for a, b in zip(i_logits[1:same + 1], f_logits[1:same + 1]):   # decode steps, same context
         rel = ((a - b).pow(2).mean().sqrt() / b.std()).item()
         assert 0 < rel < 0.1                                 # 0: int8 did not run
 

@@ -34,6 +34,9 @@ from iterserve.model.kernels._abi import (ARGTYPES, CPUINFO_NAMES, FEATURE_BITS,
                                           check_abi)
 
 log = logging.getLogger("iterserve.model.kernels")
+# Called with the library each time it loads; config.py registers the call that hands the
+# library the process's kernel configuration (a list, so build.py needs no import of it).
+on_load: list = []
 
 _DIR = Path(__file__).parent
 _SOURCES = sorted(_DIR.glob("*.c"))
@@ -153,9 +156,9 @@ def _library() -> ctypes.CDLL | None:
         log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
         return None
     # dlopen hands back the same library (and its static state) on a reload: configure it
-    # every time, with the configuration this process holds
-    from iterserve.model.kernels.config import apply, state_of
-    apply(lib)
+    # every time, with the configuration this process holds (config.py registers its apply)
+    for hook in on_load:
+        hook(lib)
     bits = lib.iterserve_cpu_features()
     _lib_features = frozenset(n for i, n in enumerate(FEATURE_BITS) if bits >> i & 1)
     _caps = caps
@@ -167,6 +170,15 @@ def _library() -> ctypes.CDLL | None:
              " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.qgemm),
              " ".join(names.get(t, str(t)) for t, c in sorted(caps.items()) if c.dequant))
     return lib
+
+
+def state_of(lib: ctypes.CDLL) -> dict[str, int]:
+    """The library's resolved state: activations, features, wide (2: AVX-512 float kernels),
+    int8 (2: AVX-512 VNNI int8 kernels), vbmi, bf16, invariant."""
+    buf = (ctypes.c_int64 * 8)()
+    n = lib.iterserve_config_state(buf, 8)
+    return dict(zip(("activations", "features", "wide", "int8", "vbmi", "bf16", "invariant"),
+                    buf[:n]))
 
 
 def _type_names() -> dict[int, str]:

@@ -20,6 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.model.kernels import build
+from iterserve.model.kernels._abi import Config
+from iterserve.model.kernels.build import state_of
+
 log = logging.getLogger("iterserve.model.kernels")
 
 ACTIVATION_MODES = {"float": 0, "int8": 1, "auto": 2}     # iterserve.h ITERSERVE_ACT_*
@@ -68,19 +72,12 @@ _current = KernelConfig()
 
 def apply(lib: ctypes.CDLL) -> None:
     """Hand the current configuration to a loaded library (build.py calls it on load)."""
-    from iterserve.model.kernels._abi import Config
     c = Config(ACTIVATION_MODES[_current.activations], ISAS[_current.isa],
                int(_current.batch_invariant))
     lib.iterserve_configure(ctypes.byref(c))
 
 
-def state_of(lib: ctypes.CDLL) -> dict[str, int]:
-    """The library's resolved state: activations, features, wide (2: AVX-512 float kernels),
-    int8 (2: AVX-512 VNNI int8 kernels), vbmi, bf16."""
-    buf = (ctypes.c_int64 * 8)()
-    n = lib.iterserve_config_state(buf, 8)
-    return dict(zip(("activations", "features", "wide", "int8", "vbmi", "bf16", "invariant"),
-                    buf[:n]))
+build.on_load.append(apply)
 
 
 def configure(cfg: KernelConfig) -> KernelConfig:
@@ -88,7 +85,6 @@ def configure(cfg: KernelConfig) -> KernelConfig:
     between calls). Without the native library every linear runs torch's float path, so an
     int8 / auto choice only takes effect where the library loads. Returns `cfg`."""
     global _current
-    from iterserve.model.kernels import build
     if not isinstance(cfg, KernelConfig):
         raise TypeError(f"configure takes a KernelConfig, not {type(cfg).__name__}")
     _current = cfg
@@ -107,7 +103,6 @@ def config() -> KernelConfig:
 
 
 def _state() -> dict[str, int]:
-    from iterserve.model.kernels import build
     return state_of(build._lib())
 
 
@@ -126,7 +121,6 @@ def set_batch_invariant(on: bool) -> bool:
 
 def activations() -> str:
     """The activation mode in use ("float" without the library)."""
-    from iterserve.model.kernels import build
     if build._library() is None:
         return "float"
     return _current.activations
