@@ -171,11 +171,24 @@ class CacheConfig:
     num_kv_blocks: int = knob(1024, "device KV blocks", int, minimum=1, group="KV cache")
     num_swap_blocks: int = knob(0, "host KV blocks for preemption by swap", int, minimum=0,
                                 group="KV cache")
-    enable_prefix_caching: bool = knob(False, "share the KV blocks of common prompt prefixes",
+    enable_prefix_caching: bool = knob(True, "share the KV blocks of common prompt prefixes",
                                        bool, group="KV cache")
+    num_ram_tier_blocks: int = knob(
+        0, "host RAM slots that keep cached blocks the pool evicts (the KV tiers, "
+        "core/kv_tiers.py)", int, minimum=0, group="KV cache")
+    num_disk_tier_blocks: int = knob(
+        0, "blocks the disk tier may hold (one file each)", int, minimum=0, group="KV cache")
 
     def validate(self) -> "CacheConfig":
         _check_fields(self)
+        if (self.num_ram_tier_blocks or self.num_disk_tier_blocks) \
+                and not self.enable_prefix_caching:
+            raise ConfigError("the KV tiers keep prefix-cache blocks: they need "
+                              "enable_prefix_caching", "num_ram_tier_blocks")
+        if self.num_disk_tier_blocks and not self.num_ram_tier_blocks:
+            raise ConfigError("the disk tier is read back through RAM tier slots: "
+                              "num_disk_tier_blocks needs num_ram_tier_blocks",
+                              "num_ram_tier_blocks")
         return self
 
 

@@ -18,6 +18,11 @@ about 1.2 ms per token to *everyone's* step on a laptop-class core):
   GiB (default 1 GiB) at `ModelRunner.kv_cache_bytes_per_block` bytes each.
 - swap pool: `--swap-space` GiB (vLLM's flag); with `--preemption-mode swap` and no swap
   space given, a pool as large as the device pool, so swap mode works out of the box.
+- KV tiers (core/kv_tiers.py): `--kv-offload-dir DIR` writes every cached block through to
+  DIR, at most `--kv-offload-gib` GiB of block files, and reads them back across restarts;
+  `--kv-offload-ram-gib` GiB of host RAM keep blocks the pool evicts (by default: on a GPU
+  as much as the device pool, at most 4 GiB; on the CPU none, or with a disk tier a quarter
+  of the pool and at least two max_model_len prompts, the slots disk reads land in).
 """
 
 from __future__ import annotations
@@ -44,7 +49,13 @@ _DERIVED_HELP = {
     "num_kv_blocks": "default: as many as fit in --kv-cache-memory; overrides it",
     "num_swap_blocks": "default: from --swap-space; with --preemption-mode swap and no swap "
                        "space, as many as the device pool; overrides --swap-space",
+    "enable_prefix_caching": "default on",
+    "num_ram_tier_blocks": "default: from --kv-offload-ram-gib; overrides it",
+    "num_disk_tier_blocks": "default: from --kv-offload-gib with --kv-offload-dir; "
+                            "overrides it",
 }
+DEFAULT_KV_OFFLOAD_GIB = 8.0           # the disk tier's bound when only the directory is given
+DEFAULT_GPU_RAM_TIER_GIB = 4.0         # a GPU pool's RAM tier at most, unless given
 
 
 @dataclass
@@ -82,7 +93,13 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"             # auto: the compute dtype (float32 on CPU)
     swap_space: float | None = None          # GiB of host swap pool
     num_swap_blocks: int | None = None       # overrides swap_space (tests, the lab)
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    # KV tiers below the pool (core/kv_tiers.py, model/kv_tier_store.py)
+    kv_offload_dir: str | None = None        # the disk tier's directory (None: no disk tier)
+    kv_offload_gib: float = DEFAULT_KV_OFFLOAD_GIB   # bound on its block files
+    kv_offload_ram_gib: float | None = None  # None: derived (module docstring)
+    num_ram_tier_blocks: int | None = None   # override the GiB (tests)
+    num_disk_tier_blocks: int | None = None
     # parallel (core/config.py ParallelConfig)
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
@@ -115,8 +132,11 @@ class EngineArgs:
         return SchedulerConfig(**knobs).validate(
             default_max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
-    def create_cache_config(self, bytes_per_block: int | None = None) -> CacheConfig:
-        """Block counts from the explicit counts, else from the memory budgets."""
+    def create_cache_config(self, bytes_per_block: int | None = None, *,
+                            disk_file_bytes: int | None = None,
+                            max_model_len: int | None = None) -> CacheConfig:
+        """Block counts from the explicit counts, else from the memory budgets
+        (`disk_file_bytes`: one block file's size, for the disk tier's bound)."""
         if self.num_kv_blocks is not None:
             num_blocks = check_knob("num_kv_blocks", self.num_kv_blocks, _CACHE_KNOBS["num_kv_blocks"])
         else:
@@ -137,12 +157,68 @@ class EngineArgs:
             num_swap = int(self.swap_space * GiB // bytes_per_block) if bytes_per_block else 0
         else:
             num_swap = num_blocks if self.preemption_mode == "swap" else 0
+        num_disk = self._disk_tier_blocks(disk_file_bytes or bytes_per_block)
+        num_ram = self._ram_tier_blocks(bytes_per_block, num_blocks, num_disk, max_model_len)
         return CacheConfig(
             block_size=self.block_size,
             num_kv_blocks=num_blocks,
             num_swap_blocks=num_swap,
             enable_prefix_caching=self.enable_prefix_caching,
+            num_ram_tier_blocks=num_ram,
+            num_disk_tier_blocks=num_disk,
         ).validate()
+
+    def _disk_tier_blocks(self, file_bytes: int | None) -> int:
+        if not self.kv_offload_dir:
+            if self.num_disk_tier_blocks:
+                raise ConfigError("num_disk_tier_blocks needs --kv-offload-dir",
+                                  "num_disk_tier_blocks")
+            return 0
+        if not self.enable_prefix_caching:
+            raise ConfigError("--kv-offload-dir keeps prefix-cache blocks: it needs "
+                              "--enable-prefix-caching", "kv_offload_dir")
+        if self.num_disk_tier_blocks is not None:
+            return self.num_disk_tier_blocks
+        if not self.kv_offload_gib > 0:
+            raise ConfigError(f"kv_offload_gib must be positive, got {self.kv_offload_gib}",
+                              "kv_offload_gib")
+        if not file_bytes:
+            raise ConfigError("num_disk_tier_blocks is needed when the block size in bytes "
+                              "is unknown", "num_disk_tier_blocks")
+        n = int(self.kv_offload_gib * GiB // file_bytes)
+        if n < 1:
+            raise ConfigError(f"kv_offload_gib {self.kv_offload_gib} holds no block file of "
+                              f"{file_bytes} bytes", "kv_offload_gib")
+        return n
+
+    def _ram_tier_blocks(self, bytes_per_block: int | None, num_blocks: int, num_disk: int,
+                         max_model_len: int | None) -> int:
+        if self.num_ram_tier_blocks is not None:
+            return self.num_ram_tier_blocks
+        if not self.enable_prefix_caching:
+            if self.kv_offload_ram_gib:
+                raise ConfigError("--kv-offload-ram-gib keeps prefix-cache blocks: it needs "
+                                  "--enable-prefix-caching", "kv_offload_ram_gib")
+            return 0
+        if self.kv_offload_ram_gib is not None:
+            if self.kv_offload_ram_gib < 0:
+                raise ConfigError(f"kv_offload_ram_gib must be non-negative, got "
+                                  f"{self.kv_offload_ram_gib}", "kv_offload_ram_gib")
+            if not bytes_per_block:
+                raise ConfigError("num_ram_tier_blocks is needed when the block size in bytes "
+                                  "is unknown", "num_ram_tier_blocks")
+            n = int(self.kv_offload_ram_gib * GiB // bytes_per_block)
+            if num_disk and n < 1:
+                raise ConfigError("the disk tier reads blocks back into the RAM tier: "
+                                  "--kv-offload-ram-gib must hold at least one block",
+                                  "kv_offload_ram_gib")
+            return n
+        if self.device.startswith("cuda") and bytes_per_block:
+            return min(num_blocks, int(DEFAULT_GPU_RAM_TIER_GIB * GiB // bytes_per_block))
+        if num_disk:                 # the slots disk reads land in (core/kv_tiers.py)
+            prompt = -(-(max_model_len or DEFAULT_MAX_MODEL_LEN_CAP) // self.block_size)
+            return min(num_disk, max(num_blocks // 4, 2 * prompt))
+        return 0
 
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**{name: getattr(self, name)
@@ -192,6 +268,21 @@ class EngineArgs:
                             "float16/bfloat16 halve KV memory")
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of host memory for swapped-out KV blocks")
+        g.add_argument("--kv-offload-dir", default=d.kv_offload_dir, metavar="DIR",
+                       help="a disk tier for the prefix cache: every cached block is written "
+                            "to DIR and read back when a prompt needs it again, also after "
+                            "a restart (default: none). Blocks are keyed by the model files, "
+                            "dtypes and block size; replicas and restarts share DIR")
+        g.add_argument("--kv-offload-gib", type=float, default=d.kv_offload_gib,
+                       metavar="GiB", help="with --kv-offload-dir: GiB of block files kept, "
+                       f"least recently used evicted first (default {d.kv_offload_gib:g}; "
+                       "per replica)")
+        g.add_argument("--kv-offload-ram-gib", type=float, default=d.kv_offload_ram_gib,
+                       metavar="GiB", help="host RAM that keeps cached blocks the KV pool "
+                       "evicts, and where disk reads land (default: on a GPU the pool's size "
+                       f"up to {DEFAULT_GPU_RAM_TIER_GIB:g} GiB; on the CPU none, or with "
+                       "--kv-offload-dir a quarter of the pool, at least two max_model_len "
+                       "prompts)")
         return parser
 
     @classmethod
