@@ -77,11 +77,24 @@ def test_disk_tier_keeps_its_bound_by_evicting_the_oldest_unpinned():
     disk.add("b")
     disk.pin("a")                             # read this step
     disk.add("c")
-    assert disk.pending_deletes == ["b"] and "a" in disk and "c" in disk
+    assert list(disk.pending_deletes) == ["b"] and "a" in disk and "c" in disk
     disk.end_step()
     disk.add("a")                             # touched again: c is the oldest
     disk.add("d")
-    assert disk.pending_deletes == ["b", "c"]
+    assert list(disk.pending_deletes) == ["b", "c"]
+    disk.add("b")                             # written again before its delete went out
+    assert list(disk.pending_deletes) == ["c", "a"]
+
+
+def test_disk_tier_over_its_bound_while_all_are_pinned_trims_at_the_step_end():
+    disk = DiskTier(capacity=1)
+    disk.add("a")
+    disk.pin("a")
+    disk.add("b")
+    disk.pin("b")
+    assert len(disk) == 2 and not disk.pending_deletes
+    disk.end_step()
+    assert len(disk) == 1 and list(disk.pending_deletes) == ["a"]
 
 
 def test_disk_probe_finds_files_another_process_wrote():

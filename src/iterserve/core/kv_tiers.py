@@ -235,7 +235,9 @@ class DiskTier:
         self.capacity = capacity
         self.probe = probe
         self._lru = _Lru()
-        self.pending_deletes: list[str] = []
+        # Evicted digests whose files the next ops delete (ordered; a digest added again
+        # before then is taken out: its file stays).
+        self.pending_deletes: dict[str, None] = {}
         self.num_evicted = 0
 
     def __len__(self) -> int:
@@ -261,16 +263,24 @@ class DiskTier:
             lru.touch(digest)
             return
         lru.order[digest] = 0
+        self.pending_deletes.pop(digest, None)
+        self._trim(keep=digest)
+
+    def _trim(self, keep: str | None = None) -> None:
+        lru = self._lru
         while len(lru) > self.capacity:
             old = lru.victim()
-            if old is None or old == digest:
-                break
+            if old is None or old == keep:
+                break                   # (over the bound until the pins go: end_step)
             del lru.order[old]
-            self.pending_deletes.append(old)
+            self.pending_deletes[old] = None
             self.num_evicted += 1
 
     def pin(self, digest: str) -> None:
         self._lru.pinned.add(digest)
+        self._lru.touch(digest)
+
+    def touch(self, digest: str) -> None:
         self._lru.touch(digest)
 
     def forget(self, digest: str) -> None:
@@ -279,6 +289,7 @@ class DiskTier:
 
     def end_step(self) -> None:
         self._lru.pinned.clear()
+        self._trim()                    # (its deletes go with the next step's ops)
 
 
 class KVTiers:
@@ -358,10 +369,9 @@ class KVTiers:
         if disk is None:
             return
         if digest in disk:
-            disk.pin(digest)
+            disk.touch(digest)
             return
-        disk.add(digest)
-        disk.pin(digest)
+        disk.add(digest)    # (an eviction of it this same step is a delete queued after it)
         self._ops.disk_saves.append((block, digest))
         self.counters["disk_writes"] += 1
 
@@ -431,8 +441,8 @@ class KVTiers:
             if disk.pending_deletes:
                 self._ops.disk_deletes.extend(disk.pending_deletes)
                 self.counters["disk_deletes"] += len(disk.pending_deletes)
-                disk.pending_deletes = []
-            disk.end_step()
+                disk.pending_deletes = {}
+            disk.end_step()          # (deletes beyond the bound it finds: the next step's)
         if self.ram is not None:
             self.ram.end_step()
         ops, self._ops = (self._ops, KVTierOps()) if self._ops else (None, self._ops)
