@@ -397,8 +397,8 @@ class KVTierStore:
     def _read(self, digest: str, slot: int) -> tuple[bool, float]:
         """Read `digest` into host `slot`: (ok, seconds). Never raises."""
         t = time.perf_counter()
-        dst = _uint8_numpy(self.kv.host_view(slot))
         try:
+            dst = _uint8_numpy(self.kv.host_view(slot))
             with self._lock:
                 staged = self._staged.get(digest)
             if staged is not None:                    # still queued for writing
