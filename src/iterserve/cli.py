@@ -19,6 +19,19 @@ SUBCOMMANDS = [
     ("bench", "iterserve.bench.cli"),
 ]
 
+# Handlers a subcommand runs from a layer above its own, set as defaults of its parser
+# (subcommand -> {default name: "module:function"}), imported only when called:
+# `iterserve lab --serve` serves the server's app, and the lab imports nothing from the server.
+HANDLERS = {"lab": {"serve_lab_page": "iterserve.server.lab_page:serve"}}
+
+
+def _handler(target: str):
+    module, name = target.split(":")
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    return call
+
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -34,7 +47,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             if e.name == module:     # the layer is not built yet
                 continue
             raise
-        mod.register(sub)
+        sub_parser = mod.register(sub)
+        if name in HANDLERS:
+            sub_parser.set_defaults(**{k: _handler(v) for k, v in HANDLERS[name].items()})
     return parser
 
 

@@ -6,9 +6,10 @@ import json
 import pytest
 
 from iterserve.bench.cli import register
-from iterserve.bench.client import BenchClientError, ClientOptions, run_sweep, run_workload
+from iterserve.bench.client import ClientOptions, run_sweep, run_workload
 from iterserve.bench.metrics import SLO
 from iterserve.bench.workloads import build_workload
+from iterserve.errors import BenchClientError
 
 from .openai_stub import StubConfig, running_stub
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.workloads import (WORKLOADS, WorkloadError, build_workload,
-                                       load_length_distribution, make_prompt)
+from iterserve.bench.workloads import (WORKLOADS, build_workload, load_length_distribution,
+                                       make_prompt)
+from iterserve.errors import WorkloadError
 
 
 def test_mix_is_48_requests_80_percent_short_20_percent_long_all_at_t0():

@@ -239,10 +239,11 @@ def test_a_swap_in_does_not_write_through_blocks_its_copy_fills_later():
 
 def test_tiers_need_prefix_caching_and_the_disk_tier_needs_ram_slots():
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
-        CacheConfig(num_ram_tier_blocks=4, enable_prefix_caching=False).validate()
+        CacheConfig(num_kv_blocks=8, num_ram_tier_blocks=4,
+                    enable_prefix_caching=False).validate()
     with pytest.raises(ConfigError, match="num_ram_tier_blocks"):
-        CacheConfig(num_disk_tier_blocks=4).validate()
-    assert CacheConfig().enable_prefix_caching          # on by default
+        CacheConfig(num_kv_blocks=8, num_disk_tier_blocks=4).validate()
+    assert CacheConfig(num_kv_blocks=8).enable_prefix_caching      # on by default
 
 
 # --- the scheduler ---------------------------------------------------------------------------

@@ -16,12 +16,13 @@ from iterserve.core import scheduler as scheduler_module
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules
 from iterserve.core.priority_policy import PriorityPolicy
-from iterserve.core.request import Request, SamplingParams, SamplingParamsError
+from iterserve.core.request import Request, SamplingParams
 from iterserve.core.scheduler import Scheduler, make_policy
 from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.core.slo_policy import SloPolicy, SloQueue
 from iterserve.core.static_batching import StaticBatching
 from iterserve.core.step_time import StepTimeModel
+from iterserve.errors import SamplingParamsError
 
 COST = dict(c0=0.010, c_tok=0.0, c_seq=0.002, c_kv=0.0, c_prefill_tok=0.001)
 

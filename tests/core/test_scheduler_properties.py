@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from iterserve.core.scheduler import QueueFullError, Scheduler
+from iterserve.core.scheduler import Scheduler
+from iterserve.errors import QueueFullError
 
 
 class Clock:

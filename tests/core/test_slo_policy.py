@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
+from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, RequestStatus, SamplingParams
-from iterserve.core.scheduler import QueueFullError, Scheduler
-from iterserve.core.slo_policy import SLOUnattainableError
+from iterserve.core.scheduler import Scheduler
 from iterserve.core.step_time import StepTimeModel
+from iterserve.errors import ConfigError, QueueFullError, SLOUnattainableError, SamplingParamsError
 
 COST = dict(c0=0.010, c_tok=0.0, c_seq=0.002, c_kv=0.0, c_prefill_tok=0.001)
 
@@ -291,8 +291,6 @@ def test_per_request_targets_come_from_the_sampling_params_and_override_the_defa
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("field", ["ttft_slo_ms", "tpot_slo_ms"])
 def test_targets_under_another_policy_are_refused_naming_the_field(policy, field):
-    from iterserve.core.request import SamplingParamsError
-
     s = Scheduler(SchedulerConfig(scheduling_policy=policy, max_num_seqs=4,
                                   max_num_batched_tokens=64, max_model_len=64),
                   CacheConfig(block_size=16, num_kv_blocks=64))

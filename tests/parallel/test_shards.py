@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fixtures.tiny_gguf import ALL_QUANT, TINY_LLAMA, write_tiny_llama_gguf
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_loader import load_gguf
 from iterserve.model.parallel import (DequantShardRef, KShardRef, Shard, k_shard, row_shard,
                                       vocab_range)

@@ -17,6 +17,9 @@ import httpx
 import openai
 import pytest
 
+from iterserve.errors import SamplingParamsError
+
+
 MESSAGES = [{"role": "user", "content": "Hi"}]
 GREEDY = {"temperature": 0.0}
 
@@ -64,7 +67,7 @@ def test_bad_values_are_a_400_naming_the_field(fcfs, field, value):
 
 
 def test_offline_params_validate_the_targets():
-    from iterserve.core.request import SamplingParams, SamplingParamsError
+    from iterserve.core.request import SamplingParams
 
     SamplingParams(ttft_slo_ms=250, tpot_slo_ms=50.0).validate()
     for bad in (float("nan"), float("inf"), 0.0, -1.0, 4e6, "100", True):

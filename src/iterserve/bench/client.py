@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import httpx
 
+
 from .metrics import SLO, RequestRecord, summarize
 from .workloads import BenchRequest, Workload, build_workload
 
-
-class BenchClientError(ValueError):
-    """Bad client arguments (URL, endpoint, rates); the message says which."""
+from iterserve.errors import BenchClientError
 
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -21,9 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from iterserve.errors import SLOError
 
-class SLOError(ValueError):
-    """An --slo specification that cannot be parsed."""
 
 
 @dataclass(slots=True)

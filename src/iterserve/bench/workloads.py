@@ -32,7 +32,8 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 
-from iterserve.core.errors import WorkloadError  # the one workload error (lab and bench)
+from iterserve.errors import WorkloadError
+
 
 # Single tokens (with a leading space) in SmolLM2's tokenizer; common English, so they are
 # single tokens in most BPE vocabularies too (GPT-2, Llama-3 style).

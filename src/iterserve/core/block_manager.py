@@ -38,12 +38,9 @@ from dataclasses import dataclass
 from iterserve.core.kv_tiers import NO_HIT, KVTiers, PrefixHit
 from iterserve.core.request import Request
 from iterserve.core.scheduler_output import KVTierFeedback, KVTierOps
+from iterserve.errors import NoFreeBlocksError
 
 BlockKey = tuple  # (parent hash or None, tuple of block_size token ids)
-
-
-class NoFreeBlocksError(RuntimeError):
-    """An allocation was attempted without checking that enough blocks are free (a bug)."""
 
 
 def cdiv(a: int, b: int) -> int:

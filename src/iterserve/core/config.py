@@ -1,15 +1,25 @@
-"""The one definition of the scheduler and KV-cache knobs (vLLM's names).
+"""The one knob schema: every setting of the engine, the server and `iterserve generate`.
 
-Each knob is a dataclass field whose metadata (`Knob`) holds its help text, CLI flag,
-bounds and, for choices, an Enum. Everything else is derived from these fields, so a knob
-is written once:
+Each config below is a dataclass of knobs in vLLM's style (load, scheduler, KV cache,
+parallel, kernels, observability; the server and the OpenAI frontend; the generate
+command), and each knob is one field whose metadata (`Knob`, core/knobs.py) holds its help,
+type, bounds, choices and flag. Everything else is derived from these fields, so adding a
+knob is one declaration:
 
 - `validate()` checks every field against its metadata, then the rules between fields;
-- `engine/args.py` generates the scheduler / KV-cache flags of `iterserve serve` from them
-  (`add_knob_arguments`), and builds the configs by field name (nano-vllm's `fields(Config)`);
-- the lab's options (`lab/options.py`) are a pydantic model whose scheduler fields are made
-  from the same metadata (`pydantic_field_specs`), so the lab, its CLI and its page have
-  every knob under the same name with the same bounds.
+- `EngineArgs` (engine/args.py) has one field per knob of `ENGINE_CONFIGS`, with the same
+  default, and builds the configs by field name;
+- the flags of `iterserve serve` (`ENGINE_CONFIGS` + `SERVER_CONFIGS`) and `iterserve
+  generate` (`ENGINE_CONFIGS` + `GenerateConfig`) are generated from it
+  (`add_config_arguments`), with vLLM's spellings;
+- the lab's options (lab/options.py) are a pydantic model whose scheduler and KV-cache
+  fields are made from the same metadata, with the engine's defaults except where
+  lab/options.py `LAB_DEFAULTS` says why not.
+
+Defaults that depend on the device are declared with `per_device` on the knob (the field
+holds the CPU's); `knobs.default_on` is the one function that picks. A knob that is
+accepted without effect (`no_effect`) or refused (`refused`) is declared the same way:
+`knob_notices` gives the start-up line of the first, validation refuses the second.
 
 The one cross-knob rule, kept in one place: without chunked prefill a whole
 prompt must fit in one step, so the token budget must cover max_model_len. As in vLLM, a
@@ -19,19 +29,17 @@ small is a ConfigError naming the knob.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import enum
 import math
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Mapping
 
+from iterserve.core.knobs import (  # noqa: F401  (the schema's vocabulary, re-exported)
+    Knob, PerDevice, add_config_arguments, add_knob_argument, default_of, default_on, device_type,
+    flag_of, knob, knob_fields, knobs_of, per_device)
+from iterserve.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A knob has a value that cannot work; the message names the knob (`knob` holds it)."""
-
-    def __init__(self, message: str, knob: str | None = None):
-        super().__init__(message)
-        self.knob = knob
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -57,48 +65,6 @@ class RouterPolicy(enum.StrEnum):
     PREFIX_AWARE = "prefix_aware"
 
 
-@dataclass(frozen=True, slots=True)
-class Knob:
-    """Metadata of one knob: enough to validate it, document it and make a flag for it."""
-
-    help: str
-    kind: type                        # int, float, bool, or an Enum class
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: bool = False   # minimum itself is not allowed (timeouts: > 0)
-    nullable: bool = False            # None is a value (no limit / derived)
-    flag: str | None = None           # CLI flag; default --name-with-dashes
-    group: str = "scheduler"          # CLI argument group: "scheduler", "KV cache", "parallel"
-    short: str | None = None          # an extra short flag (-tp), vLLM's spelling
-
-    @property
-    def choices(self) -> tuple[str, ...] | None:
-        if isinstance(self.kind, type) and issubclass(self.kind, enum.Enum):
-            return tuple(m.value for m in self.kind)
-        return None
-
-    def bounds_text(self) -> str:
-        parts = []
-        if self.minimum is not None:
-            parts.append(f"{'>' if self.exclusive_minimum else '>='} {self.minimum:g}")
-        if self.maximum is not None:
-            parts.append(f"<= {self.maximum:g}")
-        return ", ".join(parts)
-
-
-def knob(default: Any, help: str, kind: type, **meta: Any) -> Any:
-    """A dataclass field carrying its Knob metadata."""
-    return field(default=default, metadata={"knob": Knob(help=help, kind=kind, **meta)})
-
-
-def knob_fields(cls: type) -> Iterator[tuple[str, Any, Knob]]:
-    """(name, default, Knob) for every knob of a config class, in declaration order."""
-    for f in fields(cls):
-        k = f.metadata.get("knob")
-        if k is not None:
-            yield f.name, (None if f.default is MISSING else f.default), k
-
-
 def check_knob(name: str, value: Any, k: Knob) -> Any:
     """`value` checked (and coerced: str -> Enum, int -> float) against `k`; ConfigError
     naming the knob otherwise."""
@@ -106,6 +72,11 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
         if k.nullable:
             return None
         raise ConfigError(f"{name} must be set", name)
+    if k.repeat:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}", name)
+        one = dataclasses.replace(k, repeat=False, nullable=False)
+        return [check_knob(name, v, one) for v in value]
     if isinstance(k.kind, type) and issubclass(k.kind, enum.Enum):
         try:
             return k.kind(value)
@@ -115,6 +86,13 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
     if k.kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}", name)
+        return value
+    if k.kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}", name)
+        if k.choices and value not in k.choices:
+            raise ConfigError(
+                f"{name} must be one of {', '.join(k.choices)}; got {value!r}", name)
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}", name)
@@ -134,53 +112,116 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
     return value
 
 
+def _is_set(value: Any, default: Any) -> bool:
+    return value is not None and value != default
+
+
 def _check_fields(obj: Any) -> None:
-    for name, _, k in knob_fields(type(obj)):
-        setattr(obj, name, check_knob(name, getattr(obj, name), k))
+    """Every knob of a config checked (and coerced) in place; a refused knob that is set
+    is a ConfigError naming its flag."""
+    for name, default, k in knob_fields(type(obj)):
+        value = check_knob(name, getattr(obj, name), k)
+        if k.refused is not None and _is_set(value, default):
+            raise ConfigError(f"{flag_of(name, k)}: {k.refused}", name)
+        setattr(obj, name, value)
 
 
-def add_knob_argument(group: Any, name: str, k: Knob, default: Any,
-                      derived_help: str | None = None) -> None:
-    """One flag from a knob's metadata: --name-with-dashes, its type, choices, help text.
-
-    Booleans get --flag / --no-flag. Values are checked by the config's validate() (so the
-    CLI, the engine and the lab reject them with the same message), except choices, which
-    argparse checks itself.
-    """
-    flag = k.flag or "--" + name.replace("_", "-")
-    flags = [flag] + ([k.short] if k.short else [])
-    extra = derived_help or ("" if default is None else f"default {default}")
-    bounds = k.bounds_text()
-    text = k.help + (f" ({extra})" if extra else "") + (f" [{bounds}]" if bounds else "")
-    if k.kind is bool:
-        group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
-                           default=default, help=text)
-    elif k.choices:
-        group.add_argument(*flags, dest=name, default=default, choices=list(k.choices),
-                           help=text)
-    else:
-        group.add_argument(*flags, dest=name, type=k.kind, default=default, help=text)
+def knob_notices(*configs: Any) -> list[str]:
+    """One line per knob that is set but has no effect here (`no_effect`), for the log at
+    start; `configs` are config objects or EngineArgs (whose fields carry the same Knobs)."""
+    lines = []
+    for obj in configs:
+        for name, default, k in knob_fields(type(obj)):
+            if k.no_effect is not None and _is_set(getattr(obj, name), default):
+                lines.append(f"{flag_of(name, k)} has no effect here: {k.no_effect}")
+    return lines
 
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+def config_from(cls: type, values: Mapping[str, Any]) -> Any:
+    """A config built from the values of its knobs' names (e.g. an argparse namespace's
+    vars; missing names keep their defaults), validated."""
+    names = {name for name, _, _ in knob_fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names}).validate()
+
+
+@dataclass(slots=True)
+class LoadConfig:
+    """What to load and how (vLLM's ModelConfig / LoadConfig / DeviceConfig flags)."""
+
+    TITLE: ClassVar[str] = "model"
+    model: str | None = knob(
+        None, "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+        str, nullable=True)
+    served_model_name: str | None = knob(
+        None, "model name clients use", str, derived="default: derived from --model")
+    tokenizer: str | None = knob(
+        None, "a tokenizer other than the model's: an HF tokenizer directory, a "
+        "tokenizer.json file or a .gguf file", str, metavar="PATH",
+        derived="default: the model's own")
+    dtype: str = knob(
+        "auto", "compute dtype; auto keeps the weights as the checkpoint stores them and "
+        "computes in float32 on CPU", str,
+        choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
+    device: str = knob("cpu", "torch device", str)
+    seed: int = knob(0, "torch seed for unseeded sampling", int)
+
+    def validate(self) -> "LoadConfig":
+        _check_fields(self)
+        return self
 
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = knob(16, "tokens per KV block", int, minimum=1, group="KV cache")
-    num_kv_blocks: int = knob(1024, "device KV blocks", int, minimum=1, group="KV cache")
-    num_swap_blocks: int = knob(0, "host KV blocks for preemption by swap", int, minimum=0,
-                                group="KV cache")
+    """The paged KV pool. The scheduler and the block manager read the block counts; the
+    memory budgets are how EngineArgs sizes them once the model's bytes per block are
+    known (so a core user gives num_kv_blocks itself)."""
+
+    TITLE: ClassVar[str] = "KV cache"
+    block_size: int = knob(16, "tokens per KV block", int, minimum=1)
+    num_kv_blocks: int | None = knob(
+        None, "device KV blocks", int, minimum=1,
+        derived="default: as many as fit in --kv-cache-memory; overrides it")
+    num_swap_blocks: int = knob(
+        0, "host KV blocks for preemption by swap", int, minimum=0,
+        derived="default: from --swap-space; with --preemption-mode swap and no swap space, "
+                "as many as the device pool; overrides --swap-space")
     enable_prefix_caching: bool = knob(True, "share the KV blocks of common prompt prefixes",
-                                       bool, group="KV cache")
+                                       bool)
+    kv_cache_memory: float = knob(1.0, "GiB for the KV cache", float, minimum=0,
+                                  exclusive_minimum=True, metavar="GiB")
+    kv_cache_dtype: str = knob(
+        "auto", "KV cache dtype: auto is the compute dtype (float32 on CPU); float16 / "
+        "bfloat16 halve KV memory", str, choices=("auto", "float32", "float16", "bfloat16"))
+    swap_space: float | None = knob(
+        None, "GiB of host memory for swapped-out KV blocks", float, minimum=0,
+        nullable=True, metavar="GiB")
+    # The KV tiers below the pool (core/kv_tiers.py, model/kv_tier_store.py): engine/args.py
+    # turns the directory and the GiB into the two block counts the core reads.
+    kv_offload_dir: str | None = knob(
+        None, "a disk tier for the prefix cache: every cached block is written to DIR and "
+        "read back when a prompt needs it again, also after a restart (default: none). "
+        "Blocks are keyed by the model file, dtypes and block size; replicas and restarts "
+        "share DIR", str, nullable=True, metavar="DIR")
+    kv_offload_gib: float = knob(
+        8.0, "with --kv-offload-dir: GiB of block files kept, least recently used evicted "
+        "first (per replica)", float, minimum=0, exclusive_minimum=True, metavar="GiB")
+    kv_offload_ram_gib: float | None = knob(
+        None, "host RAM that keeps cached blocks the KV pool evicts, and where disk reads "
+        "land", float, minimum=0, metavar="GiB",
+        derived="default: on a GPU the pool's size up to 4 GiB; on the CPU none, or with "
+                "--kv-offload-dir a quarter of the pool, at least two max_model_len prompts")
     num_ram_tier_blocks: int = knob(
-        0, "host RAM slots that keep cached blocks the pool evicts (the KV tiers, "
-        "core/kv_tiers.py)", int, minimum=0, group="KV cache")
+        0, "host RAM slots that keep cached blocks the pool evicts", int, minimum=0,
+        derived="default: from --kv-offload-ram-gib; overrides it")
     num_disk_tier_blocks: int = knob(
-        0, "blocks the disk tier may hold (one file each)", int, minimum=0, group="KV cache")
+        0, "blocks the disk tier may hold (one file each)", int, minimum=0,
+        derived="default: from --kv-offload-gib with --kv-offload-dir; overrides it")
 
     def validate(self) -> "CacheConfig":
         _check_fields(self)
+        if self.num_kv_blocks is None:
+            raise ConfigError("num_kv_blocks must be set (EngineArgs sizes it from "
+                              "kv_cache_memory once the model is loaded)", "num_kv_blocks")
         if (self.num_ram_tier_blocks or self.num_disk_tier_blocks) \
                 and not self.enable_prefix_caching:
             raise ConfigError("the KV tiers keep prefix-cache blocks: they need "
@@ -194,11 +235,19 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = knob(64, "sequences per step", int, minimum=1)
+    TITLE: ClassVar[str] = "scheduler"
+    # The CPU defaults suit a small model on a CPU, where a step's cost grows with its token
+    # count (a prefill chunk adds about 1.2 ms per token to everyone's step on a laptop-class
+    # core): 32 decodes still cost a few tens of ms, and a 256-token budget caps the stall a
+    # long prompt's chunk causes. A GPU step costs about the same from 1 to a few thousand
+    # tokens, so there the defaults are vLLM's for its OpenAI server.
+    max_num_seqs: int = knob(per_device(32, cuda=256), "sequences per step", int, minimum=1)
     max_num_batched_tokens: int | None = knob(
-        None, "token budget per step", int,
-        minimum=1, nullable=True)
-    max_model_len: int = knob(2048, "prompt + output tokens per request", int, minimum=2)
+        None, "token budget per step", int, minimum=1,
+        device_default=per_device(256, cuda=2048),
+        derived="without chunked prefill, at least max_model_len")
+    max_model_len: int = knob(2048, "prompt + output tokens per request", int, minimum=2,
+                              derived="default: the model's limit, at most 2048")
     enable_chunked_prefill: bool = knob(True, "split long prompts over several steps", bool)
     long_prefill_token_threshold: int = knob(
         0, "cap on one request's prefill chunk (0: none)", int, minimum=0)
@@ -246,14 +295,15 @@ class SchedulerConfig:
         None, "scheduling_policy slo: default time-per-output-token target (ms); admission "
         "holds before one more decode would break it", float, minimum=0,
         exclusive_minimum=True, nullable=True)
-    # Not a knob (a path or a shipped name, not a number): the cost model the slo policy's
-    # online step-time model starts from; None = the shipped "smollm2-cpu".
-    slo_cost_model: str | None = None
+    slo_cost_model: str | None = knob(
+        None, "scheduling_policy slo: the cost model its online step-time model starts "
+        "from (a JSON file or a shipped name; default smollm2-cpu)", str, nullable=True,
+        metavar="FILE|NAME")
 
-    def validate(self, default_max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-                 ) -> "SchedulerConfig":
-        """Check every knob, then resolve the budget (None: the caller's default, raised to
-        max_model_len without chunked prefill). Idempotent."""
+    def validate(self, default_max_num_batched_tokens: int | None = None) -> "SchedulerConfig":
+        """Check every knob, then resolve the budget (None: `default_max_num_batched_tokens`,
+        else the knob's CPU default, raised to max_model_len without chunked prefill).
+        Idempotent."""
         _check_fields(self)
         if (self.max_long_partial_prefills is not None
                 and self.max_long_partial_prefills > self.max_num_partial_prefills):
@@ -274,6 +324,8 @@ class SchedulerConfig:
                 "length above which a prefill counts as long)", "max_long_prefill_tokens")
         if self.max_num_batched_tokens is None:
             budget = default_max_num_batched_tokens
+            if budget is None:
+                budget = default_on(_SCHEDULER_KNOBS["max_num_batched_tokens"], None)
             if not self.enable_chunked_prefill:
                 budget = max(budget, self.max_model_len)
             self.max_num_batched_tokens = budget
@@ -302,9 +354,15 @@ class OmpWaitPolicy(enum.StrEnum):
     PASSIVE = "passive"  # sleep: no spinning thread takes a core another process needs
 
 
+_SCHEDULER_KNOBS = {name: k for name, _, k in knob_fields(SchedulerConfig)}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = default_on(_SCHEDULER_KNOBS["max_num_batched_tokens"], None)
+
+
 @dataclass(slots=True)
 class KernelConfig:
     """How the model's native CPU kernels compute, set when the model loads."""
+
+    TITLE: ClassVar[str] = "kernels"
 
     kernel_activations: KernelActivations = knob(
         KernelActivations.AUTO, "GEMM activations over GGUF weights: int8 (quantised rows, integer dot "
@@ -312,15 +370,18 @@ class KernelConfig:
         "a float GEMM up to summation order) or auto (int8 where it measured faster: decode "
         "K-quants up to 32 rows, Q4_0/Q4_1/Q5_0/Q5_1 up to 32 on AVX-512 VBMI CPUs, else 8, "
         "Q8_0 up to 8; prefill chunks of more than 32 rows of these types; bf16 dot products "
-        "for BF16 weights, and F16 from 16 rows, on avx512bf16 CPUs)", KernelActivations,
-        group="model")
+        "for BF16 weights, and F16 from 16 rows, on avx512bf16 CPUs)", KernelActivations)
+    batch_invariant: bool = knob(
+        False, "compute every linear output in one order whatever else the step holds (a "
+        "sequence's logits then do not depend on its batch; the linear kernels cost 1.2-3.7x "
+        "at decode row counts)", bool)
     omp_wait_policy: OmpWaitPolicy = knob(
         OmpWaitPolicy.ENV, "idle OpenMP threads: env (as OMP_WAIT_POLICY says, libgomp "
         "spins by default), active, passive (sleep: on a machine whose cores other "
         "processes use, spinning threads made a decode step 10-100x slower), or auto "
         "(passive when the 1-minute load average at start is at least the usable CPUs); "
         "applied by `iterserve serve` before torch loads, an OMP_WAIT_POLICY in the "
-        "environment wins", OmpWaitPolicy, group="model")
+        "environment wins", OmpWaitPolicy)
 
     def validate(self) -> "KernelConfig":
         _check_fields(self)
@@ -334,18 +395,145 @@ class ParallelConfig:
     `router`. Tensor parallel: one engine whose weights are split over N ranks
     (torch.distributed), the scheduler on rank 0."""
 
+    TITLE: ClassVar[str] = "parallel"
     data_parallel_size: int = knob(1, "engine replicas behind the one endpoint (Ray Serve)",
-                                   int, minimum=1, group="parallel", short="-dp")
+                                   int, minimum=1, aliases=("-dp",))
     tensor_parallel_size: int = knob(1, "ranks one model's weights are split over "
-                                     "(torch.distributed)", int, minimum=1,
-                                     group="parallel", short="-tp")
+                                     "(torch.distributed)", int, minimum=1, aliases=("-tp",))
     router: RouterPolicy = knob(RouterPolicy.LEAST_LOADED,
-                                "how requests are spread over replicas", RouterPolicy,
-                                group="parallel")
+                                "how requests are spread over replicas", RouterPolicy)
     threads_per_replica: int | None = knob(
         None, "OpenMP threads of each replica or rank (default: the cores / replicas)", int,
-        minimum=1, nullable=True, group="parallel")
+        minimum=1, nullable=True)
+    ray_address: str | None = knob(
+        None, "with --data-parallel-size > 1: join this Ray cluster ('auto', 'HOST:PORT') "
+        "instead of starting a local one", str, nullable=True, metavar="ADDRESS")
 
     def validate(self) -> "ParallelConfig":
         _check_fields(self)
         return self
+
+
+@dataclass(slots=True)
+class ObservabilityConfig:
+    """What the engine keeps for the trace endpoint and the live view (engine/tracing.py)."""
+
+    TITLE: ClassVar[str] = "observability"
+    max_finished_requests: int = knob(
+        1000, "finished requests whose traces /v1/requests/{id}/trace keeps", int, minimum=0)
+    step_history_len: int = knob(
+        300, "engine steps (those that did something) the live view keeps", int, minimum=0)
+
+    def validate(self) -> "ObservabilityConfig":
+        _check_fields(self)
+        return self
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """`iterserve serve`'s HTTP server (server/cli.py, server/app.py)."""
+
+    TITLE: ClassVar[str] = "server"
+    host: str = knob("127.0.0.1", "address to listen on", str)
+    port: int = knob(8000, "port to listen on", int, minimum=0, maximum=65535)
+    api_key: str | None = knob(
+        None, "require 'Authorization: Bearer <key>' on every route but /health, /ping and "
+        "the lab page", str, nullable=True)
+    metrics_require_auth: bool = knob(
+        False, "with --api-key, /metrics needs the key too (off: Prometheus scrapers usually "
+        "send none)", bool)
+    max_request_body_bytes: int = knob(
+        4 << 20, "larger bodies get 413 (4 MiB)", int, minimum=1)
+    shutdown_timeout: float = knob(
+        5.0, "seconds in-flight requests may run on after SIGINT/SIGTERM; then they end with "
+        "finish_reason 'abort' and the process exits within about one more second", float,
+        minimum=0)
+    debug_check_consistency: bool = knob(
+        False, "check the scheduler's books after every step (they are always checked when "
+        "the engine goes idle)", bool)
+    log_level: str = knob("info", "log level", str, choices=LOG_LEVELS)
+
+    def validate(self) -> "ServerConfig":
+        _check_fields(self)
+        if self.metrics_require_auth and not self.api_key:
+            raise ConfigError("--metrics-require-auth needs --api-key", "metrics_require_auth")
+        return self
+
+
+@dataclass(slots=True)
+class FrontendConfig:
+    """The OpenAI endpoints' server-wide settings, vLLM's flags (server/serving_config.py
+    says what each does), so a pasted `vllm serve MODEL ...` command line works."""
+
+    TITLE: ClassVar[str] = "OpenAI frontend (vLLM's flags)"
+    chat_template: str | None = knob(
+        None, "a Jinja chat template (a file, or the template itself) used instead of the "
+        "model's", str, nullable=True, metavar="FILE|STRING")
+    trust_request_chat_template: bool = knob(
+        False, "accept a request's own chat_template (off: such requests get a 400; a "
+        "template is a program the server runs)", bool)
+    enable_auto_tool_choice: bool = knob(
+        False, 'let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser", bool)
+    tool_call_parser: str | None = knob(
+        None, "how the model writes tool calls: hermes (Qwen2.5/3, Hermes, SmolLM3), "
+        "llama3_json (Llama 3.x), mistral; also the format forced for tool_choice "
+        '"required" / named (default hermes)', str, nullable=True,
+        choices=("hermes", "llama3_json", "mistral"))      # = iterserve.tools.TOOL_PARSERS
+    generation_config: str = knob(
+        "auto", "auto: the model's generation_config.json supplies default temperature / "
+        "top_p / top_k / min_p / repetition_penalty / max_tokens for requests that leave "
+        "them unset; vllm: ignore it; DIR: read DIR/generation_config.json", str,
+        metavar="auto|vllm|DIR")
+    uvicorn_log_level: str | None = knob(
+        None, "uvicorn's own log level", str, choices=(*LOG_LEVELS, "trace"),
+        derived="default: --log-level")
+    enable_log_requests: bool = knob(
+        False, "log each request's prompt and sampling params (--disable-log-requests: do "
+        "not, the default as in current vLLM)", bool, off_aliases=("--disable-log-requests",))
+    max_log_len: int | None = knob(
+        None, "with --enable-log-requests: at most N prompt characters and token ids per "
+        "logged request (default: all)", int, minimum=0, nullable=True, metavar="N")
+
+    def validate(self) -> "FrontendConfig":
+        _check_fields(self)
+        return self
+
+
+@dataclass(slots=True)
+class GenerateConfig:
+    """`iterserve generate`'s own flags: how to sample and print (engine/cli.py). Greedy
+    and 64 tokens (the API's defaults are temperature 1 and 16 tokens) make a quick,
+    repeatable look at a model from the shell."""
+
+    TITLE: ClassVar[str] = "generation"
+    chat: bool = knob(False, "wrap each prompt as a user message", bool)
+    max_tokens: int = knob(64, "tokens to generate per prompt", int)
+    temperature: float = knob(0.0, "sampling temperature (0: greedy)", float)
+    top_p: float = knob(1.0, "nucleus sampling mass", float)
+    top_k: int = knob(0, "sample from the k most likely tokens (0: all)", int)
+    n: int = knob(1, "completions per prompt", int)
+    stop: str | None = knob(None, "stop string (repeatable)", str, nullable=True, repeat=True)
+    sampling_seed: int | None = knob(None, "per-request sampling seed", int, nullable=True)
+    ignore_eos: bool = knob(False, "keep generating past the end-of-sequence token", bool)
+    json: bool = knob(False, "print one JSON object per completion", bool)
+    progress: bool = knob(True, "show a progress bar", bool)
+
+    def validate(self) -> "GenerateConfig":
+        _check_fields(self)         # types only: SamplingParams.validate() checks the values
+        return self
+
+
+# The configs EngineArgs is made of (engine/args.py), and the server's own.
+ENGINE_CONFIGS: tuple[type, ...] = (LoadConfig, SchedulerConfig, CacheConfig, ParallelConfig,
+                                    KernelConfig, ObservabilityConfig)
+SERVER_CONFIGS: tuple[type, ...] = (ServerConfig, FrontendConfig)
+ALL_CONFIGS: tuple[type, ...] = ENGINE_CONFIGS + SERVER_CONFIGS + (GenerateConfig,)
+
+
+def schema() -> dict[str, tuple[Any, Knob, type]]:
+    """Every knob of the product: name -> (default, Knob, config class)."""
+    return knobs_of(*ALL_CONFIGS)

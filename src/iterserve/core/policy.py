@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
 
 from iterserve.core.config import SchedulerConfig
-from iterserve.core.request import Request, SamplingParamsError
+from iterserve.core.request import Request
 from iterserve.core.request_queue import FCFSQueue, PriorityQueue, RequestQueue
 from iterserve.core.scheduler_output import SchedulerOutput
+from iterserve.errors import SamplingParamsError
 
 if TYPE_CHECKING:
     from iterserve.core.slo_policy import SloPolicy

@@ -18,6 +18,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from iterserve.errors import SamplingParamsError
+from iterserve.structured.params import StructuredOutputsParams
+
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"        # queued, never admitted
@@ -37,14 +41,6 @@ class FinishReason(enum.Enum):
     ABORT = "abort"        # the client went away or cancelled
     TIMEOUT = "timeout"    # deadline or queue-wait limit passed
     ERROR = "error"        # the executor failed on this request
-
-
-class SamplingParamsError(ValueError):
-    """Raised by SamplingParams.validate() with a message fit for an HTTP 400 body."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True)
@@ -163,7 +159,6 @@ class SamplingParams:
         the engine's input processor does them)."""
         so = self.structured_outputs
         if so is not None:
-            from iterserve.structured.params import StructuredOutputsParams
             if isinstance(so, dict):
                 self.structured_outputs = so = StructuredOutputsParams.from_structured_outputs(so)
             if not isinstance(so, StructuredOutputsParams):

@@ -68,13 +68,11 @@ from iterserve.core.priority_policy import PriorityPolicy
 from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.request_queue import RequestQueue
 from iterserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from iterserve.core.slo_policy import SloPolicy
 from iterserve.core.static_batching import StaticBatching
+from iterserve.errors import QueueFullError
 
 _RUNNING = RequestStatus.RUNNING
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_queued_requests` requests; retry later (HTTP 503/429)."""
 
 
 @dataclass(slots=True)
@@ -97,9 +95,6 @@ def make_policy(config: SchedulerConfig, clock: Callable[[], float]) -> Policy:
     if config.scheduling_policy is SchedulingPolicy.PRIORITY:
         policy: Policy = PriorityPolicy(config)
     elif config.scheduling_policy is SchedulingPolicy.SLO:
-        # Imported here: slo_policy imports QueueFullError from this module.
-        from iterserve.core.slo_policy import SloPolicy
-
         policy = SloPolicy(config, clock)
     else:
         policy = FcfsPolicy(config)

@@ -45,12 +45,13 @@ from collections import deque
 from typing import Callable, Iterator, Mapping, Sequence
 
 from iterserve.core.config import SchedulerConfig
+from iterserve.core.cost_model import load_cost_model
 from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules
 from iterserve.core.request import Request
 from iterserve.core.request_queue import RequestQueue
-from iterserve.core.scheduler import QueueFullError
 from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.core.step_time import StepTimeModel, attention_pairs
+from iterserve.errors import SLOUnattainableError
 
 TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT target
 RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
@@ -63,27 +64,8 @@ SAMPLE_EVERY = 4             # ... every 4th step
 _INF = math.inf
 
 
-class SLOUnattainableError(QueueFullError):
-    """A request that cannot meet its TTFT target, refused before it is queued.
-
-    `retry_after_s`: seconds after which the same request could be admitted in time (the
-    queue ahead having drained), or None when it could not be even on an idle engine (its
-    prefill alone is slower than its target). The server maps it to 429 with `Retry-After:
-    ceil(retry_after_s)` and an OpenAI error body; with None, to 400 (param `ttft_slo_ms`).
-    """
-
-    def __init__(self, message: str, *, retry_after_s: float | None,
-                 predicted_ttft_s: float, ttft_slo_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.predicted_ttft_s = predicted_ttft_s
-        self.ttft_slo_s = ttft_slo_s
-
-
 def default_step_time_model(name: str = DEFAULT_SEED_COST_MODEL) -> StepTimeModel:
-    """Seed from a cost model: a JSON file or a shipped name (lab/data; a pure-data import)."""
-    from iterserve.lab.cost_model import load_cost_model
-
+    """Seed from a cost model: a JSON file or a shipped name (core/data)."""
     return StepTimeModel.from_cost_model(load_cost_model(name))
 
 

@@ -39,10 +39,10 @@ import threading
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import (EmptyPromptError, EngineDeadError, IterserveError,
-                                     InvalidRequestError, PromptTooLongError)
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.errors import (EmptyPromptError, EngineDeadError, InvalidRequestError,
+                              IterserveError, PromptTooLongError)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,7 +143,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def add_stat_logger(self, stat_logger: Any) -> None:
+    def add_stat_logger(self, stat_logger: Any, *,
+                        per_replica: Callable[[str, str], Any] | None = None) -> None:
+        """`stat_logger.log(StepStats)` after every step. `per_replica(model_name, replica)`
+        makes the logger of one replica's own series, for an engine that serves through
+        replicas (replicas/pool.py); one engine has none, so it does not call it."""
         self.engine.stat_loggers.append(stat_logger)
 
     def next_request_id(self, prefix: str = "req") -> str:

@@ -15,8 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
+from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.scheduler import Scheduler
+from iterserve.engine import omp_policy
+from iterserve.engine.tp_executor import TPExecutor
+from iterserve.errors import ConfigError
+from iterserve.model.startup import log_imports, phase
 
 
 @dataclass(eq=False)
@@ -39,7 +43,7 @@ class EngineParts:
 def kv_cache_config(args: Any, loaded: Any, max_model_len: int | None = None) -> CacheConfig:
     """The KV pool: `num_kv_blocks`, or as many blocks as `kv_cache_memory` GiB holds; and
     the KV tiers' sizes (engine/args.py)."""
-    from iterserve.model.runner import ModelRunner
+    from iterserve.model.runner import ModelRunner  # torch: the engine package imports none
 
     cfg = loaded.config
     bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size)
@@ -62,8 +66,6 @@ def kv_setting_key(args: Any, loaded: Any) -> str:
 
 
 def build_engine_parts(args: Any) -> EngineParts:
-    from iterserve.engine import omp_policy
-    from iterserve.model.startup import log_imports, phase
     log_imports()
     # The offline API reaches here without `iterserve serve`'s early call: apply the knob
     # before torch loads libgomp (a no-op when serve already set it).
@@ -71,11 +73,13 @@ def build_engine_parts(args: Any) -> EngineParts:
     with phase("torch"):
         import torch
 
+        # the model layer (torch) loads here, once an engine is built, timed as "torch"
         from iterserve.model.loader import load_model
         from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
-    _configure_kernels(args)
+    from iterserve.model import kernels  # torch: the engine package imports none
+    kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     parallel = args.create_parallel_config()
     if parallel.data_parallel_size > 1:
         # One LLMEngine is one replica: replicas are separate processes behind the server's
@@ -132,16 +136,8 @@ def _connect_tiers(bm: Any, runner: Any, args: Any) -> None:
     runner.memory_plan["kv_tiers"] = plan
 
 
-def _configure_kernels(args: Any) -> None:
-    """The process-wide kernel knobs (core/config.py KernelConfig), before the model loads."""
-    from iterserve.model import kernels
-    kernels.configure_activations(args.create_kernel_config().kernel_activations.value)
-
-
 def _build_tensor_parallel(args: Any) -> EngineParts:
     """-tp N: engine/tp_executor.py loads rank 0's slice here and spawns the other ranks."""
-    from iterserve.engine.tp_executor import TPExecutor
-
     if args.kv_offload_dir or args.kv_offload_ram_gib or args.num_ram_tier_blocks:
         raise ConfigError("the KV tiers (--kv-offload-dir, --kv-offload-ram-gib) do not run "
                           "with tensor parallel yet", "kv_offload_dir")

@@ -5,7 +5,7 @@
         -> one scheduler `Request` per sequence (n > 1 fans out into n of them)
 
 Everything here can refuse a request, and does so before any state exists anywhere, with the
-precise ValueErrors of engine/errors.py (HTTP 400 in the server). The fan-out rule, as in
+precise ValueErrors of iterserve/errors.py (HTTP 400 in the server). The fan-out rule, as in
 vLLM: sequence i of a request with `n > 1` is its own scheduler request `<id>-n<i>` with
 n = 1 and, when the request is seeded, seed + i, so it samples exactly what a single request
 with that seed would.
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from iterserve.core.request import Request, SamplingParams
-from iterserve.engine.errors import (
-    EmptyPromptError, InvalidRequestError, MaxTokensTooLargeError, PromptTooLongError,
-    TokenIdOutOfRangeError)
+from iterserve.errors import (EmptyPromptError, InvalidRequestError, LogitsParamError,
+                              MaxTokensTooLargeError, PromptTooLongError, TokenIdOutOfRangeError)
 
 
 @dataclass(eq=False)
@@ -68,6 +67,7 @@ class InputProcessor:
         if self._compiler is None:
             with self._compiler_lock:     # the server's event loop may ask first
                 if self._compiler is None:
+                    # llguidance and torch: once a request asks for structured outputs
                     from iterserve.structured.backend import StructuredOutputCompiler
                     try:
                         self._compiler = StructuredOutputCompiler(
@@ -158,8 +158,9 @@ class InputProcessor:
         if not (params.structured_outputs is not None or params.logit_bias
                 or params.allowed_token_ids or params.bad_words or params.min_tokens):
             return params, None
-        from iterserve.model.logits_processors import (
-            LogitsParamError, bad_words_token_ids, validate_logit_bias, validate_token_ids)
+        # torch: only for a request with logit_bias, allowed/bad tokens or min_tokens
+        from iterserve.model.logits_processors import (bad_words_token_ids, validate_logit_bias,
+                                                       validate_token_ids)
         changes: dict[str, Any] = {}
         try:
             if params.logit_bias:

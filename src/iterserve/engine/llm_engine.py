@@ -28,13 +28,14 @@ from typing import Any, Callable, Iterable, Sequence
 from iterserve.core.request import FinishReason, SamplingParams
 from iterserve.core.scheduler import SchedulerStats
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
-from iterserve.engine.errors import DuplicateRequestIdError
+from iterserve.engine.builder import build_engine_parts
 from iterserve.engine.input_processor import InputProcessor
 from iterserve.engine.interfaces import EngineScheduler, Executor
 from iterserve.engine.metrics import StatLogger, StepStats
 from iterserve.engine.output_processor import OutputProcessor
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.tracing import Tracer
+from iterserve.errors import DuplicateRequestIdError
 
 __all__ = ["LLMEngine", "Executor", "EngineScheduler"]
 
@@ -86,8 +87,6 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: Any, *, stat_loggers: Sequence[StatLogger] = ()) -> "LLMEngine":
         """Load the model, size the KV pool and build scheduler + runner (engine/builder.py)."""
-        from iterserve.engine.builder import build_engine_parts
-
         p = build_engine_parts(args)
         engine = cls(p.scheduler, p.executor, p.tokenizer, model_name=p.model_name,
                      max_model_len=p.max_model_len, vocab_size=p.vocab_size,

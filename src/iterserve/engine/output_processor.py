@@ -35,6 +35,7 @@ from iterserve.engine.metrics import RequestMetrics, StepStats, merge_metrics
 from iterserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from iterserve.engine.request_state import RequestState, SequenceState
 from iterserve.engine.tracing import count_token
+from iterserve.model.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.clock = clock
         if detokenizer_factory is None:
-            from iterserve.model.detokenizer import IncrementalDetokenizer
             detokenizer_factory = IncrementalDetokenizer
         self.detokenizer_factory = detokenizer_factory
         self.requests: dict[str, RequestState] = {}                       # live, by request id
@@ -108,6 +108,7 @@ class OutputProcessor:
                 sampling[rid] = matchers[rid]
         if not sampling:
             return None
+        # torch: only for a step with constrained requests
         from iterserve.structured.bitmask import GrammarBitmask, PendingGrammarBitmask
         if not self.overlap_bitmask_fill:
             return GrammarBitmask.fill(sampling)

@@ -24,18 +24,17 @@ sequence's context from. Then in every layer:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from iterserve import envs
 from iterserve.model import kernels
 
 # Prefill chunks through kernels/prefill_attention.c wherever the decodes use the native
 # kernel. ITERSERVE_PREFILL_ATTENTION=0 (or setting this False) keeps the torch path for A/B.
-PREFILL_NATIVE = os.environ.get("ITERSERVE_PREFILL_ATTENTION", "1").lower() not in (
-    "0", "false", "no", "off")
+PREFILL_NATIVE = envs.ITERSERVE_PREFILL_ATTENTION
 
 
 @dataclass(slots=True)

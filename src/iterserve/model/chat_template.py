@@ -23,11 +23,8 @@ import json
 from datetime import datetime
 from typing import Any
 
-from iterserve.engine.errors import ClientError  # base class: see engine/errors.py
+from iterserve.errors import ChatTemplateError
 
-
-class ChatTemplateError(ClientError):
-    """The messages cannot be rendered: malformed input, no template, or the template refused."""
 
 
 def _raise_exception(message: str) -> None:

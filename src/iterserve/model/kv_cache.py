@@ -27,13 +27,9 @@ import mmap
 
 import torch
 
-from iterserve.engine.errors import ServerError  # base class: see engine/errors.py
+from iterserve.errors import KVCacheError
 from iterserve.model.config import ModelConfig
 from iterserve.model.startup import phase
-
-
-class KVCacheError(ServerError):
-    """A block id or swap pair is outside the pools."""
 
 
 # Below this a plain torch.zeros is as cheap and keeps small pools on the allocator.

@@ -31,7 +31,9 @@ import os
 
 import torch
 
-from iterserve.model.config import ModelLoadError
+from iterserve.errors import InsufficientMemoryError
+from iterserve.model.kv_cache import PagedKVCache
+from iterserve.model.layers import Embedding, Linear
 from iterserve.model.weights import type_name
 
 log = logging.getLogger(__name__)
@@ -39,10 +41,6 @@ log = logging.getLogger(__name__)
 # Activations, logits, the reference path's tiles, allocator slack: what a step needs beyond
 # weights and KV (a 256-token step of an 8B-shaped model needs ~100 MB).
 RESERVE_BYTES = 256 << 20
-
-
-class InsufficientMemoryError(ModelLoadError):
-    """Model + requested KV cache do not fit in the memory available."""
 
 
 def _meminfo_available() -> int | None:
@@ -92,7 +90,6 @@ def process_rss_bytes() -> int:
 
 def _weight_tensors(model: torch.nn.Module):
     """(encoding name, uint8-or-float tensor) of every distinct weight of the model."""
-    from iterserve.model.layers import Embedding, Linear
     seen: set[tuple[int, int]] = set()
 
     def once(t: torch.Tensor) -> bool:
@@ -125,7 +122,6 @@ def _mapped_ranges(loaded) -> list[tuple[int, int]]:
 
 def compute_paths(model: torch.nn.Module) -> dict:
     """How the Linears compute: {"linears": {native, mixed, reference, dense, by_encoding}}."""
-    from iterserve.model.layers import Linear
     counts = {"native": 0, "mixed": 0, "reference": 0, "dense": 0}
     by: dict[str, dict[str, int]] = {}
     for m in model.modules():
@@ -142,7 +138,6 @@ def compute_paths(model: torch.nn.Module) -> dict:
 def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
                 kv_dtype: torch.dtype | None = None, num_tier_blocks: int = 0) -> dict:
     """The plan dict (module docstring) for `loaded` with a KV pool of this size."""
-    from iterserve.model.kv_cache import PagedKVCache
     cfg = loaded.config
     kv_dtype = kv_dtype or cfg.kv_cache_dtype or cfg.dtype
     per_block = PagedKVCache.bytes_per_block(cfg, block_size, kv_dtype)

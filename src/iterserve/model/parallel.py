@@ -39,7 +39,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import ModelConfig
+from iterserve.model.default_model import default_model_path
+from iterserve.model.gguf import open_gguf
+from iterserve.model.gguf_loader import read_gguf_config
+from iterserve.model.hf_loader import read_hf_config
 from iterserve.model.layers import Embedding, Linear
 from iterserve.model.weights import F32, FLOAT_TYPES, TensorRef, decode_rows, tile_rows, type_name
 
@@ -151,15 +156,12 @@ def check_model(path: str | None, world: int) -> None:
     any rank process starts (load_model reports a path that is neither kind of model)."""
     from pathlib import Path
 
-    from iterserve.model.hf_loader import read_hf_config
     if path is None:
-        from iterserve.model.default_model import default_model_path
         path = default_model_path()
     p = Path(path).expanduser()
     if p.is_dir():
         hf = read_hf_config(p)
     elif p.is_file() and p.suffix.lower() == ".gguf":
-        from iterserve.model.gguf_loader import open_gguf, read_gguf_config
         hf = read_gguf_config(open_gguf(p))
     else:
         return

@@ -33,10 +33,13 @@ import torch
 
 from iterserve.core.request import SamplingParams
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
+from iterserve.model import kernels
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
-from iterserve.model.memory import compute_paths
+from iterserve.model.memory import check_memory_plan, compute_paths, log_memory_plan, plan_memory
+from iterserve.model.prompt_logprobs import chunk_prompt_logprobs
+from iterserve.model.sampler import Sampler
 
 SamplerFn = Callable[[torch.Tensor, Sequence["RequestState"]], list[SampleResult]]
 
@@ -121,7 +124,6 @@ class ModelRunner:
         self.block_size = block_size
         kv_dtype = self.config.kv_cache_dtype or self.config.dtype
         # Say what this process will hold and refuse, before allocating, what cannot fit.
-        from iterserve.model.memory import check_memory_plan, log_memory_plan, plan_memory
         self.memory_plan = plan_memory(loaded, num_blocks=num_blocks, block_size=block_size,
                                        num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype,
                                        num_tier_blocks=num_tier_blocks)
@@ -139,7 +141,6 @@ class ModelRunner:
             self.tier_store = KVTierStore(self.kv_cache, disk)
         self._tier_report = _TierReport()
         if sampler is None:
-            from iterserve.model.sampler import Sampler
             sampler = Sampler()
         self.sampler = sampler
         self.requests: dict[str, RequestState] = {}
@@ -157,7 +158,6 @@ class ModelRunner:
         # kernels/decode_attention.c); a bf16 pool keeps the torch path.
         if on and self.device.type == "cpu" and self.config.dtype == torch.float32 \
                 and kv_dtype in (torch.float32, torch.float16) and self.config.head_dim % 8 == 0:
-            from iterserve.model import kernels
             self.decode_kernel = kernels.decode_attention()
         # Small decode-only steps: every layer in one native call (llama.use_fused_decode).
         # The model checks the rest (block kernel and native ops in use, architecture).
@@ -319,7 +319,6 @@ class ModelRunner:
                          first_row: int) -> None:
         """Append the entries of the chunk's rows that predict a prompt token (position p
         predicts token p + 1; run on every TP rank alike, as the LM head gathers)."""
-        from iterserve.model.prompt_logprobs import chunk_prompt_logprobs
         end = min(start + n, len(st.prompt_token_ids) - 1)
         if end <= start:
             return

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from iterserve.core.scheduler_output import SampleResult, SamplingRow
+from iterserve.model.logits_processors import apply_logits_processors
 
 GREEDY_TEMPERATURE = 1e-5   # at or below this, sampling is argmax (as vLLM's _SAMPLING_EPS)
 _MASK64 = (1 << 64) - 1
@@ -225,8 +226,6 @@ def _apply_processors(logits: torch.Tensor, requests: Sequence[SamplingRow], par
     """logit_bias, allowed_token_ids, bad_words and min_tokens (model/logits_processors), in
     place, batched over the rows that use them; after the raw logprobs, before penalties
     (vLLM's order)."""
-    from iterserve.model.logits_processors import apply_logits_processors
-
     outputs = [r.output_token_ids for r in requests]
     apply_logits_processors(
         logits,

@@ -104,6 +104,13 @@ class PrometheusStatLogger:
         if num_free_blocks is not None:
             self.num_free_blocks.set(num_free_blocks)
 
+    def for_replica(self, model_name: str, replica: str) -> "PrometheusStatLogger":
+        """A logger of one replica's own series (label replica=<id>), rendered with this
+        one's: the ReplicaPool's stat-logger factory (see `add_stat_logger`)."""
+        child = PrometheusStatLogger(model_name, extra_labels={"replica": replica})
+        self.extra_registries.append(child.registry)
+        return child
+
     def render(self) -> bytes:
         if not self.extra_registries:
             return generate_latest(self.registry)

@@ -53,6 +53,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from iterserve.core.request import MAX_SLO_MS, SamplingParams
+from iterserve.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20       # OpenAI allows up to 20 top logprobs
 MAX_N = 128             # OpenAI's cap on n
@@ -296,8 +297,6 @@ class _SamplingFields(_Model):
     def structured_outputs_params(self):
         """The one structured-output constraint the request asks for, or None (raises
         StructuredOutputsError naming the field: a 400)."""
-        from iterserve.structured import StructuredOutputsParams
-
         return StructuredOutputsParams.from_request(
             response_format=self.response_format, structured_outputs=self.structured_outputs,
             guided_json=self.guided_json, guided_regex=self.guided_regex,

@@ -16,7 +16,6 @@ request has no body generator yet while it waits, so `collect_final` polls
 from __future__ import annotations
 
 import asyncio
-import math
 import json
 import time
 import uuid
@@ -25,12 +24,10 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from iterserve.core.request import SamplingParamsError
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import (EngineDeadError, IterserveError, ServerError,
-                                     UnknownModelError, UnsupportedParameterError)
 from iterserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from iterserve.server.errors import APIError, error_body
+from iterserve.errors import EngineDeadError, UnknownModelError, UnsupportedParameterError
+from iterserve.server.errors import APIError, error_body, to_api_error
 
 DISCONNECT_POLL_S = 0.25
 
@@ -41,46 +38,6 @@ def new_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
-
-
-def to_api_error(exc: BaseException) -> APIError | None:
-    """The HTTP answer for an exception (None: not one of ours, a bug, so a 500).
-
-    One rule (engine/errors.py): an IterserveError carries its own status and type; the
-    core's SamplingParamsError is a 400 and its QueueFullError a 503 with Retry-After. A bare
-    ValueError is *not* assumed to be the client's fault."""
-    from iterserve.core.scheduler import QueueFullError
-    from iterserve.model.chat_template import ChatTemplateError
-
-    from iterserve.core.slo_policy import SLOUnattainableError
-    from iterserve.model.logits_processors import LogitsParamError
-    from iterserve.structured import StructuredOutputsError
-
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, SLOUnattainableError):
-        # Refused early because its TTFT target cannot be met. With a retry-after
-        # estimate it is a 429 (come back later); without one (the prompt alone prefills too
-        # slowly) retrying cannot help, so it is the request's own 400.
-        if exc.retry_after_s is None:
-            return APIError(400, str(exc), param="ttft_slo_ms", code="slo_unattainable")
-        return APIError(429, str(exc), type="rate_limit_exceeded", code="slo_unattainable",
-                        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
-    if isinstance(exc, (StructuredOutputsError, LogitsParamError)):
-        return APIError(400, str(exc), param=getattr(exc, "param", None))
-    if isinstance(exc, QueueFullError):
-        return APIError(503, f"the server is busy: {exc}", type="service_unavailable",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, IterserveError):
-        param = exc.param or ("messages" if isinstance(exc, ChatTemplateError) else None)
-        message = str(exc)
-        if isinstance(exc, ServerError) and not isinstance(exc, EngineDeadError):
-            message = f"internal server error: {type(exc).__name__}: {exc}"
-        return APIError(exc.status_code, message, type=exc.error_type, param=param,
-                        code=exc.code)
-    if isinstance(exc, SamplingParamsError):
-        return APIError(400, str(exc), param=exc.param)
-    return None
 
 
 def check_priority(priority: int | None, engine: AsyncEngine) -> int:
@@ -355,8 +312,11 @@ class ChoiceFormat:
     def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, co: CompletionOutput | None) -> dict[str, Any]:
-        """A streamed choice without finish_reason; `co` None: an empty one."""
+    def delta_choice(self, index: int, co: CompletionOutput | None
+                     ) -> dict[str, Any] | None:
+        """A streamed choice without finish_reason; `co` None: an empty one. None: nothing
+        to send for this step (chat while a tool call's tag is being written); never None for
+        a choice's finishing step, which carries its finish_reason."""
         raise NotImplementedError
 
     def finish_reason(self, index: int, co: CompletionOutput) -> str | None:
@@ -435,6 +395,8 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                     completion_tokens += len(co.delta_token_ids)
                     choice_tokens[idx] = choice_tokens.get(idx, 0) + len(co.delta_token_ids)
                     choice = fmt.delta_choice(idx, co)
+                    if choice is None:          # nothing certain yet (never when finishing)
+                        continue
                     choice["finish_reason"] = fmt.finish_reason(idx, co) \
                         if co.finished_in_this_step else None
                     if co.finished_in_this_step:

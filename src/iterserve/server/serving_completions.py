@@ -21,11 +21,12 @@ from fastapi import Request
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import CompletionOutput
+from iterserve.server.errors import to_api_error
 from iterserve.server.protocol import CompletionRequest
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_common import (
     ChoiceFormat, check_model, check_priority, completion_logprobs, echo_completion_logprobs,
-    new_id, prompt_logprobs_json, respond, start_streams, to_api_error)
+    new_id, prompt_logprobs_json, respond, start_streams)
 
 
 class CompletionFormat(ChoiceFormat):

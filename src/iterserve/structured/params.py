@@ -25,15 +25,11 @@ import json as _json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from iterserve.errors import StructuredOutputsError
+
+
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-class StructuredOutputsError(ValueError):
-    """A structured-output spec the server must refuse (HTTP 400); `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True, eq=True)
