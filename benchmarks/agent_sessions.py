@@ -182,6 +182,11 @@ def row(doc: dict, half: int, turns: int) -> dict:
             "load_1m": (doc["machine"].get("loadavg") or [None])[0]}
 
 
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None,
@@ -191,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--system-len", type=int, default=2000)
+    ap.add_argument("--tool-len", default="250,350", help="MIN,MAX tokens of tool output a turn")
+    ap.add_argument("--answer-len", default="20,60", help="MIN,MAX tokens of each answer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t / -tb")
@@ -209,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                   tool_len=(30, 50), answer_len=(4, 8))
     else:
         w = agent(seed=a.seed, num_requests=a.sessions, num_turns=a.turns,
-                  system_len=a.system_len)
+                  system_len=a.system_len, tool_len=_pair(a.tool_len),
+                  answer_len=_pair(a.answer_len))
     longest = max(r.prompt_len + r.max_tokens for r in w.requests)
     if longest > a.max_model_len:
         ap.error(f"the sessions reach {longest} tokens; raise --max-model-len")
