@@ -120,13 +120,13 @@ def sessions_tokens(w: Workload) -> int:
 def iterserve_cmd(a, port: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(a.model),
             "--port", str(port), "--max-model-len", str(a.max_model_len),
-            "--max-num-seqs", str(max(8, a.sessions)), "--log-level", "warning",
+            "--max-num-seqs", str(max(8, a.conversations)), "--log-level", "warning",
             *a.iterserve_args.split(), *extra]
 
 
 def llama_cmd(a, port: int) -> list[str]:
     import llama_server as ls
-    cmd = ls.command(a.model, port, slots=a.sessions, threads=a.threads,
+    cmd = ls.command(a.model, port, slots=a.conversations, threads=a.threads,
                      ctx_per_slot=a.max_model_len)
     return cmd + ["--cache-reuse", str(CACHE_REUSE)]
 
@@ -148,7 +148,7 @@ def run_case(case: str, engine: str, a, w: Workload, work: Path) -> dict:
     if case == "small-pool-ram":
         extra += ["--kv-offload-ram-gib", all_kv_gib]        # room for every session
     if engine == "llama-server":
-        cmd, label = llama_cmd(a, port), f"llama-server -np {a.sessions} --cache-reuse {CACHE_REUSE}"
+        cmd, label = llama_cmd(a, port), f"llama-server -np {a.conversations} --cache-reuse {CACHE_REUSE}"
     else:
         cmd, label = iterserve_cmd(a, port, extra), "iterserve " + " ".join(extra)
     print(f"[{case}] {label}", flush=True)
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a GGUF file both engines serve (default: the bundled Q4_1)")
     ap.add_argument("--engines", default="iterserve,llama-server")
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=8, help="agent sessions run at once")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--system-len", type=int, default=2000)
     ap.add_argument("--tool-len", default="250,350", help="MIN,MAX tokens of tool output a turn")
@@ -211,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         import llama_server as ls
         a.model = ls.default_gguf()
     if a.smoke:
-        a.sessions, a.turns, a.max_model_len = 2, 3, 1024
+        a.conversations, a.turns, a.max_model_len = 2, 3, 1024
         w = agent(seed=a.seed, num_requests=2, num_turns=3, system_len=200,
                   tool_len=(30, 50), answer_len=(4, 8))
     else:
-        w = agent(seed=a.seed, num_requests=a.sessions, num_turns=a.turns,
+        w = agent(seed=a.seed, num_requests=a.conversations, num_turns=a.turns,
                   system_len=a.system_len, tool_len=_pair(a.tool_len),
                   answer_len=_pair(a.answer_len))
     longest = max(r.prompt_len + r.max_tokens for r in w.requests)
