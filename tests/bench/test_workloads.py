@@ -107,3 +107,25 @@ def test_a_prompt_of_n_words_is_exactly_n_tokens_for_the_default_models_tokenize
     reqs = list(build_workload("mix").requests) + list(build_workload("longprompt").requests)
     for r in reqs:
         assert len(tok.encode(r.prompt).ids) == r.prompt_len, r.index
+
+
+def test_agent_sessions_resend_the_conversation_with_a_shared_system_prompt():
+    w = build_workload("agent")
+    assert len(w.requests) == 80 and {r.session for r in w.requests} == set(range(8))
+    by = {}
+    for r in w.requests:
+        by.setdefault(r.session, []).append(r)
+    system = w.requests[0].prompt.split()[:2000]
+    for turns in by.values():
+        assert [r.turn for r in turns] == list(range(1, 11))
+        assert turns[0].prompt.split()[:2000] == system             # shared by every session
+        for a, b in zip(turns, turns[1:]):
+            assert b.prompt.startswith(a.prompt + " ")              # the whole history again
+            added = b.prompt_len - a.prompt_len - a.max_tokens      # + its answer + a tool
+            assert 250 <= added <= 350
+        assert all(20 <= r.max_tokens <= 60 for r in turns)
+        assert all(r.prompt_len == len(r.prompt.split()) for r in turns)
+    assert by[0][1].prompt != by[1][1].prompt                        # sessions differ
+    assert build_workload("agent", num_requests=2).summary()["num_sessions"] == 2
+    with pytest.raises(WorkloadError, match="closed loops"):
+        build_workload("agent", rate=1.0)

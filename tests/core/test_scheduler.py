@@ -23,6 +23,9 @@ def make(clock=None, **kw):
                                     "enable_prefix_caching") if k in kw}
     cache.setdefault("block_size", 4)
     cache.setdefault("num_kv_blocks", 256)
+    # The rules below are about budgets and queues; their prompts share blocks by chance, and
+    # a prefix hit would change the chunks they count. The cache's own tests turn it on.
+    cache.setdefault("enable_prefix_caching", False)
     return Scheduler(SchedulerConfig(**kw), CacheConfig(**cache), clock=clock or Clock())
 
 

@@ -9,7 +9,9 @@ tokens, the block tables a data-only executor rebuilds from the SchedulerOutputs
 requests once, then diffs) equal the block manager's own, no block is owned twice and ref counts match owners (check_consistency), static
 batching never admits into a live group; and at the end that every request ended with
 exactly its max_tokens (ignore_eos) or with the abort/timeout it was given, and that every
-block is free again (cached blocks count as free).
+block is free again (cached blocks count as free). A content-tracking executor runs each
+step's copies (KV tier saves, disk reads, swaps, RAM loads) and checks that every chunk's
+context holds its own prefix, however its blocks got there.
 """
 
 from hypothesis import HealthCheck, given, settings
@@ -56,13 +58,64 @@ def configs(draw):
         slo_ttft_ms=draw(st.sampled_from([None, 30.0, 200.0, 5000.0])),
         slo_tpot_ms=draw(st.sampled_from([None, 15.0, 100.0])),
     )
+    caching = draw(st.booleans())
+    ram = draw(st.sampled_from([0, 0, 2, 8])) if caching else 0
     cache = CacheConfig(
         block_size=draw(st.integers(1, 4)),
         num_kv_blocks=draw(st.integers(2, 10)),
         num_swap_blocks=draw(st.sampled_from([0, 3, 12])),
-        enable_prefix_caching=draw(st.booleans()),
+        enable_prefix_caching=caching,
+        num_ram_tier_blocks=ram,
+        num_disk_tier_blocks=draw(st.sampled_from([0, 4, 30])) if ram else 0,
     )
     return sched, cache
+
+
+class ContentExecutor:
+    """What each KV slot holds, as a symbol: position p of a request holds its prefix
+    tokens[:p + 1]. Copies (tier saves, disk reads, swaps, loads) run in the runner's order
+    (model/runner.py); before a chunk computes, every position of its context must hold its
+    own prefix, however the block got there (device hit, RAM, disk, swap)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.disk: dict[str, list] = {}
+
+    def step(self, out, held, scheduler) -> None:
+        ops = out.kv_tiers
+        copy = lambda blk: list(blk) if blk is not None else None   # noqa: E731
+        if ops is not None:
+            for block, slot in ops.ram_saves:
+                self.host[slot] = copy(self.device.get(block))
+            for block, digest in ops.disk_saves:
+                self.disk[digest] = copy(self.device.get(block))
+            for digest in ops.disk_deletes:
+                self.disk.pop(digest, None)
+            for digest, slot in ops.disk_reads:
+                assert digest in self.disk, "a disk read of a block never written"
+                self.host[slot] = copy(self.disk[digest])
+        for block, host in out.blocks_to_swap_out:
+            self.host[host] = copy(self.device.get(block))
+        for host, block in out.blocks_to_swap_in:
+            self.device[block] = copy(self.host.get(host))
+        if ops is not None:
+            for slot, block in ops.ram_loads:
+                self.device[block] = copy(self.host.get(slot))
+        bs = self.bs
+        for rid, n in out.num_scheduled_tokens.items():
+            r = scheduler.get_request(rid)
+            tokens, table = r.all_token_ids, held[rid]
+            start = r.num_computed_tokens
+            for p in range(start):
+                blk = self.device.get(table[p // bs])
+                got = blk[p % bs] if blk is not None else None
+                assert got == tuple(tokens[:p + 1]), (
+                    f"{rid}: position {p} of its context holds {got}, not its prefix")
+            for p in range(start, start + n):
+                self.device.setdefault(table[p // bs], [None] * bs)[p % bs] = \
+                    tuple(tokens[:p + 1])
 
 
 arrival = st.tuples(
@@ -85,6 +138,7 @@ def run(sched_cfg, cache_cfg, script):
     group: set[str] = set()               # static: members admitted since the group formed
     group_live: set[str] = set()          # ... and not finished yet
     held: dict[str, list[int]] = {}       # block tables as an executor rebuilds them
+    content = ContentExecutor(cache_cfg.block_size)
     max_steps = 4000
     k = 0
     while k < max_steps:
@@ -162,6 +216,7 @@ def run(sched_cfg, cache_cfg, script):
             group |= newly
             group_live |= newly
             assert len(group) <= sched_cfg.max_num_seqs, "static refilled a live group"
+        content.step(out, held, s)
         sampled = {}
         for d in data:
             r = s.get_request(d.req_id)
@@ -222,3 +277,21 @@ def test_every_request_gets_exactly_max_tokens_under_heavy_kv_pressure(
     script = [[("arrive", [1] * p, m, i % 3, None)] for i, (p, m) in enumerate(reqs)]
     s = run(sched, cache, script)
     assert s.stats().num_running == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 2), st.integers(5, 9), st.integers(1, 3), st.integers(4, 40),
+       st.sampled_from(["recompute", "swap"]),
+       st.lists(st.tuples(st.lists(st.integers(0, 1), min_size=2, max_size=10),
+                          st.integers(1, 3)), min_size=2, max_size=16))
+def test_kv_tiers_under_pressure_keep_every_context_right(block_size, blocks, ram, disk, mode,
+                                                          reqs):
+    """A pool of a few blocks, a RAM tier of one to three: cached blocks go to RAM, fall out
+    to disk and are read back (promoted) while prompts that share prefixes come and go."""
+    sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16,
+                            preemption_mode=mode)
+    cache = CacheConfig(block_size=block_size, num_kv_blocks=blocks, num_swap_blocks=4,
+                        num_ram_tier_blocks=ram, num_disk_tier_blocks=disk)
+    script = [[("arrive", p, m, 0, None)] if i % 2 == 0 else []
+              for i, (p, m) in enumerate(x for r in reqs for x in (r, r))]
+    run(sched, cache, script)

@@ -102,7 +102,7 @@ def test_memory_plan_reports_weights_linears_and_kv(tmp_path):
     assert set(plan["weights"]["bytes_by_encoding"]) >= {"Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"}
     assert plan["kv_cache"] == {"dtype": "float32", "num_blocks": 10, "block_size": 4,
                                 "bytes": 10 * ModelRunner.kv_cache_bytes_per_block(lm.config, 4),
-                                "swap_bytes": 0}
+                                "swap_bytes": 0, "ram_tier_blocks": 0, "ram_tier_bytes": 0}
     lin = plan["linears"]
     assert sum(lin[k] for k in ("native", "mixed", "reference", "dense")) == 4 * 2 + 1
     json.dumps(plan)                                         # plain data, for the HTTP routes

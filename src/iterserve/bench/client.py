@@ -142,6 +142,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, mod
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
                     rec.prompt_tokens_reported = usage.get("prompt_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        rec.cached_tokens = details["cached_tokens"]
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec

@@ -185,7 +185,7 @@ class CacheConfig:
         0, "host KV blocks for preemption by swap", int, minimum=0,
         derived="default: from --swap-space; with --preemption-mode swap and no swap space, "
                 "as many as the device pool; overrides --swap-space")
-    enable_prefix_caching: bool = knob(False, "share the KV blocks of common prompt prefixes",
+    enable_prefix_caching: bool = knob(True, "share the KV blocks of common prompt prefixes",
                                        bool)
     kv_cache_memory: float = knob(1.0, "GiB for the KV cache", float, minimum=0,
                                   exclusive_minimum=True, metavar="GiB")
@@ -195,12 +195,41 @@ class CacheConfig:
     swap_space: float | None = knob(
         None, "GiB of host memory for swapped-out KV blocks", float, minimum=0,
         nullable=True, metavar="GiB")
+    # The KV tiers below the pool (core/kv_tiers.py, model/kv_tier_store.py): engine/args.py
+    # turns the directory and the GiB into the two block counts the core reads.
+    kv_offload_dir: str | None = knob(
+        None, "a disk tier for the prefix cache: every cached block is written to DIR and "
+        "read back when a prompt needs it again, also after a restart (default: none). "
+        "Blocks are keyed by the model file, dtypes and block size; replicas and restarts "
+        "share DIR", str, nullable=True, metavar="DIR")
+    kv_offload_gib: float = knob(
+        8.0, "with --kv-offload-dir: GiB of block files kept, least recently used evicted "
+        "first (per replica)", float, minimum=0, exclusive_minimum=True, metavar="GiB")
+    kv_offload_ram_gib: float | None = knob(
+        None, "host RAM that keeps cached blocks the KV pool evicts, and where disk reads "
+        "land", float, minimum=0, metavar="GiB",
+        derived="default: on a GPU the pool's size up to 4 GiB; on the CPU none, or with "
+                "--kv-offload-dir a quarter of the pool, at least two max_model_len prompts")
+    num_ram_tier_blocks: int = knob(
+        0, "host RAM slots that keep cached blocks the pool evicts", int, minimum=0,
+        derived="default: from --kv-offload-ram-gib; overrides it")
+    num_disk_tier_blocks: int = knob(
+        0, "blocks the disk tier may hold (one file each)", int, minimum=0,
+        derived="default: from --kv-offload-gib with --kv-offload-dir; overrides it")
 
     def validate(self) -> "CacheConfig":
         _check_fields(self)
         if self.num_kv_blocks is None:
             raise ConfigError("num_kv_blocks must be set (EngineArgs sizes it from "
                               "kv_cache_memory once the model is loaded)", "num_kv_blocks")
+        if (self.num_ram_tier_blocks or self.num_disk_tier_blocks) \
+                and not self.enable_prefix_caching:
+            raise ConfigError("the KV tiers keep prefix-cache blocks: they need "
+                              "enable_prefix_caching", "num_ram_tier_blocks")
+        if self.num_disk_tier_blocks and not self.num_ram_tier_blocks:
+            raise ConfigError("the disk tier is read back through RAM tier slots: "
+                              "num_disk_tier_blocks needs num_ram_tier_blocks",
+                              "num_ram_tier_blocks")
         return self
 
 

@@ -21,7 +21,9 @@ hooks. `schedule()` is the step, in parts:
    queue's order, while blocks allow.
 4. If nothing was preempted, admission (`_admit`): requests from the policy's
    `admission_queue` start in its order while the budget, `max_num_seqs`, the prefill caps
-   and the KV pool allow, prefix-cache hits claimed first, unless the policy `holds`. When
+   and the KV pool allow, prefix-cache hits claimed first (device blocks, then blocks kept
+   in the KV tiers below the pool, core/kv_tiers.py: a request whose next blocks are being
+   read back from disk waits one step for them), unless the policy `holds`. When
    slots or blocks run out the policy may give up a running request for the next one
    (`urgent_victim`). `_fit` sizes a first chunk and applies the caps: with
    `max_long_partial_prefills` (vLLM's) below `max_num_partial_prefills`, a long prompt
@@ -60,6 +62,7 @@ from typing import Callable, Mapping, NamedTuple
 from iterserve.core.block_manager import BlockManager, cdiv
 from iterserve.core.config import (
     Batching, CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy)
+from iterserve.core.kv_tiers import PrefixHit
 from iterserve.core.policy import FcfsPolicy, Policy, StepRules
 from iterserve.core.priority_policy import PriorityPolicy
 from iterserve.core.request import FinishReason, Request, RequestStatus
@@ -132,7 +135,7 @@ class _Fit(NamedTuple):
 
     tokens: int
     num_hit: int                 # prompt tokens served from the prefix cache
-    hits: list[int]              # their blocks
+    hits: PrefixHit              # their blocks (device, then RAM tier)
     shared: bool                 # out of the step's share (StepRules)
     long_req: bool               # against max_long_prefill_tokens
     partial: bool                # still mid-prefill after this step
@@ -156,7 +159,8 @@ class Scheduler:
         self.clock = clock
         self.block_manager = BlockManager(
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.num_swap_blocks,
-            cache_config.enable_prefix_caching)
+            cache_config.enable_prefix_caching, cache_config.num_ram_tier_blocks,
+            cache_config.num_disk_tier_blocks)
         self.step = 0
         self.requests: dict[str, Request] = {}          # every unfinished request
         self.running: list[Request] = []                # the policy's order (`place`)
@@ -328,7 +332,7 @@ class Scheduler:
 
         if st.share_skipped and st.shared:
             self._rotate_share(st.shared)
-        self.block_manager.end_step()
+        out.kv_tiers = self.block_manager.end_step()
         if st.new:
             out.scheduled_new_reqs = list(st.new.values())
             self._sent.update(st.new)
@@ -529,8 +533,10 @@ class Scheduler:
             return None                 # (queue order: the rest are no more urgent)
         bm = self.block_manager
         threshold = self._threshold
-        hits = bm.find_cached_blocks(req)
-        num_hit = len(hits) * bm.block_size
+        hits = bm.find_prefix_hit(req)      # device blocks, then RAM tier blocks (kv_tiers)
+        if hits.promoting:
+            return _PASS                    # its next blocks come back from disk this step
+        num_hit = hits.num_blocks * bm.block_size
         left = req.num_tokens - num_hit
         cap = st.share_left if shared and st.share_left < st.budget else st.budget
         long_req = bool(self._long_tokens) and left > 1 and req.num_tokens > threshold
@@ -586,7 +592,8 @@ class Scheduler:
         swap-out copy would race in the executor). The victim's tokens go back to the
         budget (rare: the budget and partial prefills are recounted)."""
         running = self.running
-        exclude = st.out.swapped_in_req_ids
+        # (and those loading from the RAM tier this step, for the same reason)
+        exclude = self.block_manager.loading_request_ids.union(st.out.swapped_in_req_ids)
         candidates = [r for r in running if r.request_id not in exclude] if exclude else running
         victim = self.policy.urgent_victim(req, candidates)
         if victim is None:

@@ -15,6 +15,11 @@ block counts) is None here until `create_*_config` resolves it:
   GiB at `ModelRunner.kv_cache_bytes_per_block` bytes each;
 - swap pool: `--swap-space` GiB (vLLM's flag); with `--preemption-mode swap` and no swap
   space given, a pool as large as the device pool, so swap mode works out of the box.
+- KV tiers (core/kv_tiers.py): `--kv-offload-dir DIR` writes every cached block through to
+  DIR, at most `--kv-offload-gib` GiB of block files, and reads them back across restarts;
+  `--kv-offload-ram-gib` GiB of host RAM keep blocks the pool evicts (by default: on a GPU
+  as much as the device pool, at most 4 GiB; on the CPU none, or with a disk tier a quarter
+  of the pool and at least two max_model_len prompts, the slots disk reads land in).
 
 Flag spellings follow vLLM (`--max-num-seqs`, `--enable-chunked-prefill`, ...) so a command
 line written for `vllm serve` mostly works for `iterserve serve`.
@@ -37,6 +42,7 @@ _SCHEDULER = {name: (default, k) for name, default, k in knob_fields(SchedulerCo
 _CACHE = {name: (default, k) for name, default, k in knob_fields(CacheConfig)}
 DEFAULT_MAX_MODEL_LEN_CAP = _SCHEDULER["max_model_len"][0]
 
+DEFAULT_GPU_RAM_TIER_GIB = 4.0         # a GPU pool's RAM tier at most, unless given
 
 def _with_knob_fields(*configs: type):
     """Class decorator (below @dataclass): one field per knob of `configs`, carrying the
@@ -92,10 +98,13 @@ class EngineArgs:
         return SchedulerConfig(**knobs).validate(
             default_max_num_batched_tokens=default_on(k, default, self.device))
 
-    def create_cache_config(self, bytes_per_block: int | None = None) -> CacheConfig:
-        """Block counts from the explicit counts, else from the memory budgets."""
+    def create_cache_config(self, bytes_per_block: int | None = None, *,
+                            disk_file_bytes: int | None = None,
+                            max_model_len: int | None = None) -> CacheConfig:
+        """Block counts from the explicit counts, else from the memory budgets
+        (`disk_file_bytes`: one block file's size, for the disk tier's bound)."""
         knobs = self._knobs_for(CacheConfig)
-        for name in ("kv_cache_memory", "swap_space"):
+        for name in ("kv_cache_memory", "swap_space", "kv_offload_gib", "kv_offload_ram_gib"):
             knobs[name] = check_knob(name, knobs[name], _CACHE[name][1])
         if self.num_kv_blocks is not None:
             num_blocks = check_knob("num_kv_blocks", self.num_kv_blocks, _CACHE["num_kv_blocks"][1])
@@ -113,8 +122,57 @@ class EngineArgs:
             num_swap = int(self.swap_space * GiB // bytes_per_block) if bytes_per_block else 0
         else:
             num_swap = num_blocks if self.preemption_mode == "swap" else 0
-        knobs.update(num_kv_blocks=num_blocks, num_swap_blocks=num_swap)
+        num_disk = self._disk_tier_blocks(disk_file_bytes or bytes_per_block)
+        num_ram = self._ram_tier_blocks(bytes_per_block, num_blocks, num_disk, max_model_len)
+        knobs.update(num_kv_blocks=num_blocks, num_swap_blocks=num_swap,
+                     num_ram_tier_blocks=num_ram, num_disk_tier_blocks=num_disk)
         return CacheConfig(**knobs).validate()
+
+    def _disk_tier_blocks(self, file_bytes: int | None) -> int:
+        if not self.kv_offload_dir:
+            if self.num_disk_tier_blocks:
+                raise ConfigError("num_disk_tier_blocks needs --kv-offload-dir",
+                                  "num_disk_tier_blocks")
+            return 0
+        if not self.enable_prefix_caching:
+            raise ConfigError("--kv-offload-dir keeps prefix-cache blocks: it needs "
+                              "--enable-prefix-caching", "kv_offload_dir")
+        if self.num_disk_tier_blocks is not None:
+            return self.num_disk_tier_blocks
+        if not file_bytes:
+            raise ConfigError("num_disk_tier_blocks is needed when the block size in bytes "
+                              "is unknown", "num_disk_tier_blocks")
+        n = int(self.kv_offload_gib * GiB // file_bytes)
+        if n < 1:
+            raise ConfigError(f"kv_offload_gib {self.kv_offload_gib} holds no block file of "
+                              f"{file_bytes} bytes", "kv_offload_gib")
+        return n
+
+    def _ram_tier_blocks(self, bytes_per_block: int | None, num_blocks: int, num_disk: int,
+                         max_model_len: int | None) -> int:
+        if self.num_ram_tier_blocks is not None:
+            return self.num_ram_tier_blocks
+        if not self.enable_prefix_caching:
+            if self.kv_offload_ram_gib:
+                raise ConfigError("--kv-offload-ram-gib keeps prefix-cache blocks: it needs "
+                                  "--enable-prefix-caching", "kv_offload_ram_gib")
+            return 0
+        if self.kv_offload_ram_gib is not None:
+            if not bytes_per_block:
+                raise ConfigError("num_ram_tier_blocks is needed when the block size in bytes "
+                                  "is unknown", "num_ram_tier_blocks")
+            n = int(self.kv_offload_ram_gib * GiB // bytes_per_block)
+            if num_disk and n < 1:
+                raise ConfigError("the disk tier reads blocks back into the RAM tier: "
+                                  "--kv-offload-ram-gib must hold at least one block",
+                                  "kv_offload_ram_gib")
+            return n
+        if self.device.startswith("cuda") and bytes_per_block:
+            return min(num_blocks, int(DEFAULT_GPU_RAM_TIER_GIB * GiB // bytes_per_block))
+        if num_disk:                 # the slots disk reads land in (core/kv_tiers.py)
+            prompt = -(-(max_model_len or DEFAULT_MAX_MODEL_LEN_CAP) // self.block_size)
+            return min(num_disk, max(num_blocks // 4, 2 * prompt))
+        return 0
 
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**self._knobs_for(ParallelConfig)).validate()

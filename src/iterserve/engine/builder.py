@@ -1,6 +1,7 @@
 """Building an engine from EngineArgs: load the model, size the KV pool, make scheduler + runner.
 
     load_model -> kv_cache_config (blocks from the budget) -> Scheduler, ModelRunner
+               -> KV tiers wired (the disk tier's setting key and the files it holds)
 
 `build_engine_parts` returns the pieces; `LLMEngine.from_engine_args` wires them. Sizing is
 its own step (`kv_cache_config`) so that memory planning (weights + activations + KV in one
@@ -39,13 +40,29 @@ class EngineParts:
     clock: Callable[[], float]
 
 
-def kv_cache_config(args: Any, loaded: Any) -> CacheConfig:
-    """The KV pool: `num_kv_blocks`, or as many blocks as `kv_cache_memory` GiB holds."""
+def kv_cache_config(args: Any, loaded: Any, max_model_len: int | None = None) -> CacheConfig:
+    """The KV pool: `num_kv_blocks`, or as many blocks as `kv_cache_memory` GiB holds; and
+    the KV tiers' sizes (engine/args.py)."""
     from iterserve.model.runner import ModelRunner  # torch: the engine package imports none
 
     cfg = loaded.config
     bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size)
-    return args.create_cache_config(bytes_per_block)
+    file_bytes = None
+    if getattr(args, "kv_offload_dir", None):
+        from iterserve.model.kv_tier_store import block_file_bytes
+        file_bytes = block_file_bytes(kv_setting_key(args, loaded), cfg, args.block_size)
+    return args.create_cache_config(bytes_per_block, disk_file_bytes=file_bytes,
+                                    max_model_len=max_model_len)
+
+
+def kv_setting_key(args: Any, loaded: Any) -> str:
+    """The disk tier's key: what makes one block's bytes (model/kv_tier_store.py)."""
+    from iterserve.model.kv_tier_store import setting_key
+
+    cfg = loaded.config
+    return setting_key(loaded, block_size=args.block_size,
+                       kv_dtype=cfg.kv_cache_dtype or cfg.dtype,
+                       kernel_activations=str(args.kernel_activations), device=args.device)
 
 
 def build_engine_parts(args: Any) -> EngineParts:
@@ -77,16 +94,54 @@ def build_engine_parts(args: Any) -> EngineParts:
                         kv_cache_dtype=args.kv_cache_dtype, tokenizer=args.tokenizer)
     cfg = loaded.config
     sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
-    cache_cfg = kv_cache_config(args, loaded)
+    cache_cfg = kv_cache_config(args, loaded, sched_cfg.max_model_len)
+    tiers = cache_cfg.num_ram_tier_blocks or cache_cfg.num_disk_tier_blocks
     with phase("runner"):      # memory plan, KV pools, kernel selection / build
         runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
                              block_size=cache_cfg.block_size,
-                             num_swap_blocks=cache_cfg.num_swap_blocks)
-    return _parts(args, loaded, runner, sched_cfg, cache_cfg)
+                             num_swap_blocks=cache_cfg.num_swap_blocks,
+                             num_tier_blocks=cache_cfg.num_ram_tier_blocks,
+                             kv_offload_dir=args.kv_offload_dir if tiers else None,
+                             kv_setting_key=kv_setting_key(args, loaded)
+                             if args.kv_offload_dir else None)
+    parts = _parts(args, loaded, runner, sched_cfg, cache_cfg)
+    if tiers:
+        _connect_tiers(parts.scheduler.block_manager, runner, args)
+    return parts
+
+
+def _connect_tiers(bm: Any, runner: Any, args: Any) -> None:
+    """Root the block manager's digest chains in the disk tier's key, index the block files
+    a previous run (or another replica) left, and say in the memory plan what the tiers
+    hold."""
+    import logging
+
+    from iterserve.model.runner import ModelRunner
+
+    tiers, store = bm.tiers, runner.tier_store
+    cfg = runner.config
+    tiers.set_bytes_per_block(ModelRunner.kv_cache_bytes_per_block(cfg, bm.block_size))
+    plan = {"ram": {"blocks": tiers.ram.num_slots if tiers.ram else 0,
+                    "bytes": runner.memory_plan["kv_cache"]["ram_tier_bytes"]}}
+    disk = store.disk
+    if disk is not None and tiers.disk is not None:
+        found = disk.scan()
+        tiers.connect_disk(disk.key, found, probe=disk.exists)
+        plan["disk"] = {"dir": str(disk.dir), "blocks": tiers.disk.capacity,
+                        "bound_bytes": tiers.disk.capacity * disk.file_bytes,
+                        "file_bytes": disk.file_bytes, "found_blocks": len(found)}
+        logging.getLogger(__name__).info(
+            "KV disk tier: %s, %d block files found, bound %d blocks (%.2f GiB)", disk.dir,
+            len(found), tiers.disk.capacity, plan["disk"]["bound_bytes"] / (1 << 30))
+    runner.memory_plan["kv_tiers"] = plan
 
 
 def _build_tensor_parallel(args: Any) -> EngineParts:
     """-tp N: engine/tp_executor.py loads rank 0's slice here and spawns the other ranks."""
+    if args.kv_offload_dir or args.kv_offload_ram_gib or args.num_ram_tier_blocks:
+        raise ConfigError("the KV tiers (--kv-offload-dir, --kv-offload-ram-gib) do not run "
+                          "with tensor parallel yet", "kv_offload_dir")
+    args = args.replace(num_ram_tier_blocks=0)      # (a GPU's default RAM tier included)
     executor = TPExecutor(args, kv_cache_config)
     try:
         sched_cfg = args.create_scheduler_config(executor.config.max_position_embeddings)

@@ -73,6 +73,12 @@ class LLMEngine:
                              step_history_len=step_history_len, stat_loggers=stat_loggers)
         self.num_steps = 0
         self.num_executor_failures = 0
+        # KV tiers (core/kv_tiers.py): the executor's report on its tier ops goes back to
+        # the block manager after each step; None when either side has no tiers.
+        bm = getattr(scheduler, "block_manager", None)
+        self._tier_bm = bm if getattr(bm, "tiers", None) is not None else None
+        self._take_tier_feedback = getattr(executor, "take_kv_feedback", None) \
+            if self._tier_bm is not None else None
         # Set by from_engine_args (None for an engine wired by hand, as in tests).
         self.loaded_model: Any = None
         self.scheduler_config: Any = None
@@ -180,7 +186,10 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests) or self.output_processor.has_unemitted_outputs()
+        """Requests to serve or outputs to emit, or KV tier writes the last step left for
+        the next one (so an engine that goes idle still writes its last blocks through)."""
+        return bool(self.output_processor.requests) or self.output_processor.has_unemitted_outputs() \
+            or (self._tier_bm is not None and self._tier_bm.has_pending_kv_ops)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -198,6 +207,10 @@ class LLMEngine:
         if self.output_processor.has_constrained and sched_out.num_scheduled_tokens:
             sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
         results = self._execute(sched_out)
+        if self._take_tier_feedback is not None:  # failed tier reads / writes, their costs
+            feedback = self._take_tier_feedback()
+            if feedback is not None:
+                self._tier_bm.apply_tier_feedback(feedback)
         sampled = self.output_processor.live_tokens(results)
         # Always called, even for an empty or failed step: it advances the step counter, and
         # skips the chunks of requests ended above.
@@ -282,7 +295,14 @@ class LLMEngine:
         return getattr(self.executor, "fatal_error", None)
 
     def shutdown(self) -> None:
-        """Stop the executor's processes, if it has any (tensor-parallel ranks)."""
+        """Hand the executor the KV tier writes still pending (one step), then stop it: its
+        processes (tensor-parallel ranks), its disk tier's writer (which finishes them)."""
+        if self._tier_bm is not None and self._tier_bm.has_pending_kv_ops \
+                and not self.output_processor.requests:
+            try:
+                self.step()
+            except Exception:
+                logger.exception("writing the KV tiers' last blocks failed")
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
@@ -315,4 +335,10 @@ class LLMEngine:
             snap["memory"] = plan
         if getattr(self.scheduler, "slo", None) is not None:    # refused, held, rate, fit
             snap["slo"] = self.scheduler.slo.stats()
+        if self._tier_bm is not None:          # what each KV tier holds, hits, costs, I/O
+            tiers = self._tier_bm.tier_stats()
+            store = getattr(self.executor, "tier_store", None)
+            if store is not None:
+                tiers["store"] = store.stats()
+            snap["kv_tiers"] = tiers
         return snap

@@ -52,6 +52,11 @@ LAB_DEFAULTS: dict[str, tuple[Any, str]] = {
                                      "else 2048, so the reference case has no budget pressure"),
     "num_kv_blocks": (None, "derived from the workload (lab/api.py): every slot can hold the "
                             "longest request, where the engine sizes it from a memory budget"),
+    "enable_prefix_caching": (False, "the lab's questions are scheduling trade-offs, and its "
+                                     "simulated prompts are one repeated token (simulator.py), "
+                                     "so a prefix cache would serve every prompt from the last "
+                                     "one and hide the prefill cost they are about (the cluster "
+                                     "lab's shared-prefix workloads turn it on)"),
 }
 # An option's values in the lab where they are more than the knob's choices (a superset).
 LAB_CHOICES: dict[str, tuple[str, ...]] = {"batching": ("static", "continuous", "both")}

@@ -15,10 +15,18 @@ prompt_logprobs also gets the LM head over its prompt rows, chunk by chunk
 constrained sequences carries their token masks (`SchedulerOutput.grammar_bitmask`), applied
 to those rows' logits before the sampler (which applies logit_bias, allowed_token_ids,
 bad_words and min_tokens itself, from each row's params).
+
+KV tiers (`SchedulerOutput.kv_tiers`, model/kv_tier_store.py): their saves and disk reads
+run before the step's swaps, their RAM loads after them, all before the forward pass. A
+load whose slot turned out bad (a failed disk read) leaves its block without data; a chunk
+whose context holds such a block starts at it instead, so those tokens are recomputed in
+this very forward pass (every layer writes the step's K/V before any chunk reads the
+pool, so a request sharing the block in the same step reads the recomputed values).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -74,12 +82,41 @@ QUANT_DEFAULT = True
 NATIVE_KERNELS_DEFAULT = True
 
 
+class _TierReport:
+    """What the runner saw of the KV tiers since the last `take_kv_feedback`."""
+
+    __slots__ = ("ram_load", "compute_s", "compute_tokens", "invalid")
+
+    # A forward pass with this many prompt tokens prices a recompute (a smaller step costs
+    # per token what its decodes cost).
+    MIN_PREFILL_TOKENS = 32
+
+    def __init__(self) -> None:
+        self.ram_load = (0.0, 0)
+        self.compute_s, self.compute_tokens = 0.0, 0
+        self.invalid: set[int] = set()
+
+    def loaded(self, ops, bad: set[int], ram_load: tuple[float, int]) -> None:
+        """The loads are done: only the bad ones' blocks may still be invalid."""
+        self.invalid.difference_update(b for _, b in ops.ram_loads if b not in bad)
+        s, n = self.ram_load
+        self.ram_load = (s + ram_load[0], n + ram_load[1])
+
+    def timed(self, t0: float, output: SchedulerOutput) -> None:
+        tokens = output.num_batched_tokens
+        if tokens - output.num_seqs >= self.MIN_PREFILL_TOKENS:
+            self.compute_s += time.perf_counter() - t0
+            self.compute_tokens += tokens
+
+
 class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
                  pack_weights: str | bool | None = "default",
                  quant_kernels: bool | str = "default",
-                 native_kernels: bool | str = "default") -> None:
+                 native_kernels: bool | str = "default",
+                 num_tier_blocks: int = 0, kv_offload_dir: str | None = None,
+                 kv_setting_key: str | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
@@ -88,11 +125,21 @@ class ModelRunner:
         kv_dtype = self.config.kv_cache_dtype or self.config.dtype
         # Say what this process will hold and refuse, before allocating, what cannot fit.
         self.memory_plan = plan_memory(loaded, num_blocks=num_blocks, block_size=block_size,
-                                       num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype)
+                                       num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype,
+                                       num_tier_blocks=num_tier_blocks)
         check_memory_plan(self.memory_plan)
         self.kv_cache = PagedKVCache(self.config, num_blocks=num_blocks, block_size=block_size,
                                      num_swap_blocks=num_swap_blocks, dtype=kv_dtype,
-                                     device=self.device)
+                                     device=self.device, num_tier_blocks=num_tier_blocks)
+        self.tier_store = None
+        if num_tier_blocks or kv_offload_dir:
+            from iterserve.model.kv_tier_store import DiskStore, KVTierStore
+            disk = None
+            if kv_offload_dir:
+                disk = DiskStore(kv_offload_dir, kv_setting_key, self.kv_cache.block_shape,
+                                 kv_dtype)
+            self.tier_store = KVTierStore(self.kv_cache, disk)
+        self._tier_report = _TierReport()
         if sampler is None:
             sampler = Sampler()
         self.sampler = sampler
@@ -154,8 +201,10 @@ class ModelRunner:
                 st.block_ids.extend(d.new_block_ids)
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+        t0 = time.perf_counter()
         logits, sampling = self._run(output)
         if not sampling:
+            self._tier_report.timed(t0, output)
             return {}
         if output.grammar_bitmask is not None:     # structured outputs: forbidden ids -> -inf
             with torch.inference_mode():           # the logits are inference tensors
@@ -165,7 +214,23 @@ class ModelRunner:
             st.append(res.token_id)
             if st.prompt_lps is not None:          # prompt_logprobs go with the first token
                 res.prompt_logprobs, st.prompt_lps = st.prompt_lps, None
+        self._tier_report.timed(t0, output)
         return {st.req_id: res for st, res in zip(sampling, results)}
+
+    def take_kv_feedback(self):
+        """The KV tiers' report on the steps since the last call (core KVTierFeedback), or
+        None: failed reads and writes, blocks a failed load left wrong, measured costs."""
+        if self.tier_store is None:
+            return None
+        r, self._tier_report = self._tier_report, _TierReport()
+        return self.tier_store.feedback(ram_load=r.ram_load, compute_s=r.compute_s,
+                                        compute_tokens=r.compute_tokens,
+                                        invalid_blocks=r.invalid)
+
+    def shutdown(self) -> None:
+        """Write what the disk tier still has queued, then stop its threads."""
+        if self.tier_store is not None:
+            self.tier_store.close()
 
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor:
         """float32 logits [N, vocab] of the sampling requests, in num_scheduled_tokens order
@@ -175,8 +240,18 @@ class ModelRunner:
 
     def _run(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[RequestState]]:
         self.update_states(output)
+        ops = output.kv_tiers
+        bad: set[int] = set()
+        if ops is not None:
+            # Until the loads are done their blocks hold nothing: if this step fails before
+            # then, the report names them all, so the cache forgets them.
+            self._tier_report.invalid.update(b for _, b in ops.ram_loads)
+            self.tier_store.save_and_read(ops)
         self.kv_cache.swap_out(output.blocks_to_swap_out)
         self.kv_cache.swap_in(output.blocks_to_swap_in)
+        if ops is not None and ops.ram_loads:
+            bad, ram_load = self.tier_store.load(ops)
+            self._tier_report.loaded(ops, bad, ram_load)
         if not output.num_scheduled_tokens:
             return torch.empty(0, self.config.vocab_size), []
         states = self.requests
@@ -195,6 +270,9 @@ class ModelRunner:
                     f"chunk of request {rid!r} asks for tokens "
                     f"[{start}, {start + n}) of a {len(st.token_ids)}-token request")
             chunks.append((st, start, n))
+        recomputed: set[int] = set()
+        if bad:
+            chunks = self._recompute_bad_blocks(chunks, bad, recomputed)
         # Decodes first (batched attention), then prefill chunks; stable within each group.
         order = sorted(range(len(chunks)), key=lambda i: chunks[i][2] != 1)
         ids: list[int] = []
@@ -213,6 +291,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
+        self._tier_report.invalid.difference_update(recomputed)
         for i in order:                            # prompt_logprobs: the chunk's prompt rows
             st, start, n = chunks[i]
             if st.prompt_lps is not None:
@@ -224,6 +303,24 @@ class ModelRunner:
         rows = [last_row[i] for i in sample_idx]
         sel = hidden.index_select(0, torch.tensor(rows, device=self.device))
         return self.model.logits(sel), [chunks[i][0] for i in sample_idx]
+
+    def _recompute_bad_blocks(self, chunks: list[tuple[RequestState, int, int]],
+                              bad: set[int], recomputed: set[int]
+                              ) -> list[tuple[RequestState, int, int]]:
+        """Start each chunk whose context holds a block a failed load left empty at that
+        block, so this forward pass computes those tokens again (the chunk's end, and so
+        what it samples, stays); `recomputed` gets the blocks it covers. Bad blocks no
+        chunk covers stay in the report as invalid (their cache keys must go)."""
+        bs = self.block_size
+        out = []
+        for st, start, n in chunks:
+            first = next((i for i, b in enumerate(st.block_ids[:start // bs]) if b in bad),
+                         None)
+            if first is not None:
+                recomputed.update(st.block_ids[first:start // bs])
+                start, n = first * bs, n + start - first * bs
+            out.append((st, start, n))
+        return out
 
     def _prompt_logprobs(self, st: RequestState, start: int, n: int, hidden: torch.Tensor,
                          first_row: int) -> None:

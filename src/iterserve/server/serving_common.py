@@ -66,9 +66,15 @@ def sse_error(message: str, type: str = "internal_error") -> str:
     return sse(error_body(message, type=type))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage block; with `cached_tokens`, its prompt_tokens_details (the prompt
+    tokens the prefix cache served, as OpenAI, vLLM and llama-server report them)."""
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
 
 
 async def merge_streams(streams: Sequence[AsyncIterator[RequestOutput]]
@@ -336,12 +342,13 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         finals = await collect_final(streams, raw)
         if finals is None:
             return JSONResponse({}, status_code=499)      # client is gone; nobody reads this
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for i, out in enumerate(finals):
             msg = error_finish_message(out)
             if msg:
                 raise APIError(500, msg, type="internal_error")
             prompt_tokens += out.num_prompt_tokens
+            cached_tokens += out.num_cached_tokens or 0
             fmt.see_output(i, out)
             for co in out.outputs:
                 completion_tokens += len(co.token_ids)
@@ -352,12 +359,13 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         choices.sort(key=lambda c: c["index"])
         resp = base(fmt.object_final, choices)
         resp.update(fmt.response_fields())
-        resp["usage"] = usage(prompt_tokens, completion_tokens)
+        resp["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return JSONResponse(resp)
 
     num_choices = len(streams) * n
 
     prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
     choice_tokens: dict[int, int] = {}
 
     def chunk(choices: list[dict[str, Any]]) -> str:
@@ -378,6 +386,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         try:
             async for i, out in merge_streams(streams):
                 prompt_tokens[i] = out.num_prompt_tokens
+                cached_tokens[i] = out.num_cached_tokens or 0
                 fmt.see_output(i, out)
                 for co in out.outputs:
                     if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
@@ -405,7 +414,8 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                 yield chunk([choice])
         if include_usage:
             c = base(fmt.object_chunk, [])
-            c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+            c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens,
+                               sum(cached_tokens.values()))
             yield sse(c)
 
     return sse_response(events(), streams, request_id)
