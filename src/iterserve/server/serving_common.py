@@ -64,8 +64,12 @@ def to_api_error(exc: BaseException) -> APIError | None:
         # slowly) retrying cannot help, so it is the request's own 400.
         if exc.retry_after_s is None:
             return APIError(400, str(exc), param="ttft_slo_ms", code="slo_unattainable")
+        # Retry-After in whole seconds (what every HTTP client reads) and retry-after-ms
+        # (OpenAI's SDKs read it first), both the predicted wait, at most 120 s.
+        wait = min(exc.retry_after_s, 120.0)
         return APIError(429, str(exc), type="rate_limit_exceeded", code="slo_unattainable",
-                        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+                        headers={"Retry-After": str(max(1, math.ceil(wait))),
+                                 "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
     if isinstance(exc, (StructuredOutputsError, LogitsParamError)):
         return APIError(400, str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, QueueFullError):
