@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 INF = math.inf
 # (tokens, seqs, kv tokens, prefill tokens, attention pairs) -> seconds of one step
+RECENT = 200            # forecasts listed in summary()
 StepSeconds = Callable[[float, float, float, float, float], float]
 
 
@@ -220,6 +221,10 @@ class ErrorTracker:
                "ratios": len(self._sorted)}
         for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
             out[f"error_{name}_s"] = _quantile(diffs, q) if diffs else None
+        # The last RECENT requests, [number, forecast ms, actual ms]: a benchmark takes the
+        # ones numbered after its start, for its own run's quantiles.
+        out["recent"] = [[i, round(p * 1000, 1), round(a * 1000, 1)]
+                         for i, p, a in list(self.errors)[-RECENT:]]
         return out
 
 
