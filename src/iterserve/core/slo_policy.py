@@ -11,10 +11,15 @@ policy spends the same capacity on requests that can still make it:
   on-time request waits (it is not dropped: its client still gets an answer). Requests
   without a TTFT target come after those with one; preempted requests go first, as in the
   other policies.
-- **Refuse early.** `on_add` predicts the TTFT of a new request (the queue ahead of it at the
-  measured admission rate, plus its own prefill on the current batch); when that exceeds
-  its target it raises `SLOUnattainableError` (a `QueueFullError`, so the server answers 429)
-  with a retry-after estimate, instead of queueing it to be late and to make others late.
+- **Refuse early.** `on_add` forecasts the TTFT of a new request (core/ttft_forecast.py:
+  the scheduler's rules replayed over the running requests' remaining decodes and the queue
+  ahead of it, then its own prefill next to the decodes still running), scales it by a high
+  quantile of the recent actual / forecast ratios (`ErrorTracker`, learned from every
+  admitted request's first token), and when that exceeds its target raises
+  `SLOUnattainableError` (a `QueueFullError`, so the server answers 429) with the predicted
+  wait as retry-after, instead of queueing it to be late and to make others late. A request
+  whose slack puts it ahead of queued ones is refused too if it would make one of them miss
+  a target it would have met: an admitted request is a promise.
 - **Hold admission** when one more decode would make the predicted decode step exceed the
   tightest TPOT target of the running requests (and the candidate's), with headroom for the
   prefill chunks interleaved with decodes (`TPOT_HEADROOM`).
