@@ -73,7 +73,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="0.5,1.5,3")
     ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--warm", type=int, default=8, help="mix requests each server serves first")
     ap.add_argument("--capacity-rate", type=float, default=8.0)
+    ap.add_argument("--capacity", type=float, default=None,
+                    help="req/s measured before (skips the capacity run)")
     ap.add_argument("--ttft-ms", type=float, default=2000.0)
     ap.add_argument("--itl-ms", type=float, default=150.0)
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -98,11 +101,14 @@ def main() -> None:
     try:
         for s in servers.values():
             s.wait_ready()
-        for name, s in servers.items():      # the same warm-up for both: 8 mix requests
-            w = build_workload("mix", seed=args.seed + 7, rate=None, num_requests=8)
+        for name, s in servers.items():      # the same warm-up for both: a few mix requests
+            w = build_workload("mix", seed=args.seed + 7, rate=None, num_requests=args.warm)
             asyncio.run(run_workload(s.url, w, ClientOptions()))
-        cap_doc = bench(servers["fcfs"].url, args.capacity_rate, args, tmp / "cap.json")
-        capacity = cap_doc["summary"]["request_throughput"]
+        if args.capacity is None:
+            cap_doc = bench(servers["fcfs"].url, args.capacity_rate, args, tmp / "cap.json")
+            capacity = cap_doc["summary"]["request_throughput"]
+        else:
+            capacity = args.capacity
         doc["capacity_rps"] = capacity
         print(f"capacity (fcfs at {args.capacity_rate} req/s offered): {capacity:.3f} req/s",
               flush=True)
