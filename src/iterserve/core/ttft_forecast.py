@@ -12,7 +12,8 @@ next chunk, waiting requests are admitted in queue order while slots, the token 
 partial-prefill cap and the TPOT hold allow, and the step takes `step_s(shape)` seconds.
 Stretches where nothing can change but decodes (slots full or the queue empty, no prefill
 mid-way) are jumped to the next finish in one multiplication, so a forecast costs
-O(events), not O(steps): ~100 us for 16 running and 20 waiting requests.
+O(events), not O(steps): 2.7 ms for 16 running and 20 waiting requests, once per arrival
+(measured on a 2-core machine under a load average of 15).
 
 What the forecast leaves out (KV blocks running out, prefix-cache hits, requests stopping
 before `max_tokens`, noise in the machine) is what `ErrorTracker` measures: the ratio of each
