@@ -361,3 +361,13 @@ class SLOUnattainableError(QueueFullError):
 
     def http_message(self) -> str:
         return str(self)
+
+    def http_headers(self) -> dict[str, str]:
+        """Retry-After in whole seconds (what every HTTP client reads) and retry-after-ms
+        (OpenAI's SDKs read it first), both the predicted wait capped at 120 s, the longest
+        wait those SDKs honour."""
+        if self.retry_after_s is None:
+            return {}
+        wait = min(self.retry_after_s, 120.0)
+        return {"Retry-After": str(max(1, math.ceil(wait))),
+                "retry-after-ms": str(max(1, math.ceil(wait * 1000)))}

@@ -281,6 +281,8 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
             prom.set_gauges(num_running=s.num_running, num_waiting=s.num_waiting,
                             num_swapped=s.num_swapped, kv_cache_usage=s.kv_usage,
                             num_free_blocks=s.num_free_blocks)
+            if engine.engine.scheduler.slo is not None:      # read on the engine thread
+                prom.set_slo(await engine.run_in_engine(engine.engine.scheduler.slo.stats))
         except Exception:                   # a dead engine still gets its counters read
             logger.debug("could not refresh gauges", exc_info=True)
         return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)

@@ -69,6 +69,17 @@ class PrometheusStatLogger:
                              _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first admission.", _LATENCY_BUCKETS)
+        # The slo policy's admission (refreshed when /metrics is read): how far its TTFT
+        # forecasts were from the actual TTFTs, and how many requests it refused.
+        self._forecast_error = Gauge(
+            "iterserve:slo_ttft_forecast_error_seconds",
+            "Actual minus forecast TTFT of the last admitted requests (slo policy), by quantile.",
+            ["model_name", *extra, "quantile"], registry=r)
+        self.slo_forecast_factor = gauge(
+            "slo_ttft_forecast_factor", "Scale the slo policy applies to its TTFT forecasts "
+            "(a high quantile of recent actual / forecast).")
+        self.slo_refused = gauge("slo_requests_refused",
+                                 "Requests the slo policy refused (429) since start.")
         self._success = Counter("iterserve:request_success", "Finished requests by reason.",
                                 ["model_name", *extra, "finished_reason"], registry=r)
         self._model_name = model_name
@@ -110,6 +121,18 @@ class PrometheusStatLogger:
         child = PrometheusStatLogger(model_name, extra_labels={"replica": replica})
         self.extra_registries.append(child.registry)
         return child
+
+    def set_slo(self, slo: dict) -> None:
+        """From the engine's stats()["slo"] (core/slo_policy.py `SloPolicy.stats`)."""
+        fc = slo.get("ttft_forecast") or {}
+        for q in ("p50", "p90", "p99"):
+            v = fc.get(f"error_{q}_s")
+            if v is not None:
+                self._forecast_error.labels(self._model_name, *self._extra_values,
+                                            str(int(q[1:]) / 100)).set(v)
+        if fc.get("factor") is not None:
+            self.slo_forecast_factor.set(fc["factor"])
+        self.slo_refused.set(slo.get("refused", 0))
 
     def render(self) -> bytes:
         if not self.extra_registries:
