@@ -35,8 +35,11 @@ class Machine:
         cfg.setdefault("max_num_seqs", 8)
         cfg.setdefault("max_num_batched_tokens", 256)
         cfg.setdefault("max_model_len", 2048)
+        # No prefix caching: the simulated prompts share their tokens, and the forecast (made
+        # at arrival, before the cache lookup) prices every prompt token.
         self.s = Scheduler(SchedulerConfig(scheduling_policy="slo", **cfg),
-                           CacheConfig(block_size=16, num_kv_blocks=8192), clock=lambda: self.t)
+                           CacheConfig(block_size=16, num_kv_blocks=8192,
+                                       enable_prefix_caching=False), clock=lambda: self.t)
         self.s.slo.model = StepTimeModel(PRIOR)
         self.refused: list[SLOUnattainableError] = []
         self.admitted: list[Request] = []
