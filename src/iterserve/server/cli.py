@@ -217,7 +217,9 @@ def build_app(args: argparse.Namespace):
     else:
         engine = AsyncEngine.from_engine_args(
             engine_args, debug_check_consistency=server.debug_check_consistency)
-    if not engine_args.disable_log_stats:
+    # the stats line is INFO: below that level there is nothing to write, so no logger
+    if not engine_args.disable_log_stats and logging.getLogger("iterserve.stats") \
+            .isEnabledFor(logging.INFO):
         engine.add_stat_logger(LoggingStatLogger())
     app = create_app(engine, served_model_name=engine_args.served_model_names or None,
                      api_key=server.api_key, metrics_require_auth=server.metrics_require_auth,
