@@ -121,7 +121,7 @@ def iterserve_cmd(a, port: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(a.model),
             "--port", str(port), "--max-model-len", str(a.max_model_len),
             "--max-num-seqs", str(max(8, a.conversations)), "--log-level", "warning",
-            *a.iterserve_args.split(), *extra]
+            "--enable-prompt-tokens-details", *a.iterserve_args.split(), *extra]
 
 
 def llama_cmd(a, port: int) -> list[str]:

@@ -53,13 +53,26 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line parsed, `serve --config FILE` (vLLM's YAML) expanded into flags first;
+    argparse exits 2 on a bad one, as it does for any unknown or malformed flag."""
     # Import only the module of the subcommand asked for (keeps `iterserve lab` torch-free).
     first = next((a for a in argv if not a.startswith("-")), None)
     known = {name for name, _ in SUBCOMMANDS}
     parser = build_parser(first if first in known else None)
-    args = parser.parse_args(argv)
+    if first == "serve" and any(a == "--config" or a.startswith("--config=") for a in argv):
+        from iterserve.server.cli import expand_config_file
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        try:
+            argv = ["serve"] + expand_config_file(argv[argv.index("serve") + 1:],
+                                                  sub.choices["serve"])
+        except ValueError as e:
+            parser.exit(2, f"iterserve serve: {e}\n")
+    return parser, parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args = parse_args(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -34,7 +34,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model_dir),
              "--port", str(port), "--num-kv-blocks", "128", "--max-model-len", "1024",
-             "--log-level", "warning", *FLAGS, *extra],
+             "--log-level", "warning", "--enable-prompt-tokens-details", *FLAGS, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
         self.base = f"http://127.0.0.1:{port}"

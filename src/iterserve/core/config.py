@@ -32,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping
 
 from iterserve.core.knobs import (  # noqa: F401  (the schema's vocabulary, re-exported)
     Knob, PerDevice, add_config_arguments, add_knob_argument, default_of, default_on, device_type,
-    flag_of, knob, knob_fields, knobs_of, per_device)
+    flag_of, human_readable_int, json_arg, knob, knob_fields, knobs_of, per_device)
 from iterserve.errors import ConfigError
 
 
@@ -72,11 +73,20 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
         if k.nullable:
             return None
         raise ConfigError(f"{name} must be set", name)
-    if k.repeat:
+    if k.repeat or k.nargs:
+        if k.nargs and isinstance(value, str):
+            value = [value]                       # one of several (LLM(served_model_name="m"))
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list, got {value!r}", name)
-        one = dataclasses.replace(k, repeat=False, nullable=False)
+        if k.nargs == "+" and not value:
+            raise ConfigError(f"{name} needs at least one value", name)
+        one = dataclasses.replace(k, repeat=False, nargs=None, nullable=False)
         return [check_knob(name, v, one) for v in value]
+    if k.kind in (dict, list):                    # a JSON-valued flag
+        if not isinstance(value, k.kind):
+            raise ConfigError(f"{name} must be a JSON {'object' if k.kind is dict else 'array'}"
+                              f", got {value!r}", name)
+        return value
     if isinstance(k.kind, type) and issubclass(k.kind, enum.Enum):
         try:
             return k.kind(value)
@@ -152,8 +162,10 @@ class LoadConfig:
     model: str | None = knob(
         None, "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
         str, nullable=True)
-    served_model_name: str | None = knob(
-        None, "model name clients use", str, derived="default: derived from --model")
+    served_model_name: list[str] | None = knob(
+        None, "the model's name(s) for clients: responses carry the first, a request's "
+        "`model` may be any of them and /v1/models lists them all", str, nargs="+",
+        metavar="NAME", derived="default: derived from --model")
     tokenizer: str | None = knob(
         None, "a tokenizer other than the model's: an HF tokenizer directory, a "
         "tokenizer.json file or a .gguf file", str, metavar="PATH",
@@ -164,10 +176,172 @@ class LoadConfig:
         choices=("auto", "float32", "float", "bfloat16", "float16", "half"))
     device: str = knob("cpu", "torch device", str)
     seed: int = knob(0, "torch seed for unseeded sampling", int)
+    # --- what the model is served as (vLLM's --runner / --convert / --task) ---------------
+    runner: str = knob(
+        "auto", "vLLM: what the model is served as; generate (text generation, the "
+        "completions and chat endpoints) is what iterserve serves (auto: generate); pooling "
+        "(embedding models) is refused", str, choices=("auto", "generate", "pooling", "draft"))
+    convert: str = knob(
+        "auto", "vLLM: what a pooling runner makes of the model; only auto / none (the model "
+        "as it is) here", str,
+        choices=("auto", "none", "embed", "classify", "reward", "mm_encoder_only"))
+    task: str | None = knob(
+        None, "vLLM's older spelling of --runner / --convert: only generate here", str,
+        nullable=True, choices=("auto", "generate", "embed", "embedding", "classify", "score",
+                                "reward", "transcription", "draft"))
+    # --- vLLM load flags: honoured where they mean something here, else said why -----------
+    tokenizer_mode: str = knob(
+        "auto", "auto / hf: the model's tokenizer.json through HF's `tokenizers` (iterserve's "
+        "one tokenizer implementation); slow, mistral and custom are not available", str,
+        choices=("auto", "hf", "slow", "mistral", "custom"))
+    load_format: str = knob(
+        "auto", "the weights' format: auto (a directory's safetensors or a .gguf file), "
+        "safetensors or gguf (checked against the model path)", str,
+        choices=("auto", "pt", "safetensors", "npcache", "dummy", "tensorizer",
+                 "sharded_state", "gguf", "bitsandbytes", "mistral", "runai_streamer",
+                 "runai_streamer_sharded", "fastsafetensors"))
+    quantization: str | None = knob(
+        None, "the weights' quantization: gguf (GGUF block types, read as they are stored; a "
+        ".gguf model needs no flag) or none; vLLM's other methods (awq, gptq, fp8, ...) are "
+        "refused", str, nullable=True, aliases=("-q",), metavar="METHOD")
+    trust_remote_code: bool = knob(
+        False, "vLLM: allow a checkpoint's own Python code to run", bool,
+        no_effect="iterserve runs its own implementation of the architectures it serves "
+        "(llama, mistral, qwen2, qwen3, gpt2) and never imports a checkpoint's Python files, "
+        "so there is no remote code to run")
+    download_dir: str | None = knob(
+        None, "vLLM: where to download weights from the Hugging Face Hub", str, nullable=True,
+        metavar="DIR", no_effect="iterserve serves a local model directory or .gguf file and "
+        "downloads nothing")
+    revision: str | None = knob(
+        None, "vLLM: the Hub revision (branch, tag or commit) to download", str, nullable=True,
+        no_effect="iterserve serves the local files at the model path, so there is no "
+        "revision to pick")
+    code_revision: str | None = knob(
+        None, "vLLM: the Hub revision of the model's code", str, nullable=True,
+        no_effect="no model code is downloaded or run (see --trust-remote-code)")
+    tokenizer_revision: str | None = knob(
+        None, "vLLM: the Hub revision of the tokenizer", str, nullable=True,
+        no_effect="the tokenizer is read from the local model path (or --tokenizer)")
+    max_parallel_loading_workers: int | None = knob(
+        None, "vLLM: load the weights in sequential batches of N workers", int, minimum=1,
+        nullable=True, metavar="N", no_effect="the weights are memory-mapped and used where "
+        "they lie in the file: no worker reads them, so there is nothing to bound")
+    enforce_eager: bool = knob(
+        False, "always eager here: iterserve runs PyTorch ops and its own C kernels, and "
+        "captures no CUDA graph and compiles nothing, so the flag asks for what it does", bool)
+    max_logprobs: int = knob(
+        20, "most logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs); "
+        "-1: the vocabulary size", int, minimum=-1)
+    logprobs_mode: str = knob(
+        "raw_logprobs", "what logprobs report: raw_logprobs, the log-softmax of the model's "
+        "logits before penalties, temperature and truncation (the only mode here)", str,
+        choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"))
+    speculative_config: dict | None = knob(
+        None, "vLLM: speculative decoding (n-gram, suffix or draft-model proposals), as JSON",
+        dict, nullable=True, parse=json_arg(dict), metavar="JSON",
+        refused="speculative decoding is not implemented yet; every step decodes one token "
+        "per sequence")
+    structured_outputs_config: dict | None = knob(
+        None, "structured outputs, as JSON (vLLM's keys): backend (auto, guidance: "
+        "llguidance, the one engine here), disable_any_whitespace, disable_additional_properties",
+        dict, nullable=True, parse=json_arg(dict), metavar="JSON")
+
+    STRUCTURED_BACKENDS: ClassVar[tuple[str, ...]] = (
+        "auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
 
     def validate(self) -> "LoadConfig":
         _check_fields(self)
+        self._check_model_kind()
+        self._check_load_flags()
+        self._check_structured_outputs()
         return self
+
+    def _check_model_kind(self) -> None:
+        """Only text generation is served: a pooling / embedding / classification model is
+        refused before anything loads, saying so."""
+        if self.runner == "draft" or self.task == "draft":
+            raise ConfigError("--runner draft: a draft model serves speculative decoding, "
+                              "which is not implemented yet; iterserve serves the model "
+                              "itself (--runner generate)", "runner")
+        pooling = (self.runner == "pooling" or self.convert not in ("auto", "none")
+                   or self.task not in (None, "auto", "generate"))
+        if pooling:
+            flag = ("--runner pooling" if self.runner == "pooling" else
+                    f"--convert {self.convert}" if self.convert not in ("auto", "none") else
+                    f"--task {self.task}")
+            raise ConfigError(
+                f"{flag}: embedding, classification and reward models are not served yet "
+                "(no pooling runner, no /v1/embeddings); iterserve serves text-generation "
+                "models (--runner generate)", "task" if flag.startswith("--task") else
+                "runner" if flag.startswith("--runner") else "convert")
+
+    def _check_load_flags(self) -> None:
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ConfigError(
+                f"--tokenizer-mode {self.tokenizer_mode}: not available; iterserve reads the "
+                "model's tokenizer.json (or the GGUF's vocabulary) with HF's `tokenizers` "
+                "library (--tokenizer-mode auto / hf)", "tokenizer_mode")
+        if self.load_format not in ("auto", "safetensors", "gguf"):
+            raise ConfigError(
+                f"--load-format {self.load_format}: not available; iterserve reads safetensors "
+                "directories and .gguf files (--load-format auto, safetensors or gguf)",
+                "load_format")
+        q = self.quantization
+        if q is not None and q.lower() == "none":
+            self.quantization = q = None
+        if q is not None and q != "gguf":
+            raise ConfigError(
+                f"--quantization {q}: not supported; iterserve runs GGUF block-quantised "
+                "weights (Q4_0 ... Q8_0, the K-quants, IQ4) as stored, and float safetensors; "
+                "convert the model to GGUF (llama.cpp's convert_hf_to_gguf.py, then "
+                "llama-quantize) and serve the .gguf file", "quantization")
+        if self.logprobs_mode != "raw_logprobs":
+            raise ConfigError(
+                f"--logprobs-mode {self.logprobs_mode}: not available; logprobs here are "
+                "raw_logprobs (the log-softmax of the model's logits before penalties, "
+                "temperature and truncation)", "logprobs_mode")
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs_config
+        if so is None:
+            return
+        known = {"backend", "disable_fallback", "disable_any_whitespace",
+                 "disable_additional_properties", "reasoning_parser", "enable_in_reasoning"}
+        extra = sorted(set(so) - known)
+        if extra:
+            raise ConfigError(f"--structured-outputs-config: unknown key(s) {', '.join(extra)} "
+                              f"(vLLM's keys: {', '.join(sorted(known))})",
+                              "structured_outputs_config")
+        backend = so.get("backend", "auto")
+        if backend not in self.STRUCTURED_BACKENDS:
+            raise ConfigError(f"--structured-outputs-config: backend {backend!r} is not one of "
+                              f"{', '.join(self.STRUCTURED_BACKENDS)}",
+                              "structured_outputs_config")
+        for key in ("disable_fallback", "disable_any_whitespace",
+                    "disable_additional_properties", "enable_in_reasoning"):
+            if key in so and not isinstance(so[key], bool):
+                raise ConfigError(f"--structured-outputs-config: {key} must be true or false",
+                                  "structured_outputs_config")
+        if so.get("reasoning_parser") or so.get("enable_in_reasoning"):
+            raise ConfigError("--structured-outputs-config: reasoning_parser / "
+                              "enable_in_reasoning need a reasoning parser, which this "
+                              "configuration does not have", "structured_outputs_config")
+
+    def structured_outputs_notices(self) -> list[str]:
+        """The start-up line for a structured-outputs backend this server cannot switch to."""
+        so = self.structured_outputs_config or {}
+        backend = so.get("backend", "auto")
+        lines = []
+        if backend not in ("auto", "guidance"):
+            lines.append(f"--structured-outputs-config backend {backend!r} is not available: "
+                         "structured outputs run on llguidance here (vLLM's 'guidance' "
+                         "backend), which enforces the same JSON schema, regex, choice and "
+                         "grammar constraints")
+        if so.get("disable_fallback"):
+            lines.append("--structured-outputs-config disable_fallback has no effect here: "
+                         "there is one backend, so nothing falls back")
+        return lines
 
 
 @dataclass(slots=True)
@@ -216,6 +390,22 @@ class CacheConfig:
     num_disk_tier_blocks: int = knob(
         0, "blocks the disk tier may hold (one file each)", int, minimum=0,
         derived="default: from --kv-offload-gib with --kv-offload-dir; overrides it")
+    kv_cache_memory_bytes: int | None = knob(
+        None, "bytes for the KV cache, vLLM's spelling ('8G' = 8 GiB, '8g' = 8e9 bytes); "
+        "overrides --kv-cache-memory and --gpu-memory-utilization", int, minimum=1,
+        nullable=True, parse=human_readable_int, metavar="BYTES")
+    gpu_memory_utilization: float | None = knob(
+        None, "on a CUDA device, the share of the GPU's memory this process may use; the KV "
+        "cache gets what the weights and a step's activations leave of it (vLLM's meaning; "
+        "no effect on CPU, where --kv-cache-memory sizes the cache)", float, minimum=0,
+        exclusive_minimum=True, maximum=1, nullable=True,
+        derived="default: unset, --kv-cache-memory sizes the cache")
+    prefix_caching_hash_algo: str | None = knob(
+        None, "vLLM: the hash that keys prefix-cache blocks", str, nullable=True,
+        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "builtin"),
+        no_effect="the prefix cache keys a block by its parent and its own token ids and "
+        "compares the tokens on every hit, so no hash collision can serve another prompt's KV "
+        "and the hash function is not a choice that matters")
 
     def validate(self) -> "CacheConfig":
         _check_fields(self)
@@ -299,6 +489,10 @@ class SchedulerConfig:
         None, "scheduling_policy slo: the cost model its online step-time model starts "
         "from (a JSON file or a shipped name; default smollm2-cpu)", str, nullable=True,
         metavar="FILE|NAME")
+    async_scheduling: bool = knob(
+        False, "vLLM: schedule the next step while the current one runs", bool,
+        no_effect="each step is scheduled when the previous step's tokens are back (they "
+        "decide what the next step computes); there is no asynchronous scheduler to turn on")
 
     def validate(self, default_max_num_batched_tokens: int | None = None) -> "SchedulerConfig":
         """Check every knob, then resolve the budget (None: `default_max_num_batched_tokens`,
@@ -400,6 +594,11 @@ class ParallelConfig:
                                    int, minimum=1, aliases=("-dp",))
     tensor_parallel_size: int = knob(1, "ranks one model's weights are split over "
                                      "(torch.distributed)", int, minimum=1, aliases=("-tp",))
+    pipeline_parallel_size: int = knob(
+        1, "vLLM: stages a model's layers are split over", int, minimum=1, aliases=("-pp",),
+        refused="pipeline parallelism is not implemented; iterserve splits one model over "
+        "processes by tensor parallelism (--tensor-parallel-size / -tp N) and serves "
+        "replicas with --data-parallel-size")
     router: RouterPolicy = knob(RouterPolicy.LEAST_LOADED,
                                 "how requests are spread over replicas", RouterPolicy)
     threads_per_replica: int | None = knob(
@@ -423,9 +622,78 @@ class ObservabilityConfig:
         1000, "finished requests whose traces /v1/requests/{id}/trace keeps", int, minimum=0)
     step_history_len: int = knob(
         300, "engine steps (those that did something) the live view keeps", int, minimum=0)
+    disable_log_stats: bool = knob(
+        False, "`iterserve serve` logs throughput, running / waiting requests and KV use "
+        "every 10 s while it works (vLLM's stats line); this turns it off", bool)
 
     def validate(self) -> "ObservabilityConfig":
         _check_fields(self)
+        return self
+
+
+_NO_LORA = ("LoRA adapters are not supported yet; iterserve serves one model's own weights "
+            "(merge the adapter into them, e.g. with peft's merge_and_unload(), and serve the "
+            "merged model)")
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    """vLLM's LoRA flags: refused, each naming what it needs (there are no adapters yet)."""
+
+    TITLE: ClassVar[str] = "LoRA (vLLM's flags; not supported yet)"
+    enable_lora: bool = knob(False, "vLLM: serve LoRA adapters", bool, refused=_NO_LORA)
+    max_loras: int | None = knob(None, "vLLM: adapters in one batch", int, nullable=True,
+                                 refused=_NO_LORA)
+    max_lora_rank: int | None = knob(None, "vLLM: the largest adapter rank", int,
+                                     nullable=True, refused=_NO_LORA)
+    max_cpu_loras: int | None = knob(None, "vLLM: adapters kept in host memory", int,
+                                     nullable=True, refused=_NO_LORA)
+    fully_sharded_loras: bool = knob(False, "vLLM: shard adapters over tensor-parallel ranks",
+                                     bool, refused=_NO_LORA)
+    lora_dtype: str | None = knob(None, "vLLM: the adapters' dtype", str, nullable=True,
+                                  refused=_NO_LORA)
+
+    def validate(self) -> "LoRAConfig":
+        _check_fields(self)
+        return self
+
+
+_TEXT_ONLY = ("iterserve serves text-only models; images, audio and video need a multimodal "
+              "model, which it does not run")
+
+
+@dataclass(slots=True)
+class MultiModalConfig:
+    """vLLM's multimodal flags. A limit of 0 per modality (how vLLM runs a vision model as
+    text-only) is the truth here and is accepted; anything that asks for media is refused."""
+
+    TITLE: ClassVar[str] = "multimodal (vLLM's flags; text-only here)"
+    limit_mm_per_prompt: dict | None = knob(
+        None, "vLLM: media items per prompt, as JSON; only zeros ('{\"image\": 0}') are "
+        "possible here", dict, nullable=True, parse=json_arg(dict), metavar="JSON")
+    mm_processor_kwargs: dict | None = knob(
+        None, "vLLM: options of the multimodal processor", dict, nullable=True,
+        parse=json_arg(dict), metavar="JSON", refused=_TEXT_ONLY)
+    allowed_local_media_path: str | None = knob(
+        None, "vLLM: a directory requests may read media from", str, nullable=True,
+        refused=_TEXT_ONLY)
+    media_io_kwargs: dict | None = knob(
+        None, "vLLM: options of the media loaders", dict, nullable=True,
+        parse=json_arg(dict), metavar="JSON", refused=_TEXT_ONLY)
+    mm_processor_cache_gb: float | None = knob(
+        None, "vLLM: GiB for cached multimodal inputs", float, minimum=0, nullable=True,
+        no_effect="there are no multimodal inputs to cache (text-only models)")
+    skip_mm_profiling: bool = knob(
+        False, "vLLM: skip profiling the multimodal encoder", bool,
+        no_effect="there is no multimodal encoder (text-only models)")
+
+    def validate(self) -> "MultiModalConfig":
+        _check_fields(self)
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            count = limit.get("count", 0) if isinstance(limit, dict) else limit
+            if count != 0:
+                raise ConfigError(f"--limit-mm-per-prompt {modality}={count}: {_TEXT_ONLY} "
+                                  f"(a limit of 0 is accepted)", "limit_mm_per_prompt")
         return self
 
 
@@ -455,11 +723,68 @@ class ServerConfig:
         False, "check the scheduler's books after every step (they are always checked when "
         "the engine goes idle)", bool)
     log_level: str = knob("info", "log level", str, choices=LOG_LEVELS)
+    # --- vLLM's HTTP flags (server/http_options.py) ----------------------------------------
+    uds: str | None = knob(
+        None, "listen on this Unix domain socket instead of --host / --port", str,
+        nullable=True, metavar="PATH")
+    ssl_keyfile: str | None = knob(None, "HTTPS: the private key file (PEM)", str,
+                                   nullable=True, metavar="FILE")
+    ssl_certfile: str | None = knob(None, "HTTPS: the certificate file (PEM)", str,
+                                    nullable=True, metavar="FILE")
+    ssl_ca_certs: str | None = knob(
+        None, "HTTPS: CA certificates that client certificates are checked against", str,
+        nullable=True, metavar="FILE")
+    ssl_cert_reqs: int = knob(
+        0, "HTTPS: whether a client certificate is required (Python's ssl.CERT_NONE 0, "
+        "CERT_OPTIONAL 1, CERT_REQUIRED 2)", int, minimum=0, maximum=2)
+    allowed_origins: list | None = knob(
+        None, "CORS: origins whose browser pages may call the API, as a JSON list "
+        "('[\"http://localhost:3000\"]', '[\"*\"]'); unset: no cross-origin access (vLLM "
+        "allows every origin by default)", list, nullable=True, parse=json_arg(list),
+        metavar="JSON")
+    allowed_methods: list | None = knob(
+        None, "CORS: allowed methods, a JSON list (default with --allowed-origins: all)", list,
+        nullable=True, parse=json_arg(list), metavar="JSON")
+    allowed_headers: list | None = knob(
+        None, "CORS: allowed request headers, a JSON list (default with --allowed-origins: "
+        "all)", list, nullable=True, parse=json_arg(list), metavar="JSON")
+    allow_credentials: bool = knob(False, "CORS: allow credentials (cookies, authorization)",
+                                   bool)
+    root_path: str | None = knob(
+        None, "the path prefix a reverse proxy serves this app under ('/llm'): requests "
+        "under it are routed as without it, and the OpenAPI schema names it", str,
+        nullable=True, metavar="PATH")
+    disable_uvicorn_access_log: bool = knob(False, "no uvicorn access-log line per request",
+                                            bool)
+    disable_fastapi_docs: bool = knob(
+        False, "no /docs, /redoc and /openapi.json (404)", bool)
+    enable_request_id_headers: bool = knob(
+        False, "every response carries X-Request-Id (the request's own, else a new one)", bool)
 
     def validate(self) -> "ServerConfig":
         _check_fields(self)
         if self.metrics_require_auth and not self.api_key:
             raise ConfigError("--metrics-require-auth needs --api-key", "metrics_require_auth")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile",
+                              "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile")
+        if (self.ssl_ca_certs or self.ssl_cert_reqs) and self.ssl_certfile is None:
+            raise ConfigError("--ssl-ca-certs / --ssl-cert-reqs need --ssl-keyfile and "
+                              "--ssl-certfile", "ssl_ca_certs")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file", name)
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if value is not None and not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a JSON list of strings",
+                                  name)
+        if self.root_path is not None:
+            if not self.root_path.startswith("/"):
+                raise ConfigError(f"--root-path {self.root_path!r} must start with '/'",
+                                  "root_path")
+            self.root_path = self.root_path.rstrip("/") or None
         return self
 
 
@@ -497,9 +822,45 @@ class FrontendConfig:
     max_log_len: int | None = knob(
         None, "with --enable-log-requests: at most N prompt characters and token ids per "
         "logged request (default: all)", int, minimum=0, nullable=True, metavar="N")
+    chat_template_content_format: str = knob(
+        "auto", "how a message's content reaches the chat template: string (its text), "
+        "openai (a list of {\"type\": \"text\", \"text\": ...} parts), auto (openai when "
+        "the template loops over a message's content, else string)", str,
+        choices=("auto", "string", "openai"))
+    default_chat_template_kwargs: dict | None = knob(
+        None, "chat template variables for every request, as JSON "
+        "('{\"enable_thinking\": false}'); a request's chat_template_kwargs win", dict,
+        nullable=True, parse=json_arg(dict), metavar="JSON")
+    response_role: str = knob(
+        "assistant", "the role chat replies carry (when the prompt ends with the generation "
+        "prompt; otherwise the last message's role)", str)
+    exclude_tools_when_tool_choice_none: bool = knob(
+        False, 'with tool_choice "none", the tools are not shown to the chat template (by '
+        "default they are, as vLLM does)", bool)
+    override_generation_config: dict | None = knob(
+        None, "default sampling values over --generation-config's, as JSON "
+        "('{\"temperature\": 0.5}'; temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens)", dict, nullable=True, parse=json_arg(dict), metavar="JSON")
+    enable_prompt_tokens_details: bool = knob(
+        False, "usage carries prompt_tokens_details.cached_tokens (the prompt tokens served "
+        "from the prefix cache)", bool)
+    enable_force_include_usage: bool = knob(
+        False, "every stream ends with its usage chunk, as if it asked for "
+        "stream_options.include_usage", bool)
+    reasoning_parser: str | None = knob(
+        None, "vLLM: split a reasoning model's thinking into message.reasoning_content", str,
+        nullable=True, metavar="NAME",
+        refused="no reasoning parser is implemented yet; a model's thinking text is returned "
+        "as part of content (for Qwen3, chat_template_kwargs {\"enable_thinking\": false} or "
+        "--default-chat-template-kwargs turn thinking off)")
+    lora_modules: list | None = knob(
+        None, "vLLM: LoRA adapters to serve (name=path)", str, nullable=True, nargs="+",
+        refused=_NO_LORA)
 
     def validate(self) -> "FrontendConfig":
         _check_fields(self)
+        if self.response_role == "":
+            raise ConfigError("--response-role must not be empty", "response_role")
         return self
 
 
@@ -529,7 +890,8 @@ class GenerateConfig:
 
 # The configs EngineArgs is made of (engine/args.py), and the server's own.
 ENGINE_CONFIGS: tuple[type, ...] = (LoadConfig, SchedulerConfig, CacheConfig, ParallelConfig,
-                                    KernelConfig, ObservabilityConfig)
+                                    KernelConfig, ObservabilityConfig, LoRAConfig,
+                                    MultiModalConfig)
 SERVER_CONFIGS: tuple[type, ...] = (ServerConfig, FrontendConfig)
 ALL_CONFIGS: tuple[type, ...] = ENGINE_CONFIGS + SERVER_CONFIGS + (GenerateConfig,)
 

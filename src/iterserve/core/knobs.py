@@ -77,6 +77,8 @@ class Knob:
     derived: str | None = None        # None is derived from other settings: how (help text)
     no_effect: str | None = None      # accepted but without effect here: why
     refused: str | None = None        # refused when set: why, and what it needs
+    parse: Any = None                 # the flag's text -> value (default: `kind`); JSON, "8G"
+    nargs: str | None = None          # "+": the flag takes several values (a list)
 
     @property
     def choices(self) -> tuple[str, ...] | None:
@@ -185,11 +187,63 @@ def add_knob_argument(group: Any, name: str, k: Knob, default: Any,
             group.add_argument(off, dest=name, action="store_false", default=default,
                                help=f"same as --no-{flags[0].removeprefix('--')}")
     elif k.repeat:
-        group.add_argument(*flags, type=k.kind, action="append", **kw)
+        group.add_argument(*flags, type=k.parse or k.kind, action="append", **kw)
     elif k.choices:
         group.add_argument(*flags, choices=list(k.choices), **kw)
     else:
-        group.add_argument(*flags, type=k.kind, **kw)
+        if k.nargs:
+            kw["nargs"] = k.nargs
+        group.add_argument(*flags, type=k.parse or k.kind, **kw)
+
+
+def json_arg(kind: type) -> Any:
+    """An argparse type for a JSON-valued flag (vLLM's `--default-chat-template-kwargs
+    '{"enable_thinking": false}'`, `--allowed-origins '["http://a"]'`): the text must parse
+    as JSON of `kind` (dict or list)."""
+    import json
+
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(
+                f"must be a JSON {'object' if kind is dict else 'array'}, got {text!r}")
+        return value
+
+    parse.__name__ = "JSON"                     # argparse names the type in its errors
+    return parse
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's spelling of sizes: "25.6k" = 25,600, "8G" = 8 x 2**30 (upper case is binary and
+    takes whole numbers only), plain digits as they are."""
+    import re
+
+    value = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if m is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number (e.g. 8192, 32k, 8G)") from None
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a binary suffix ({suffix}) takes a whole number; did you mean "
+            f"{number}{suffix.lower()}?")
+    return int(number) * _BINARY[suffix]
+
+
+human_readable_int.__name__ = "size"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, classes: Iterable[type], *,

@@ -11,8 +11,10 @@ block counts) is None here until `create_*_config` resolves it:
   says why the CPU's are small); without chunked prefill the budget is raised to
   max_model_len, and an explicit smaller one is an error;
 - max_model_len: the model's max_position_embeddings, capped at the knob's 2048;
-- KV pool: `--num-kv-blocks` if given, else as many blocks as fit in `--kv-cache-memory`
-  GiB at `ModelRunner.kv_cache_bytes_per_block` bytes each;
+- KV pool: `--num-kv-blocks` if given, else as many blocks as fit in the KV budget at
+  `ModelRunner.kv_cache_bytes_per_block` bytes each: `--kv-cache-memory-bytes`, else (on a
+  CUDA device) what `--gpu-memory-utilization` leaves (engine/builder.py measures it),
+  else `--kv-cache-memory` GiB;
 - swap pool: `--swap-space` GiB (vLLM's flag); with `--preemption-mode swap` and no swap
   space given, a pool as large as the device pool, so swap mode works out of the box.
 - KV tiers (core/kv_tiers.py): `--kv-offload-dir DIR` writes every cached block through to
@@ -33,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.config import (
-    ENGINE_CONFIGS, CacheConfig, KernelConfig, ParallelConfig, SchedulerConfig,
+    ENGINE_CONFIGS, CacheConfig, KernelConfig, LoadConfig, LoRAConfig, MultiModalConfig,
+    ObservabilityConfig, ParallelConfig, SchedulerConfig,
     add_config_arguments, check_knob, default_on, knob_fields)
 from iterserve.errors import ConfigError
 
@@ -98,11 +101,14 @@ class EngineArgs:
         return SchedulerConfig(**knobs).validate(
             default_max_num_batched_tokens=default_on(k, default, self.device))
 
-    def create_cache_config(self, bytes_per_block: int | None = None, *,
+    def create_cache_config(self, bytes_per_block: int | None = None,
+                            kv_budget_bytes: int | None = None, *,
                             disk_file_bytes: int | None = None,
                             max_model_len: int | None = None) -> CacheConfig:
-        """Block counts from the explicit counts, else from the memory budgets
-        (`disk_file_bytes`: one block file's size, for the disk tier's bound)."""
+        """Block counts from the explicit counts, else from the memory budgets:
+        `kv_budget_bytes` (what the builder measured for --gpu-memory-utilization) or
+        --kv-cache-memory-bytes, else --kv-cache-memory GiB (`disk_file_bytes`: one block
+        file's size, for the disk tier's bound)."""
         knobs = self._knobs_for(CacheConfig)
         for name in ("kv_cache_memory", "swap_space", "kv_offload_gib", "kv_offload_ram_gib"):
             knobs[name] = check_knob(name, knobs[name], _CACHE[name][1])
@@ -111,11 +117,20 @@ class EngineArgs:
         else:
             if not bytes_per_block:
                 raise ConfigError("num_kv_blocks is needed when the block size in bytes is unknown")
-            num_blocks = int(self.kv_cache_memory * GiB // bytes_per_block)
+            if self.kv_cache_memory_bytes is not None:
+                budget, name = knobs["kv_cache_memory_bytes"], "kv_cache_memory_bytes"
+                budget = check_knob(name, budget, _CACHE[name][1])
+                what = f"kv_cache_memory_bytes {budget}"
+            elif kv_budget_bytes is not None:
+                budget, name = kv_budget_bytes, "gpu_memory_utilization"
+                what = f"gpu_memory_utilization {self.gpu_memory_utilization} leaves " \
+                       f"{budget} bytes, which"
+            else:
+                budget, name = self.kv_cache_memory * GiB, "kv_cache_memory"
+                what = f"kv_cache_memory {self.kv_cache_memory} GiB"
+            num_blocks = int(budget // bytes_per_block)
             if num_blocks < 1:
-                raise ConfigError(
-                    f"kv_cache_memory {self.kv_cache_memory} GiB holds no block of "
-                    f"{bytes_per_block} bytes", "kv_cache_memory")
+                raise ConfigError(f"{what} holds no KV block of {bytes_per_block} bytes", name)
         if self.num_swap_blocks is not None:
             num_swap = self.num_swap_blocks
         elif self.swap_space is not None:
@@ -173,6 +188,22 @@ class EngineArgs:
             prompt = -(-(max_model_len or DEFAULT_MAX_MODEL_LEN_CAP) // self.block_size)
             return min(num_disk, max(num_blocks // 4, 2 * prompt))
         return 0
+
+    def create_load_config(self) -> LoadConfig:
+        """The model's knobs checked (vLLM's load flags refused or resolved here), together
+        with the other configs that only accept or refuse (LoRA, multimodal, observability),
+        so a refused flag fails before anything loads."""
+        for config in (LoRAConfig, MultiModalConfig, ObservabilityConfig):
+            config(**self._knobs_for(config)).validate()
+        return LoadConfig(**self._knobs_for(LoadConfig)).validate()
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """--served-model-name's names ([] when not given: the model's own name)."""
+        names = self.served_model_name
+        if names is None:
+            return []
+        return [names] if isinstance(names, str) else list(names)
 
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(**self._knobs_for(ParallelConfig)).validate()

@@ -131,6 +131,10 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
+    @property
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 

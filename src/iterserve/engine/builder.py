@@ -11,6 +11,7 @@ budget) replaces that one function. torch is imported here, never at module impo
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +22,8 @@ from iterserve.engine import omp_policy
 from iterserve.engine.tp_executor import TPExecutor
 from iterserve.errors import ConfigError
 from iterserve.model.startup import log_imports, phase
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -41,8 +44,9 @@ class EngineParts:
 
 
 def kv_cache_config(args: Any, loaded: Any, max_model_len: int | None = None) -> CacheConfig:
-    """The KV pool: `num_kv_blocks`, or as many blocks as `kv_cache_memory` GiB holds; and
-    the KV tiers' sizes (engine/args.py)."""
+    """The KV pool: `num_kv_blocks`, or as many blocks as the KV budget holds
+    (--kv-cache-memory-bytes, --gpu-memory-utilization on CUDA, --kv-cache-memory); and the
+    KV tiers' sizes (engine/args.py)."""
     from iterserve.model.runner import ModelRunner  # torch: the engine package imports none
 
     cfg = loaded.config
@@ -51,8 +55,8 @@ def kv_cache_config(args: Any, loaded: Any, max_model_len: int | None = None) ->
     if getattr(args, "kv_offload_dir", None):
         from iterserve.model.kv_tier_store import block_file_bytes
         file_bytes = block_file_bytes(kv_setting_key(args, loaded), cfg, args.block_size)
-    return args.create_cache_config(bytes_per_block, disk_file_bytes=file_bytes,
-                                    max_model_len=max_model_len)
+    return args.create_cache_config(bytes_per_block, gpu_kv_budget(args, loaded),
+                                    disk_file_bytes=file_bytes, max_model_len=max_model_len)
 
 
 def kv_setting_key(args: Any, loaded: Any) -> str:
@@ -63,6 +67,56 @@ def kv_setting_key(args: Any, loaded: Any) -> str:
     return setting_key(loaded, block_size=args.block_size,
                        kv_dtype=cfg.kv_cache_dtype or cfg.dtype,
                        kernel_activations=str(args.kernel_activations), device=args.device)
+
+
+# What a step's activations may take beyond the weights, per token of the budget, in hidden
+# sizes (residual, norms, q/k/v, attention output, and the MLP's gate/up/down at
+# intermediate size), with the sampling rows' float32 logits on top; a deliberate
+# over-estimate: vLLM measures it with a profiling pass, which the paged runner has no
+# KV-free mode for.
+_ACTIVATION_HIDDENS_PER_TOKEN = 8
+_ACTIVATION_INTERMEDIATES_PER_TOKEN = 4
+
+
+def gpu_kv_budget(args: Any, loaded: Any) -> int | None:
+    """vLLM's --gpu-memory-utilization on a CUDA device: the KV bytes that leave this
+    process within `utilization` x the GPU's memory, after the weights already loaded (all
+    this process holds on the device now) and a reserve for one step's activations; None
+    when the flag is unset, or overridden (--num-kv-blocks, --kv-cache-memory-bytes). On the
+    CPU it has no meaning: one log line says so, and --kv-cache-memory sizes the cache."""
+    util = args.gpu_memory_utilization
+    if util is None or args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
+        return None
+    import torch
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        logger.warning("--gpu-memory-utilization has no effect on %s: the KV cache is sized "
+                       "by --kv-cache-memory (GiB) or --kv-cache-memory-bytes", device.type)
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    cfg = loaded.config
+    tokens = args.max_num_batched_tokens or 2048
+    seqs = args.max_num_seqs or 256
+    elem = torch.finfo(cfg.dtype).bits // 8
+    activations = (tokens * elem * (_ACTIVATION_HIDDENS_PER_TOKEN * cfg.hidden_size
+                                    + _ACTIVATION_INTERMEDIATES_PER_TOKEN
+                                    * cfg.intermediate_size)
+                   + seqs * cfg.vocab_size * 4 * 2)
+    budget = min(int(total * util) - held, free) - activations
+    logger.info("KV cache budget from --gpu-memory-utilization %.3g: %.2f GiB (device %.2f GiB, "
+                "%.2f GiB free, this process holds %.2f GiB, activation reserve %.2f GiB)",
+                util, budget / 2**30, total / 2**30, free / 2**30, held / 2**30,
+                activations / 2**30)
+    if budget <= 0:
+        raise ConfigError(
+            f"--gpu-memory-utilization {util}: {util:g} x {total / 2**30:.2f} GiB leaves no "
+            f"room for a KV cache after the {held / 2**30:.2f} GiB this process holds and "
+            f"{activations / 2**30:.2f} GiB for a step's activations ({free / 2**30:.2f} GiB "
+            "of the device is free); raise it, or give --kv-cache-memory-bytes",
+            "gpu_memory_utilization")
+    return budget
 
 
 def build_engine_parts(args: Any) -> EngineParts:
@@ -77,6 +131,8 @@ def build_engine_parts(args: Any) -> EngineParts:
         from iterserve.model.loader import load_model
         from iterserve.model.runner import ModelRunner
 
+    load = args.create_load_config()       # refused flags fail before anything loads
+    check_weight_format(load)
     torch.manual_seed(args.seed)
     from iterserve.model import kernels  # torch: the engine package imports none
     kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
@@ -136,6 +192,22 @@ def _connect_tiers(bm: Any, runner: Any, args: Any) -> None:
     runner.memory_plan["kv_tiers"] = plan
 
 
+def check_weight_format(load: Any) -> None:
+    """--load-format safetensors|gguf and --quantization gguf say what the model file is:
+    checked against the path (no model path: the bundled GGUF)."""
+    path = load.model
+    is_gguf = path is None or str(path).lower().endswith(".gguf")
+    if load.load_format == "safetensors" and is_gguf:
+        raise ConfigError(f"--load-format safetensors: the model {path or '(bundled)'} is a "
+                          "GGUF file (use --load-format gguf or auto)", "load_format")
+    if load.load_format == "gguf" and not is_gguf:
+        raise ConfigError(f"--load-format gguf: the model {path} is not a .gguf file (use "
+                          "--load-format safetensors or auto)", "load_format")
+    if load.quantization == "gguf" and not is_gguf:
+        raise ConfigError(f"--quantization gguf: the model {path} is not a .gguf file; its "
+                          "weights are served as they are stored", "quantization")
+
+
 def _build_tensor_parallel(args: Any) -> EngineParts:
     """-tp N: engine/tp_executor.py loads rank 0's slice here and spawns the other ranks."""
     if args.kv_offload_dir or args.kv_offload_ram_gib or args.num_ram_tier_blocks:
@@ -159,6 +231,6 @@ def _parts(args: Any, loaded: Any, runner: Any, sched_cfg: SchedulerConfig,
     eos = set(cfg.eos_token_ids or ()) | set(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())
     return EngineParts(
         scheduler=scheduler, executor=runner, tokenizer=loaded.tokenizer, loaded_model=loaded,
-        model_name=args.served_model_name or loaded.name,
+        model_name=(args.served_model_names or [loaded.name])[0],
         max_model_len=sched_cfg.max_model_len, vocab_size=cfg.vocab_size, eos_token_ids=eos,
         scheduler_config=sched_cfg, cache_config=cache_cfg, clock=clock)

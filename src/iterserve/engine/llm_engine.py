@@ -58,14 +58,17 @@ class LLMEngine:
         step_history_len: int = 300,
         stat_loggers: Sequence[StatLogger] = (),
         detokenizer_factory: Callable[..., Any] | None = None,
+        max_logprobs: int = -1,
+        structured_outputs_config: dict[str, Any] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock = clock
-        self.input_processor = InputProcessor(tokenizer, vocab_size=vocab_size,
-                                              max_model_len=max_model_len,
-                                              eos_token_ids=eos_token_ids, clock=clock)
+        self.input_processor = InputProcessor(
+            tokenizer, vocab_size=vocab_size, max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids, clock=clock, max_logprobs=max_logprobs,
+            structured_outputs_config=structured_outputs_config)
         self.output_processor = OutputProcessor(tokenizer, clock=clock,
                                                 detokenizer_factory=detokenizer_factory)
         self.tracer = Tracer(model_name=model_name, clock=clock,
@@ -92,7 +95,9 @@ class LLMEngine:
                      max_model_len=p.max_model_len, vocab_size=p.vocab_size,
                      eos_token_ids=p.eos_token_ids, clock=p.clock,
                      max_finished_requests=args.max_finished_requests,
-                     step_history_len=args.step_history_len, stat_loggers=stat_loggers)
+                     step_history_len=args.step_history_len, stat_loggers=stat_loggers,
+                     max_logprobs=args.max_logprobs,
+                     structured_outputs_config=args.structured_outputs_config)
         engine.loaded_model = p.loaded_model
         engine.cache_config = p.cache_config
         engine.scheduler_config = p.scheduler_config
@@ -110,6 +115,11 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.input_processor.max_model_len
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for (--max-logprobs)."""
+        return self.input_processor.max_logprobs
 
     @property
     def vocab_size(self) -> int:

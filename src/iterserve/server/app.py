@@ -53,7 +53,7 @@ from iterserve.server.serving_chat import create_chat_completion, render_request
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_messages import install_messages_api
 from iterserve.server.serving_responses import ResponsesRequest, create_response
-from iterserve.server.serving_common import check_model
+from iterserve.server.serving_common import ServedModel, check_model
 from iterserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
@@ -159,13 +159,16 @@ class BodySizeLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = None,
+def create_app(engine: AsyncEngine | None, *,
+               served_model_name: str | list[str] | None = None,
                api_key: str | None = None, shutdown_drain_timeout: float = 0.0,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                metrics_require_auth: bool = False, model_root: str | None = None,
                serving_config: ServingConfig | None = None) -> FastAPI:
     serving_config = serving_config or ServingConfig()         # --chat-template, tool flags
     model_name = served_model_name or (engine.model_name if engine is not None else None)
+    if model_name is not None:            # --served-model-name a b: "a", answering to both
+        model_name = ServedModel(model_name)
     prom: PrometheusStatLogger | None = None
     if engine is not None:
         prom = PrometheusStatLogger(model_name)
@@ -247,9 +250,10 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
     async def models() -> dict[str, Any]:
         data = []
         if engine is not None:
-            data.append({"id": model_name, "object": "model", "created": 0,
-                         "owned_by": "iterserve", "root": model_root or model_name,
-                         "parent": None, "max_model_len": engine.max_model_len})
+            data += [{"id": name, "object": "model", "created": 0,
+                      "owned_by": "iterserve", "root": model_root or model_name,
+                      "parent": None, "max_model_len": engine.max_model_len}
+                     for name in model_name.names]
         return {"object": "list", "data": data}
 
     @app.get("/version")
@@ -307,5 +311,6 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
     if lab is not None:
         app.include_router(lab)
     install_openapi(app, max_model_len=engine.max_model_len if engine is not None else None,
-                    api_key=bool(api_key), max_request_body_bytes=max_request_body_bytes)
+                    api_key=bool(api_key), max_request_body_bytes=max_request_body_bytes,
+                    max_logprobs=getattr(engine, "max_logprobs", None))
     return app

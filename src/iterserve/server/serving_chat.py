@@ -45,8 +45,10 @@ class ChatFormat(ChoiceFormat):
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, tokenizer: Any, want_logprobs: bool, *, tools: ToolPlan = NO_TOOLS,
-                 echo: str = "", token_ids_as_text: bool = False) -> None:
+                 echo: str = "", token_ids_as_text: bool = False,
+                 role: str = "assistant") -> None:
         self.tok = tokenizer
+        self.role = role
         self.want_logprobs = want_logprobs
         self.tools = tools
         self.echo = echo
@@ -75,7 +77,7 @@ class ChatFormat(ChoiceFormat):
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         # the role comes first, as OpenAI sends it; then the echoed prefix (vLLM)
-        out = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        out = [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                 "finish_reason": None} for i in range(num_choices)]
         if self.echo:
             out += [{"index": i, "delta": {"content": self.echo}, "logprobs": None,
@@ -85,6 +87,7 @@ class ChatFormat(ChoiceFormat):
     def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
         message, self.called[index] = message_with_tools(self.tools, co.text,
                                                          co.finish_reason == "length")
+        message["role"] = self.role
         if self.echo and not self.called[index]:
             message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(co.logprobs)}
@@ -124,10 +127,13 @@ async def render_chat_prompt(engine: AsyncEngine, messages: list[dict[str, Any]]
                              tools: list[dict[str, Any]] | None = None,
                              chat_template: str | None = None,
                              continue_final_message: bool = False,
-                             template_kwargs: dict[str, Any] | None = None
+                             template_kwargs: dict[str, Any] | None = None,
+                             content_format: str = "string"
                              ) -> tuple[str, list[int]]:
     """The template's text and its token ids, both computed off the event loop."""
     kw: dict[str, Any] = dict(template_kwargs or {})
+    if content_format == "openai":
+        kw["content_format"] = "openai"
     if tools is not None:
         kw["tools"] = tools
     if chat_template is not None:
@@ -164,14 +170,24 @@ def request_template(body: Any, config: ServingConfig) -> str | None:
 async def render_request(engine: AsyncEngine, body: Any, config: ServingConfig, *,
                          add_special_tokens: bool = False, limit: int | None = None
                          ) -> tuple[str, list[int]]:
-    """Render a chat completion's (or a chat /tokenize's) messages as the request asks."""
+    """Render a chat completion's (or a chat /tokenize's) messages as the request asks,
+    under the server's --chat-template-content-format, --default-chat-template-kwargs and
+    --exclude-tools-when-tool-choice-none."""
+    template = request_template(body, config)
+    fmt = config.content_format_for(
+        template or getattr(engine.tokenizer, "chat_template", None))
+    tools = body.tool_dicts()
+    if config.exclude_tools_when_tool_choice_none \
+            and getattr(body, "effective_tool_choice", None) == "none":
+        tools = None
+    kwargs = {**config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
     return await render_chat_prompt(
-        engine, [m.to_template_dict() for m in body.messages],
+        engine, [m.to_template_dict(fmt) for m in body.messages],
         add_generation_prompt=body.wants_generation_prompt,
-        add_special_tokens=add_special_tokens, limit=limit, tools=body.tool_dicts(),
-        chat_template=request_template(body, config),
+        add_special_tokens=add_special_tokens, limit=limit, tools=tools,
+        chat_template=template,
         continue_final_message=bool(body.continue_final_message),
-        template_kwargs=body.chat_template_kwargs)
+        template_kwargs=kwargs or None, content_format=fmt)
 
 
 @dataclass
@@ -184,6 +200,7 @@ class StartedChat:
     plan: ToolPlan
     echo: str
     num_prompt_tokens: int = 0
+    role: str = "assistant"          # --response-role, or the last message's role
 
 
 async def start_chat(body: ChatCompletionRequest, engine: AsyncEngine, served_model: str,
@@ -210,7 +227,8 @@ async def start_chat(body: ChatCompletionRequest, engine: AsyncEngine, served_mo
     config.log_request(request_id, prompt_text, prompt_ids, params)
     streams = await start_streams(engine, request_id, [prompt_ids], params, priority=priority,
                                   prompt_texts=[prompt_text])
-    return StartedChat(request_id, streams, params, plan, echo, len(prompt_ids))
+    role = config.response_role if body.wants_generation_prompt else last.role
+    return StartedChat(request_id, streams, params, plan, echo, len(prompt_ids), role)
 
 
 # --- for the APIs layered over chat (Responses, Anthropic Messages): one choice, n = 1 ------
@@ -298,13 +316,17 @@ async def chat_deltas(started: StartedChat) -> AsyncIterator[ChatDelta]:
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
                                  engine: AsyncEngine, served_model: str,
                                  config: ServingConfig | None = None):
-    started = await start_chat(body, engine, served_model, config or ServingConfig(),
-                               new_id("chatcmpl"))
+    config = config or ServingConfig()
+    started = await start_chat(body, engine, served_model, config, new_id("chatcmpl"))
     params = started.params
     fmt = ChatFormat(engine.tokenizer, params.logprobs is not None, tools=started.plan,
                      echo=started.echo,
-                     token_ids_as_text=bool(body.return_tokens_as_token_ids))
+                     token_ids_as_text=bool(body.return_tokens_as_token_ids),
+                     role=started.role)
     return await respond(request_id=started.request_id, served_model=served_model,
                          streams=started.streams, n=params.n, fmt=fmt,
-                         stream=bool(body.stream), include_usage=body.include_usage, raw=raw,
-                         continuous_usage=body.continuous_usage)
+                         stream=bool(body.stream),
+                         include_usage=body.include_usage or (
+                             bool(body.stream) and config.force_include_usage),
+                         raw=raw, continuous_usage=body.continuous_usage,
+                         tokens_details=config.prompt_tokens_details)

@@ -51,10 +51,26 @@ def check_priority(priority: int | None, engine: AsyncEngine) -> int:
     return priority
 
 
+class ServedModel(str):
+    """The served model's name as every endpoint passes it around: the first of
+    --served-model-name's names (what responses carry), answering to all of them in a
+    request's `model` (check_model) and listed by /v1/models."""
+
+    names: tuple[str, ...]
+
+    def __new__(cls, names: "str | list[str] | tuple[str, ...]") -> "ServedModel":
+        names = (names,) if isinstance(names, str) else tuple(names)
+        self = super().__new__(cls, names[0])
+        self.names = names
+        return self
+
+
 def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
+    names = getattr(served, "names", (served,))
+    if requested is not None and requested not in names:
+        also = f" (also {', '.join(map(repr, names[1:]))})" if len(names) > 1 else ""
         raise UnknownModelError(f"the model {requested!r} does not exist; this server "
-                                f"serves {served!r}", "model")
+                                f"serves {str(served)!r}{also}", "model")
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -68,8 +84,8 @@ def sse_error(message: str, type: str = "internal_error") -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int,
           cached_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage block; with `cached_tokens`, its prompt_tokens_details (the prompt
-    tokens the prefix cache served, as OpenAI, vLLM and llama-server report them)."""
+    """OpenAI's usage; with `cached_tokens` (--enable-prompt-tokens-details) also
+    prompt_tokens_details.cached_tokens, the prompt tokens served from the prefix cache."""
     u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
@@ -327,12 +343,18 @@ class ChoiceFormat:
 
 async def respond(*, request_id: str, served_model: str, streams: list[Any], n: int,
                   fmt: ChoiceFormat, stream: bool, include_usage: bool, raw: Request,
-                  continuous_usage: bool = False):
+                  continuous_usage: bool = False, tokens_details: bool = False):
     """The response of a completions or chat request: JSON, or SSE when `stream`.
     Prompt i's sequence j is choice `i * n + j` (OpenAI's indexes). `continuous_usage`
     (vLLM's stream_options.continuous_usage_stats) puts the usage so far into every chunk:
-    its prompt's tokens and the tokens its choice has generated, as vLLM counts them."""
+    its prompt's tokens and the tokens its choice has generated, as vLLM counts them.
+    `tokens_details` (--enable-prompt-tokens-details): the final usage carries
+    prompt_tokens_details.cached_tokens."""
     created = now_s()
+    cached: dict[int, int] = {}
+
+    def cached_tokens() -> int | None:
+        return sum(cached.values()) if tokens_details else None
 
     def base(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": request_id, "object": obj, "created": created, "model": served_model,
@@ -342,13 +364,13 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         finals = await collect_final(streams, raw)
         if finals is None:
             return JSONResponse({}, status_code=499)      # client is gone; nobody reads this
-        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
+        choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
             msg = error_finish_message(out)
             if msg:
                 raise APIError(500, msg, type="internal_error")
             prompt_tokens += out.num_prompt_tokens
-            cached_tokens += out.num_cached_tokens or 0
+            cached[i] = out.num_cached_tokens or 0
             fmt.see_output(i, out)
             for co in out.outputs:
                 completion_tokens += len(co.token_ids)
@@ -359,13 +381,12 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         choices.sort(key=lambda c: c["index"])
         resp = base(fmt.object_final, choices)
         resp.update(fmt.response_fields())
-        resp["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        resp["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens())
         return JSONResponse(resp)
 
     num_choices = len(streams) * n
 
     prompt_tokens: dict[int, int] = {}
-    cached_tokens: dict[int, int] = {}
     choice_tokens: dict[int, int] = {}
 
     def chunk(choices: list[dict[str, Any]]) -> str:
@@ -386,7 +407,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         try:
             async for i, out in merge_streams(streams):
                 prompt_tokens[i] = out.num_prompt_tokens
-                cached_tokens[i] = out.num_cached_tokens or 0
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens or 0)
                 fmt.see_output(i, out)
                 for co in out.outputs:
                     if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
@@ -414,8 +435,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                 yield chunk([choice])
         if include_usage:
             c = base(fmt.object_chunk, [])
-            c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens,
-                               sum(cached_tokens.values()))
+            c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens, cached_tokens())
             yield sse(c)
 
     return sse_response(events(), streams, request_id)

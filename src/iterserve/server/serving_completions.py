@@ -137,5 +137,7 @@ async def create_completion(body: CompletionRequest, raw: Request, engine: Async
                            echo_logprobs=body.logprobs if body.echo else None)
     return await respond(request_id=request_id, served_model=served_model, streams=streams,
                          n=params.n, fmt=fmt, stream=bool(body.stream),
-                         include_usage=body.include_usage, raw=raw,
-                         continuous_usage=body.continuous_usage)
+                         include_usage=body.include_usage or (
+                             bool(body.stream) and config.force_include_usage),
+                         raw=raw, continuous_usage=body.continuous_usage,
+                         tokens_details=config.prompt_tokens_details)
