@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping
@@ -92,6 +93,16 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
     if k.kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}", name)
+        return value
+    if k.kind is dict:                   # a JSON object (vLLM's --speculative-config)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name} must be a JSON object: {e.msg} at character "
+                                  f"{e.pos}", name) from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a JSON object, got {value!r}", name)
         return value
     if k.kind is str:
         if not isinstance(value, str):
@@ -276,6 +287,15 @@ class SchedulerConfig:
         None, "scheduling_policy slo: the cost model its online step-time model starts "
         "from (a JSON file or a shipped name; default smollm2-cpu)", str, nullable=True,
         metavar="FILE|NAME")
+    # --- speculative decoding (core/spec_decode) ----------------------------------------
+    speculative_config: dict | None = knob(
+        None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\" | \"suffix\" | "
+        "\"draft_model\" | \"synthetic\", \"num_speculative_tokens\": K, "
+        "\"prompt_lookup_min\"/\"prompt_lookup_max\": N (ngram), \"model\": PATH "
+        "(draft_model), \"acceptance_rates\": [P0, ...] (synthetic), \"adaptive\": true "
+        "(drafts per request follow its acceptance and the batch size: off where they "
+        "would be a loss)}; greedy output stays that of speculation off (default: off)",
+        dict, nullable=True, metavar="JSON")
 
     def validate(self, default_max_num_batched_tokens: int | None = None) -> "SchedulerConfig":
         """Check every knob, then resolve the budget (None: `default_max_num_batched_tokens`,
@@ -295,6 +315,16 @@ class SchedulerConfig:
             raise ConfigError(
                 "max_long_partial_prefills needs long_prefill_token_threshold (the prompt "
                 "length above which a prefill counts as long)", "max_long_partial_prefills")
+        if self.speculative_config is not None:
+            from iterserve.core.spec_decode.config import (
+                SpeculativeConfig, SpeculativeConfigError)
+            try:
+                spec = SpeculativeConfig.parse(self.speculative_config)
+            except SpeculativeConfigError as e:
+                where = f".{e.key}" if e.key else ""
+                raise ConfigError(f"speculative_config{where}: {e}",
+                                  "speculative_config") from None
+            self.speculative_config = spec.to_dict() if spec is not None else None
         if self.max_long_prefill_tokens and not self.long_prefill_token_threshold:
             raise ConfigError(
                 "max_long_prefill_tokens needs long_prefill_token_threshold (the prompt "

@@ -22,12 +22,22 @@ ranks, replicas) and receive it as a message.
   token: the engine reports those. `preempted_req_ids` (recompute: the request will come
   back as new data) and `swapped_out_req_ids` / `swapped_in_req_ids` are informational.
 - Swap copies (`blocks_to_swap_out/in`) are done before the forward pass.
+- `scheduled_spec_decode_tokens` (vLLM's name): for a request verifying drafts this step,
+  its draft tokens. Such a request's `num_scheduled_tokens` is 1 + len(drafts): its last
+  known token and the drafts after it, at positions num_computed_tokens.. (the drafts are
+  not in the executor's copy of the request). The executor computes all of them, samples at
+  each of the 1 + len(drafts) positions, accepts the drafts up to the first that differs
+  from its own sample, and returns the accepted drafts plus the token at the first
+  differing position (or after the last draft): 1 to 1 + len(drafts) tokens
+  (`SampleResult.verified`). `DRAFT_PLACEHOLDER` drafts are proposed by the executor itself
+  (a draft model).
 - `grammar_bitmask` is not the scheduler's: the engine sets it after schedule() when some
   sequences sampling in this step are constrained (structured outputs). It is data too (a
   structured.bitmask.GrammarBitmask: an int32 bit-per-token tensor and the sequence id of
   each row); the executor applies it to those sequences' logits before sampling.
 
-One SampleResult per sampling request comes back through `Scheduler.update_from_output`.
+One SampleResult per sampling request comes back through `Scheduler.update_from_output`
+(its token ids: `token_ids`, one, or several after a verification).
 """
 
 from __future__ import annotations
@@ -76,6 +86,8 @@ class SchedulerOutput:
     # Block copies the executor must do before the forward pass: (device, host) / (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Drafts verified this step, by request (see above).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Set by the engine, not the scheduler: the constrained rows' token masks (see above).
     grammar_bitmask: Any = None
 
@@ -94,6 +106,13 @@ class SchedulerOutput:
     @property
     def num_preemptions(self) -> int:
         return len(self.preempted_req_ids) + len(self.swapped_out_req_ids)
+
+
+def verify_row_id(req_id: str, position: int) -> str | tuple[str, int]:
+    """The id of row `position` of a request's verification, for per-row data keyed by
+    sequence (a grammar bitmask's rows): the request id itself for position 0 (the row a
+    step without drafts would sample), (request id, position) after it."""
+    return req_id if position == 0 else (req_id, position)
 
 
 class SamplingRow(Protocol):
@@ -120,3 +139,13 @@ class SampleResult:
     # With the request's first sampled token, when it asked for prompt_logprobs: one entry
     # per prompt position from the second on, (token id, logprob, rank, [(id, logprob)] top-k).
     prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None
+    # After a verification of drafts: the results of the tokens that follow this one in the
+    # same step (accepted drafts, then the executor's own token), in order.
+    verified: list["SampleResult"] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """This step's tokens for the request: one, or 1 + accepted drafts."""
+        if not self.verified:
+            return [self.token_id]
+        return [self.token_id, *(r.token_id for r in self.verified)]

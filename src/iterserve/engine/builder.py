@@ -78,7 +78,18 @@ def build_engine_parts(args: Any) -> EngineParts:
         runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
                              block_size=cache_cfg.block_size,
                              num_swap_blocks=cache_cfg.num_swap_blocks)
+    _configure_speculation(runner, sched_cfg, args.seed)
     return _parts(args, loaded, runner, sched_cfg, cache_cfg)
+
+
+def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int) -> None:
+    """The executor's side of `speculative_config`: synthetic acceptance (benchmarks)."""
+    from iterserve.core.spec_decode import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(sched_cfg.speculative_config)
+    if spec is not None and spec.method == "synthetic":
+        from iterserve.model.rejection_sampler import SyntheticAcceptance
+        runner.synthetic = SyntheticAcceptance(spec.acceptance_rates, seed)
 
 
 def _configure_kernels(args: Any) -> None:
