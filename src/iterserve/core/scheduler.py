@@ -223,6 +223,7 @@ class Scheduler:
         self.spec: Speculator | None = (
             Speculator(spec, config.max_model_len, clock) if spec is not None else None)
         self._last_spec: SpecDecodingStats | None = None
+        self._truncated: dict[str, int] = {}     # tables cut since the last output
 
     # --- requests in ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -315,6 +316,7 @@ class Scheduler:
         self._finished.append(request.request_id)
         self._sent.discard(request.request_id)
         self._granted.pop(request.request_id, None)
+        self._truncated.pop(request.request_id, None)
         self.policy.forget(request)
         if self.spec is not None:
             self.spec.forget(request)
@@ -349,6 +351,9 @@ class Scheduler:
         if self._ended:
             out.ended_req_ids = self._ended
             self._ended = []
+        if self._truncated:
+            out.truncated_block_tables = self._truncated
+            self._truncated = {}
         rules = policy.begin_step(self.step, self.running)
         st = _Step(out, now, rules, cfg.max_num_batched_tokens, self._long_tokens)
 
@@ -868,6 +873,7 @@ class Scheduler:
         freed = bm.trim(req, req.num_computed_tokens)
         if freed:
             self._granted[rid] -= freed * bm.block_size
+            self._truncated[rid] = bm.num_device_blocks(rid)
         if bm.enable_prefix_caching:
             bm.cache_full_blocks(req)
         return None

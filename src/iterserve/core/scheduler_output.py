@@ -30,7 +30,9 @@ ranks, replicas) and receive it as a message.
   from its own sample, and returns the accepted drafts plus the token at the first
   differing position (or after the last draft): 1 to 1 + len(drafts) tokens
   (`SampleResult.verified`). `DRAFT_PLACEHOLDER` drafts are proposed by the executor itself
-  (a draft model).
+  (a draft model). The blocks the rejected drafts took are returned by the scheduler when
+  the tokens come back; the next step's `truncated_block_tables` says, per request, how many
+  blocks its table keeps (applied before that step's new block ids).
 - `grammar_bitmask` is not the scheduler's: the engine sets it after schedule() when some
   sequences sampling in this step are constrained (structured outputs). It is data too (a
   structured.bitmask.GrammarBitmask: an int32 bit-per-token tensor and the sequence id of
@@ -88,6 +90,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Drafts verified this step, by request (see above).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Tables cut since the last step (rejected drafts' blocks returned): request -> blocks
+    # kept. Executors cut their copy before applying this step's new block ids.
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
     # Set by the engine, not the scheduler: the constrained rows' token masks (see above).
     grammar_bitmask: Any = None
 
@@ -97,7 +102,7 @@ class SchedulerOutput:
         drop): the engine then skips the executor call."""
         return not (self.num_scheduled_tokens or self.blocks_to_swap_in
                     or self.blocks_to_swap_out or self.finished_req_ids
-                    or self.preempted_req_ids)
+                    or self.preempted_req_ids or self.truncated_block_tables)
 
     @property
     def num_seqs(self) -> int:

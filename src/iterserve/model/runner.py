@@ -142,6 +142,10 @@ class ModelRunner:
             states.pop(rid, None)
         for rid in output.preempted_req_ids:
             states.pop(rid, None)
+        for rid, keep in output.truncated_block_tables.items():   # rejected drafts' blocks
+            st = states.get(rid)
+            if st is not None:
+                del st.block_ids[keep:]
         for d in output.scheduled_new_reqs:
             states[d.req_id] = RequestState(d.req_id, d.prompt_token_ids, d.output_token_ids,
                                             d.sampling_params, d.block_ids)

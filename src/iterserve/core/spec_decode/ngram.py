@@ -34,7 +34,8 @@ class NgramProposer:
     per request that grows by one entry per size and token, so a proposal costs one dict
     lookup per size: O(1) per step, O(tokens x sizes) memory, freed with the request. Of
     several occurrences the most recent wins (an edit quoted back follows the copy it is
-    in, not the first one in the prompt)."""
+    in, not the first one in the prompt); where what followed it runs into the end of the
+    sequence, the drafts continue the repetition.""" 
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
@@ -69,7 +70,13 @@ class NgramProposer:
             n = self.lo + i
             start = idx.maps[i].get(tuple(tokens[n_tokens - n:]))
             if start is not None:
-                return tokens[start:start + k]
+                drafts = tokens[start:start + k]
+                # What follows a recent occurrence runs into the end: the text repeats with
+                # period n_tokens - start, and so do the drafts.
+                period = n_tokens - start
+                while len(drafts) < k:
+                    drafts.append(drafts[len(drafts) - period])
+                return drafts
         return []
 
     def drop(self, request_id: str) -> None:
