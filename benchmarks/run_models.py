@@ -52,6 +52,12 @@ figures are also given as a fraction of the bandwidth bound.
         --iterserve-variants "base=" "f16kv=--kv-cache-dtype float16" \\
         "passive=OMP_WAIT_POLICY=PASSIVE"      # A/B one engine's flags / environment
 
+`--iterserve-variants` compares flags of one tree. Kernels have no run-time switch for a
+superseded generation: an A/B against the kernels of another commit checks that commit out
+in a second worktree (`git worktree add ../ab <commit>`) and runs this script there and here
+in alternation with the same arguments (or passes that tree's `src` as PYTHONPATH in a
+variant's environment, e.g. "ab=PYTHONPATH=../ab/src").
+
 A model is `NAME:FORMAT` (NAME a shape from benchmarks/models.py, FORMAT a GGUF type
 `<NAME>.<FORMAT>.gguf` in its cache folder, `blocks-Q4_K_M` for the block-recipe files, or
 `hf-bf16`), `bundled`, or a path. JSON goes to benchmarks/results/bench-<tag>.json.

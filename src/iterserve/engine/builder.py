@@ -58,7 +58,8 @@ def build_engine_parts(args: Any) -> EngineParts:
         from iterserve.model.runner import ModelRunner
 
     torch.manual_seed(args.seed)
-    _configure_kernels(args)
+    from iterserve.model import kernels
+    kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     parallel = args.create_parallel_config()
     if parallel.data_parallel_size > 1:
         # One LLMEngine is one replica: replicas are separate processes behind the server's
@@ -90,12 +91,6 @@ def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int) -
     if spec is not None and spec.method == "synthetic":
         from iterserve.model.rejection_sampler import SyntheticAcceptance
         runner.synthetic = SyntheticAcceptance(spec.acceptance_rates, seed)
-
-
-def _configure_kernels(args: Any) -> None:
-    """The process-wide kernel knobs (core/config.py KernelConfig), before the model loads."""
-    from iterserve.model import kernels
-    kernels.configure_activations(args.create_kernel_config().kernel_activations.value)
 
 
 def _build_tensor_parallel(args: Any) -> EngineParts:

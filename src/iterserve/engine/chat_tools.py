@@ -77,6 +77,6 @@ def parse_tool_calls(plan: ToolPlan, outputs: Sequence[Any]) -> None:
         return
     for ro in outputs:
         for co in ro.outputs:
-            ex = plan.extract(co.text)
+            ex = plan.extract(co.text, co.finish_reason == "length")
             co.tool_calls = ex.tool_calls or None
-            co.content = ex.content if ex.tool_calls else co.text
+            co.content = ex.content if (ex.tool_calls or ex.dropped) else co.text

@@ -76,10 +76,11 @@ def _rank_device(device: str, rank: int) -> str:
 
 
 def _load_shard(args: Any, rank: int, world: int):
-    from iterserve.engine.builder import _configure_kernels
+    from iterserve.model import kernels
     from iterserve.model.loader import load_model
     from iterserve.model.parallel import Shard
-    _configure_kernels(args)                  # each rank process has its own kernel mode
+    # each rank process has its own kernel configuration
+    kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     return load_model(args.model, dtype=args.dtype, device=_rank_device(args.device, rank),
                       kv_cache_dtype=args.kv_cache_dtype, shard=Shard(rank, world),
                       tokenizer=getattr(args, "tokenizer", None))

@@ -8,6 +8,7 @@ flight, so SIGINT/SIGTERM under uvicorn never leaves a request hanging.
 Routes:
   POST /v1/completions, POST /v1/chat/completions    (SSE when "stream": true)
   POST /v1/responses                                 OpenAI's Responses API, stateless
+  POST /v1/messages, /v1/messages/count_tokens       Anthropic's Messages API (serving_messages)
   POST /tokenize, POST /detokenize                   vLLM's bodies (prompt or chat messages)
   GET  /v1/models (with `root`), /version, /health, /ping (GET or POST), /metrics
   GET  /v1/requests/{id}/trace                       lifecycle events of one request
@@ -20,7 +21,8 @@ streaming and of disconnect detection):
                            client sees the answer and the connection stays usable) and
                            answered 413 with an OpenAI body, before any parsing
   APIKeyMiddleware         with `api_key`, every route but /health, /ping and the static lab
-                           page (/lab, /lab/static/...) needs `Authorization: Bearer <key>`;
+                           page (/lab, /lab/static/...) needs `Authorization: Bearer <key>`
+                           (or `x-api-key: <key>`, Anthropic's header);
                            /metrics too with `metrics_require_auth`; 401s carry
                            `WWW-Authenticate: Bearer`
   CatchAllMiddleware       (server/errors.py) a server fault is a 500 with an OpenAI body
@@ -48,6 +50,7 @@ from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        TokenizeCompletionRequest)
 from iterserve.server.serving_chat import create_chat_completion, render_request
 from iterserve.server.serving_config import ServingConfig
+from iterserve.server.serving_messages import install_messages_api
 from iterserve.server.serving_responses import ResponsesRequest, create_response
 from iterserve.server.serving_common import check_model, to_api_error
 from iterserve.server.serving_completions import create_completion
@@ -87,6 +90,7 @@ class APIKeyMiddleware:
     def __init__(self, app: Any, api_key: str, metrics_require_auth: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()             # `x-api-key: <key>`, as Anthropic's clients send
         self.open_paths = _OPEN_PATHS + (() if metrics_require_auth else ("/metrics",))
 
     def needs_key(self, path: str) -> bool:
@@ -94,10 +98,11 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.needs_key(scope.get("path", "")):
-            got = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            headers = dict(scope.get("headers") or [])
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 resp = error_response(401, "invalid or missing API key (send "
-                                      "'Authorization: Bearer <key>')",
+                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                                       type="authentication_error", code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
@@ -294,6 +299,7 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
     async def engine_stats() -> dict[str, Any]:
         return await require_engine().stats()
 
+    install_messages_api(app, require_engine, model_name, serving_config)   # outermost
     lab = _lab_router()
     if lab is not None:
         app.include_router(lab)

@@ -70,7 +70,7 @@ def install_openapi(app: FastAPI, *, max_model_len: int | None, api_key: bool,
         schemas.pop("ValidationError", None)
         schemas["ErrorResponse"] = ERROR_SCHEMA
         if max_model_len is not None:
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest"):
                 props = schemas.get(name, {}).get("properties", {})
                 for field in ("max_tokens", "max_completion_tokens"):
                     if field in props:

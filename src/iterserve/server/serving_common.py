@@ -349,8 +349,11 @@ class ChoiceFormat:
     def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, co: CompletionOutput | None) -> dict[str, Any]:
-        """A streamed choice without finish_reason; `co` None: an empty one."""
+    def delta_choice(self, index: int, co: CompletionOutput | None
+                     ) -> dict[str, Any] | None:
+        """A streamed choice without finish_reason; `co` None: an empty one. None: nothing
+        to send for this step (chat while a tool call's tag is being written); never None for
+        a choice's finishing step, which carries its finish_reason."""
         raise NotImplementedError
 
     def finish_reason(self, index: int, co: CompletionOutput) -> str | None:
@@ -426,6 +429,8 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                     completion_tokens += len(co.delta_token_ids)
                     choice_tokens[idx] = choice_tokens.get(idx, 0) + len(co.delta_token_ids)
                     choice = fmt.delta_choice(idx, co)
+                    if choice is None:          # nothing certain yet (never when finishing)
+                        continue
                     choice["finish_reason"] = fmt.finish_reason(idx, co) \
                         if co.finished_in_this_step else None
                     if co.finished_in_this_step:

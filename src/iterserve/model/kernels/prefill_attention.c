@@ -1,4 +1,4 @@
-/* Attention of prefill chunks straight from the paged KV pool (issues 13 and 18).
+/* Attention of prefill chunks straight from the paged KV pool.
  *
  * Why: a prefill chunk with context (a later chunk of a long prompt under chunked prefill, a
  * prompt after a cached prefix) went through torch: the context's K/V gathered from the pool
