@@ -106,3 +106,14 @@ def test_a_prompt_of_n_words_is_exactly_n_tokens_for_the_default_models_tokenize
     reqs = list(build_workload("mix").requests) + list(build_workload("longprompt").requests)
     for r in reqs:
         assert len(tok.encode(r.prompt).ids) == r.prompt_len, r.index
+
+
+def test_edit_quotes_a_300_to_800_token_file_and_asks_for_it_back_renamed():
+    w = build_workload("edit")
+    assert len(w.requests) == 8 and w.name == "edit"
+    for r in w.requests:
+        body = r.prompt.split("```python\n", 1)[1].split("```", 1)[0]
+        old = r.prompt.rsplit("Rename the function `", 1)[1].split("`", 1)[0]
+        assert f"def {old}(" in body                    # the function to rename is in the file
+        assert 300 <= r.max_tokens <= 800 + 60          # the answer is the file's length
+        assert r.prompt_len > r.max_tokens              # the prompt holds the whole file
