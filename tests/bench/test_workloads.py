@@ -129,3 +129,14 @@ def test_agent_sessions_resend_the_conversation_with_a_shared_system_prompt():
     assert build_workload("agent", num_requests=2).summary()["num_sessions"] == 2
     with pytest.raises(WorkloadError, match="closed loops"):
         build_workload("agent", rate=1.0)
+
+
+def test_edit_quotes_a_300_to_800_token_file_and_asks_for_it_back_renamed():
+    w = build_workload("edit")
+    assert len(w.requests) == 8 and w.name == "edit"
+    for r in w.requests:
+        body = r.prompt.split("```python\n", 1)[1].split("```", 1)[0]
+        old = r.prompt.rsplit("Rename the function `", 1)[1].split("`", 1)[0]
+        assert f"def {old}(" in body                    # the function to rename is in the file
+        assert 300 <= r.max_tokens <= 800 + 60          # the answer is the file's length
+        assert r.prompt_len > r.max_tokens              # the prompt holds the whole file

@@ -7,11 +7,14 @@ deadlines). The driver runs the scheduler with a fake executor and asserts after
 the token budget and max_num_seqs hold, every chunk starts at the request's computed
 tokens, the block tables a data-only executor rebuilds from the SchedulerOutputs (new
 requests once, then diffs) equal the block manager's own, no block is owned twice and ref counts match owners (check_consistency), static
-batching never admits into a live group; and at the end that every request ended with
-exactly its max_tokens (ignore_eos) or with the abort/timeout it was given, and that every
-block is free again (cached blocks count as free). A content-tracking executor runs each
-step's copies (KV tier saves, disk reads, swaps, RAM loads) and checks that every chunk's
-context holds its own prefix, however its blocks got there.
+batching never admits into a live group; with speculative decoding on (ngram, suffix, or
+synthetic drafts, adaptive or not), that drafts are verified from the request's last token,
+count against the budget and its blocks, and that after each step a request holds no block
+past its computed tokens (the rejected drafts' blocks are back); and at the end that every
+request ended with exactly its max_tokens (ignore_eos) or with the abort/timeout it was
+given, and that every block is free again (cached blocks count as free). A content-tracking
+executor runs each step's copies (KV tier saves, disk reads, swaps, RAM loads) and checks
+that every chunk's context holds its own prefix, however its blocks got there.
 """
 
 from hypothesis import HealthCheck, given, settings
@@ -57,6 +60,13 @@ def configs(draw):
         # decode step is ~10 ms, a 12-token prefill ~35 ms).
         slo_ttft_ms=draw(st.sampled_from([None, 30.0, 200.0, 5000.0])),
         slo_tpot_ms=draw(st.sampled_from([None, 15.0, 100.0])),
+        speculative_config=draw(st.sampled_from([
+            None, None, None,
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 2, "adaptive": False},
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+            {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
+            {"method": "synthetic", "acceptance_rates": [0.9, 0.5], "adaptive": False}])),
     )
     caching = draw(st.booleans())
     ram = draw(st.sampled_from([0, 0, 2, 8])) if caching else 0
@@ -181,6 +191,9 @@ def run(sched_cfg, cache_cfg, script):
         # The executor's side of the seam: state from data only.
         for rid in out.finished_req_ids + out.preempted_req_ids:
             held.pop(rid, None)
+        for rid, keep in out.truncated_block_tables.items():
+            if rid in held:
+                del held[rid][keep:]
         for d in out.scheduled_new_reqs:
             r = s.get_request(d.req_id)
             assert d.req_id not in held, "a held request was sent whole again"
@@ -194,11 +207,19 @@ def run(sched_cfg, cache_cfg, script):
                 held[d.req_id].extend(d.new_block_ids)
         data = out.scheduled_new_reqs + out.scheduled_cached_reqs
         assert sorted(d.req_id for d in data) == sorted(sched_tokens)
+        drafts = out.scheduled_spec_decode_tokens
+        assert set(drafts) <= set(sched_tokens)
         for d in data:
             rid, n = d.req_id, sched_tokens[d.req_id]
             r = s.get_request(rid)
             assert n >= 1 and d.num_computed_tokens == r.num_computed_tokens
-            assert d.num_computed_tokens + n <= r.num_tokens
+            if rid in drafts:                # a verification: from its last token on
+                assert d.num_computed_tokens == r.num_tokens - 1
+                assert n == 1 + len(drafts[rid]) and drafts[rid]
+                assert r.num_tokens + len(drafts[rid]) <= sched_cfg.max_model_len
+                assert r.num_output_tokens + len(drafts[rid]) < r.sampling_params.max_tokens
+            else:
+                assert d.num_computed_tokens + n <= r.num_tokens
             if rid in before:
                 assert d.num_computed_tokens == before[rid]
             assert held[rid] == s.block_manager.block_table(rid)
@@ -220,10 +241,21 @@ def run(sched_cfg, cache_cfg, script):
         sampled = {}
         for d in data:
             r = s.get_request(d.req_id)
-            if d.num_computed_tokens + sched_tokens[d.req_id] >= r.num_tokens:
-                sampled[d.req_id] = 1 + (k + d.num_computed_tokens) % 3
+            own = 1 + (k + d.num_computed_tokens) % 3
+            if d.req_id in drafts:           # accept some of the drafts, then a token of its own
+                proposed = drafts[d.req_id]
+                taken = (k + d.num_computed_tokens) % (len(proposed) + 1)
+                sampled[d.req_id] = proposed[:taken] + [own]
+            elif d.num_computed_tokens + sched_tokens[d.req_id] >= r.num_tokens:
+                sampled[d.req_id] = own
         finished = s.update_from_output(out, sampled)
         s.check_consistency()
+        bs = cache_cfg.block_size
+        for rid in drafts:
+            r = s.get_request(rid)
+            if r is not None and r.status is RequestStatus.RUNNING:
+                assert s.block_manager.num_device_blocks(rid) == -(-r.num_computed_tokens // bs), \
+                    "a rejected draft's block was kept"
         for r in finished:
             group_live.discard(r.request_id)
         clock.t += 0.25
@@ -295,3 +327,25 @@ def test_kv_tiers_under_pressure_keep_every_context_right(block_size, blocks, ra
     script = [[("arrive", p, m, 0, None)] if i % 2 == 0 else []
               for i, (p, m) in enumerate(x for r in reqs for x in (r, r))]
     run(sched, cache, script)
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["fcfs", "priority"]), st.sampled_from(["recompute", "swap"]),
+       st.booleans(), st.booleans(), st.sampled_from(["ngram", "suffix", "synthetic"]),
+       st.lists(st.tuples(st.integers(1, 10), st.integers(1, 20)), min_size=1, max_size=10))
+def test_speculation_under_kv_pressure_keeps_every_invariant(
+        policy, mode, caching, chunked, method, reqs):
+    """Speculative decoding on every step it can: drafts from a 3-token vocabulary are
+    proposed nearly always, some accepted, under constant preemption; nothing leaks."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "synthetic":
+        spec["acceptance_rates"] = [0.8, 0.6, 0.3]
+    sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10 if chunked else 48,
+                            max_model_len=48, scheduling_policy=policy, preemption_mode=mode,
+                            enable_chunked_prefill=chunked, speculative_config=spec)
+    cache = CacheConfig(block_size=2, num_kv_blocks=14, num_swap_blocks=8,
+                        enable_prefix_caching=caching)
+    script = [[("arrive", [i % 3, 1, 2, 1][:1 + p % 4] * (1 + p // 4), m, i % 3, None)]
+              for i, (p, m) in enumerate(reqs)]
+    s = run(sched, cache, script)
+    assert s.stats().num_running == 0

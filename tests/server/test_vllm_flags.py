@@ -56,7 +56,7 @@ LAUNCH_LINES = [
     ("vllm serve MODEL --max-loras 2", "refused: LoRA adapters are not supported yet"),
     ("vllm serve MODEL --speculative-config "
      "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}'",
-     "refused: speculative decoding is not implemented yet"),
+     "ok"),
     ("vllm serve MODEL --reasoning-parser deepseek_r1",
      "refused: no reasoning parser is implemented yet"),
     ("vllm serve MODEL --pipeline-parallel-size 2",

@@ -22,6 +22,11 @@ Workloads (see `WORKLOADS`):
   k + 1 is sent when turn k has answered (bench/sessions.py runs them). The conversation
   carries the workload's own answer text, not the model's, so every engine gets exactly the
   same prompts; the prefix an engine can reuse is the previous turn's prompt.
+- ``edit``: an agent's edit turn: each prompt quotes a 300-800-token Python file and asks for
+  it back with one function renamed, so the answer repeats the prompt (what speculative
+  decoding from the context accepts). The files are made of `WORDS` identifiers, so every
+  engine sees the same text; their token counts are estimates (code punctuation is not one
+  token per character in every vocabulary), said in the workload's `extra`.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class BenchRequest:
     prompt_len: int        # tokens in `prompt` (exact for SmolLM2's tokenizer)
     max_tokens: int        # tokens to generate (ignore_eos: exactly this many)
     arrival_s: float       # seconds after the benchmark starts
-    kind: str              # "short" | "long" | "longprompt" | "chat" | "sharegpt" | "agent"
+    kind: str              # "short" | "long" | "longprompt" | "chat" | "sharegpt" | "agent" | "edit"
     session: int = -1      # agent: the session this turn belongs to (-1: no session)
     turn: int = 0          # agent: 1-based turn in its session (sent after turn - 1 answered)
 
@@ -254,6 +259,66 @@ def agent(seed: int = DEFAULT_SEED, rate: float | None = None, num_requests: int
 
 WORKLOADS = {"mix": mix, "poisson": poisson, "longprompt": longprompt, "sharegpt": sharegpt,
              "agent": agent}
+
+_EDIT_BODIES = (
+    "    return {a} + {b}",
+    "    if {a} > {b}:\n        return {a}\n    return {b}",
+    "    for {c} in range({a}):\n        {b} = {b} + {c}\n    return {b}",
+    "    {c} = [{a}, {b}]\n    return sorted({c})",
+    "    {c} = {a} * 2\n    if not {c}:\n        raise ValueError(\"{a} is empty\")\n    return {c} - {b}",
+    "    return {{\"{a}\": {a}, \"{b}\": {b}}}",
+)
+
+
+def _estimate_tokens(text: str) -> int:
+    """Words, numbers and punctuation marks, one token each; indentation runs count once."""
+    import re
+    return len(re.findall(r"[A-Za-z_]+|[0-9]+|\n +|[^\sA-Za-z_0-9]", text))
+
+
+def _edit_file(rng: random.Random, target_tokens: int) -> tuple[str, list[str]]:
+    """A Python file of about `target_tokens` tokens: functions named from `WORDS`."""
+    funcs, names, used = [], [], set()
+    while _estimate_tokens("\n\n".join(funcs)) < target_tokens:
+        name = "_".join(rng.sample(WORDS[20:], 2))
+        if name in used:
+            continue
+        used.add(name)
+        a, b, c = rng.sample(WORDS[20:], 3)
+        body = rng.choice(_EDIT_BODIES).format(a=a, b=b, c=c)
+        funcs.append(f"def {name}({a}, {b}):\n    \"\"\"{rng.choice(WORDS).capitalize()} "
+                     f"{' '.join(rng.sample(WORDS, 5))}.\"\"\"\n{body}")
+        names.append(name)
+    return "\n\n\n".join(funcs) + "\n", names
+
+
+def edit(seed: int = DEFAULT_SEED, rate: float | None = None, num_requests: int = 8,
+         min_file_tokens: int = 300, max_file_tokens: int = 800) -> Workload:
+    """Each prompt: a file and an instruction to rename one function (an instruction, so send
+    it to the chat endpoint); max_tokens is the file's length, so a faithful answer is the
+    file again."""
+    rng = random.Random(seed)
+    arrivals = _arrivals(num_requests, rate, random.Random(seed + 1))
+    reqs = []
+    for i in range(num_requests):
+        text, names = _edit_file(rng, rng.randint(min_file_tokens, max_file_tokens))
+        old = rng.choice(names)
+        new = "_".join(rng.sample(WORDS[20:], 2))
+        prompt = (f"Here is the file `module_{i}.py`:\n\n```python\n{text}```\n\n"
+                  f"Rename the function `{old}` to `{new}` and reply with the whole file.")
+        file_tokens = _estimate_tokens(text)
+        reqs.append(BenchRequest(index=i, prompt=prompt, prompt_len=_estimate_tokens(prompt),
+                                 max_tokens=file_tokens, arrival_s=arrivals[i], kind="edit"))
+    desc = (f"a {min_file_tokens}-{max_file_tokens}-token Python file quoted back with one "
+            "function renamed (the answer repeats the prompt), "
+            + ("all at t=0" if rate is None else f"Poisson arrivals at {rate} req/s")
+            + ", ignore_eos")
+    return Workload(name="edit", seed=seed, rate=rate, requests=tuple(reqs), description=desc,
+                    extra={"token_counts": "estimated (words, numbers, punctuation)"})
+
+
+WORKLOADS = {"mix": mix, "poisson": poisson, "longprompt": longprompt, "sharegpt": sharegpt,
+             "edit": edit}
 
 
 def build_workload(name: str, *, seed: int = DEFAULT_SEED, rate: float | None = None,

@@ -370,6 +370,24 @@ class BlockManager:
         the forward pass, after any swap-out: so they must not be swapped out this step)."""
         return self._loading
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Return the blocks past the first `num_tokens` slots of the request's table (the
+        slots of rejected speculative tokens); the number of blocks freed. Blocks that hold
+        computed tokens are never trimmed (num_tokens below them is a bug)."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            return 0
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < self._num_registered.get(request.request_id, 0):
+            raise ValueError(f"{request.request_id}: cannot trim to {num_tokens} tokens, "
+                             "below its cached blocks")
+        extra = len(table) - keep
+        if extra <= 0:
+            return 0
+        self._release(table[keep:])
+        del table[keep:]
+        return extra
+
     def note_cache_query(self, request: Request) -> None:
         """Count the blocks a first admission looked up (for the prefix-cache hit rate)."""
         if self.enable_prefix_caching:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -96,6 +97,16 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
     if k.kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}", name)
+        return value
+    if k.kind is dict:                   # a JSON object (vLLM's --speculative-config)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name} must be a JSON object: {e.msg} at character "
+                                  f"{e.pos}", name) from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a JSON object, got {value!r}", name)
         return value
     if k.kind is str:
         if not isinstance(value, str):
@@ -237,11 +248,6 @@ class LoadConfig:
         "raw_logprobs", "what logprobs report: raw_logprobs, the log-softmax of the model's "
         "logits before penalties, temperature and truncation (the only mode here)", str,
         choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"))
-    speculative_config: dict | None = knob(
-        None, "vLLM: speculative decoding (n-gram, suffix or draft-model proposals), as JSON",
-        dict, nullable=True, parse=json_arg(dict), metavar="JSON",
-        refused="speculative decoding is not implemented yet; every step decodes one token "
-        "per sequence")
     structured_outputs_config: dict | None = knob(
         None, "structured outputs, as JSON (vLLM's keys): backend (auto, guidance: "
         "llguidance, the one engine here), disable_any_whitespace, disable_additional_properties",
@@ -493,6 +499,15 @@ class SchedulerConfig:
         False, "vLLM: schedule the next step while the current one runs", bool,
         no_effect="each step is scheduled when the previous step's tokens are back (they "
         "decide what the next step computes); there is no asynchronous scheduler to turn on")
+    # --- speculative decoding (core/spec_decode) ----------------------------------------
+    speculative_config: dict | None = knob(
+        None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\" | \"suffix\" | "
+        "\"draft_model\" | \"synthetic\", \"num_speculative_tokens\": K, "
+        "\"prompt_lookup_min\"/\"prompt_lookup_max\": N (ngram), \"model\": PATH "
+        "(draft_model), \"acceptance_rates\": [P0, ...] (synthetic), \"adaptive\": true "
+        "(drafts per request follow its acceptance and the batch size: off where they "
+        "would be a loss)}; greedy output stays that of speculation off (default: off)",
+        dict, nullable=True, metavar="JSON")
 
     def validate(self, default_max_num_batched_tokens: int | None = None) -> "SchedulerConfig":
         """Check every knob, then resolve the budget (None: `default_max_num_batched_tokens`,
@@ -512,6 +527,16 @@ class SchedulerConfig:
             raise ConfigError(
                 "max_long_partial_prefills needs long_prefill_token_threshold (the prompt "
                 "length above which a prefill counts as long)", "max_long_partial_prefills")
+        if self.speculative_config is not None:
+            from iterserve.core.spec_decode.config import (
+                SpeculativeConfig, SpeculativeConfigError)
+            try:
+                spec = SpeculativeConfig.parse(self.speculative_config)
+            except SpeculativeConfigError as e:
+                where = f".{e.key}" if e.key else ""
+                raise ConfigError(f"speculative_config{where}: {e}",
+                                  "speculative_config") from None
+            self.speculative_config = spec.to_dict() if spec is not None else None
         if self.max_long_prefill_tokens and not self.long_prefill_token_threshold:
             raise ConfigError(
                 "max_long_prefill_tokens needs long_prefill_token_threshold (the prompt "

@@ -38,6 +38,16 @@ hooks. `schedule()` is the step, in parts:
 5. The step's data, its checks, and the policy's `end_step`; `update_from_output` calls its
    `step_done` once the executor has run the step.
 
+Speculative decoding (`speculative_config`, core/spec_decode) adds no part of its own: a
+running request's drafts (`Request.spec_token_ids`, proposed when its previous step's tokens
+came back) are more tokens of its step, as in vLLM v1. The running part asks the
+`Speculator` once per step how many of each request's drafts pay (`plan`), schedules 1 +
+that many tokens against the budget and the request's KV blocks like any tokens, and lists
+the drafts in `scheduled_spec_decode_tokens`; `update_from_output` appends the tokens the
+executor accepted (with the usual stop checks after each), keeps the accepted drafts as
+computed, returns the blocks of the rejected ones at once (`BlockManager.trim`) and asks
+for the next drafts. A preemption drops a request's drafts.
+
 The step's budget and counters live in one `_Step` that the parts share.
 
 What the executors get is data (scheduler_output.py): a request the executor does not hold
@@ -69,7 +79,11 @@ from iterserve.core.request import FinishReason, Request, RequestStatus
 from iterserve.core.request_queue import RequestQueue
 from iterserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from iterserve.core.slo_policy import SloPolicy
+from iterserve.core.spec_decode import (
+    DRAFT_PLACEHOLDER, SpecDecodingStats, SpeculativeConfig, Speculator)
+from iterserve.core.spec_decode.adaptive import StepShape
 from iterserve.core.static_batching import StaticBatching
+from iterserve.core.step_time import attention_pairs
 from iterserve.errors import QueueFullError
 
 _RUNNING = RequestStatus.RUNNING
@@ -88,6 +102,9 @@ class SchedulerStats:
     num_preemptions: int            # preemptions (recompute or swap) in the last step
     num_preemptions_total: int
     prefix_cache_hit_rate: float = 0.0   # cached / looked-up prompt blocks, lifetime
+    # speculative decoding: the last step's verifications, and all of them so far (None off)
+    spec_decoding: SpecDecodingStats | None = None
+    spec_decoding_total: SpecDecodingStats | None = None
 
 
 def make_policy(config: SchedulerConfig, clock: Callable[[], float]) -> Policy:
@@ -200,6 +217,12 @@ class Scheduler:
         self._last_batched = 0
         self._last_preemptions = 0
         self._preemptions_total = 0
+        # Speculative decoding (core/spec_decode): None when off.
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.spec: Speculator | None = (
+            Speculator(spec, config.max_model_len, clock) if spec is not None else None)
+        self._last_spec: SpecDecodingStats | None = None
+        self._truncated: dict[str, int] = {}     # tables cut since the last output
 
     # --- requests in ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -260,15 +283,20 @@ class Scheduler:
         request.record("rejected", now, self.step, reason=reason)
 
     # --- requests out ---------------------------------------------------------------------
-    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+    def finish_request(self, request_id: str, reason: FinishReason, *,
+                       num_output_tokens: int | None = None) -> Request | None:
         """End a request in any state (abort, stop string, error) and free all it holds.
 
         Idempotent: None for unknown or already finished ids. The request is listed in the
         next SchedulerOutput.finished so executors can drop per-request state.
+        `num_output_tokens`: keep only that many output tokens (a stop string inside the
+        tokens a verification appended: Request.truncate_output).
         """
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if num_output_tokens is not None:
+            request.truncate_output(num_output_tokens)
         status = request.status
         if status is _RUNNING:
             self.running.remove(request)
@@ -287,7 +315,10 @@ class Scheduler:
         self._finished.append(request.request_id)
         self._sent.discard(request.request_id)
         self._granted.pop(request.request_id, None)
+        self._truncated.pop(request.request_id, None)
         self.policy.forget(request)
+        if self.spec is not None:
+            self.spec.forget(request)
 
     def _expire_timeouts(self, now: float) -> None:
         heap = self._timeouts
@@ -319,6 +350,9 @@ class Scheduler:
         if self._ended:
             out.ended_req_ids = self._ended
             self._ended = []
+        if self._truncated:
+            out.truncated_block_tables = self._truncated
+            self._truncated = {}
         rules = policy.begin_step(self.step, self.running)
         st = _Step(out, now, rules, cfg.max_num_batched_tokens, self._long_tokens)
 
@@ -346,8 +380,34 @@ class Scheduler:
         self._last_batched = out.num_batched_tokens
         self._last_preemptions = st.num_preempted
         self._preemptions_total += st.num_preempted
+        if self.spec is not None and self.spec.adaptive:
+            self.spec.begin_step(self._step_shape(out))
         policy.end_step(out, self.requests)
         return out
+
+    def _step_shape(self, out: SchedulerOutput) -> StepShape:
+        """The scheduled step in the cost model's features, as the runner computes it (a
+        verification is 1 + k decode rows; a chunk of more than one token, or of a prompt,
+        is a prefill chunk), for the speculator's online step-time model."""
+        shape = StepShape()
+        requests = self.requests
+        drafts = out.scheduled_spec_decode_tokens
+        for rid, n in out.num_scheduled_tokens.items():
+            req = requests[rid]
+            start = req.num_computed_tokens
+            if rid in drafts:
+                shape.seqs += n
+                shape.kv += n * start + n * (n + 1) // 2
+            elif n > 1 or start < len(req.prompt_token_ids):
+                shape.seqs += 1
+                shape.kv += start + n
+                shape.prefill += n
+                shape.attn += attention_pairs(start, n)
+            else:
+                shape.seqs += 1
+                shape.kv += start + 1
+            shape.tokens += n
+        return shape
 
     def _schedule_running(self, st: _Step) -> None:
         """Running requests, in the running list's order, each get their next chunk.
@@ -359,6 +419,10 @@ class Scheduler:
         """
         running = self.running
         out = st.out
+        # Speculative decoding: how many of each running request's drafts to verify.
+        drafts = self.spec.plan(running, out.step, st.budget) if self.spec is not None \
+            else None
+        spec_out = out.scheduled_spec_decode_tokens
         num_sched = out.num_scheduled_tokens          # filled in scheduling order
         cached = out.scheduled_cached_reqs            # (a list: appended once per request)
         granted = self._granted
@@ -385,7 +449,14 @@ class Scheduler:
                 st.share_skipped = True
                 i += 1                      # the less urgent share of this step is spent
                 continue
-            if n > 1:
+            k = drafts.get(req.request_id, 0) if drafts else 0
+            if k:
+                # Its drafts are more tokens of its step (vLLM's num_tokens_with_spec):
+                # as many as the budget (or the share) leaves, down to none.
+                cap = share_left if shared and share_left < budget else budget
+                n = min(1 + k, cap)
+                k = n - 1
+            elif n > 1:
                 if threshold and n > threshold:
                     num_long += 1           # a long prefill (or recompute) mid-way
                 cap = share_left if shared and share_left < budget else budget
@@ -417,6 +488,8 @@ class Scheduler:
                 granted[rid] += len(new_blocks) * block_size
             num_sched[rid] = n
             cached.append(CachedRequestData(rid, new_blocks, start))
+            if k:
+                spec_out[rid] = req.spec_token_ids[:k]
             budget -= n
             if shared:
                 share_left -= n
@@ -424,7 +497,7 @@ class Scheduler:
             if start + n < num_tokens:          # still mid-prefill after this step
                 num_partial += 1
                 req.record("prefill_chunk", now, step, start=start, num_tokens=n)
-            elif n > 1 or start < len(req.prompt_token_ids):
+            elif not k and (n > 1 or start < len(req.prompt_token_ids)):
                 req.record("prefill_chunk", now, step, start=start, num_tokens=n)
             i += 1
         st.budget, st.long_left, st.share_left = budget, long_left, share_left
@@ -654,6 +727,8 @@ class Scheduler:
             if st.new.pop(rid, None) is None:
                 out.scheduled_cached_reqs[:] = [
                     d for d in out.scheduled_cached_reqs if d.req_id != rid]
+            out.scheduled_spec_decode_tokens.pop(rid, None)
+        victim.spec_token_ids = []          # proposed again after its next step
         victim.num_preemptions += 1
         bm = self.block_manager
         now = self.clock()
@@ -678,9 +753,12 @@ class Scheduler:
         return given
 
     def update_from_output(self, output: SchedulerOutput,
-                           sampled: Mapping[str, int]) -> list[Request]:
+                           sampled: Mapping[str, int | list[int]]) -> list[Request]:
         """Apply a step's results: advance computed tokens, append sampled tokens, finish
-        requests on length / eos / stop token. Returns the requests finished here."""
+        requests on length / eos / stop token. Returns the requests finished here.
+
+        `sampled`: a request's token, or, for one that verified drafts, its tokens (the
+        accepted drafts and the executor's own, `SampleResult.token_ids`)."""
         self.policy.step_done(self.running)
         now = self.clock()
         bm = self.block_manager
@@ -688,10 +766,24 @@ class Scheduler:
         max_len = self.config.max_model_len
         requests = self.requests
         finished: list[Request] = []
+        spec = self.spec
+        if spec is not None:
+            spec.step_done()
+        verifying = output.scheduled_spec_decode_tokens
         for rid, n in output.num_scheduled_tokens.items():
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:
                 continue                    # ended by finish_request after schedule()
+            if verifying and rid in verifying:
+                reason = self._apply_verified(req, verifying[rid], sampled.get(rid), now)
+                if reason is None:
+                    spec.propose(req)
+                    continue
+                del requests[rid]
+                bm.free(req)
+                self._finish(req, reason, now)
+                finished.append(req)
+                continue
             start = req.num_computed_tokens
             computed = start + n
             req.num_computed_tokens = computed
@@ -705,6 +797,11 @@ class Scheduler:
                 raise ValueError(
                     f"the executor returned no token for request {rid!r}, whose chunk "
                     f"[{start}, {computed}) reached its last token")
+            if not isinstance(token, int):
+                if len(token) != 1:
+                    raise ValueError(f"the executor returned {len(token)} tokens for request "
+                                     f"{rid!r}, which verified no drafts")
+                token = token[0]
             # Request.append_output_token, inlined: this loop runs for every decode.
             outputs = req.output_token_ids
             outputs.append(token)
@@ -721,6 +818,8 @@ class Scheduler:
             elif sp.stop_token_ids and token in sp.stop_token_ids:
                 reason = FinishReason.STOP
             else:
+                if spec is not None:
+                    spec.propose(req)
                 continue
             del requests[rid]
             bm.free(req)
@@ -728,8 +827,65 @@ class Scheduler:
             finished.append(req)
         if finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
+        if spec is not None:
+            self._last_spec = spec.end_update()
         self.step += 1
         return finished
+
+    def _apply_verified(self, req: Request, drafts: list[int], tokens: int | list[int] | None,
+                        now: float) -> FinishReason | None:
+        """A verification's tokens: appended one by one, each with the stop checks (what
+        follows a stop is dropped); the accepted drafts' KV is kept, the blocks past it go
+        back to the pool. The reason the request finished, or None."""
+        rid = req.request_id
+        if tokens is None:
+            raise ValueError(f"the executor returned no token for request {rid!r}, which "
+                             f"verified {len(drafts)} drafts")
+        if isinstance(tokens, int):
+            tokens = [tokens]
+        k = len(drafts)
+        accepted = len(tokens) - 1
+        if not 0 <= accepted <= k or (drafts[0] != DRAFT_PLACEHOLDER
+                                      and list(tokens[:accepted]) != drafts[:accepted]):
+            raise ValueError(f"the executor returned tokens {list(tokens)} for request "
+                             f"{rid!r}, which verified drafts {drafts}: expected the accepted "
+                             "drafts and one token of its own")
+        self.spec.verified(req, k, accepted)
+        sp = req.sampling_params
+        outputs, all_tokens = req.output_token_ids, req.all_token_ids
+        max_len = self.config.max_model_len
+        reason = None
+        for token in tokens:
+            outputs.append(token)
+            all_tokens.append(token)
+            req.token_times.append(now)
+            if len(outputs) >= sp.max_tokens or len(all_tokens) >= max_len:
+                reason = FinishReason.LENGTH
+            elif token == req.eos_token_id and not sp.ignore_eos:
+                reason = FinishReason.STOP
+            elif sp.stop_token_ids and token in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            if reason is not None:
+                break
+        # The last known token and the accepted drafts are computed; the rest was rejected.
+        req.num_computed_tokens = len(all_tokens) - 1
+        if reason is not None:
+            return reason
+        bm = self.block_manager
+        freed = bm.trim(req, req.num_computed_tokens)
+        if freed:
+            self._granted[rid] -= freed * bm.block_size
+            self._truncated[rid] = bm.num_device_blocks(rid)
+        if bm.enable_prefix_caching:
+            bm.cache_full_blocks(req)
+        return None
+
+    def limit_drafts(self, request_id: str, n: int) -> None:
+        """Keep only the first `n` drafts proposed for the request's next step (the engine:
+        a structured-output grammar takes no more of them)."""
+        req = self.requests.get(request_id)
+        if req is not None and len(req.spec_token_ids) > n:
+            del req.spec_token_ids[n:]
 
     def skip_idle_steps(self, n: int) -> None:
         """Advance the step counter by `n` empty steps without calling schedule().
@@ -780,6 +936,8 @@ class Scheduler:
             num_preemptions_total=self._preemptions_total,
             prefix_cache_hit_rate=(bm.num_cache_hits / bm.num_cache_queries
                                    if bm.num_cache_queries else 0.0),
+            spec_decoding=self._last_spec,
+            spec_decoding_total=self.spec.total if self.spec is not None else None,
         )
 
     def consistency_violations(self) -> list[tuple[str | None, str]]:

@@ -25,12 +25,24 @@ ranks, replicas) and receive it as a message.
 - `kv_tiers` (core/kv_tiers.py): the step's copies between the device pool and the tiers
   below it (host RAM slots, a disk directory), `KVTierOps`; None when there are none. The
   executor reports back failed reads and writes and measured costs as a `KVTierFeedback`.
+- `scheduled_spec_decode_tokens` (vLLM's name): for a request verifying drafts this step,
+  its draft tokens. Such a request's `num_scheduled_tokens` is 1 + len(drafts): its last
+  known token and the drafts after it, at positions num_computed_tokens.. (the drafts are
+  not in the executor's copy of the request). The executor computes all of them, samples at
+  each of the 1 + len(drafts) positions, accepts the drafts up to the first that differs
+  from its own sample, and returns the accepted drafts plus the token at the first
+  differing position (or after the last draft): 1 to 1 + len(drafts) tokens
+  (`SampleResult.verified`). `DRAFT_PLACEHOLDER` drafts are proposed by the executor itself
+  (a draft model). The blocks the rejected drafts took are returned by the scheduler when
+  the tokens come back; the next step's `truncated_block_tables` says, per request, how many
+  blocks its table keeps (applied before that step's new block ids).
 - `grammar_bitmask` is not the scheduler's: the engine sets it after schedule() when some
   sequences sampling in this step are constrained (structured outputs). It is data too (a
   structured.bitmask.GrammarBitmask: an int32 bit-per-token tensor and the sequence id of
   each row); the executor applies it to those sequences' logits before sampling.
 
-One SampleResult per sampling request comes back through `Scheduler.update_from_output`.
+One SampleResult per sampling request comes back through `Scheduler.update_from_output`
+(its token ids: `token_ids`, one, or several after a verification).
 """
 
 from __future__ import annotations
@@ -136,6 +148,11 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Copies to and from the KV tiers (host RAM, disk), before the forward pass (KVTierOps).
     kv_tiers: KVTierOps | None = None
+    # Drafts verified this step, by request (see above).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Tables cut since the last step (rejected drafts' blocks returned): request -> blocks
+    # kept. Executors cut their copy before applying this step's new block ids.
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
     # Set by the engine, not the scheduler: the constrained rows' token masks (see above).
     grammar_bitmask: Any = None
 
@@ -145,7 +162,8 @@ class SchedulerOutput:
         drop): the engine then skips the executor call."""
         return not (self.num_scheduled_tokens or self.blocks_to_swap_in
                     or self.blocks_to_swap_out or self.finished_req_ids
-                    or self.preempted_req_ids or self.kv_tiers)
+                    or self.preempted_req_ids or self.kv_tiers
+                    or self.truncated_block_tables)
 
     @property
     def num_seqs(self) -> int:
@@ -154,6 +172,13 @@ class SchedulerOutput:
     @property
     def num_preemptions(self) -> int:
         return len(self.preempted_req_ids) + len(self.swapped_out_req_ids)
+
+
+def verify_row_id(req_id: str, position: int) -> str | tuple[str, int]:
+    """The id of row `position` of a request's verification, for per-row data keyed by
+    sequence (a grammar bitmask's rows): the request id itself for position 0 (the row a
+    step without drafts would sample), (request id, position) after it."""
+    return req_id if position == 0 else (req_id, position)
 
 
 class SamplingRow(Protocol):
@@ -180,3 +205,13 @@ class SampleResult:
     # With the request's first sampled token, when it asked for prompt_logprobs: one entry
     # per prompt position from the second on, (token id, logprob, rank, [(id, logprob)] top-k).
     prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None
+    # After a verification of drafts: the results of the tokens that follow this one in the
+    # same step (accepted drafts, then the executor's own token), in order.
+    verified: list["SampleResult"] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """This step's tokens for the request: one, or 1 + accepted drafts."""
+        if not self.verified:
+            return [self.token_id]
+        return [self.token_id, *(r.token_id for r in self.verified)]

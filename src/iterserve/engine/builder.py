@@ -160,6 +160,7 @@ def build_engine_parts(args: Any) -> EngineParts:
                              kv_offload_dir=args.kv_offload_dir if tiers else None,
                              kv_setting_key=kv_setting_key(args, loaded)
                              if args.kv_offload_dir else None)
+    _configure_speculation(runner, sched_cfg, args.seed)
     parts = _parts(args, loaded, runner, sched_cfg, cache_cfg)
     if tiers:
         _connect_tiers(parts.scheduler.block_manager, runner, args)
@@ -206,6 +207,16 @@ def check_weight_format(load: Any) -> None:
     if load.quantization == "gguf" and not is_gguf:
         raise ConfigError(f"--quantization gguf: the model {path} is not a .gguf file; its "
                           "weights are served as they are stored", "quantization")
+
+
+def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int) -> None:
+    """The executor's side of `speculative_config`: synthetic acceptance (benchmarks)."""
+    from iterserve.core.spec_decode import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(sched_cfg.speculative_config)
+    if spec is not None and spec.method == "synthetic":
+        from iterserve.model.rejection_sampler import SyntheticAcceptance
+        runner.synthetic = SyntheticAcceptance(spec.acceptance_rates, seed)
 
 
 def _build_tensor_parallel(args: Any) -> EngineParts:

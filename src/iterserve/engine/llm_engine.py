@@ -228,6 +228,10 @@ class LLMEngine:
 
         stopped = self.output_processor.process_tokens(sampled, results, stats)
         self._end_in_scheduler(stopped)           # stop strings, per-sequence failures
+        if self.output_processor.has_constrained and getattr(self.scheduler, "spec", None):
+            # speculative drafts of constrained sequences: only what their grammar takes
+            for sid, n in self.output_processor.draft_limits().items():
+                self.scheduler.limit_drafts(sid, n)
         self.output_processor.end_by_scheduler([r.request_id for r in finished],
                                                FinishReason.STOP)
         outputs, retired = self.output_processor.make_outputs(stats)
@@ -264,9 +268,12 @@ class LLMEngine:
             self._end_in_scheduler(self.output_processor.fail(rids, f"executor error: {e}"))
             return {}
 
-    def _end_in_scheduler(self, to_end: Iterable[tuple[str, FinishReason]]) -> None:
-        for sid, reason in to_end:
-            self.scheduler.finish_request(sid, reason)    # idempotent: no-op if already ended
+    def _end_in_scheduler(self, to_end: Iterable[tuple]) -> None:
+        for sid, reason, *keep in to_end:     # idempotent: no-op if already ended
+            if keep:                          # a stop inside a verification's tokens
+                self.scheduler.finish_request(sid, reason, num_output_tokens=keep[0])
+            else:
+                self.scheduler.finish_request(sid, reason)
 
     # --- health --------------------------------------------------------------------------
     def check_health(self) -> list[str]:

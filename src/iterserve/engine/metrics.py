@@ -110,6 +110,8 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[RequestMetrics] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    # speculative decoding: this step's verifications (core/spec_decode SpecDecodingStats)
+    spec_decoding: Any = None
 
 
 class StatLogger(Protocol):

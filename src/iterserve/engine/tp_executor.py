@@ -155,10 +155,11 @@ def _rank_main(rank: int, world: int, args: Any, host: str, port: int, parent_pi
             if box[0] is None:
                 return
             sampled, output = box[0]
-            for rid, token in sampled.items():      # rank 0's tokens of the previous step
+            for rid, tokens in sampled.items():     # rank 0's tokens of the previous step
                 st = runner.requests.get(rid)
                 if st is not None:
-                    st.append(token)
+                    for token in tokens:            # (several after a verification)
+                        st.append(token)
             try:
                 runner.compute_logits(output)
             except Exception as e:
@@ -309,7 +310,7 @@ class TPExecutor:
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         results = self._step(output, self.runner.execute)
-        self._pending = {rid: r.token_id for rid, r in results.items()}
+        self._pending = {rid: r.token_ids for rid, r in results.items()}
         return results
 
     def compute_logits(self, output: SchedulerOutput):

@@ -22,6 +22,14 @@ load whose slot turned out bad (a failed disk read) leaves its block without dat
 whose context holds such a block starts at it instead, so those tokens are recomputed in
 this very forward pass (every layer writes the step's K/V before any chunk reads the
 pool, so a request sharing the block in the same step reads the recomputed values).
+
+Speculative decoding: a request verifying k drafts (`scheduled_spec_decode_tokens`) is
+computed as k + 1 decode rows (its last token and the drafts, at positions start..start+k,
+each attending to the context up to itself: the K/V of the whole step is written before
+attention reads it), so each verified position gets exactly the arithmetic a plain decode
+step would give it, and small steps keep the fused decode path. Every one of its rows is
+sampled; model/rejection_sampler.py keeps the drafts up to the first disagreement. The
+runner then appends the accepted drafts and its own token to its copy.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from iterserve.core.request import SamplingParams
-from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
+from iterserve.core.scheduler_output import SampleResult, SchedulerOutput, verify_row_id
 from iterserve.model import kernels
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
@@ -187,6 +195,10 @@ class ModelRunner:
             states.pop(rid, None)
         for rid in output.preempted_req_ids:
             states.pop(rid, None)
+        for rid, keep in output.truncated_block_tables.items():   # rejected drafts' blocks
+            st = states.get(rid)
+            if st is not None:
+                del st.block_ids[keep:]
         for d in output.scheduled_new_reqs:
             states[d.req_id] = RequestState(d.req_id, d.prompt_token_ids, d.output_token_ids,
                                             d.sampling_params, d.block_ids)
@@ -202,16 +214,23 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         t0 = time.perf_counter()
-        logits, sampling = self._run(output)
+        logits, sampling, drafts = self._run(output)
         if not sampling:
             self._tier_report.timed(t0, output)
             return {}
         if output.grammar_bitmask is not None:     # structured outputs: forbidden ids -> -inf
             with torch.inference_mode():           # the logits are inference tensors
-                output.grammar_bitmask.apply(logits, [st.req_id for st in sampling])
-        results = self.sampler(logits, sampling)
+                output.grammar_bitmask.apply(logits, self._row_ids(sampling, drafts))
+        if drafts:
+            from iterserve.model.rejection_sampler import verify
+            results = verify(self.sampler, logits, sampling, drafts, self.synthetic)
+        else:
+            results = self.sampler(logits, sampling)
         for st, res in zip(sampling, results):
             st.append(res.token_id)
+            if res.verified:
+                for r in res.verified:
+                    st.append(r.token_id)
             if st.prompt_lps is not None:          # prompt_logprobs go with the first token
                 res.prompt_logprobs, st.prompt_lps = st.prompt_lps, None
         self._tier_report.timed(t0, output)
@@ -232,13 +251,32 @@ class ModelRunner:
         if self.tier_store is not None:
             self.tier_store.close()
 
+    # Set by the engine for `synthetic` speculative decoding (rejection_sampler.py).
+    synthetic = None
+
+    @staticmethod
+    def _row_ids(sampling: list[RequestState], drafts: dict[str, list[int]]) -> list:
+        """The id of each logits row: the request's, and per verified draft position
+        `verify_row_id` (what a grammar bitmask keys its rows by)."""
+        if not drafts:
+            return [st.req_id for st in sampling]
+        ids: list = []
+        for st in sampling:
+            ids.append(st.req_id)
+            for j in range(1, len(drafts.get(st.req_id, ())) + 1):
+                ids.append(verify_row_id(st.req_id, j))
+        return ids
+
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor:
-        """float32 logits [N, vocab] of the sampling requests, in num_scheduled_tokens order
-        (applies the step's data but samples nothing)."""
-        logits, _ = self._run(output)
+        """float32 logits [N, vocab] of the sampling rows, in num_scheduled_tokens order (a
+        request verifying k drafts has k + 1 rows); applies the step's data but samples
+        nothing."""
+        logits, _, _ = self._run(output)
         return logits
 
-    def _run(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[RequestState]]:
+    def _run(self, output: SchedulerOutput
+             ) -> tuple[torch.Tensor, list[RequestState], dict[str, list[int]]]:
+        """The sampling rows' logits, their requests, and the drafts each verifies."""
         self.update_states(output)
         ops = output.kv_tiers
         bad: set[int] = set()
@@ -253,19 +291,29 @@ class ModelRunner:
             bad, ram_load = self.tier_store.load(ops)
             self._tier_report.loaded(ops, bad, ram_load)
         if not output.num_scheduled_tokens:
-            return torch.empty(0, self.config.vocab_size), []
+            return torch.empty(0, self.config.vocab_size), [], {}
         states = self.requests
         chunks: list[tuple[RequestState, int, int]] = []     # (state, start, num_tokens)
         starts = {d.req_id: d.num_computed_tokens for d in output.scheduled_new_reqs}
         for d in output.scheduled_cached_reqs:
             starts[d.req_id] = d.num_computed_tokens
+        spec = output.scheduled_spec_decode_tokens
+        drafts: dict[str, list[int]] = {}
         for rid, n in output.num_scheduled_tokens.items():
             st = states.get(rid)
             start = starts.get(rid)
             if st is None or start is None:
                 raise ValueError(f"step {output.step}: request {rid!r} is scheduled but "
                                  "the runner has no data for it")
-            if n < 1 or start < 0 or start + n > len(st.token_ids):
+            d = spec.get(rid) if spec else None
+            if d:
+                if start != len(st.token_ids) - 1 or n != 1 + len(d):
+                    raise ValueError(
+                        f"request {rid!r} verifies {len(d)} drafts with {n} tokens from "
+                        f"{start}; a verification starts at its last token "
+                        f"({len(st.token_ids) - 1}) and has one token more than drafts")
+                drafts[rid] = list(d)
+            elif n < 1 or start < 0 or start + n > len(st.token_ids):
                 raise ValueError(
                     f"chunk of request {rid!r} asks for tokens "
                     f"[{start}, {start + n}) of a {len(st.token_ids)}-token request")
@@ -273,14 +321,24 @@ class ModelRunner:
         recomputed: set[int] = set()
         if bad:
             chunks = self._recompute_bad_blocks(chunks, bad, recomputed)
-        # Decodes first (batched attention), then prefill chunks; stable within each group.
-        order = sorted(range(len(chunks)), key=lambda i: chunks[i][2] != 1)
+        # Decodes and verifications (as decode rows) first: batched decode attention, and
+        # the fused decode path for small steps; then prefill chunks. Stable within each.
+        order = sorted(range(len(chunks)),
+                       key=lambda i: chunks[i][2] != 1 and chunks[i][0].req_id not in drafts)
         ids: list[int] = []
         positions: list[int] = []
         last_row: dict[int, int] = {}
         spans = []
         for i in order:
             st, start, n = chunks[i]
+            d = drafts.get(st.req_id)
+            if d is not None:
+                ids.append(st.token_ids[start])
+                ids.extend(d)
+                positions.extend(range(start, start + n))
+                spans.extend((start + j, 1, st.block_ids) for j in range(n))
+                last_row[i] = len(ids) - 1
+                continue
             ids.extend(st.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             last_row[i] = len(ids) - 1
@@ -299,10 +357,17 @@ class ModelRunner:
         sample_idx = [i for i, (st, start, n) in enumerate(chunks)
                       if start + n >= len(st.token_ids)]
         if not sample_idx:
-            return torch.empty(0, self.config.vocab_size), []
-        rows = [last_row[i] for i in sample_idx]
+            return torch.empty(0, self.config.vocab_size), [], {}
+        rows = []
+        for i in sample_idx:
+            st, _, n = chunks[i]
+            if st.req_id in drafts:              # every verified position samples
+                k = len(drafts[st.req_id]) + 1   # (n may be more: a recomputed block)
+                rows.extend(range(last_row[i] - k + 1, last_row[i] + 1))
+            else:
+                rows.append(last_row[i])
         sel = hidden.index_select(0, torch.tensor(rows, device=self.device))
-        return self.model.logits(sel), [chunks[i][0] for i in sample_idx]
+        return self.model.logits(sel), [chunks[i][0] for i in sample_idx], drafts
 
     def _recompute_bad_blocks(self, chunks: list[tuple[RequestState, int, int]],
                               bad: set[int], recomputed: set[int]

@@ -82,6 +82,17 @@ class PrometheusStatLogger:
                                  "Requests the slo policy refused (429) since start.")
         self._success = Counter("iterserve:request_success", "Finished requests by reason.",
                                 ["model_name", *extra, "finished_reason"], registry=r)
+        # Speculative decoding (vLLM's names; zero while it is off).
+        self.spec_num_drafts = counter("spec_decode_num_drafts",
+                                       "Verifications of speculative drafts.")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                             "Draft tokens verified.")
+        self.spec_num_accepted = counter("spec_decode_num_accepted_tokens",
+                                         "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            "iterserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 first).",
+            ["model_name", *extra, "position"], registry=r)
         self._model_name = model_name
         self._extra_values = list(extra.values())
 
@@ -103,6 +114,15 @@ class PrometheusStatLogger:
                 self.queue_time.observe(m.queue_time)
         for reason in stats.finish_reasons:
             self._success.labels(self._model_name, *self._extra_values, reason).inc()
+        spec = stats.spec_decoding
+        if spec is not None and spec.num_drafts:
+            self.spec_num_drafts.inc(spec.num_drafts)
+            self.spec_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_num_accepted.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                if n:
+                    self._spec_per_pos.labels(self._model_name, *self._extra_values,
+                                              str(pos)).inc(n)
         self.set_gauges(num_running=stats.num_running, num_waiting=stats.num_waiting,
                         num_swapped=stats.num_swapped, kv_cache_usage=stats.kv_cache_usage)
 
