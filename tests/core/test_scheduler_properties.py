@@ -116,8 +116,10 @@ class ContentExecutor:
         bs = self.bs
         for rid, n in out.num_scheduled_tokens.items():
             r = scheduler.get_request(rid)
-            tokens, table = r.all_token_ids, held[rid]
-            start = r.num_computed_tokens
+            # A verification computes the drafts' positions too (their KV is what an
+            # accepted draft keeps), so they are written with the drafts in the prefix.
+            tokens = list(r.all_token_ids) + list(out.scheduled_spec_decode_tokens.get(rid, ()))
+            table, start = held[rid], r.num_computed_tokens
             for p in range(start):
                 blk = self.device.get(table[p // bs])
                 got = blk[p % bs] if blk is not None else None

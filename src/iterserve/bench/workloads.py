@@ -70,7 +70,8 @@ class BenchRequest:
     prompt_len: int        # tokens in `prompt` (exact for SmolLM2's tokenizer)
     max_tokens: int        # tokens to generate (ignore_eos: exactly this many)
     arrival_s: float       # seconds after the benchmark starts
-    kind: str              # "short" | "long" | "longprompt" | "chat" | "sharegpt" | "agent" | "edit"
+    kind: str              # "short" | "long" | "longprompt" | "chat" | "sharegpt" | "agent"
+    #                        | "edit"
     session: int = -1      # agent: the session this turn belongs to (-1: no session)
     turn: int = 0          # agent: 1-based turn in its session (sent after turn - 1 answered)
 
@@ -257,8 +258,6 @@ def agent(seed: int = DEFAULT_SEED, rate: float | None = None, num_requests: int
                      "system_len": system_len})
 
 
-WORKLOADS = {"mix": mix, "poisson": poisson, "longprompt": longprompt, "sharegpt": sharegpt,
-             "agent": agent}
 
 _EDIT_BODIES = (
     "    return {a} + {b}",
@@ -318,7 +317,7 @@ def edit(seed: int = DEFAULT_SEED, rate: float | None = None, num_requests: int 
 
 
 WORKLOADS = {"mix": mix, "poisson": poisson, "longprompt": longprompt, "sharegpt": sharegpt,
-             "edit": edit}
+             "agent": agent, "edit": edit}
 
 
 def build_workload(name: str, *, seed: int = DEFAULT_SEED, rate: float | None = None,

@@ -84,6 +84,13 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
         one = dataclasses.replace(k, repeat=False, nargs=None, nullable=False)
         return [check_knob(name, v, one) for v in value]
     if k.kind in (dict, list):                    # a JSON-valued flag
+        what = "object" if k.kind is dict else "array"
+        if isinstance(value, str):                # JSON text (LLM(speculative_config="{...}"))
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name} must be a JSON {what}: {e.msg} at character "
+                                  f"{e.pos}", name) from None
         if not isinstance(value, k.kind):
             raise ConfigError(f"{name} must be a JSON {'object' if k.kind is dict else 'array'}"
                               f", got {value!r}", name)
@@ -97,16 +104,6 @@ def check_knob(name: str, value: Any, k: Knob) -> Any:
     if k.kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}", name)
-        return value
-    if k.kind is dict:                   # a JSON object (vLLM's --speculative-config)
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{name} must be a JSON object: {e.msg} at character "
-                                  f"{e.pos}", name) from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{name} must be a JSON object, got {value!r}", name)
         return value
     if k.kind is str:
         if not isinstance(value, str):

@@ -186,7 +186,7 @@ def add_knob_argument(group: Any, name: str, k: Knob, default: Any,
         for off in k.off_aliases:
             group.add_argument(off, dest=name, action="store_false", default=default,
                                help=f"same as --no-{flags[0].removeprefix('--')}")
-    elif k.kind is dict:                 # a JSON object; the config's validate() parses it
+    elif k.kind is dict and k.parse is None:   # JSON text; check_knob parses it
         group.add_argument(*flags, type=str, **kw)
     elif k.repeat:
         group.add_argument(*flags, type=k.parse or k.kind, action="append", **kw)

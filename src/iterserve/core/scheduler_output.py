@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from iterserve.core.request import SamplingParams
+from iterserve.structured.params import verify_row_id  # noqa: F401 (the executors read it here)
 
 
 @dataclass(slots=True)
@@ -172,13 +173,6 @@ class SchedulerOutput:
     @property
     def num_preemptions(self) -> int:
         return len(self.preempted_req_ids) + len(self.swapped_out_req_ids)
-
-
-def verify_row_id(req_id: str, position: int) -> str | tuple[str, int]:
-    """The id of row `position` of a request's verification, for per-row data keyed by
-    sequence (a grammar bitmask's rows): the request id itself for position 0 (the row a
-    step without drafts would sample), (request id, position) after it."""
-    return req_id if position == 0 else (req_id, position)
 
 
 class SamplingRow(Protocol):

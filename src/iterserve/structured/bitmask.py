@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from iterserve.structured.params import verify_row_id
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -166,8 +168,6 @@ class GrammarBitmask:
     def _fill_with_drafts(cls, matchers: Mapping[str, object],
                           drafts: Mapping[str, Sequence[int]], isolate: bool
                           ) -> "GrammarBitmask":
-        from iterserve.core.scheduler_output import verify_row_id
-
         keys: list = []
         for sid in matchers:
             keys.append(sid)

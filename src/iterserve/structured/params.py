@@ -237,3 +237,10 @@ class StructuredOutputsParams:
                 f"only one structured-output constraint may be given; got {', '.join(names)}",
                 names[1])
         return sources[0][1] if sources else None
+
+
+def verify_row_id(req_id: str, position: int) -> str | tuple[str, int]:
+    """The id of row `position` of a request's verification, for per-row data keyed by
+    sequence (a grammar bitmask's rows): the request id itself for position 0 (the row a
+    step without drafts would sample), (request id, position) after it."""
+    return req_id if position == 0 else (req_id, position)

@@ -96,7 +96,7 @@ def make_proposer(config: SpeculativeConfig):
 
 
 def default_step_model(name: str | None) -> StepTimeModel:
-    from iterserve.lab.cost_model import load_cost_model   # (pure Python, like core)
+    from iterserve.core.cost_model import load_cost_model
 
     return StepTimeModel.from_cost_model(load_cost_model(name or DEFAULT_COST_MODEL))
 
