@@ -61,7 +61,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Names
     known = {name for name, _ in SUBCOMMANDS}
     parser = build_parser(first if first in known else None)
     if first == "serve" and any(a == "--config" or a.startswith("--config=") for a in argv):
-        from iterserve.server.cli import expand_config_file
+        from iterserve.server.cli import expand_config_file  # FastAPI: for serve only
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         try:
             argv = ["serve"] + expand_config_file(argv[argv.index("serve") + 1:],

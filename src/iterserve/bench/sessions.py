@@ -20,7 +20,7 @@ import httpx
 
 from .client import (ENDPOINTS, ClientOptions, _normalise_base_url, discover_model,
                      machine_info, stream_one)
-from .metrics import RequestRecord, latency_stats, summarize
+from .metrics import RequestRecord, latency_stats, percentile, summarize
 from .workloads import Workload
 
 
@@ -99,7 +99,6 @@ def per_turn(records: list[RequestRecord], turn_of: dict[int, int]) -> dict:
 
 def ttft_over_turns(doc: dict, first: int, last: int, q: str = "median_ms") -> float | None:
     """The `q` of TTFT over every session's turns first..last of a result document."""
-    from .metrics import percentile
     values = [r["ttft"] for r in doc["requests"]
               if r["success"] and first <= r["turn"] <= last and r["ttft"] is not None]
     if not values:

@@ -525,6 +525,7 @@ class SchedulerConfig:
                 "max_long_partial_prefills needs long_prefill_token_threshold (the prompt "
                 "length above which a prefill counts as long)", "max_long_partial_prefills")
         if self.speculative_config is not None:
+            # (core/spec_decode imports this module: a circle at import time)
             from iterserve.core.spec_decode.config import (
                 SpeculativeConfig, SpeculativeConfigError)
             try:

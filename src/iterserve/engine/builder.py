@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.scheduler import Scheduler
+from iterserve.core.spec_decode import SpeculativeConfig
 from iterserve.engine import omp_policy
 from iterserve.engine.tp_executor import TPExecutor
 from iterserve.errors import ConfigError
@@ -53,7 +54,7 @@ def kv_cache_config(args: Any, loaded: Any, max_model_len: int | None = None) ->
     bytes_per_block = ModelRunner.kv_cache_bytes_per_block(cfg, args.block_size)
     file_bytes = None
     if getattr(args, "kv_offload_dir", None):
-        from iterserve.model.kv_tier_store import block_file_bytes
+        from iterserve.model.kv_tier_store import block_file_bytes  # torch: as above
         file_bytes = block_file_bytes(kv_setting_key(args, loaded), cfg, args.block_size)
     return args.create_cache_config(bytes_per_block, gpu_kv_budget(args, loaded),
                                     disk_file_bytes=file_bytes, max_model_len=max_model_len)
@@ -61,7 +62,7 @@ def kv_cache_config(args: Any, loaded: Any, max_model_len: int | None = None) ->
 
 def kv_setting_key(args: Any, loaded: Any) -> str:
     """The disk tier's key: what makes one block's bytes (model/kv_tier_store.py)."""
-    from iterserve.model.kv_tier_store import setting_key
+    from iterserve.model.kv_tier_store import setting_key  # torch: the engine imports none
 
     cfg = loaded.config
     return setting_key(loaded, block_size=args.block_size,
@@ -211,11 +212,9 @@ def check_weight_format(load: Any) -> None:
 
 def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int) -> None:
     """The executor's side of `speculative_config`: synthetic acceptance (benchmarks)."""
-    from iterserve.core.spec_decode import SpeculativeConfig
-
     spec = SpeculativeConfig.parse(sched_cfg.speculative_config)
     if spec is not None and spec.method == "synthetic":
-        from iterserve.model.rejection_sampler import SyntheticAcceptance
+        from iterserve.model.rejection_sampler import SyntheticAcceptance  # torch, as above
         runner.synthetic = SyntheticAcceptance(spec.acceptance_rates, seed)
 
 

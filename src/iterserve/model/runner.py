@@ -45,8 +45,10 @@ from iterserve.model import kernels
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
+from iterserve.model.kv_tier_store import DiskStore, KVTierStore
 from iterserve.model.memory import check_memory_plan, compute_paths, log_memory_plan, plan_memory
 from iterserve.model.prompt_logprobs import chunk_prompt_logprobs
+from iterserve.model.rejection_sampler import verify
 from iterserve.model.sampler import Sampler
 
 SamplerFn = Callable[[torch.Tensor, Sequence["RequestState"]], list[SampleResult]]
@@ -141,7 +143,6 @@ class ModelRunner:
                                      device=self.device, num_tier_blocks=num_tier_blocks)
         self.tier_store = None
         if num_tier_blocks or kv_offload_dir:
-            from iterserve.model.kv_tier_store import DiskStore, KVTierStore
             disk = None
             if kv_offload_dir:
                 disk = DiskStore(kv_offload_dir, kv_setting_key, self.kv_cache.block_shape,
@@ -222,7 +223,6 @@ class ModelRunner:
             with torch.inference_mode():           # the logits are inference tensors
                 output.grammar_bitmask.apply(logits, self._row_ids(sampling, drafts))
         if drafts:
-            from iterserve.model.rejection_sampler import verify
             results = verify(self.sampler, logits, sampling, drafts, self.synthetic)
         else:
             results = self.sampler(logits, sampling)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from iterserve.core.cost_model import load_cost_model
 from iterserve.core.request import Request
 from iterserve.core.spec_decode.adaptive import (
     PROBE_EVERY, Acceptance, StepShape, plan_drafts)
@@ -96,8 +97,6 @@ def make_proposer(config: SpeculativeConfig):
 
 
 def default_step_model(name: str | None) -> StepTimeModel:
-    from iterserve.core.cost_model import load_cost_model
-
     return StepTimeModel.from_cost_model(load_cost_model(name or DEFAULT_COST_MODEL))
 
 
