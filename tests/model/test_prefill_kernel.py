@@ -279,7 +279,10 @@ def test_parallel_build_compiles_each_file_once_under_the_lock(tmp_path, monkeyp
     import subprocess
     import threading
     kdir = kernels.build._DIR
-    srcs = [kdir / "elementwise.c", kdir / "decode_attention.c"]      # self-contained
+    # A self-contained set: both attention kernels share prefill_attention.c's ISA choice
+    # (attention_core.h), which reads config.c's CPU probe.
+    srcs = [kdir / "elementwise.c", kdir / "decode_attention.c", kdir / "prefill_attention.c",
+            kdir / "config.c"]
     monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels.build, "_SOURCES", srcs)
     compiles = []

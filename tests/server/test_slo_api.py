@@ -10,6 +10,7 @@ body fields, driven with the official `openai` client against a real uvicorn ser
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -175,12 +176,12 @@ def test_overload_gets_429_retry_after_and_admitted_requests_meet_their_ttft(sta
             stream = client.completions.create(
                 model=server.model, prompt=f"Request {i}", max_tokens=240, stream=True,
                 extra_body={"ignore_eos": True}, **GREEDY)
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    with lock:
-                        ttfts.append(time.perf_counter() - t0)
-                    break
-            stream.close()
+            first = None
+            for chunk in stream:            # read to the end: an admitted request keeps its
+                if first is None and chunk.choices and chunk.choices[0].text:   # slot
+                    first = time.perf_counter() - t0
+            with lock:
+                ttfts.append(first)
         except openai.RateLimitError as e:
             with lock:
                 refused.append(e)
@@ -188,7 +189,12 @@ def test_overload_gets_429_retry_after_and_admitted_requests_meet_their_ttft(sta
             with lock:
                 others.append(e)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    # Enough requests that the last would wait twice the target behind 240-token answers
+    # in two slots, at the step time the policy measured (a fast machine needs more).
+    step_s = slo.model.predict(tokens=2, seqs=2, kv_tokens=256)
+    rounds = math.ceil(2 * 0.3 / (240 * step_s))
+    n = min(48, max(8, 2 + 2 * rounds))
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
         time.sleep(0.01)
