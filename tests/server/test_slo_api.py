@@ -110,15 +110,15 @@ def test_an_unattainable_ttft_target_is_a_429_with_retry_after(start_server):
     # cannot be met by a request queued now (72+ ms of queue), though its own prefill alone
     # could (predicted < 40 ms: decode-only traffic leaves the prefill coefficient near the
     # seed cost model's): a 429 to retry later, not the request's own 400.
-    # 16 x 240 steps: >= 1.3 s of backlog, what the rate estimate needs (MIN_RATE_EVIDENCE_S);
-    # ~3 s on a quiet machine.
+    # 48 x 240 steps: >= 3 s of backlog, so it is still queued when the rate estimate has
+    # its evidence (MIN_RATE_EVIDENCE_S) even on a fast machine.
     server = start_server(scheduling_policy="slo", max_num_seqs=1)
     client = _client(server)
     slo = server.engine.engine.scheduler.slo
     free = server.engine.engine.scheduler.stats().num_free_blocks
     backlog = [threading.Thread(target=lambda: client.completions.create(
         model=server.model, prompt="Hello there", max_tokens=240,
-        extra_body={"ignore_eos": True}, **GREEDY)) for _ in range(16)]
+        extra_body={"ignore_eos": True}, **GREEDY)) for _ in range(48)]
     for t in backlog:
         t.start()
     deadline = time.monotonic() + 90
