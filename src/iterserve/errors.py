@@ -151,6 +151,13 @@ class UnsupportedParameterError(InvalidRequestError):
     code = "unsupported_parameter"
 
 
+class WrongRunnerError(InvalidRequestError):
+    """The request needs what this server's model is not served as: an embedding request
+    to a text-generation server, or a completion to an embedding (pooling) server."""
+
+    code = "model_not_supported"
+
+
 class UnknownModelError(InvalidRequestError):
     """The request names a model this server does not serve (HTTP 404)."""
 

@@ -38,7 +38,7 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
-from iterserve.core.request import SamplingParams
+from iterserve.core.request import PoolingParams, SamplingParams
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.errors import (EmptyPromptError, EngineDeadError, InvalidRequestError,
@@ -133,6 +133,20 @@ class AsyncEngine:
     @property
     def max_logprobs(self) -> int:
         return self.engine.max_logprobs
+
+    @property
+    def pooler_config(self) -> Any:
+        """model.pooler.PoolerConfig when the model is served as an embedding model."""
+        return self.engine.pooler_config
+
+    async def encode(self, prompt: str | Sequence[int], params: PoolingParams | None = None,
+                     request_id: str | None = None, **kw: Any) -> RequestOutput:
+        """A pooling request's final output (its `embedding`); validation errors raise."""
+        stream = await self.generate(prompt, params or PoolingParams(), request_id, **kw)
+        final = None
+        async for out in stream:
+            final = out
+        return final
 
     @property
     def is_running(self) -> bool:
@@ -364,7 +378,8 @@ class AsyncEngine:
                 raise EmptyPromptError("the prompt is empty", "prompt")
             kw.setdefault("prompt_text", prompt)
             prompt = await self.tokenize(prompt, limit=self.max_model_len)
-        elif len(prompt) >= self.max_model_len:     # before the engine walks every id
+        elif len(prompt) > self.max_model_len or (     # before the engine walks every id
+                len(prompt) == self.max_model_len and not isinstance(params, PoolingParams)):
             raise PromptTooLongError(
                 f"the prompt has {len(prompt)} tokens, but this model's maximum context "
                 f"length is {self.max_model_len} tokens (prompt and output together)",

@@ -29,7 +29,7 @@ import logging
 from typing import Any, Callable, Iterable, Mapping
 
 from iterserve.core.request import FinishReason
-from iterserve.core.scheduler_output import SampleResult
+from iterserve.core.scheduler_output import PoolingOutput, SampleResult
 from iterserve.engine.input_processor import ProcessedRequest
 from iterserve.engine.metrics import RequestMetrics, StepStats, merge_metrics
 from iterserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
@@ -68,7 +68,8 @@ class OutputProcessor:
     def add_request(self, req: ProcessedRequest) -> RequestState:
         """The text state of a validated request (one detokenizer per sequence)."""
         state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params,
-                             req.priority, req.arrival_time, req.arrival_wall_time)
+                             req.priority, req.arrival_time, req.arrival_wall_time,
+                             pooling=req.pooling_params is not None)
         for i, r in enumerate(req.requests):
             sp = r.sampling_params
             kw = {"min_tokens": sp.min_tokens} if sp.min_tokens and sp.stop else {}
@@ -176,10 +177,30 @@ class OutputProcessor:
     # --- a step's results ----------------------------------------------------------------
     def live_tokens(self, results: Mapping[str, SampleResult]) -> dict[str, int | list[int]]:
         """The sampled token of each sequence still live here (others' are dropped); for a
-        sequence that verified drafts, its tokens (SampleResult.token_ids)."""
+        sequence that verified drafts, its tokens (SampleResult.token_ids). Pooling
+        requests' vectors are not tokens: `process_pooled` takes them."""
         seqs = self._seqs
         return {rid: (r.token_ids if r.verified else r.token_id) for rid, r in results.items()
-                if rid in seqs and not seqs[rid][1].finished}
+                if rid in seqs and not seqs[rid][1].finished
+                and not isinstance(r, PoolingOutput)}
+
+    def process_pooled(self, results: Mapping[str, Any], stats: StepStats) -> None:
+        """Keep each live pooling request's vector for its final output (the scheduler
+        finishes the request in the same step; its prompt counts in the step's stats)."""
+        for rid, r in results.items():
+            if not isinstance(r, PoolingOutput):
+                continue
+            entry = self._seqs.get(rid)
+            if entry is None or entry[1].finished:
+                continue
+            state = entry[0]
+            state.embedding = r.data
+            if not state.counted_prompt:
+                state.counted_prompt = True
+                stats.num_prompt_tokens += len(state.prompt_token_ids)
+            req = entry[1].request
+            if req.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = req.num_cached_tokens
 
     def end_by_scheduler(self, request_ids: Iterable[str], default: FinishReason) -> None:
         """Sequences the scheduler ended, by scheduler id: outside a forward pass (abort,
@@ -365,7 +386,8 @@ class OutputProcessor:
             seqs = sorted(state.changed, key=lambda s: s.index)
         else:
             seqs = state.changed
-        outs = [self._completion(seq, seq.index in just_finished) for seq in seqs]
+        outs = [] if state.pooling else \
+            [self._completion(seq, seq.index in just_finished) for seq in seqs]
         if finished and state.params.num_sequences > state.params.n:
             outs = self._best_of(outs, state.params)
         for seq in state.changed:
@@ -376,7 +398,8 @@ class OutputProcessor:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              finished=finished, metrics=metrics, error=state.error,
                              num_cached_tokens=state.num_cached_tokens,
-                             prompt_logprobs=state.prompt_logprobs)
+                             prompt_logprobs=state.prompt_logprobs,
+                             embedding=state.embedding if finished else None)
 
     @staticmethod
     def _completion(seq: SequenceState, just_finished: bool) -> CompletionOutput:

@@ -12,6 +12,7 @@ step's outputs cost what changed in it, not n per request (vLLM streams n > 1 th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from iterserve.engine.metrics import RequestMetrics
 
@@ -82,6 +83,9 @@ class RequestOutput:
     # per prompt token, None for the first (nothing predicts it), else {token id: Logprob}
     # with the prompt's actual token and the top k. Set from the first sampled token on.
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request (PoolingParams): its vector, a float32 numpy array (vLLM's
+    # PoolingRequestOutput.outputs.data), on the final output; `outputs` is then empty.
+    embedding: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

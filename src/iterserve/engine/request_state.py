@@ -69,6 +69,8 @@ class RequestState:
     num_finished: int = 0            # sequences with a finish reason (kept, not counted: n may be large)
     num_cached_tokens: int = 0       # prompt tokens any of its sequences got from the prefix cache
     prompt_logprobs: Any = None      # outputs.PromptLogprobs, once the runner has sent them
+    pooling: bool = False            # a pooling request: no text, one vector
+    embedding: Any = None            # its vector (core.scheduler_output.PoolingOutput.data)
     changed: list[SequenceState] = field(default_factory=list)   # since the last output
 
     @property

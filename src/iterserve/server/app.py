@@ -9,6 +9,7 @@ Routes:
   POST /v1/completions, POST /v1/chat/completions    (SSE when "stream": true)
   POST /v1/responses                                 OpenAI's Responses API, stateless
   POST /v1/messages, /v1/messages/count_tokens       Anthropic's Messages API (serving_messages)
+  POST /v1/embeddings, /v1/score, /rerank            an embedding model's (serving_pooling)
   POST /tokenize, POST /detokenize                   vLLM's bodies (prompt or chat messages)
   GET  /v1/models (with `root`), /version, /health, /ping (GET or POST), /metrics
   GET  /v1/requests/{id}/trace                       lifecycle events of one request
@@ -52,6 +53,7 @@ from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
 from iterserve.server.serving_chat import create_chat_completion, render_request
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_messages import install_messages_api
+from iterserve.server.serving_pooling import install_pooling_api
 from iterserve.server.serving_responses import ResponsesRequest, create_response
 from iterserve.server.serving_common import ServedModel, check_model
 from iterserve.server.serving_completions import create_completion
@@ -306,6 +308,7 @@ def create_app(engine: AsyncEngine | None, *,
     async def engine_stats() -> dict[str, Any]:
         return await require_engine().stats()
 
+    install_pooling_api(app, require_engine, model_name)      # embeddings, score, rerank
     install_messages_api(app, require_engine, model_name, serving_config)   # outermost
     lab = _lab_router()
     if lab is not None:
