@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.core.config import ServerConfig, default_of
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.errors import TokenIdOutOfRangeError
+from iterserve.errors import TokenIdOutOfRangeError, WrongRunnerError
 from iterserve.server.errors import (APIError, error_response, install_exception_handlers,
                                      to_api_error)
 from iterserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
@@ -204,19 +204,30 @@ def create_app(engine: AsyncEngine | None, *,
                            type="service_unavailable")
         return engine
 
+    def require_generator() -> AsyncEngine:
+        """The engine, for the routes that generate text: an embedding model's server
+        (--runner pooling) answers them 400 before any template is rendered."""
+        e = require_engine()
+        if getattr(e, "pooler_config", None) is not None:
+            raise to_api_error(WrongRunnerError(
+                "this model is served as an embedding model (--runner pooling): it answers "
+                "/v1/embeddings, /v1/score and /rerank, and generates no text", "model"))
+        return e
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        return await create_completion(body, raw, require_engine(), model_name,
+        return await create_completion(body, raw, require_generator(), model_name,
                                        serving_config)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await create_chat_completion(body, raw, require_engine(), model_name,
+        return await create_chat_completion(body, raw, require_generator(), model_name,
                                             serving_config)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request):
-        return await create_response(body, raw, require_engine(), model_name, serving_config)
+        return await create_response(body, raw, require_generator(), model_name,
+                                     serving_config)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
@@ -309,7 +320,7 @@ def create_app(engine: AsyncEngine | None, *,
         return await require_engine().stats()
 
     install_pooling_api(app, require_engine, model_name)      # embeddings, score, rerank
-    install_messages_api(app, require_engine, model_name, serving_config)   # outermost
+    install_messages_api(app, require_generator, model_name, serving_config)   # outermost
     lab = _lab_router()
     if lab is not None:
         app.include_router(lab)
