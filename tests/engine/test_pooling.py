@@ -152,3 +152,17 @@ def test_runner_flags(tmp_path):
         _engine(causal, pooler_config={"pooling_type": "mean"})
     with pytest.raises(ConfigError, match="classification"):
         _engine(causal, convert="classify")
+
+
+def test_offline_llm_embed(tmp_path):
+    from iterserve import LLM, PoolingParams as TopLevel
+    d = make_st_embedder(tmp_path, pooling="MEAN", normalize=False)
+    llm = LLM(str(d), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=16)
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    assert TopLevel is PoolingParams
+    for o, b in zip(outs, _st(d, TEXTS)):
+        assert o.finished and o.outputs == []
+        np.testing.assert_allclose(o.embedding, b, rtol=1e-4, atol=2e-5)
+    with pytest.raises(InvalidRequestError, match="prompt 1"):
+        llm.embed(["ok", ""], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
