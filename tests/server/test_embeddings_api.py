@@ -174,3 +174,34 @@ def test_dimensions_refused_on_a_model_without_matryoshka(tmp_path):
         assert len(c.embeddings.create(model=s.model, input="hi").data[0].embedding) == 64
     finally:
         s.stop()
+
+
+def test_iterserve_serve_runner_pooling_on_a_causal_checkpoint(tiny_model_dir):
+    """`iterserve serve MODEL --runner pooling --pooler-config ...` as a process, on a
+    causal LM without sentence-transformers files: mean pooling of HF's last hidden
+    states, normalised."""
+    import torch
+    from transformers import AutoModel
+
+    from server.test_serve_cli import start
+    proc, base = start(tiny_model_dir, "--runner", "pooling", "--pooler-config",
+                       '{"pooling_type": "MEAN", "normalize": true}')
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        model = c.models.list().data[0].id
+        ids = [[5, 17, 40, 99], [300, 7]]
+        r = c.embeddings.create(model=model, input=ids)
+        hf = AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        for d, x in zip(r.data, ids):
+            with torch.no_grad():
+                h = hf(input_ids=torch.tensor([x])).last_hidden_state[0].mean(0)
+            np.testing.assert_allclose(d.embedding, torch.nn.functional.normalize(h, dim=-1),
+                                       rtol=1e-4, atol=2e-5)
+        assert r.usage.prompt_tokens == 6
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in proc.stdout.read()
