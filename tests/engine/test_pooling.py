@@ -166,3 +166,28 @@ def test_offline_llm_embed(tmp_path):
     with pytest.raises(InvalidRequestError, match="prompt 1"):
         llm.embed(["ok", ""], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_refused_checkpoints(tmp_path):
+    """What the embedding path would serve differently from sentence-transformers is
+    refused at start, naming the file: a Dense module, several pooling modes, inputs
+    rendered through a chat template (unless --pooler-config takes over)."""
+    import json
+    d = make_st_embedder(tmp_path, name="dense")
+    modules = json.loads((d / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense",
+                    "type": "sentence_transformers.models.Dense"})
+    (d / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ConfigError, match="'Dense'"):
+        _engine(d)
+    d = make_st_embedder(tmp_path, name="two", old_format=False)
+    cfg = json.loads((d / "1_Pooling" / "config.json").read_text())
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({**cfg, "pooling_mode": ["mean", "max"]}))
+    with pytest.raises(ConfigError, match="pooling"):
+        _engine(d)
+    d = make_st_embedder(tmp_path, name="chat")
+    (d / "sentence_bert_config.json").write_text(json.dumps(
+        {"modality_config": {"text": {}, "message": {"format": "flat"}}}))
+    with pytest.raises(ConfigError, match="chat template"):
+        _engine(d)
+    assert _engine(d, pooler_config={"pooling_type": "LAST"}).pooler_config.pooling_type == "LAST"

@@ -118,14 +118,31 @@ def _st_pooling(model_dir: Path) -> tuple[str | None, bool | None, str]:
     return pooling_type, normalize, str(modules_file)
 
 
+def _renders_messages(model_dir: Path) -> bool:
+    """sentence-transformers (6.x) saves a `message` modality for a tokenizer with a chat
+    template, and then encodes text as a chat message."""
+    f = model_dir / "sentence_bert_config.json"
+    try:
+        cfg = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return False
+    return "message" in (cfg.get("modality_config") or {})
+
+
 def read_pooler_config(model_path: str | None, hf_config: dict[str, Any], hidden_size: int,
                        override: dict[str, Any] | None = None) -> PoolerConfig:
     """The model's pooling: sentence-transformers' files beside the weights, else the last
     token normalised; `override` (--pooler-config) wins key by key."""
     ptype, normalize, source = None, None, ""
+    o = dict(override or {})
     if model_path is not None and Path(model_path).is_dir():
         ptype, normalize, source = _st_pooling(Path(model_path))
-    o = dict(override or {})
+        if source and not o and _renders_messages(Path(model_path)):
+            raise ConfigError(
+                f"{model_path}/sentence_bert_config.json: sentence-transformers renders this "
+                "checkpoint's inputs through its chat template (a 'message' modality), which "
+                "the embedding path does not do, so the vectors would differ; give "
+                "--pooler-config to serve its raw text anyway", "model")
     if "pooling_type" in o:
         ptype, source = str(o["pooling_type"]).upper(), "--pooler-config"
         if ptype not in POOLING_TYPES:
