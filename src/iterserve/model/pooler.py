@@ -19,13 +19,13 @@ it (`matryoshka_dimensions`, or `is_matryoshka`, e.g. through `--hf-overrides`),
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from iterserve.errors import ConfigError
+from iterserve.errors import ConfigError, InvalidRequestError
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "MAX", "MEAN_SQRT_LEN")
 
@@ -60,7 +60,6 @@ class PoolerConfig:
         rules and wording); a ValueError naming `dimensions` otherwise."""
         if dimensions is None:
             return
-        from iterserve.errors import InvalidRequestError
         if not self.is_matryoshka:
             raise InvalidRequestError(
                 "this model does not support matryoshka representation (config.json has no "
@@ -163,9 +162,8 @@ def read_pooler_config(model_path: str | None, hf_config: dict[str, Any], hidden
 class PoolState:
     """One request's pooling across its chunks."""
 
-    acc: torch.Tensor | None = None      # MEAN: sum of rows; MAX: max; CLS: row 0
-    count: int = 0
-    extra: dict = field(default_factory=dict)
+    acc: torch.Tensor | None = None      # MEAN: sum of rows; MAX: max; CLS: row 0; LAST
+    count: int = 0                       # rows seen
 
 
 class Pooler:
