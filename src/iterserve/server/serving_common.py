@@ -67,7 +67,8 @@ def to_api_error(exc: BaseException) -> APIError | None:
         return APIError(429, str(exc), type="rate_limit_exceeded", code="slo_unattainable",
                         headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
     if isinstance(exc, (StructuredOutputsError, LogitsParamError)):
-        return APIError(400, str(exc), param=getattr(exc, "param", None))
+        return APIError(400, str(exc), param=getattr(exc, "param", None),
+                        code=getattr(exc, "code", None))
     if isinstance(exc, QueueFullError):
         return APIError(503, f"the server is busy: {exc}", type="service_unavailable",
                         headers={"Retry-After": "1"})
