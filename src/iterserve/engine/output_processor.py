@@ -40,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 ToEnd = list[tuple[str, FinishReason]]      # scheduler request ids the engine must end
 
+
+class ConstraintOverrunError(Exception):
+    """A constrained sequence's token overran the grammar engine's limits mid-generation."""
+
+    code = "constraint_too_complex"
+
 OVERLAP_BITMASK_FILL = True    # measured by benchmarks/bench_constrained_overhead.py
 
 
@@ -176,8 +182,9 @@ class OutputProcessor:
             self._flush_text(state, seq)
             self._mark(state, seq)
 
-    def fail(self, rids: Iterable[str], message: str) -> ToEnd:
-        """End sequences with finish reason "error" (executor failure, broken state)."""
+    def fail(self, rids: Iterable[str], message: str, code: str | None = None) -> ToEnd:
+        """End sequences with finish reason "error" (executor failure, broken state; `code`
+        when it is the request's own fault, e.g. "constraint_too_complex")."""
         to_end: ToEnd = []
         for rid in rids:
             entry = self._seqs.get(rid)
@@ -185,7 +192,8 @@ class OutputProcessor:
                 continue
             state, seq = entry
             state.end(seq, FinishReason.ERROR)
-            state.error = state.error or message
+            if state.error is None:
+                state.error, state.error_code = message, code
             self._mark(state, seq)
             to_end.append((rid, FinishReason.ERROR))
         return to_end
@@ -200,11 +208,13 @@ class OutputProcessor:
         for rid, token_id in sampled.items():
             state, seq = self._seqs[rid]
             if rid in failed:                    # its mask could not be computed this step
-                to_end += self.fail([rid], f"grammar error: {failed[rid]}")
+                to_end += self._fail_grammar(rid, seq, failed[rid])
                 continue
             try:
                 if self._process_token(state, seq, token_id, results[rid], stats):
                     to_end.append((rid, FinishReason.STOP))
+            except ConstraintOverrunError as e:
+                to_end += self.fail([rid], str(e), e.code)
             except Exception as e:
                 logger.exception("request %s failed while handling its token", rid)
                 to_end += self.fail([rid], f"{type(e).__name__}: {e}")
@@ -228,6 +238,12 @@ class OutputProcessor:
             seq.logprobs.append(lp)
             seq.delta_logprobs.append(lp)
         if seq.matcher is not None and not seq.matcher.accept(token_id):
+            limit = seq.matcher.engine_error()
+            if limit is not None:
+                # The mask allowed the token, but taking it overran the grammar engine's
+                # own limits (an Earley row, the lexer's expressions): the constraint is too
+                # complex at this length, the request's fault, not the server's.
+                raise ConstraintOverrunError(self._overrun_message(state, seq, limit))
             # The step's mask allowed only tokens the grammar takes: a token it refuses
             # means the mask was not applied (a broken executor), so the output is invalid.
             raise RuntimeError(f"sampled token {token_id} violates the request's "
@@ -250,6 +266,22 @@ class OutputProcessor:
             self._flush_text(state, seq)
             return True
         return False
+
+    def _fail_grammar(self, rid: str, seq: SequenceState, error: str) -> ToEnd:
+        limit = seq.matcher.engine_error() if seq.matcher is not None else None
+        if limit is not None:
+            state = self._seqs[rid][0]
+            return self.fail([rid], self._overrun_message(state, seq, limit),
+                             ConstraintOverrunError.code)
+        return self.fail([rid], f"grammar error: {error}")
+
+    @staticmethod
+    def _overrun_message(state: RequestState, seq: SequenceState, error: str) -> str:
+        so = getattr(state.params, "structured_outputs", None)
+        where = (getattr(so, "source", None) or f"structured_outputs.{seq.matcher.grammar.kind}")
+        return (f"{where}: after {seq.matcher.num_tokens} tokens the constraint exceeded the "
+                f"grammar engine's limits ({error}); simplify it (a right-recursive rule "
+                "grows with the output: make it left-recursive)")
 
     def _prompt_logprobs(self, entries) -> list:
         """The runner's (token, logprob, rank, top-k) entries in vLLM's shape: None for the
@@ -327,6 +359,7 @@ class OutputProcessor:
         metrics = merge_metrics([s.metrics for s in state.seqs]) if finished else None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              finished=finished, metrics=metrics, error=state.error,
+                             error_code=state.error_code,
                              num_cached_tokens=state.num_cached_tokens,
                              prompt_logprobs=state.prompt_logprobs)
 

@@ -78,6 +78,9 @@ class EngineReplica:
             debug_check_consistency=debug_check_consistency)
         self.step_stats = StepStatsBuffer()
         self.engine.add_stat_logger(self.step_stats)
+        # The loop starts with the first request; the grammar compiler is warmed now, so
+        # the replica's first constrained request stalls nobody (async_engine.py).
+        self.engine.warm_structured_outputs()
         core = self.engine.engine
         self.max_num_seqs = core.scheduler_config.max_num_seqs if core.scheduler_config else 0
         logger.info("iterserve replica %s: pid %d, %s threads", self.replica_id, os.getpid(),

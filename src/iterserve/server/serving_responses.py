@@ -28,14 +28,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Discriminator, Field, Tag, ValidationError
 
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import EngineDeadError
 from iterserve.server.errors import APIError
 from iterserve.server.protocol import (
     MAX_TOOLS, ChatCompletionRequest, FunctionName, INT64_MAX, NonEmptyText, Text, _Model,
     _not_implemented, _nothing, _falsy)
 from iterserve.server.serving_chat import start_chat
 from iterserve.server.serving_common import (
-    close_streams, collect_final, error_finish_message, merge_streams)
+    close_streams, collect_final, error_finish, merge_streams, stream_error)
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_tools import StreamedToolCalls, message_with_tools
 
@@ -274,9 +273,9 @@ async def create_response(body: ResponsesRequest, raw: Request, engine: AsyncEng
         if finals is None:
             return JSONResponse({}, status_code=499)      # the client is gone
         (out,) = finals
-        msg = error_finish_message(out)
-        if msg:
-            raise APIError(500, msg, type="internal_error")
+        err = error_finish(out)
+        if err is not None:
+            raise err
         co = out.outputs[0]
         message, _ = message_with_tools(started.plan, co.text)
         output = []
@@ -387,14 +386,21 @@ def _stream(shell: _Shell, started) -> StreamingResponse:
                         yield ev
                     if co.finished_in_this_step:
                         finish = co.finish_reason
-                msg = error_finish_message(out) if out.finished else None
-                if msg:
-                    raise APIError(500, msg, type="internal_error")
-        except (APIError, EngineDeadError, Exception) as e:     # noqa: BLE001 - reported
+                err = error_finish(out) if out.finished else None
+                if err is not None:
+                    raise err
+        except Exception as e:     # noqa: BLE001 - reported, in the one error shape
+            err = stream_error(e)
             for ev in close():
                 yield ev
-            message = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
-            yield event("error", code="server_error", message=message, param=None)
+            # The Responses API's error event, then the response as failed (its `error`
+            # holds the same code and message a non-streamed request gets as its body).
+            code = err.code or err.type
+            yield event("error", code=code, message=err.message, param=err.param)
+            failed = shell.build("failed", output,
+                                 _usage(prompt_tokens, completion_tokens, cached))
+            failed["error"] = {"code": code, "message": err.message}
+            yield event("response.failed", response=failed)
             return
         finally:
             await close_streams(started.streams)

@@ -58,6 +58,8 @@ DEFAULT_COMPILE_TIMEOUT = 5.0     # seconds a request may wait for its grammar
 COMPILE_NICE = 5                  # compile threads run this much below the engine (workers.py)
 PROBE_TOKENS = 3                  # first tokens tried at compile time (see _probe)
 MAX_ERROR_CHARS = 600             # of llguidance's message in a 400
+# llguidance's own limits (LLParserLimits; its defaults but for the short errors)
+PARSER_LIMITS: dict[str, Any] = {"verbose_errors": False}
 # Whitespace allowed between JSON tokens. llguidance's default is unbounded ([ \t\n\r]+),
 # which lets a weak model spend its whole budget on spaces; pretty-printed JSON a few levels
 # deep needs a newline and well under 20 indent characters.
@@ -153,6 +155,13 @@ class GrammarMatcher:
             n += 1
         return n
 
+    def engine_error(self) -> str | None:
+        """The grammar engine's own error (a limit it reached: an Earley row, lexer
+        expressions, fuel), or None; a token the grammar merely forbids is not one."""
+        if self._m.is_error():
+            return " ".join(self._m.get_error().split())[:MAX_ERROR_CHARS]
+        return None
+
     def is_terminated(self) -> bool:
         """The grammar is complete and admits no further token (only EOS/stop): finish."""
         return self._stopped_by_extra or self._m.is_stopped()
@@ -247,7 +256,7 @@ class StructuredOutputCompiler:
         self.compile_timeout = compile_timeout
         # Short errors: the verbose ones hold the whole grammar and parser state (a 100 KB
         # grammar gave a 300 KB 400 body) and may leak a schema into logs.
-        self._limits = limits or llguidance.LLParserLimits(verbose_errors=False)
+        self._limits = limits or llguidance.LLParserLimits(**PARSER_LIMITS)
         self._cache: collections.OrderedDict[tuple, CompiledGrammar | GrammarCompileError] = \
             collections.OrderedDict()
         self._cache_size = cache_size
