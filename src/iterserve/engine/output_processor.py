@@ -46,7 +46,8 @@ class ConstraintOverrunError(Exception):
 
     code = "constraint_too_complex"
 
-OVERLAP_BITMASK_FILL = True    # measured by benchmarks/bench_constrained_overhead.py
+OVERLAP_BITMASK_FILL = True    # measured by benchmarks/bench_constrained_overhead.py and
+                               # benchmarks/bench_constrained_stall.py
 
 
 class OutputProcessor:
@@ -62,10 +63,12 @@ class OutputProcessor:
         self._seqs: dict[str, tuple[RequestState, SequenceState]] = {}    # by scheduler id
         self._changed: dict[str, RequestState] = {}      # requests with something to emit
         self._matchers: dict[str, Any] = {}              # scheduler id -> GrammarMatcher (live)
-        # Fill the step's grammar masks on a worker thread, overlapped with the forward pass
-        # (structured.bitmask.PendingGrammarBitmask); False: fill them before execute().
+        # Compute each sequence's next mask on a worker thread as soon as its matcher has
+        # its state, overlapped with the rest of the step and the next forward pass; a
+        # sequence whose mask is late sits that step out (structured/masks.py). False: fill
+        # the masks before execute().
         self.overlap_bitmask_fill = OVERLAP_BITMASK_FILL
-        self._fill_pool: Any = None
+        self._mask_filler: Any = None
         self._pending_mask: Any = None
 
     # --- requests in and out -------------------------------------------------------------
@@ -87,7 +90,23 @@ class OutputProcessor:
             self._seqs[seq.request.request_id] = (state, seq)
             if seq.matcher is not None:
                 self._matchers[seq.request.request_id] = seq.matcher
+                self._prefetch(seq.request.request_id, seq.matcher)
         return state
+
+    def _filler(self) -> Any:
+        if self._mask_filler is None:
+            from iterserve.structured.masks import MaskFiller
+            self._mask_filler = MaskFiller()
+        return self._mask_filler
+
+    def _prefetch(self, rid: str, matcher: Any) -> None:
+        if self.overlap_bitmask_fill:
+            self._filler().prefetch(rid, matcher)
+
+    def _forget(self, rid: str) -> None:
+        self._matchers.pop(rid, None)
+        if self._mask_filler is not None:
+            self._mask_filler.forget(rid)
 
     @property
     def has_constrained(self) -> bool:
@@ -114,16 +133,14 @@ class OutputProcessor:
                 sampling[rid] = matchers[rid]
         if not sampling:
             return None
-        from iterserve.structured.bitmask import GrammarBitmask, PendingGrammarBitmask
         if not self.overlap_bitmask_fill:
+            from iterserve.structured.bitmask import GrammarBitmask
             return GrammarBitmask.fill(sampling)
-        if self._fill_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        # Filled while the forward pass runs; a matcher that fails there is named in the
-        # result and its sequence ended when its token comes back (process_tokens).
-        self._pending_mask = PendingGrammarBitmask(
-            self._fill_pool.submit(GrammarBitmask.fill, sampling, isolate=True))
+        # Masks computed ahead (structured/masks.py); a matcher that fails there is named in
+        # the result and its sequence ended when its token comes back (process_tokens); one
+        # whose mask is late is `deferred` and sits the step out (the engine's sit_out).
+        self._pending_mask = self._filler().step(
+            sampling, num_scheduled=len(sched_out.num_scheduled_tokens))
         return self._pending_mask
 
     def discard(self, request_id: str) -> None:
@@ -132,7 +149,7 @@ class OutputProcessor:
         if state is not None:
             for seq in state.seqs:
                 self._seqs.pop(seq.request.request_id, None)
-                self._matchers.pop(seq.request.request_id, None)
+                self._forget(seq.request.request_id)
             self._changed.pop(request_id, None)
 
     def has_request(self, request_id: str) -> bool:
@@ -213,6 +230,8 @@ class OutputProcessor:
             try:
                 if self._process_token(state, seq, token_id, results[rid], stats):
                     to_end.append((rid, FinishReason.STOP))
+                elif seq.matcher is not None and not seq.finished:
+                    self._prefetch(rid, seq.matcher)     # its next mask, from now on
             except ConstraintOverrunError as e:
                 to_end += self.fail([rid], str(e), e.code)
             except Exception as e:
@@ -314,7 +333,7 @@ class OutputProcessor:
 
     def _mark(self, state: RequestState, seq: SequenceState) -> None:
         if seq.finished and seq.matcher is not None:
-            self._matchers.pop(seq.request.request_id, None)
+            self._forget(seq.request.request_id)
         state.mark(seq)
         self._changed[state.request_id] = state
 
@@ -395,4 +414,4 @@ class OutputProcessor:
         self.requests.pop(state.request_id, None)
         for seq in state.seqs:
             self._seqs.pop(seq.request.request_id, None)
-            self._matchers.pop(seq.request.request_id, None)
+            self._forget(seq.request.request_id)

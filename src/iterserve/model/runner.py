@@ -154,6 +154,13 @@ class ModelRunner:
         if output.grammar_bitmask is not None:     # structured outputs: forbidden ids -> -inf
             with torch.inference_mode():           # the logits are inference tensors
                 output.grammar_bitmask.apply(logits, [st.req_id for st in sampling])
+                deferred = getattr(output.grammar_bitmask, "deferred", None)
+                if deferred:   # masks not ready: these sample nothing this step (masks.py)
+                    keep = [i for i, st in enumerate(sampling) if st.req_id not in deferred]
+                    if not keep:
+                        return {}
+                    logits = logits[keep]
+                    sampling = [sampling[i] for i in keep]
         results = self.sampler(logits, sampling)
         for st, res in zip(sampling, results):
             st.append(res.token_id)

@@ -8,8 +8,8 @@ row; `rows` says which logits row each bitmask row belongs to.
 and adds it: no Python loop over the vocabulary or the rows. The logits may be wider
 than the mask (a model whose embedding table is padded past the tokenizer): the extra ids
 are never allowed; a mask wider than the logits is cut to their width. Works on any device
-(the mask is copied to the logits' device). `PendingGrammarBitmask` is one being filled on a
-worker thread while the forward pass runs.
+(the mask is copied to the logits' device). The engine's masks are computed ahead per
+sequence on a worker thread (structured/masks.py) and applied through `apply_bitmask`.
 """
 
 from __future__ import annotations
@@ -170,41 +170,3 @@ class GrammarBitmask:
         bm = self.bitmask if mask_rows == list(range(self.bitmask.shape[0])) else \
             self.bitmask[torch.tensor(mask_rows, dtype=torch.long)]
         return apply_bitmask(logits, bm, rows)
-
-
-class PendingGrammarBitmask:
-    """A step's GrammarBitmask being filled on a worker thread while the forward pass runs.
-
-    Why: filling costs ~0.2-1 ms per constrained row (llguidance's mask computation over the
-    whole vocabulary) and needs only the matchers' state after the previous step, not the
-    logits; the forward pass runs in native code without the GIL. So the engine starts the
-    fill before execute() and the runner's `apply` waits for it (usually done by then).
-    Same interface as GrammarBitmask for the runner (`apply`); TP strips it like the other.
-    """
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future) -> None:
-        self._future = future
-
-    def result(self) -> GrammarBitmask:
-        return self._future.result()
-
-    @property
-    def row_of(self) -> dict[str, int]:
-        return self.result().row_of
-
-    @property
-    def bitmask(self) -> torch.Tensor:
-        return self.result().bitmask
-
-    def apply(self, logits: torch.Tensor, seq_ids: Sequence[str]) -> torch.Tensor:
-        return self.result().apply(logits, seq_ids)
-
-    def failed_rows(self) -> dict[str, str]:
-        """Wait for the fill; the sequences whose matcher failed ({} if it all failed: the
-        executor, which applies it, reported that already)."""
-        try:
-            return self._future.result().failed
-        except Exception:                       # noqa: BLE001
-            return {}
