@@ -39,11 +39,14 @@ logger = logging.getLogger(__name__)
 
 
 class ReplicaDiedError(ServerError):
-    """A replica died (or became unreachable) while serving the request: a 503, and mid-stream
-    an SSE error chunk. The other replicas keep serving; Ray Serve restarts this one."""
+    """A replica died (or became unreachable) while serving the request: a 503 with
+    Retry-After (another replica, or this one restarted by Ray Serve, serves a retry), and
+    mid-stream finish_reason "error" then an error event with the same body."""
 
     status_code = 503
     error_type = "service_unavailable"
+    code = "replica_unavailable"
+    retry_after_s = 1
 
 
 class _DriverView:

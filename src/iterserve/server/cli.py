@@ -154,11 +154,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from iterserve.engine import omp_policy        # before anything loads torch (libgomp)
     omp_policy.apply(getattr(args, "omp_wait_policy", "env"))
-    from iterserve.replicas.launch import RayNotInstalledError
+    from iterserve.replicas.launch import RayExposedError, RayNotInstalledError
 
     try:
         app, engine = build_app(args)
-    except (ConfigError, ValueError, FileNotFoundError, RayNotInstalledError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, RayNotInstalledError,
+            RayExposedError) as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
     print(f"iterserve: serving {engine.model_name!r} on http://{args.host}:{args.port} "
