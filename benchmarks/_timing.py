@@ -1,4 +1,4 @@
-"""Timing helpers shared by the kernel microbenchmarks (bench_int8.py; bench_bf16.py can use
+"""Timing functions shared by the kernel microbenchmarks (bench_int8.py; bench_bf16.py can use
 them too): one call's mean time over a minimum duration, and same-process alternating A/B of
 several callables with each side's median, the way kernel changes are judged on a loaded
 machine (other processes slow every side alike; medians drop the outliers)."""

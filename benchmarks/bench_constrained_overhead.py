@@ -1,5 +1,5 @@
-"""Issue 14's cost target: `mix` with every request constrained to a small JSON schema runs at
->= 0.85x the unconstrained throughput, same run, through the server.
+"""What constrained decoding costs: `mix` with every request constrained to a small JSON schema
+against the unconstrained throughput (the bar: >= 0.85x), same run, through the server.
 
 One `iterserve serve` process on the bundled model (or --model), then `--repeats` rounds,
 each running the `mix` workload (48 requests, all at t=0, ignore_eos, greedy) twice: plain
@@ -15,7 +15,7 @@ before its max_tokens (10-500), so both runs generate exactly the same number of
 every constrained output is checked as a valid prefix of the schema's language.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_constrained_overhead.py \
-        [--repeats 3] [--port 18500] [--model PATH] [--out benchmarks/results/api-constrained.json]
+        [--repeats 3] [--port 18500] [--model PATH] [--out benchmarks/results/constrained-json-overhead.json]
 """
 
 from __future__ import annotations

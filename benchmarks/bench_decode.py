@@ -7,8 +7,8 @@ For each batch size B, B requests with ctx-token prompts are prefilled (not time
 - HF: `generate(do_sample=False)` on the same GGUF loaded by transformers (dequantized to
   fp32); a logits processor timestamps each step, so prefill is excluded the same way.
 - GEMM: only the matrix multiplies one decode step needs (q/k/v, o, gate/up, down per layer
-  and the lm_head), each a plain torch.mm over its own weight: the ceiling the issue asks
-  iterserve to reach half of at batch 32.
+  and the lm_head), each a plain torch.mm over its own weight: a ceiling to compare
+  iterserve's decode with (half of it at batch 32 is the bar).
 
     .venv/bin/python benchmarks/bench_decode.py [--batch-sizes 1,8,32,64] [--out results.json]
 """

@@ -1,7 +1,7 @@
-"""How fast is the cluster lab? 64 replicas x 100,000 requests (issue 16: under 5 minutes).
+"""How fast is the cluster lab? 64 replicas x 100,000 requests (the bar: under 5 minutes).
 
     PYTHONPATH=src python benchmarks/bench_lab_cluster.py [--replicas 64] [--requests 100000]
-        [--router prefix_aware] [--out benchmarks/results/cluster-bench.json]
+        [--router prefix_aware] [--out benchmarks/results/lab-cluster-64x100k.json]
 
 The workload is the one a cluster of CPU replicas behind a prefix-aware router is for: the
 bench `poisson` output mix (80% answers of 10-100 tokens, 20% of 250-500), each prompt one
@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from iterserve.core.cost_model import load_cost_model
 from iterserve.lab.cluster import plan_cluster, simulate_cluster, summarize_cluster
-from iterserve.lab.cost_model import load_cost_model
 
 WORKLOAD = {"batching": "continuous", "max_num_seqs": 32, "prompt_len": [20, 100],
             "prefix_groups": 256, "prefix_len": 512, "prefix_zipf": 0.8,
@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--router", default="prefix_aware")
     ap.add_argument("--load", type=float, default=0.8, help="arrival rate / capacity")
     ap.add_argument("--cost-model", default="smollm2-cpu")
-    ap.add_argument("--out", default="benchmarks/results/cluster-bench.json")
+    ap.add_argument("--out", default="benchmarks/results/lab-cluster-64x100k.json")
     a = ap.parse_args()
     cost = load_cost_model(a.cost_model)
 

@@ -1,7 +1,7 @@
-"""Prefill throughput of the engine on the bundled model, old tree vs new tree, alternating.
+"""Prefill throughput of the engine on the bundled model, two source trees alternating.
 
-Why: the prefill GEMM (kernels/prefill.c) replaced the reference path's float32 tiles, which
-had replaced the prepacked float32 copy of old main; this checks the end-to-end effect
+Why: a change to the prefill GEMM (kernels/prefill.c) or what feeds it is judged end to end
+against another commit (check it out with `git worktree add`); this checks the effect
 (embedding, every layer, attention over the paged cache, LM head of the last tokens) rather
 than one GEMM. Each measurement is a fresh process of one tree (`--tree`, its `src` on the
 path) that warms up, then prefills `--requests` prompts of `--tokens` tokens with

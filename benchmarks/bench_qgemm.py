@@ -1,6 +1,6 @@
 """Same-process A/B of the decode GEMM kernels on real weight shapes (not in CI).
 
-1. `layout`: the old split layout (model/quant.py: quants in one array, f16 scales widened to
+1. `layout`: a split layout (model/quant.py: quants in one array, f16 scales widened to
    float32 in others; kernels/qgemm_split.c) against the GGUF-native layout (blocks as in the
    file, f16 scales converted per block with F16C; kernels/qgemm.c), on the bundled model's
    fused q/k/v, o, gate/up and down of every layer. Calls alternate A, B, A, B ... so load on
@@ -9,9 +9,9 @@
    with kernels.dequant, then F.linear) on a 1.7B-shaped weight (random blocks).
 3. `prefill`: the prefill GEMM over encoded weights (kernels.gemm, kernels/prefill.c)
    against (a) the reference path it replaced (4 MB float32 tiles decoded per call, then
-   oneDNN: layers.Linear._reference) and (b) oneDNN over a prepacked float32 copy (old
-   main's prefill), at M = 64..512 rows, on the bundled model's shapes (fused q/k/v 960x576,
-   o 576x576, gate/up 3072x576 as the brief's 1536x576 pair, down 576x1536, LM head
+   oneDNN: layers.Linear._reference) and (b) oneDNN over a prepacked float32 copy (a
+   float prefill), at M = 64..512 rows, on the bundled model's shapes (fused q/k/v 960x576,
+   o 576x576, gate/up 3072x576 as one 1536x576 pair, down 576x1536, LM head
    49152x576) and 1.7B shapes (2048x2048, 8192x2048); same process, alternating, medians.
    With --threads 1 the time is the thread's CPU time (time.thread_time), which a loaded
    machine disturbs far less than wall time.
@@ -312,7 +312,7 @@ def _baseline_lib(rev: str):
             if name.endswith(".c"):
                 srcs.append(os.path.join(d, name))
     out = os.path.join(d, "base.so")
-    flags = [f for f in kernels._FLAGS]
+    flags = [f for f in kernels.build._FLAGS]
     subprocess.run([kernels._compiler(), *flags, *srcs, "-o", out], check=True)
     lib = ctypes.CDLL(out)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -320,7 +320,13 @@ def _baseline_lib(rev: str):
         fn = getattr(lib, name)
         fn.restype = None if name == "iterserve_qgemm" else i32
         fn.argtypes = [i64, p, i64, i64, i64, p, i64, i64, p, i64, i32]
-    lib.iterserve_gemm_isa.restype, lib.iterserve_gemm_isa.argtypes = i64, [i64]
+    if hasattr(lib, "iterserve_configure"):         # one configuration, set once
+        from iterserve.model.kernels._abi import Config
+        lib.iterserve_configure.restype, lib.iterserve_configure.argtypes = None, [p]
+        lib.iterserve_configure(ctypes.byref(Config(0, 0, 0)))
+    else:                                             # a tree with per-file ISA setters
+        lib.iterserve_gemm_isa.restype, lib.iterserve_gemm_isa.argtypes = i64, [i64]
+        lib.iterserve_gemm_isa(0)
     return lib
 
 
@@ -328,14 +334,13 @@ def ab(rows_list: list[int], rounds: int, types_: list[str], shapes: list[str], 
        fn_name: str) -> dict:
     """This tree's `qgemm` (fn_name "qgemm": what every decode step calls) or `gemm` (the
     prefill panel GEMM) against the same function of revision `rev`, same process,
-    alternating; for `gemm` also oneDNN over a prepacked float32 copy (old main's prefill).
+    alternating; for `gemm` also oneDNN over a prepacked float32 copy (a float prefill).
     Both libraries use the best ISA of the CPU."""
     import sys
     sys.path.insert(0, "tests")
     from fixtures.gguf_blocks import gguf_blocks
     from iterserve.model import kernels
     base = _baseline_lib(rev)
-    base.iterserve_gemm_isa(0)
     kernels.gemm_isa(None)
     threads = torch.get_num_threads()
     clock = time.thread_time if threads == 1 else time.perf_counter

@@ -17,7 +17,7 @@ Configurations alternate (1, N, 1, N, ...) for `--repeats` rounds, so drift in t
 load hits both alike; medians over rounds are reported. On a 2-core machine N replicas share
 the same 2 cores: the point is correctness and overhead, not speed-up.
 
-Validating the lab (issue 16): `--workload NAME` (bench/workloads.py) or `--requests-file F`
+Validating the lab: `--workload NAME` (bench/workloads.py) or `--requests-file F`
 (JSON list of {"prompt": text or token ids, "max_tokens": n, "arrival_s": t}) runs exactly
 those requests and prints throughput and median TTFT per configuration, for comparison with
 `iterserve lab --replicas N` on the same requests.

@@ -1,9 +1,9 @@
-"""Router overhead: `Router.route()` per call for 1k-token prompts (issue 16: p50 <= 2 ms).
+"""Router overhead: `Router.route()` per call for 1k-token prompts (the bar: p50 <= 2 ms).
 
 The prompts are the shared-prefix kind the prefix-aware policy is for (G system prompts of
 S tokens, each followed by a unique question), so the index really is walked and updated;
 every policy is timed on the same prompts, interleaved in rounds, medians per policy.
-Prints a table and writes JSON (benchmarks/results/cluster-router-overhead.json by default).
+Prints a table and writes JSON (benchmarks/results/router-overhead.json by default).
 
     PYTHONPATH=src python benchmarks/bench_router.py --replicas 64 --calls 2000
 """
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/cluster-router-overhead.json")
+    ap.add_argument("--out", default="benchmarks/results/router-overhead.json")
     a = ap.parse_args()
     rng = random.Random(0)
     prompts = []

@@ -3,7 +3,7 @@
 Same cases and fake executor as benchmarks/bench_scheduler.py, each run with policy fcfs
 and policy slo (targets set: TTFT 1 s, TPOT 100 ms, so every hook runs) in the same process,
 alternating, several rounds; process CPU time per step, median over rounds. Below capacity
-means no request waits, which is where the issue asks for "nothing measurable":
+means no request waits, which is where the policy should cost nothing measurable:
   decode-256   256 running decodes
   decode-8     8 running decodes
   churn-64     up to 56 of 64 slots busy, prompts of 16-464 tokens arriving and finishing

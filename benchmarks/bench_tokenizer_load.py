@@ -1,13 +1,13 @@
 """`--tokenizer x.gguf` load time: `Tokenizer.from_path` (the loader's header parser, key/value
-metadata only) against building the same tokenizer from gguf-py's `GGUFReader` (what
-from_path did before session 15: it also parses every tensor's info into numpy views).
+metadata only) against building the same tokenizer from gguf-py's `GGUFReader` (the
+library's way: it also parses every tensor's info into numpy views).
 
 Same process, alternating, medians of `--repeats`; the two tokenizers are checked equal on a
 few strings. Only the header pages of the file are read (no weights).
 
     python benchmarks/bench_tokenizer_load.py ~/.cache/iterserve-models/smollm2-1.7b/\\
 smollm2-1.7b.Q4_K_M.gguf ~/.cache/iterserve-models/llama-3.1-8b-like/llama-3.1-8b-like.Q4_K_M.gguf \\
-        [--repeats 5] [--out benchmarks/results/tidy-tokenizer-load.json]
+        [--repeats 5] [--out benchmarks/results/tokenizer-load-gguf.json]
 """
 
 from __future__ import annotations

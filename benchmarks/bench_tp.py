@@ -131,7 +131,7 @@ def main() -> int:
         "scenarios": results,
         "note": "2 cores: TP 2 splits the same cores, so the ratio measures TP's overhead "
                 "(collectives, per-op decode path), not a speed-up. Taken under load from "
-                "other sessions sharing the machine.",
+                "other work sharing the machine.",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -16,7 +16,7 @@ model (default: the shipped fit `smollm2-cpu`, see `iterserve lab calibrate`).
   on the arrivals, it iterates to a fixed point (reported as `arrival_iterations`).
 
 - the trade-off presets ``longprompt``, ``priority-flood``, ``kv-pressure`` (lab/options.py
-  PRESETS, issue 18): the lab plans the preset (its seeded draw of prompt lengths, output
+  PRESETS): the lab plans the preset (its seeded draw of prompt lengths, output
   lengths, arrival seconds and priority classes; `--preset-requests` of them), the engine
   is built with the plan's scheduler and KV knobs and served the same requests (prompts of
   exactly that many random token ids, ignore_eos, each request's priority) by the same
@@ -29,7 +29,7 @@ model (default: the shipped fit `smollm2-cpu`, see `iterserve lab calibrate`).
 Per workload also `residuals_by_tokens`: the fit's error on the engine's own steps by the
 step's token count and kind (decode-only / with a prefill chunk), where a fit goes wrong;
 `--also-cost-models A,B` predicts the same real run (mix, poisson) with other fits too, a
-same-run A/B of fits (e.g. this session's against the last session's).
+same-run A/B of fits (e.g. a fresh fit against the shipped one).
 
 Reported per workload: real wall time (first arrival to last finish, model load and a
 warm-up request excluded), predicted time, relative error (the target is within 10%), steps
@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # slo_workloads, for 
 
 from iterserve.bench.client import machine_info
 from iterserve.bench.workloads import Workload, build_workload
+from iterserve.core.cost_model import CostModel, load_cost_model
 from iterserve.core.step_time import attention_pairs
-from iterserve.lab.cost_model import CostModel, load_cost_model
 from iterserve.lab.simulator import SimResult, SimSettings, simulate
 from iterserve.lab.workload import RequestSpec
 

@@ -12,13 +12,13 @@ Lab: `lab.cluster.simulate_replicas` on the same requests (the prompt lengths th
 reported in its usage blocks, the same output lengths, the same arrival times) with the
 server's own scheduler and KV knobs (built by the same EngineArgs), N replicas behind the
 same router code, step times from a cost model fitted to one replica's thread count
-(default benchmarks/results/cluster-cost-smollm2-1thread.json, written by
+(default benchmarks/results/cost-model-bundled-1thread.json, written by
 `OMP_NUM_THREADS=1 iterserve lab calibrate --out ...`; else the shipped smollm2-cpu, fitted
 on 2 threads).
 
 Printed and written (--out): real and predicted throughput (output tokens / makespan,
 first arrival to last finish) and median / p99 TTFT, the ratios lab / real, and whether
-throughput and median TTFT are within 15% (issue 16's target). What the lab does not model
+throughput and median TTFT are within 15% (the bar). What the lab does not model
 and a 2-core machine adds: the HTTP server, Ray's handle and proxy, detokenisation and
 streaming share the two cores with the replicas' own threads.
 
@@ -43,13 +43,13 @@ import numpy as np
 
 from iterserve.bench.client import ClientOptions, machine_info, run_workload
 from iterserve.bench.workloads import BenchRequest, Workload, build_workload
+from iterserve.core.cost_model import load_cost_model
 from iterserve.engine.args import EngineArgs
 from iterserve.lab.cluster import simulate_replicas
-from iterserve.lab.cost_model import load_cost_model
 from iterserve.lab.simulator import SimSettings
 from iterserve.lab.workload import RequestSpec
 
-DEFAULT_COST = "benchmarks/results/cluster-cost-smollm2-1thread.json"
+DEFAULT_COST = "benchmarks/results/cost-model-bundled-1thread.json"
 MODEL_LIMIT = 8192          # SmolLM2's max_position_embeddings (max_model_len: min(it, 2048))
 TARGET = 0.15
 
@@ -184,7 +184,7 @@ def main() -> int:
     ap.add_argument("--server-pythonpath", default=None, metavar="DIR",
                     help="PYTHONPATH of the server only (e.g. an export of another branch's "
                          "src); default: this process's")
-    ap.add_argument("--out", default="benchmarks/results/cluster-lab-vs-replicas.json")
+    ap.add_argument("--out", default="benchmarks/results/lab-vs-replicas-dp2.json")
     a = ap.parse_args()
     if a.cost_model is None:
         a.cost_model = DEFAULT_COST if Path(DEFAULT_COST).exists() else "smollm2-cpu"

@@ -21,9 +21,9 @@ Measured per row:
 - the fixed workload: decode at batch 1 (one request, 32-token prompt, 64 tokens) then batch
   8 (8 at once, same lengths), `ignore_eos`, through one OpenAI streaming client
   (iterserve.bench.client); `decode_tok_s` = batch / median inter-token gap.
-The budget the issue sets is printed beside each row: 1.15 x file + KV + 400 MB.
+The memory budget is printed beside each row: 1.15 x file + KV + 400 MB.
 
-Load time (issue 12: <= 1.5 x llama-server's on the same file) is noisy on a shared machine:
+Load time (the bar: <= 1.5 x llama-server's on the same file) is noisy on a shared machine:
 `--repeats N` starts every engine N times, alternating engines within each repeat, and
 reports the medians and iterserve's same-run ratio (`load_ratio_vs_llama_server`);
 `--load-only` skips the decode workload; `--baseline-src DIR` adds iterserve from another
@@ -33,7 +33,7 @@ also splits `load_s` into `ready_s` (until /health answers) + `first_request_s`,
 torch, metadata, tokenizer, weights, kv_alloc, runner).
 
     python benchmarks/memory.py --model smollm2-1.7b --formats Q4_K_M Q4_0 hf-bf16 \
-        --engines iterserve llama-server vllm-cpu --out benchmarks/results/models-memory.json
+        --engines iterserve llama-server vllm-cpu --out benchmarks/results/memory.json
 Figures are taken on whatever load the machine has: the JSON records the load average.
 """
 
@@ -201,7 +201,7 @@ def _first_token(url: str) -> str | None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End the server's whole session group (vLLM forks an engine core): the peers' helper."""
+    """End the server's whole session group (vLLM forks an engine core), as the peers do."""
     from vllm_cpu import stop_server
     stop_server(proc)
 
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=18810)
     ap.add_argument("--vllm-threads-bind", default=None, help="e.g. 0-1 (default: vLLM's own)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "models-memory.json")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "memory.json")
     ap.add_argument("--repeats", type=int, default=1,
                     help="start each engine this many times, alternating engines; load_s "
                          "is then the median (the decode workload runs on the first only)")

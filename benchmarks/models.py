@@ -290,7 +290,7 @@ def converter_python() -> str:
     return str(py)
 
 
-# What llama-quantize makes from the converter's output (the issue's list, plus F16 itself).
+# What llama-quantize makes from the converter's output (the common GGUF types, plus F16 itself).
 QUANT_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 # convert_hf_to_gguf.py --outtype values we use as the base that llama-quantize starts from.
 CONVERTER_OUTTYPES = {"F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
@@ -406,7 +406,7 @@ CHECK_PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
 def free_port(lo: int = 18400, hi: int = 18500) -> int:
-    """A port in the models engineer's range that nothing listens on now."""
+    """A port in models.py's range (18400-18499) that nothing listens on now."""
     import socket
     for port in range(lo, hi):
         with socket.socket() as s:
@@ -520,7 +520,7 @@ def check_against_llama_cpp(path: Path, n: int = 8, top: int = 10, port: int | N
 
 def memory_table(paths: list[Path]) -> str:
     """A markdown table of benchmarks/memory.py results: per model x format, each engine's
-    peak RSS and load time, the issue's budget (1.15 x file + KV + 400 MB) and whether
+    peak RSS and load time, the memory budget (1.15 x file + KV + 400 MB) and whether
     iterserve's peak is within it. A later file's row replaces an earlier one's engine entry."""
     rows: dict[tuple[str, str], dict] = {}
     for p in paths:

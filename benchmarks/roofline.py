@@ -21,7 +21,7 @@ tied embeddings (the LM head is one more [576, 49152] GEMM per step).
 
     python benchmarks/roofline.py [--threads 1,2] [--no-engine] [--out benchmarks/results/roofline.json]
 
-For real model files (issue 13) the batch-1 bound is the one that matters: a decode token
+For real model files the batch-1 bound is the one that matters: a decode token
 reads every weight once, in the file's encoding, so
 
     batch-1 bound tok/s = read bandwidth / weight bytes read per token

@@ -52,6 +52,12 @@ figures are also given as a fraction of the bandwidth bound.
         --iterserve-variants "base=" "f16kv=--kv-cache-dtype float16" \\
         "passive=OMP_WAIT_POLICY=PASSIVE"      # A/B one engine's flags / environment
 
+`--iterserve-variants` compares flags of one tree. Kernels have no run-time switch for a
+superseded generation: an A/B against the kernels of another commit checks that commit out
+in a second worktree (`git worktree add ../ab <commit>`) and runs this script there and here
+in alternation with the same arguments (or passes that tree's `src` as PYTHONPATH in a
+variant's environment, e.g. "ab=PYTHONPATH=../ab/src").
+
 A model is `NAME:FORMAT` (NAME a shape from benchmarks/models.py, FORMAT a GGUF type
 `<NAME>.<FORMAT>.gguf` in its cache folder, `blocks-Q4_K_M` for the block-recipe files, or
 `hf-bf16`), `bundled`, or a path. JSON goes to benchmarks/results/bench-<tag>.json.
@@ -84,7 +90,7 @@ RESULTS = HERE / "results"
 ENGINES = ("iterserve", "llama-server", "vllm-cpu", "vllm-cpu-bind", "hf")
 MEASURES = ("mix", "sweep", "b1", "ttft", "sat")
 DEFAULT_MEASURES = ("mix", "sweep", "b1", "ttft")   # `sat` on request (its own fixed cost)
-PORTS = (18200, 18299)          # the bench engineer's range (BRIEF.md)
+PORTS = (18200, 18299)          # this script's range (other benchmarks use others)
 TTFT_PROMPT = 512               # --ttft-prompt
 B1_PROMPT = 32
 
@@ -129,7 +135,8 @@ def model_limits(m: ModelFile) -> dict:
         heads = c["num_attention_heads"]
         return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads", heads),
                 "head_dim": c.get("head_dim") or c["hidden_size"] // heads}
-    from iterserve.model.gguf_loader import open_gguf, read_gguf_config
+    from iterserve.model.gguf import open_gguf
+    from iterserve.model.gguf_loader import read_gguf_config
     c = read_gguf_config(open_gguf(m.path))
     heads = c["num_attention_heads"]
     return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads") or heads,
@@ -222,7 +229,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, health: str, timeout_s: float)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End the server's whole session group (vLLM forks an engine core): the peers' helper."""
+    """End the server's whole session group (vLLM forks an engine core), as the peers do."""
     from vllm_cpu import stop_server
     stop_server(proc)
 
@@ -498,7 +505,7 @@ def table(doc: dict) -> str:
     lines = []
     for f in doc["files"]:
         # the reference: llama-server on a GGUF; on HF safetensors vLLM at its best threading
-        # (per figure, the better of its two threading variants, as the issue's target reads)
+        # (per figure, the better of its two threading variants: vLLM at its best)
         peers = [r for k, r in f["rows"].items() if k.startswith("llama-server")]
         refname = "llama-server"
         if not peers:

@@ -1,4 +1,4 @@
-"""Where chunked prefill's throughput cost comes from, on the model runner (issue 18).
+"""Where chunked prefill's throughput cost comes from, on the model runner.
 
 Why: on `longprompt-heavy` a 128-token budget lowers p99 ITL 6x but costs 6-8% of the
 throughput, budget 512 costs 4.3% for 2.4x. This times, on the bundled model's ModelRunner

@@ -1,4 +1,4 @@
-"""Real-engine goodput (issue 18): `iterserve serve` under fcfs vs slo, same client, same load.
+"""Real-engine goodput: `iterserve serve` under fcfs vs slo, same client, same load.
 
 The lab half (`benchmarks/slo_goodput.py`, `iterserve lab slo`) runs the policy on simulated
 time; this drives the real server, bundled model, over HTTP with the bench client
@@ -25,7 +25,7 @@ every run. Quiet 2-core machine: ~8-10 min with the defaults.
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine.py [--loads 0.8,1.5,2]
         [--repeats 2] [--requests 64] [--slo-ttft-ms MS --slo-tpot-ms MS]
-        [--port 18610] [--out benchmarks/results/slo-engine.json]
+        [--port 18610] [--out benchmarks/results/slo-goodput-engine.json]
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def one_run(url: str, workload, args: argparse.Namespace, slo: SLO) -> dict[str,
 
 
 def write(args, loads, meta, runs, t_start, load_before, *, final: bool) -> None:
-    """The result JSON (rewritten after every run, so a cut-short session keeps its runs)."""
+    """The result JSON (rewritten after every run, so a cut-short benchmark keeps its runs)."""
     summary = {}
     for f in loads:
         pairs = {}
@@ -191,7 +191,7 @@ def main() -> None:
     ap.add_argument("--serve-arg", action="append", help="extra `iterserve serve` argument")
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--log-dir", default="/tmp")
-    ap.add_argument("--out", default="benchmarks/results/slo-engine.json")
+    ap.add_argument("--out", default="benchmarks/results/slo-goodput-engine.json")
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     t_start = time.time()

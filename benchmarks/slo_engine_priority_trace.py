@@ -205,8 +205,7 @@ def main() -> None:
     ap.add_argument("--rate-scale", type=float, default=1.0,
                     help="preset rate x this: the presets already follow the shipped fit's "
                     "speed (lab/preset_scale.py); slo_engine_tradeoffs.py prints this machine's "
-                    "factor against that fit (the session-14 traces used 2.42 against the "
-                    "session-13 fit)")
+                    "factor against that fit)")
     ap.add_argument("--port", type=int, default=18640)
     ap.add_argument("--serve-arg", action="append", default=[])
     ap.add_argument("--repeats", type=int, default=1)

@@ -1,4 +1,4 @@
-"""Issue 18's trade-offs on the real engine, and the lab's error against it, per metric.
+"""The scheduling trade-offs on the real engine, and the lab's error against it, per metric.
 
 The lab presets `longprompt`, `priority-flood` and `kv-pressure` (lab/options.py PRESETS) are
 run on `iterserve serve` (bundled model, real HTTP, the bench client) with the *same*
@@ -29,7 +29,7 @@ urgent class capped at 4 tokens per step while the urgent one is active
 (`priority_less_urgent_tokens`), and fcfs, plus the interactive class alone (same server);
 kv-pressure with recompute and swap. Per case: real and lab throughput, p99 ITL, p99 TTFT
 overall and per class (interactive / batch, or long / short prompts; p99 latency for
-kv-pressure), and lab / real - 1 for each. The `targets` block at the end states issue 18's
+kv-pressure), and lab / real - 1 for each. The `targets` block at the end states the
 targets against these numbers (real and lab): the best chunked setting's p99 ITL gain and
 throughput cost against chunking off, and the interactive p99 TTFT over its value alone.
 
@@ -46,7 +46,7 @@ mean something); `--cases` runs a subset.
     PYTHONPATH=src .venv/bin/python benchmarks/slo_engine_tradeoffs.py
         [--presets longprompt,longprompt-heavy,priority-flood,kv-pressure] [--requests-scale 1.0]
         [--repeats 1] [--cases 'off,budget 64'] [--port 18620]
-        [--out benchmarks/results/slo-engine-tradeoffs.json]
+        [--out benchmarks/results/tradeoffs-engine.json]
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ from slo_workloads import bench_workload, plan, preset_options, serve_args  # no
 import iterserve.bench.client as bench_client  # noqa: E402
 from iterserve.bench.client import ClientOptions, machine_info, run_workload  # noqa: E402
 from iterserve.bench.metrics import SLO  # noqa: E402
-from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
+from iterserve.core.cost_model import load_cost_model  # noqa: E402
 from iterserve.core.step_time import attention_pairs  # noqa: E402
-from iterserve.lab.cost_model import load_cost_model  # noqa: E402
+from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
 # The one definition of the preset rate scale and its reference step: lab_vs_engine.py.
 from lab_vs_engine import rate_scale as preset_rate_scale  # noqa: E402
 
@@ -85,8 +85,8 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
          {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
           "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
     ],
-    # The stall-heavy variant (lab/options.py says why `longprompt` no longer shows the gain):
-    # every budget of the issue, and the long-prefill threshold with the partial-prefill cap.
+    # The stall-heavy variant (lab/options.py says why `longprompt` does not show the gain):
+    # every budget from 64 to 512, and the long-prefill threshold with the partial-prefill cap.
     "longprompt-heavy": [
         ("chunking off", {"enable_chunked_prefill": False, "max_num_batched_tokens": None}),
         ("chunked, budget 64", {"max_num_batched_tokens": 64}),
@@ -98,10 +98,10 @@ CASES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("chunked, budget 256, threshold 32, 2 partial / 1 long",
          {"max_num_batched_tokens": 256, "long_prefill_token_threshold": 32,
           "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
-        # Session 16: a long prompt's chunk capped by the threshold, a larger budget around
+        # A long prompt's chunk capped by the threshold, a larger budget around
         # it for the decodes and a short prompt (no short prompt waits behind a long one's
         # whole chunked prefill; fewer, larger steps than budget 128). The lab's p99 ITL
-        # gains for these are 3.8-4.5x (budget 512 alone: 3.1x; real 2.4x, session 15).
+        # gains for these are 3.8-4.5x (budget 512 alone: 3.1x; real 2.4x).
         ("chunked, budget 512, threshold 256, 2 partial / 1 long",
          {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
           "max_num_partial_prefills": 2, "max_long_partial_prefills": 1}),
@@ -360,7 +360,7 @@ def chunking_target(cases: list[dict[str, Any]], preset: str) -> dict[str, Any]:
 
 
 def targets(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 18's trade-off targets against this run's numbers, real and lab."""
+    """The trade-off targets against this run's numbers, real and lab."""
     out: dict[str, Any] = {}
     by = {(c["preset"], c["case"]): c for c in cases if not c.get("repeat")}
     for preset in LONGPROMPT_PRESETS:
@@ -438,7 +438,7 @@ def main() -> None:
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default="/tmp")
-    ap.add_argument("--out", default="benchmarks/results/slo-engine-tradeoffs.json")
+    ap.add_argument("--out", default="benchmarks/results/tradeoffs-engine.json")
     args = ap.parse_args()
     t0 = time.time()
     with open("/proc/loadavg") as fh:

@@ -1,9 +1,9 @@
-"""Lab benchmark (issue 18): goodput of fcfs vs slo at 0.8x, 1.5x and 2x the engine's capacity.
+"""Lab benchmark: goodput of fcfs vs slo at 0.8x, 1.5x and 2x the engine's capacity.
 
 Not a test (tests/lab/test_slo_goodput.py asserts the target on one fixed seed). Runs the
 preset of `iterserve.lab.slo` (the bench `poisson` mix on the shipped `smollm2-cpu` cost
 model, 64 slots, TTFT <= 1 s, TPOT <= 100 ms) over several seeds and writes JSON to
-benchmarks/results/slo_goodput.json. Everything is simulated time: the numbers are the
+benchmarks/results/slo-goodput-lab.json. Everything is simulated time: the numbers are the
 same on any machine; only `wall_s` depends on it.
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_goodput.py [--seeds 5] [--requests 300]
@@ -24,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=PRESET["requests"])
-    ap.add_argument("--out", default="benchmarks/results/slo_goodput.json")
+    ap.add_argument("--out", default="benchmarks/results/slo-goodput-lab.json")
     args = ap.parse_args()
     t0 = time.perf_counter()
     runs = []

@@ -1,4 +1,4 @@
-"""Issue 18's trade-offs in the lab: chunked prefill, priority flood, recompute vs swap.
+"""The scheduling trade-offs in the lab: chunked prefill, priority flood, recompute vs swap.
 
 Each section starts from a lab preset (`iterserve.lab.options.PRESETS`, the same a user picks
 on the /lab page or with `iterserve lab --preset NAME`) and sweeps the knob the trade-off is
@@ -23,7 +23,7 @@ each case over several workload draws and reports medians.
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_tradeoffs.py [--seeds 3]
         [--sections longprompt,longprompt-heavy,priority-flood,kv-pressure]
-        [--out benchmarks/results/slo-tradeoffs.json]
+        [--out benchmarks/results/tradeoffs-lab.json]
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from iterserve.core.cost_model import load_cost_model
 from iterserve.lab.api import plan_lab, run_lab, simulate_plan
 from iterserve.lab.metrics import summarize
-from iterserve.lab.cost_model import load_cost_model
 from iterserve.lab.options import PRESETS
 
 
@@ -146,7 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sections", default="longprompt,longprompt-heavy,priority-flood,kv-pressure")
-    ap.add_argument("--out", default="benchmarks/results/slo-tradeoffs.json")
+    ap.add_argument("--out", default="benchmarks/results/tradeoffs-lab.json")
     args = ap.parse_args()
     sections = {x.strip() for x in args.sections.split(",")}
     seeds = [100 + i for i in range(args.seeds)]

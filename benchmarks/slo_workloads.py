@@ -1,6 +1,6 @@
 """One definition for the lab and the real engine: a lab preset as requests and serve flags.
 
-Issue 18's experiments are lab presets (`iterserve.lab.options.PRESETS`); the real-engine
+The scheduling experiments are lab presets (`iterserve.lab.options.PRESETS`); the real-engine
 benchmarks (`slo_engine.py`, `slo_engine_tradeoffs.py`) run the *same* requests: the lab
 plans the preset (`plan_lab`: the same seeded draw of prompt lengths, output lengths,
 arrival times and classes), and this module turns the plan into what the bench client
@@ -29,7 +29,7 @@ def preset_options(preset: str, **over: Any) -> dict[str, Any]:
 def plan(preset: str, **over: Any) -> LabPlan:
     opts = apply_preset({"preset": None, **preset_options(preset, **over)})
     if isinstance(opts.get("cost_model"), str):
-        from iterserve.lab.cost_model import load_cost_model
+        from iterserve.core.cost_model import load_cost_model
 
         opts["cost_model"] = load_cost_model(opts["cost_model"])
     opts.setdefault("batching", "continuous")

@@ -1,4 +1,4 @@
-"""Soak (issue 15, not in CI): steady load for N minutes with the server's RSS and bookkeeping
+"""Soak (not in CI): steady load for N minutes with the server's RSS and bookkeeping
 sampled, then a burst of abandoned requests; JSON out.
 
     python benchmarks/soak.py [--minutes 10] [--abandon 10000] [--model PATH]

@@ -1,4 +1,4 @@
-"""`iterserve serve` with a soak probe (issue 15; benchmarks only, never in the product).
+"""`iterserve serve` with a soak probe (benchmarks only, never in the product).
 
     python benchmarks/soak_server.py [serve flags...]
 

@@ -1,4 +1,4 @@
-"""The soak's RSS growth, isolated and load-independent (issue 15; not in CI).
+"""The soak's RSS growth, isolated and load-independent (not in CI).
 
     python benchmarks/soak_shapes.py [--lengths 150] [--model PATH] [--out FILE]
 
@@ -9,9 +9,9 @@ again. Reported after each group of 25 lengths: glibc's in-use heap (mallinfo2: 
 allocations, torch's and oneDNN's included; `free` is what the allocator holds unused) and
 RSS. Memory, not time, so a loaded machine changes how long it takes, not the numbers.
 
-Before the fix (model/layers.py `onednn_linear`) every new row count added one oneDNN/ideep
-primitive per weight shape to caches of 1,024 entries each (~0.6 MB per shape), so in-use
-grew with every new length and only the second pass (cache hits) was flat.
+Without a bound on the row counts (model/layers.py `onednn_linear` keeps one), every new row
+count adds one oneDNN/ideep primitive per weight shape to caches of 1,024 entries each (~0.6 MB
+per shape), so in-use grows with every new length and only the second pass (cache hits) is flat.
 """
 
 from __future__ import annotations

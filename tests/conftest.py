@@ -1,4 +1,4 @@
-"""Shared test setup. `tests/` is put on sys.path so tests import helpers as `fixtures.*`."""
+"""Shared test setup. `tests/` is put on sys.path so tests import shared code as `fixtures.*`."""
 
 import os
 import sys

@@ -1,6 +1,6 @@
 """llama.cpp's ``llama-server`` as a peer: build it, convert the weights, run it.
 
-Why built from source: the issue asks for no prebuilt binary download, so we take the
+Why built from source: no prebuilt binary is downloaded, so we take the
 ``llama-cpp-python`` source distribution from PyPI (an ordinary package-registry fetch),
 which vendors a full llama.cpp tree, and build only the ``llama-server`` target with cmake,
 CPU only.  Everything is cached outside the repository in ``~/.cache/iterserve-peers/`` so

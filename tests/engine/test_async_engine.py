@@ -106,8 +106,8 @@ def test_validation_errors_raise_before_streaming_and_loop_keeps_serving(aengine
 
 
 def test_shutdown_ends_in_flight_streams(aengine):
-    # Was: the cut stream raised EngineDeadError. Now (issue 15) it ends like any other
-    # stream, with a final output whose finish_reason is "abort".
+    # The cut stream ends like any other stream (not with EngineDeadError), with a final
+    # output whose finish_reason is "abort".
     async def main():
         stream = await aengine.generate("Hi", SamplingParams(max_tokens=200, **GREEDY))
         await stream.__anext__()

@@ -1,4 +1,4 @@
-"""Issue 18: a request that arrives while a step is in flight waits for that step to end
+"""A request that arrives while a step is in flight waits for that step to end
 (the real engine adds requests between steps), and that wait is part of its TTFT; a request
 that arrives while nothing runs starts at its arrival, not on the idle clock's next tick."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
-from iterserve.lab.cost_model import CostModel
+from iterserve.core.cost_model import CostModel
 from iterserve.lab.metrics import summarize
 from iterserve.lab.simulator import SimSettings, simulate
 from iterserve.lab.workload import RequestSpec

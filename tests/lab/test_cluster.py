@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from iterserve.cli import main
+from iterserve.core.cost_model import load_cost_model
+from iterserve.errors import LabOptionsError
 from iterserve.lab.api import plan_lab
 from iterserve.lab.cluster import (
     plan_cluster, run_cluster_lab, search_rate, search_replicas, simulate_cluster,
     summarize_cluster)
-from iterserve.lab.cost_model import load_cost_model
-from iterserve.lab.options import LabOptionsError
 from iterserve.lab.simulator import simulate
 from iterserve.lab.workload import (
     PREFIX_TOKEN_BASE, SharedPrefixSpec, draw_prefix_groups, prompt_token_ids)
@@ -92,7 +92,7 @@ def test_least_loaded_beats_round_robin_on_uneven_requests():
 
 
 def test_prefix_aware_doubles_the_hit_rate_of_round_robin_on_shared_prefixes():
-    """The issue's criterion on the replicas, here in the lab: 64 system prompts of 256
+    """The prefix-routing criterion for the replicas, here in the lab: 64 system prompts of 256
     tokens over 4 replicas whose KV pools (392 blocks) hold about a third of them each.
     Round robin sends each group everywhere, so every replica keeps evicting prefixes it
     will need again; prefix-aware keeps a group on its replica (~16 groups each, which

@@ -1,8 +1,8 @@
 """A whole long prompt is priced per token beyond the fit's last knot, so the lab gets the
 sign of chunked prefill's throughput cost on `longprompt-heavy` right.
 
-The fit below is the one `slo_engine_tradeoffs.py` made on this machine at the start of its
-quiet session-15 run (benchmarks/results/slo-s15-engine-heavy.json; a grid up to 256-token
+The fit below is the one `slo_engine_tradeoffs.py` made on this machine at the start of a
+quiet run (benchmarks/results/longprompt-heavy-chunk128-engine.json; a grid up to 256-token
 steps, corrections read off up to 256). On that run the real engine served the same 64
 requests: chunking off 71.26 / 71.15 output tok/s, p99 ITL 1.431 / 1.389 s; budget 128
 65.65 / 65.55 tok/s: chunking *cost* 6.2-7.9% of throughput. With the correction held at its

@@ -1,4 +1,4 @@
-"""Issue 18 in the lab: the slo policy's goodput against fcfs's around the engine's capacity.
+"""SLO-aware admission in the lab: the slo policy's goodput against fcfs's around the engine's capacity.
 
 The same Scheduler and policy code as the engine; the simulated executor feeds the policy's
 online step-time model the cost model's step times. One fixed seed, small enough to run in
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import run_lab
 from iterserve.lab.preset_scale import speed
 from iterserve.lab.slo import PRESET, capacity_rps, goodput_comparison
 
@@ -24,7 +25,7 @@ def comparison():
 
 def test_capacity_is_measured_from_the_shipped_cost_model():
     cap = capacity_rps({"seed": SEED, "requests": 240})
-    # the session-13 smollm2-cpu fit: ~0.45 s of steps per request at full batch; a
+    # the reference smollm2-cpu fit: ~0.45 s of steps per request at full batch; a
     # re-fitted file scales it by its speed (lab/preset_scale.py)
     s = speed()
     assert 1.5 * s < cap < 3.0 * s

@@ -1,4 +1,4 @@
-"""The lab's step semantics, pinned on hand-made length lists (issue 3, "Step semantics").
+"""The lab's step semantics, pinned on hand-made length lists (docs/lab.md, "Step semantics").
 
 A request admitted into a free slot at the start of step s with L output tokens produces a
 token in each of steps s .. s+L-1, finishes at s+L, and its slot is free for step s+L.

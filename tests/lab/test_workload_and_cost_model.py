@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from iterserve.lab.cost_model import (
-    CostModel, CostModelError, default_cost_model, load_cost_model)
-from iterserve.lab.workload import (
-    WorkloadError, WorkloadSpec, draw_workload, parse_range, read_lengths_file)
+from iterserve.core.cost_model import CostModel, default_cost_model, load_cost_model
+from iterserve.errors import CostModelError, WorkloadError
+from iterserve.lab.workload import WorkloadSpec, draw_workload, parse_range, read_lengths_file
 
 
 def test_parse_range_reads_min_max_and_a_single_number():
@@ -94,7 +93,7 @@ def test_the_shipped_default_cost_model_loads_and_documents_itself():
     assert m.c0 > 0 and m.c_tok > 0 and m.c_kv > 0 and m.description
 
 
-# --- the attention (context) term and the serving overhead (issues 13 / 18) -------------------
+# --- the attention (context) term and the serving overhead -----------------------------------
 
 def test_step_time_charges_attention_pairs_and_the_serving_overhead():
     m = CostModel(c0=1.0, c_tok=0.1, c_attn=1e-3, overhead_s=0.5, overhead_seq_s=0.25)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fixtures.gguf_blocks import TYPES, gguf_blocks
+from iterserve.errors import KernelsUnavailable
 from iterserve.model import kernels
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
@@ -147,7 +148,7 @@ def test_disabled_kernels_report_unavailable_and_wrappers_raise(monkeypatch):
         assert kernels.decode_attention() is None
         assert "avx2" in kernels.features()          # still detected, from /proc/cpuinfo
         t, raw, _ = gguf_blocks("Q4_0", 8, 64)
-        with pytest.raises(kernels.KernelsUnavailable):
+        with pytest.raises(KernelsUnavailable):
             kernels.qgemm(t, raw, 64, torch.randn(1, 64), torch.empty(1, 8))
         assert not kernels.DecodeLayers.supported([])
     finally:
@@ -166,7 +167,7 @@ def test_a_broken_compiler_degrades(monkeypatch, tmp_path):
         kernels.clear_cache()
 
 
-# --- the register kernels of every type, per instruction set (kquant, issue 13) -----------------
+# --- the register kernels of every type, per instruction set -----------------------------------
 REGISTER_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16",
                   "F32"]
 ISAS = ["avx2"] + (["avx512"] if "avx512f" in kernels.features() else [])

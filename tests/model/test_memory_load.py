@@ -1,5 +1,5 @@
-"""The load path stays cheap (issue 12: load time <= 1.5x llama-server's): what was cut must
-stay cut.
+"""The load path stays cheap (load time within 1.5x llama-server's): what was cut must stay
+cut.
 
 - KV pools are kernel-supplied zero pages: allocating a big pool writes nothing (RSS does
   not grow), reads as zeros (the padded SDPA path relies on that), and grows as written.

@@ -1,4 +1,4 @@
-"""The abandon suite (issue 15): 1,000 mixed requests at concurrency 32, streaming and not,
+"""The abandon suite: 1,000 mixed requests at concurrency 32, streaming and not,
 random max_tokens, 30% of the clients going away (closing the stream mid-way, or timing out
 while waiting for a non-streamed answer). After the drain: every KV block is free again,
 running = waiting = swapped = 0, no 5xx, and the finished-by-reason counters of /metrics sum

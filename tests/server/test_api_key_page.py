@@ -1,4 +1,4 @@
-"""The lab page on a server with --api-key (issue 15): the page itself loads without the key,
+"""The lab page on a server with --api-key: the page itself loads without the key,
 asks for it once, and its calls (/v1/lab/run, /v1/engine/stats) then carry it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14's rule: every request field works, is a listed no-op, or is a 400 naming it;
+"""The API's rule: every request field works, is a listed no-op, or is a 400 naming it;
 and the endpoints vLLM users expect (/ping, /version, /v1/models root, /tokenize,
 /detokenize). Driven with the official `openai` client and raw HTTP."""
 

@@ -1,4 +1,4 @@
-"""Issue 14's rule, field by field: each sampling field sent through the official openai client
+"""The API's rule, field by field: each sampling field sent through the official openai client
 changes the answer the way OpenAI / vLLM define it, so a server that dropped the field would
 fail here (the fields other files already test this way are not repeated: logit_bias,
 allowed_token_ids, structured outputs' json/regex/choice, min_tokens, stop strings, echo,

@@ -1,4 +1,4 @@
-"""The /lab page's SLO and overload controls (issues 17 and 18) in headless Chromium.
+"""The /lab page's SLO and overload controls in headless Chromium.
 
 A user picks a preset (the form fills with its options), switches the policy between slo and
 fcfs and sees goodput change; fills the queue bound, the request and queue timeouts and sees

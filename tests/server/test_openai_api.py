@@ -309,7 +309,7 @@ def test_non_streaming_client_that_gives_up_gets_its_request_aborted(long_server
 
 
 def test_engine_stats_report_the_memory_plan(server):
-    """Issue 12: what the server planned to use is visible over HTTP, not only in the log."""
+    """What the server planned to use is visible over HTTP, not only in the log."""
     plan = httpx.get(server.v1 + "/engine/stats").json()["memory"]
     assert plan["fits"] is True
     assert plan["weights"]["bytes"] > 0 and plan["weights"]["bytes_by_encoding"]

@@ -1,4 +1,4 @@
-"""Schema fuzzing (issue 15): schemathesis generates requests for every operation of the
+"""Schema fuzzing: schemathesis generates requests for every operation of the
 server's own /openapi.json, valid ones (positive) and invalid ones (negative), sends them over
 real HTTP and checks: no response >= 500, every 4xx carries an OpenAI error body, and the
 server is healthy afterwards with every KV block back.

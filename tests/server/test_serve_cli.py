@@ -90,7 +90,7 @@ def test_generate_cli_rejects_bad_settings(tiny_model_dir, capsys):
 
 
 def test_sigterm_ends_cut_streams_with_abort_usage_and_done_within_the_timeout(tiny_model_dir):
-    """Issue 15, defect 6: exit within --shutdown-timeout + 1 s; a stream still running when
+    """Exit within --shutdown-timeout + 1 s; a stream still running when
     the drain ends gets finish_reason "abort", its usage chunk, then [DONE]."""
     import json
 

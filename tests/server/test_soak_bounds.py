@@ -1,11 +1,11 @@
-"""What a long-running server keeps must not grow with what it has served (issue 15's soak).
+"""What a long-running server keeps must not grow with what it has served (what a soak checks).
 
 benchmarks/soak.py found the server's heap growing by ~0.6 MB for every new GEMM row count:
 oneDNN (and ideep) cache a primitive per shape, up to 1,024 entries per cache, and a prefill
 step's row count is its batch's token count, so traffic met a new shape almost every step.
-Fixed in model/layers.py (`onednn_linear`: a bounded set of row shapes); the first test
-counts the shapes oneDNN is asked for and fails on the old code (one shape per distinct
-prompt length). The others are the guard for the engine's own bookkeeping: after traffic
+model/layers.py (`onednn_linear`) keeps a bounded set of row shapes; the first test counts
+the shapes oneDNN is asked for and fails without that bound (one shape per distinct prompt
+length). The others are the guard for the engine's own bookkeeping: after traffic
 (streams, abandons, timeouts) every per-request structure is empty again and every ring /
 cache is under its bound (engine/bookkeeping.py lists them). Counts, not RSS: nothing here
 depends on timing or on what else the machine runs.
@@ -47,8 +47,8 @@ def test_onednn_linear_matches_one_call(m):
 
 
 def test_gemm_shapes_stay_bounded_whatever_the_prompt_lengths(tiny_model_dir, monkeypatch):
-    """80 prompts of 80 different lengths: the old code asked oneDNN for a new shape per
-    length (80 per weight); now each weight sees at most 31 row counts."""
+    """80 prompts of 80 different lengths: unbounded, oneDNN would get a new shape per
+    length (80 per weight); each weight sees at most 31 row counts."""
     seen: dict[tuple, set[int]] = collections.defaultdict(set)
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -57,7 +57,7 @@ def test_gemm_shapes_stay_bounded_whatever_the_prompt_lengths(tiny_model_dir, mo
         return real(x, w, *rest)
 
     monkeypatch.setattr(layers, "_onednn_op", spy)
-    # Old code called torch.ops.mkldnn._linear_pointwise directly: count those calls too.
+    # A path that calls torch.ops.mkldnn._linear_pointwise directly is counted too.
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy, raising=False)
     llm = LLM(str(tiny_model_dir), max_model_len=512, num_kv_blocks=256, max_num_seqs=24,
               max_num_batched_tokens=512)

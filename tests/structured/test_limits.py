@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from iterserve.structured import StructuredOutputsError
+from iterserve.errors import StructuredOutputsError
 from iterserve.structured import StructuredOutputsParams as P
 from iterserve.structured import limits
 from iterserve.structured.limits import ConstraintLimitError

@@ -13,7 +13,7 @@ count is checked against max_model_len before the ids become a Python list. A te
 than any prompt that can fit (max_model_len x the longest vocabulary entry x 4 characters)
 is refused before it is tokenised at all: freeing the tokenizer's result for a 4 MB text
 alone held the GIL for 0.56 s. So a huge prompt costs the server neither `/health` nor a
-stalled step (issue 15, defect 2).
+stalled step.
 
 A consumer that goes away (client disconnect, task cancelled, generator closed) aborts its
 request in the generator's `finally`: the abort is queued on the worker thread at once, so
@@ -28,7 +28,7 @@ thread (`_compile_constraint`, on the compiler's own worker threads), and the co
 warmed on a background thread when the loop starts; the engine thread only ever finds the
 grammar ready. So neither the first constrained request nor a slow constraint stalls a step.
 
-Consistency (issue 15): when the engine goes idle, and after every step with
+Consistency: when the engine goes idle, and after every step with
 `debug_check_consistency`, the engine thread runs `LLMEngine.check_health()`, which checks the
 scheduler's books, logs each violation with its request ids and ends the offending requests
 with finish reason "error" (their streams end normally).
@@ -45,10 +45,10 @@ import threading
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import (EmptyPromptError, EngineDeadError, IterserveError,
-                                     InvalidRequestError, PromptTooLongError)
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.errors import (EmptyPromptError, EngineDeadError, InvalidRequestError,
+                              IterserveError, PromptTooLongError)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,7 +71,7 @@ class AsyncEngine:
         # Requests between add_request's entry and their queueing (tokenising on the text
         # thread): a step does not start for up to `add_grace` s while one is, so that a
         # request that arrived between steps makes the next step instead of waiting for a
-        # whole one (issue 18's priority flood: 1 in 5 urgent requests lost a ~40 ms step so).
+        # whole one (on the priority-flood preset 1 in 5 urgent requests lost a ~40 ms step so).
         self._adding = 0
         self._added = asyncio.Event()
         self._add_grace = add_grace
@@ -140,6 +140,10 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
+    @property
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 
@@ -152,7 +156,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def add_stat_logger(self, stat_logger: Any) -> None:
+    def add_stat_logger(self, stat_logger: Any, *,
+                        per_replica: Callable[[str, str], Any] | None = None) -> None:
+        """`stat_logger.log(StepStats)` after every step. `per_replica(model_name, replica)`
+        makes the logger of one replica's own series, for an engine that serves through
+        replicas (replicas/pool.py); one engine has none, so it does not call it."""
         self.engine.stat_loggers.append(stat_logger)
 
     def next_request_id(self, prefix: str = "req") -> str:
@@ -318,8 +326,10 @@ class AsyncEngine:
                         busy = False
                         if await loop.run_in_executor(self._thread, self._check_health):
                             continue            # ended requests emit their outputs next step
+                    # Re-read _closed after the clear: shutdown may have set _closed and
+                    # _work while the health check ran, and its wake-up is cleared here.
                     self._work.clear()
-                    if not self.engine.has_unfinished_requests():
+                    if not self._closed and not self.engine.has_unfinished_requests():
                         await self._work.wait()
                     continue
                 busy = True

@@ -5,7 +5,7 @@ By default (OMP_WAIT_POLICY unset) libgomp's idle threads spin for a while befor
 on an idle machine that makes the hand-off between the ~200 parallel regions of a decode
 step cheap, but on a machine whose cores other processes use, a spinning thread holds a core
 that the thread it waits for needs: a bundled-model batch-1 step went from ~1 s to 11-65 ms
-with OMP_WAIT_POLICY=PASSIVE at load average 20 (session 13). libgomp reads the variable once,
+with OMP_WAIT_POLICY=PASSIVE at load average 20. libgomp reads the variable once,
 when it is loaded (with torch), so the policy must be in the environment before that:
 `iterserve serve` calls `apply` first thing. An OMP_WAIT_POLICY already in the environment
 always wins (the user said so explicitly). torch-free on purpose.
@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Mapping
+
+from iterserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +30,12 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def decide(policy: str, env: dict | None = None, load1: float | None = None,
+def decide(policy: str, env: Mapping[str, str] | None = None, load1: float | None = None,
            cpus: int | None = None) -> str | None:
-    """The OMP_WAIT_POLICY value to set (None: leave the environment as it is)."""
-    env = os.environ if env is None else env
+    """The OMP_WAIT_POLICY value to set (None: leave the environment as it is); `env`
+    stands for this process's environment in tests."""
     policy = str(policy).lower()
-    if policy == "env" or env.get("OMP_WAIT_POLICY"):
+    if policy == "env" or envs.is_set("OMP_WAIT_POLICY", env):
         return None
     if policy == "auto":
         load1 = os.getloadavg()[0] if load1 is None else load1
@@ -51,7 +54,7 @@ def apply(policy: str) -> str | None:
             logger.warning("--omp-wait-policy %s: torch is already imported, so OpenMP keeps "
                            "its policy; set OMP_WAIT_POLICY=%s in the environment instead",
                            policy, value)
-            return os.environ.get("OMP_WAIT_POLICY")
-        os.environ["OMP_WAIT_POLICY"] = value
+            return envs.OMP_WAIT_POLICY
+        envs.export("OMP_WAIT_POLICY", value)
         logger.info("OMP_WAIT_POLICY=%s (--omp-wait-policy %s)", value, policy)
-    return os.environ.get("OMP_WAIT_POLICY")
+    return envs.OMP_WAIT_POLICY

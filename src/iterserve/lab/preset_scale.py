@@ -3,8 +3,8 @@
 Why: the presets (lab/options.py PRESETS, lab/slo.py PRESET) are experiments at a load
 factor ("Poisson arrivals at ~1.5x capacity", "TPOT <= 100 ms at a full batch that decodes
 in ~230 ms"), but their numbers are absolute: requests per second and milliseconds, chosen
-on the session-13 fit of the bundled model (`REFERENCE_FIT`). A re-fitted `smollm2-cpu` (a
-faster machine, a faster runner, the new attention term) runs the same steps in different
+on a reference fit of the bundled model (`REFERENCE_FIT`). A re-fitted `smollm2-cpu` (a
+faster machine, a faster runner, an attention term) runs the same steps in different
 time, and the same absolute rate would be a different experiment (below capacity, nothing
 to see). So the presets are rescaled when this module is imported: arrival rates are
 multiplied, and time targets divided, by `speed()`, how much faster the shipped fit runs a
@@ -26,10 +26,10 @@ import functools
 import math
 from typing import Any
 
-from iterserve.lab.cost_model import CostModel, load_cost_model
+from iterserve.core.cost_model import CostModel, load_cost_model
 
 SHIPPED = "smollm2-cpu"
-# The smollm2-cpu fit the presets' numbers were chosen on (session 13, 2026-11-29).
+# The smollm2-cpu fit the presets' numbers were chosen on (a linear fit, no attention term).
 REFERENCE_FIT = {"c0": 0.007143531336648523, "c_tok": 0.0, "c_seq": 0.002729768769403647,
                  "c_kv": 4.139487218200215e-06, "c_prefill_tok": 0.0020727318917856917}
 # (tokens, seqs, kv_tokens_read, prefill_tokens, attn_pairs) of a typical step:

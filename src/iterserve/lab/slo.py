@@ -1,6 +1,6 @@
 """SLO experiments in the lab: the engine's capacity, and goodput of fcfs vs slo under load.
 
-Issue 18's target: on Poisson arrivals at 1.5x and 2x the engine's capacity, the `slo`
+The experiment's claim: on Poisson arrivals at 1.5x and 2x the engine's capacity, the `slo`
 policy's goodput (requests/s meeting both the TTFT and the TPOT target) is at least 1.5x
 fcfs's; below capacity (0.8x) they are equal within noise. Everything here is `run_lab`
 with options, so the CLI, `POST /v1/lab/run` and the page can run the same cases.
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from iterserve.core.cost_model import load_cost_model
+from iterserve.errors import CostModelError, LabOptionsError
 from iterserve.lab.api import run_lab
-from iterserve.lab.cost_model import load_cost_model
 from iterserve.lab.preset_scale import scale_options, speed
 
 PRESET: dict[str, Any] = {
@@ -27,7 +28,7 @@ PRESET: dict[str, Any] = {
     "short_frac": 0.8, "short": [10, 100], "long": [250, 500],
     "slo_ttft_ms": 1000.0, "slo_tpot_ms": 100.0, "cost_model": "smollm2-cpu",
 }
-# The targets above are for the session-13 fit: in the shipped fit's time (preset_scale.py).
+# The targets above are for the reference fit: in the shipped fit's time (preset_scale.py).
 PRESET = scale_options(PRESET, speed())
 LOAD_FACTORS = (0.8, 1.5, 2.0)
 
@@ -74,7 +75,7 @@ def goodput_comparison(options: dict[str, Any] | None = None,
 
 
 def register(subparsers):
-    """`iterserve lab slo`: the preset as a command (the issue's table in one line)."""
+    """`iterserve lab slo`: the preset as a command (the goodput table in one line)."""
     p = subparsers.add_parser(
         "slo", help="goodput of fcfs vs slo at 0.8x / 1.5x / 2x the engine's capacity",
         description="Run the SLO preset (bench poisson mix, smollm2-cpu cost model, 64 slots, "
@@ -94,9 +95,6 @@ def register(subparsers):
 def run(args) -> int:
     import json
     import sys
-
-    from iterserve.lab.api import LabOptionsError
-    from iterserve.lab.cost_model import CostModelError
 
     opts = {"requests": args.requests, "slo_ttft_ms": args.slo_ttft_ms,
             "slo_tpot_ms": args.slo_tpot_ms, "max_num_seqs": args.max_num_seqs,

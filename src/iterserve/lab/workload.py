@@ -16,7 +16,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from iterserve.core.errors import WorkloadError
+from iterserve.errors import WorkloadError
+
 
 MAX_LENGTH = 100_000      # one request's output or prompt length (keeps the lab interactive)
 
@@ -197,7 +198,7 @@ __all__ = ["RequestSpec", "WorkloadSpec", "WorkloadError", "draw_workload", "par
            "check_range", "check_lengths", "read_lengths_file", "MAX_LENGTH"]
 
 
-# --- Shared-prefix workloads (the cluster lab, issue 16) -----------------------------------
+# --- Shared-prefix workloads (the cluster lab) --------------------------------------------
 # Many requests open with one of a few long system prompts (a chat product's instructions, a
 # RAG template, few-shot examples), then a question of their own. That is the workload a
 # prefix-aware router is for: sending a group's requests to the replica that already holds

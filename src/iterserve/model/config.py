@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from iterserve.engine.errors import ServerError  # the base class is the server's (errors.py says why)
+from iterserve.errors import ModelLoadError, UnsupportedModelError
+
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
@@ -22,14 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _ALIASES = {"half": "float16", "float": "float32"}
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
-
-
-class ModelLoadError(ServerError, ValueError):
-    """A model path, config or weight file cannot be used; the message says which and why."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """The config names an architecture iterserve does not implement."""
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from iterserve.model.config import ModelLoadError
+from iterserve.errors import ModelLoadError
 from iterserve.model.weights import BF16, F16, F32, TensorRef, map_file
 
 # safetensors dtype -> GGML type of the same bytes

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.model.config import ModelConfig, UnsupportedModelError
+from iterserve.errors import UnsupportedModelError
+from iterserve.model import kernels
+from iterserve.model.config import ModelConfig
 from iterserve.model.weights import EncodedWeight, decode_rows, scratch, tile_rows
 
 
@@ -147,7 +149,6 @@ QUANT_MAX_ROWS = 32
 
 def _kernels():
     """The native kernels module when it has the GGUF-native API (qgemm over file blocks)."""
-    from iterserve.model import kernels
     if not hasattr(kernels, "supports_qgemm") or not kernels.available():
         return None
     return kernels
@@ -325,7 +326,7 @@ def _float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # 1024 entries each (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY), ~0.3 MB apiece here
 # (JIT code, descriptors, scratch): a prefill step's row count is the batch's token count, so
 # a server meeting every row count grew its heap by ~0.6 MB per new shape until ~1,000 shapes
-# per cache, 100+ MB/min at first (issue 15's soak). Calls are therefore made in a bounded
+# per cache, 100+ MB/min at first (a soak measured it). Calls are therefore made in a bounded
 # set of row counts: exact up to ONEDNN_EXACT_ROWS (decode batches, where padding would cost),
 # padded to a multiple of ONEDNN_ROW_STEP up to ONEDNN_MAX_ROWS, and in ONEDNN_MAX_ROWS-row
 # pieces beyond: at most 31 shapes per weight, whatever the traffic.

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.errors import ModelLoadError
 from iterserve.model.attention import AttentionMetadata, paged_attention
-from iterserve.model.config import ModelConfig, ModelLoadError
-from iterserve.model import layers as layers_mod
+from iterserve.model.config import ModelConfig
+from iterserve.model import kernels, layers as layers_mod
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope
 
@@ -143,7 +144,6 @@ class LlamaForCausalLM(nn.Module):
     def decode_layer_specs(self) -> list | None:
         """One `kernels.LayerSpec` per layer from the Linears' encoded segments (None when
         the kernels are missing or a layer's weights are not all encoded)."""
-        from iterserve.model import kernels
         if not hasattr(kernels, "LayerSpec"):
             return None
         specs = []
@@ -176,7 +176,6 @@ class LlamaForCausalLM(nn.Module):
         if not on or self.norm._native is None or c.dtype != torch.float32 \
                 or any(m.compute_path() != "native" for m in linears):
             return False
-        from iterserve.model import kernels
         specs = self.decode_layer_specs()
         if specs is None or not hasattr(kernels, "DecodeLayers") \
                 or not kernels.DecodeLayers.supported(specs):
@@ -260,7 +259,6 @@ class LlamaForCausalLM(nn.Module):
     def use_native_ops(self, on: bool = True) -> bool:
         """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c)
         on CPU float32, or back to torch ops; returns whether they are in use."""
-        from iterserve.model import kernels
         native = on and self.norm.weight.device.type == "cpu" \
             and self.norm.weight.dtype == torch.float32 and kernels.available()
         for m in self.modules():

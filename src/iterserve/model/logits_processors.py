@@ -11,7 +11,7 @@ Order (vLLM's sampler): after the raw logprobs are taken and before penalties an
 temperature: allowed_token_ids, bad_words, then min_tokens and logit_bias.
 `apply_logits_processors` does all four in that order.
 
-The validation helpers (`validate_logit_bias`, `validate_token_ids`) and
+The validation functions (`validate_logit_bias`, `validate_token_ids`) and
 `bad_words_token_ids` belong to the request side (the input processor): they turn request
 fields into the ids these functions take and raise `LogitsParamError` (a ValueError naming
 the field) for a 400.
@@ -24,15 +24,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from iterserve.errors import LogitsParamError
+
+
+
 LOGIT_BIAS_LIMIT = 100.0     # OpenAI's range for logit_bias values
-
-
-class LogitsParamError(ValueError):
-    """A request field these processors cannot take; `param` names it (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 # --- request side -------------------------------------------------------------------------

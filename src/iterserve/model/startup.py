@@ -1,7 +1,7 @@
 """Load-time phases, logged as each ends: where the seconds before the first token go.
 
-Why: "process start to first token" is one number a user sees (issue 12 holds it to 1.5x
-llama-server's); this splits it so a regression names its phase. Every phase logs one line
+Why: "process start to first token" is one number a user sees (BENCHMARKS.md compares it
+with llama-server's); this splits it so a regression names its phase. Every phase logs one line
 at info level on the `iterserve.startup` logger,
 
     startup <phase> <seconds> s (at <seconds> s since process start)

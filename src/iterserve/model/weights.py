@@ -1,8 +1,8 @@
 """Weights in their file's encoding: tensor references into a mapped file, and row segments.
 
-Why: a float32 copy of a weight costs 4 bytes per weight, 7-8x a Q4 file, and used to be
-made for every tensor at load (then copied again to fuse q/k/v and to prepack). Here a weight
-stays what the file stores, and the memory a model takes is a function of its file:
+Why: a float32 copy of a weight costs 4 bytes per weight, 7-8x a Q4 file; a copy of every
+tensor at load (and another to fuse q/k/v and to prepack) multiplies a model's memory. Here a
+weight stays what the file stores, and the memory a model takes is a function of its file:
 
 - `TensorRef` points at one tensor of a GGUF or safetensors file: its GGML type
   (`gguf.GGMLQuantizationType` value; safetensors' F32/F16/BF16 map to GGML's F32/F16/BF16),
@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from iterserve.model import kernels
 
 F32, F16, BF16 = (int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
                   int(GGMLQuantizationType.BF16))
@@ -182,10 +184,6 @@ def map_file(path: str) -> np.ndarray:
 
 def _native():
     """The kernels module when its GGUF-native API is there, else None."""
-    try:
-        from iterserve.model import kernels
-    except ImportError:    # pragma: no cover
-        return None
     if not hasattr(kernels, "supports_dequant") or not kernels.available():
         return None
     return kernels

@@ -1,4 +1,4 @@
-"""Data parallel: N engine replicas on Ray Serve behind the one OpenAI endpoint (issue 16).
+"""Data parallel: N engine replicas on Ray Serve behind the one OpenAI endpoint.
 
     launch.py          start_pool / close_pool: Ray (local or --ray-address), the deployment
     deployment.py      EngineReplica: one AsyncEngine per replica process
@@ -9,6 +9,6 @@
 Importing this package does not import Ray; `start_pool` does (and says how to install it).
 """
 
-from iterserve.replicas.launch import RayNotInstalledError, close_pool, require_ray, start_pool
+from iterserve.replicas.launch import close_pool, require_ray, start_pool
 
-__all__ = ["start_pool", "close_pool", "require_ray", "RayNotInstalledError"]
+__all__ = ["start_pool", "close_pool", "require_ray"]

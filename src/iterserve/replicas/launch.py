@@ -30,14 +30,16 @@ import os
 import uuid
 from typing import Any
 
+from iterserve import envs
+from iterserve.errors import RayExposedError, RayNotInstalledError
+from iterserve.replicas.deployment import EngineReplica
+from iterserve.replicas.pool import ReplicaPool
+
+
 logger = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 128 << 20
 ROUTING_STATS_PERIOD_S = 0.2
-
-
-class RayNotInstalledError(RuntimeError):
-    pass
 
 
 def require_ray() -> None:
@@ -61,7 +63,7 @@ def _single_node_ray() -> None:
     """Ray's single-node mode: the node's IP is 127.0.0.1, so its servers bind there. The
     variable is read when `ray` is imported (it may be already) and by the processes Ray
     starts, so both are set."""
-    os.environ[SINGLE_NODE_ENV] = "0"
+    envs.export(SINGLE_NODE_ENV, 0)
     try:
         from ray._private import ray_constants
         ray_constants.ENABLE_RAY_CLUSTER = False
@@ -125,10 +127,6 @@ def check_loopback() -> None:
             "Use --ray-address to run on a cluster you set up and firewall yourself")
 
 
-class RayExposedError(RuntimeError):
-    """A local Ray cluster that would listen beyond 127.0.0.1."""
-
-
 def start_pool(engine_args: Any, *, ray_address: str | None = None,
                threads_per_replica: int | None = None, debug_check_consistency: bool = False,
                app_name: str | None = None, accept_timeout: float = 60.0,
@@ -137,9 +135,6 @@ def start_pool(engine_args: Any, *, ray_address: str | None = None,
     require_ray()
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-
-    from iterserve.replicas.deployment import EngineReplica
-    from iterserve.replicas.pool import ReplicaPool
 
     parallel = engine_args.create_parallel_config()
     n = parallel.data_parallel_size
@@ -193,7 +188,7 @@ def close_pool(pool: Any, *, shutdown_ray: bool | None = None) -> None:
     import ray
     from ray import serve
 
-    from iterserve.replicas.request_router import ROUTERS
+    from iterserve.replicas.request_router import ROUTERS  # ray: Serve's router base class
 
     ROUTERS.pop(pool.router_key, None)
     try:

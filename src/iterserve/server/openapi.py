@@ -1,10 +1,10 @@
-"""The published /openapi.json says what the server does (issues 15 and 27).
+"""The published /openapi.json says what the server does.
 
 The aim: a request valid by the schema is served (2xx), and one the server refuses is
 invalid by the schema, wherever JSON Schema can say it (tests/server/test_schema_fuzz.py
 fuzzes every operation for 5xx and error bodies; a few schema-valid bodies, such as an empty
-`structured_outputs` or a `response_format` without a type, are still refused). FastAPI's schema is generated from server/protocol.py's
-pydantic models (their limits, the neutral-only unsupported fields, the chat messages'
+`structured_outputs` or a `response_format` without a type, are still refused). FastAPI's
+schema is generated from server/protocol.py's pydantic models (their limits, the neutral-only unsupported fields, the chat messages'
 role rules) and post-processed once here with what only the running app knows:
 
 - errors: FastAPI documents a 422 with its own `detail` body; this server answers validation
@@ -16,8 +16,8 @@ role rules) and post-processed once here with what only the running app knows:
 - media types: /metrics answers Prometheus' text format, /ping an empty text/plain body;
 - this app's numbers: max_tokens / max_completion_tokens <= max_model_len - 1 (the smallest
   prompt has one token; prompt + max_tokens <= max_model_len is stated in the field's
-  description and checked after tokenising), token ids (prompts, allowed_token_ids,
-  logit_bias keys, /detokenize) < the vocabulary size, and the fields another scheduling
+  description and checked after tokenising), the logprobs fields <= --max-logprobs, token
+  ids (prompts, allowed_token_ids, logit_bias keys, /detokenize) < the vocabulary size, and the fields another scheduling
   policy needs (`priority` off the priority policy, `ttft_slo_ms` / `tpot_slo_ms` off the
   slo policy: the only value served is the neutral one).
 
@@ -97,8 +97,8 @@ def _only_neutral(props: dict[str, Any], field: str, neutral: list[Any], why: st
 
 
 def install_openapi(app: FastAPI, *, max_model_len: int | None, api_key: bool,
-                    max_request_body_bytes: int, vocab_size: int | None = None,
-                    scheduling_policy: str | None = None,
+                    max_request_body_bytes: int, max_logprobs: int | None = None,
+                    vocab_size: int | None = None, scheduling_policy: str | None = None,
                     trust_request_chat_template: bool = True,
                     auto_tool_choice: bool = True) -> None:
     def openapi() -> dict[str, Any]:
@@ -142,13 +142,21 @@ def install_openapi(app: FastAPI, *, max_model_len: int | None, api_key: bool,
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
         schemas["ErrorResponse"] = ERROR_SCHEMA
-        requests = ("CompletionRequest", "ChatCompletionRequest")
-        for name in requests:
-            props = schemas.get(name, {}).get("properties", {})
-            if max_model_len is not None:
+        if max_model_len is not None:
+            for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest"):
+                props = schemas.get(name, {}).get("properties", {})
                 for field in ("max_tokens", "max_completion_tokens"):
                     if field in props:
                         _set_int_maximum(props[field], max(1, max_model_len - 1))
+        if max_logprobs is not None:            # --max-logprobs (the engine checks it)
+            for name, fields in (("CompletionRequest", ("logprobs", "prompt_logprobs")),
+                                 ("ChatCompletionRequest", ("top_logprobs", "prompt_logprobs"))):
+                props = schemas.get(name, {}).get("properties", {})
+                for field in fields:
+                    if field in props:
+                        _set_int_maximum(props[field], max_logprobs)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            props = schemas.get(name, {}).get("properties", {})
             if vocab_size is not None:
                 for field in ("allowed_token_ids", "prompt"):
                     if field in props:

@@ -48,8 +48,10 @@ import llguidance
 import numpy as np
 import torch
 
+from iterserve.errors import GrammarCompileError, GrammarCompileTimeout, StructuredOutputsError
 from iterserve.structured import limits as _limits
-from iterserve.structured.params import StructuredOutputsError, StructuredOutputsParams
+from iterserve.structured.bitmask import allocate_bitmask
+from iterserve.structured.params import StructuredOutputsParams
 from iterserve.structured.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -64,14 +66,6 @@ PARSER_LIMITS: dict[str, Any] = {"verbose_errors": False}
 # which lets a weak model spend its whole budget on spaces; pretty-printed JSON a few levels
 # deep needs a newline and well under 20 indent characters.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
-
-
-class GrammarCompileError(StructuredOutputsError):
-    """The constraint is not a grammar the engine can use (bad schema, regex, EBNF...)."""
-
-
-class GrammarCompileTimeout(GrammarCompileError):
-    """Compiling the constraint took longer than the compiler's `compile_timeout`."""
 
 
 def build_ll_tokenizer(tokenizer: Any, vocab_size: int | None = None,
@@ -277,7 +271,6 @@ class StructuredOutputCompiler:
         return (self.vocab_size + 31) // 32
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        from iterserve.structured.bitmask import allocate_bitmask
         return allocate_bitmask(num_rows, self.vocab_size)
 
     # --- compile ------------------------------------------------------------------------

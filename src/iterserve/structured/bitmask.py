@@ -9,7 +9,9 @@ and adds it: no Python loop over the vocabulary or the rows. The logits may be w
 than the mask (a model whose embedding table is padded past the tokenizer): the extra ids
 are never allowed; a mask wider than the logits is cut to their width. Works on any device
 (the mask is copied to the logits' device). The engine's masks are computed ahead per
-sequence on a worker thread (structured/masks.py) and applied through `apply_bitmask`.
+sequence on a worker thread (structured/masks.py) and applied through `apply_bitmask`;
+`PendingGrammarBitmask` is a whole step's fill on that thread (a step that verifies
+speculative drafts, whose extra rows depend on the drafts).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from iterserve.structured.params import verify_row_id
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
@@ -135,14 +139,19 @@ class GrammarBitmask:
     failed: dict[str, str] = dataclasses.field(default_factory=dict)   # seq id -> error
 
     @classmethod
-    def fill(cls, matchers: Mapping[str, object], *, isolate: bool = False
-             ) -> "GrammarBitmask | None":
+    def fill(cls, matchers: Mapping[str, object], *, isolate: bool = False,
+             drafts: Mapping[str, Sequence[int]] | None = None) -> "GrammarBitmask | None":
         """Masks for `{seq_id: GrammarMatcher}` (None when there is none to fill).
 
         `isolate`: a matcher that fails leaves its row all-allowed and is named in `failed`
-        (the caller ends that sequence) instead of failing the whole fill."""
+        (the caller ends that sequence) instead of failing the whole fill. `drafts`: the
+        speculative drafts a sequence verifies this step; it gets one more row per draft,
+        keyed `verify_row_id(seq_id, j)`: the mask after its first j drafts (the matcher
+        takes them and gives them back)."""
         if not matchers:
             return None
+        if drafts:
+            return cls._fill_with_drafts(matchers, drafts, isolate)
         ids = list(matchers)
         if not isolate:
             bitmask = fill_bitmasks([matchers[i] for i in ids])
@@ -157,8 +166,42 @@ class GrammarBitmask:
                 failed[sid] = f"{type(e).__name__}: {e}"
         return cls(bitmask, {sid: r for r, sid in enumerate(ids)}, failed)
 
+    @classmethod
+    def _fill_with_drafts(cls, matchers: Mapping[str, object],
+                          drafts: Mapping[str, Sequence[int]], isolate: bool
+                          ) -> "GrammarBitmask":
+        keys: list = []
+        for sid in matchers:
+            keys.append(sid)
+            keys.extend(verify_row_id(sid, j) for j in range(1, len(drafts.get(sid, ())) + 1))
+        bitmask = allocate_bitmask(len(keys), next(iter(matchers.values())).grammar.vocab_size)
+        row_of = {key: r for r, key in enumerate(keys)}
+        failed: dict[str, str] = {}
+        for sid, m in matchers.items():
+            r = row_of[sid]
+            d = drafts.get(sid, ())
+            taken = 0
+            try:
+                m.fill_bitmask(bitmask, r)
+                for j, t in enumerate(d, 1):
+                    if taken == j - 1 and m.accept(t):
+                        taken += 1
+                        m.fill_bitmask(bitmask, r + j)
+                    else:          # never sampled past a refused draft: any mask will do
+                        bitmask[r + j].copy_(bitmask[r + j - 1])
+            except Exception as e:             # noqa: BLE001 - reported per sequence
+                if not isolate:
+                    raise
+                bitmask[r:r + len(d) + 1].fill_(-1)
+                failed[sid] = f"{type(e).__name__}: {e}"
+            finally:
+                if taken:
+                    m.rollback(taken)
+        return cls(bitmask, row_of, failed)
+
     def apply(self, logits: torch.Tensor, seq_ids: Sequence[str]) -> torch.Tensor:
-        """`seq_ids[i]` is the sequence of logits row i; rows without a mask are untouched."""
+        """`seq_ids[i]` is the sequence of logits row i (or a verification row's id,
+        `verify_row_id`); rows without a mask are untouched."""
         rows, mask_rows = [], []
         for i, sid in enumerate(seq_ids):
             r = self.row_of.get(sid)
@@ -170,3 +213,41 @@ class GrammarBitmask:
         bm = self.bitmask if mask_rows == list(range(self.bitmask.shape[0])) else \
             self.bitmask[torch.tensor(mask_rows, dtype=torch.long)]
         return apply_bitmask(logits, bm, rows)
+
+
+class PendingGrammarBitmask:
+    """A step's GrammarBitmask being filled on the mask worker while the forward pass runs.
+
+    Why: filling costs ~0.2-1 ms per constrained row (llguidance's mask computation over the
+    whole vocabulary) and needs only the matchers' state after the previous step, not the
+    logits; the forward pass runs in native code without the GIL. So the engine starts the
+    fill before execute() and the runner's `apply` waits for it (usually done by then).
+    Same interface as GrammarBitmask for the runner (`apply`); TP strips it like the other.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future) -> None:
+        self._future = future
+
+    def result(self) -> GrammarBitmask:
+        return self._future.result()
+
+    @property
+    def row_of(self) -> dict[str, int]:
+        return self.result().row_of
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        return self.result().bitmask
+
+    def apply(self, logits: torch.Tensor, seq_ids: Sequence[str]) -> torch.Tensor:
+        return self.result().apply(logits, seq_ids)
+
+    def failed_rows(self) -> dict[str, str]:
+        """Wait for the fill; the sequences whose matcher failed ({} if it all failed: the
+        executor, which applies it, reported that already)."""
+        try:
+            return self._future.result().failed
+        except Exception:                       # noqa: BLE001
+            return {}

@@ -43,7 +43,7 @@ import json
 import re
 from typing import Any, Iterator
 
-from iterserve.structured.params import StructuredOutputsError
+from iterserve.errors import ConstraintTooComplexError
 
 MAX_CONSTRAINT_BYTES = 256 << 10
 MAX_CHOICES = 1024
@@ -55,12 +55,9 @@ MAX_REPEAT_PRODUCT = 10_000
 MAX_PROPERTIES = 1000
 
 
-class ConstraintLimitError(StructuredOutputsError):
+class ConstraintLimitError(ConstraintTooComplexError):
     """A constraint over one of the documented limits (HTTP 400, code
     `constraint_too_complex`); `limit` names it."""
-
-    code = "constraint_too_complex"
-
     def __init__(self, message: str, param: str | None = None, limit: str | None = None):
         super().__init__(message, param)
         self.limit = limit

@@ -69,6 +69,22 @@ class MaskFiller:
         self._jobs[seq_id] = (matcher, matcher.num_tokens, fut)
         return fut
 
+    def settle(self, seq_id: str) -> None:
+        """Wait for `seq_id`'s mask job, if any, so the engine thread may use its matcher
+        (taking drafts and giving them back leaves the job's mask valid)."""
+        job = self._jobs.get(seq_id)
+        if job is not None:
+            concurrent.futures.wait([job[2]])
+
+    def step_with_drafts(self, sampling: Mapping[str, Any],
+                         drafts: Mapping[str, Sequence[int]]) -> Any:
+        """A step that verifies speculative drafts: all its masks, with a row per draft,
+        filled as one job on the mask worker (so never beside another job on a matcher),
+        waited for by the runner (GrammarBitmask.fill with `drafts`)."""
+        from iterserve.structured.bitmask import GrammarBitmask, PendingGrammarBitmask
+        return PendingGrammarBitmask(
+            self._pool.submit(GrammarBitmask.fill, sampling, isolate=True, drafts=drafts))
+
     def forget(self, seq_id: str) -> None:
         self._jobs.pop(seq_id, None)
 

@@ -2,7 +2,7 @@
 them), stream them as OpenAI deltas, and force them with structured outputs for
 `tool_choice` "required" or a named function (`tool_choice_constraint`). Torch-free."""
 
-from iterserve.tools.choice import ToolChoiceError, tool_choice_constraint
+from iterserve.tools.choice import tool_choice_constraint
 from iterserve.tools.parsers import (
     TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolCallStream,
     ToolParser, get_tool_parser)
@@ -11,7 +11,7 @@ from iterserve.tools.types import (
 
 __all__ = [
     "TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
-    "ToolCallStream", "ToolParser", "get_tool_parser", "ToolChoiceError",
+    "ToolCallStream", "ToolParser", "get_tool_parser",
     "tool_choice_constraint", "DeltaMessage", "DeltaToolCall", "ExtractedToolCalls",
     "ToolCall", "make_tool_call_id",
 ]
