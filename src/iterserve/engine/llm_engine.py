@@ -225,6 +225,7 @@ class LLMEngine:
         if self.output_processor.has_constrained and sched_out.num_scheduled_tokens:
             sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
         results = self._execute(sched_out)
+        self._sit_out(sched_out)
         if self._take_tier_feedback is not None:  # failed tier reads / writes, their costs
             feedback = self._take_tier_feedback()
             if feedback is not None:
@@ -263,6 +264,20 @@ class LLMEngine:
                     if self.output_processor.is_constrained(rid)]
             self._end_in_scheduler(self.output_processor.fail(rids, f"grammar error: {e}"))
             return None
+
+    @staticmethod
+    def _sit_out(sched_out: SchedulerOutput) -> None:
+        """Constrained sequences whose grammar mask was not ready in time sampled nothing
+        (structured/masks.py): their last scheduled token counts as not computed, so the
+        scheduler schedules it again (its KV is rewritten with the same values) instead of
+        expecting a sampled token. The one hook into the scheduler's books, kept here."""
+        deferred = getattr(sched_out.grammar_bitmask, "deferred", None)
+        if not deferred:
+            return
+        counts = sched_out.num_scheduled_tokens
+        for rid in deferred:
+            if counts.get(rid, 0) > 0:
+                counts[rid] -= 1
 
     def _execute(self, sched_out: SchedulerOutput) -> dict[str, SampleResult]:
         """The executor's tokens; on failure, the step's sequences end with "error" (in the

@@ -78,6 +78,9 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None   # on the final output
     error: str | None = None        # set when a sequence ended with finish_reason "error"
+    # None: a server fault; "constraint_too_complex": the request's own constraint reached
+    # the grammar engine's limits mid-generation (the server answers it as a 400)
+    error_code: str | None = None
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (most of any sequence)
     # vLLM's prompt_logprobs, when asked for (SamplingParams.prompt_logprobs = k): one entry
     # per prompt token, None for the first (nothing predicts it), else {token id: Logprob}

@@ -65,6 +65,7 @@ class RequestState:
     arrival_wall_time: float         # time.time(), for traces
     seqs: list[SequenceState] = field(default_factory=list)
     error: str | None = None
+    error_code: str | None = None    # the error's class for the HTTP answer (None: a fault)
     counted_prompt: bool = False     # its prompt tokens went into a StepStats
     num_finished: int = 0            # sequences with a finish reason (kept, not counted: n may be large)
     num_cached_tokens: int = 0       # prompt tokens any of its sequences got from the prefix cache

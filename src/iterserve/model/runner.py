@@ -234,6 +234,14 @@ class ModelRunner:
         if output.grammar_bitmask is not None:     # structured outputs: forbidden ids -> -inf
             with torch.inference_mode():           # the logits are inference tensors
                 output.grammar_bitmask.apply(logits, self._row_ids(sampling, drafts))
+                deferred = getattr(output.grammar_bitmask, "deferred", None)
+                if deferred and not drafts:   # masks not ready: these sample nothing (masks.py)
+                    keep = [i for i, st in enumerate(sampling) if st.req_id not in deferred]
+                    if not keep:
+                        self._tier_report.timed(t0, output)
+                        return {}
+                    logits = logits[keep]
+                    sampling = [sampling[i] for i in keep]
         if drafts:
             results = verify(self.sampler, logits, sampling, drafts, self.synthetic)
         else:

@@ -48,8 +48,7 @@ from iterserve.server.errors import (APIError, error_response, install_exception
 from iterserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from iterserve.server.openapi import install_openapi
 from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeChatRequest,
-                                       TokenizeCompletionRequest)
+                                       DetokenizeRequest, TokenizeChatRequest, TokenizeRequest)
 from iterserve.server.serving_chat import create_chat_completion, render_request
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_messages import install_messages_api
@@ -230,7 +229,7 @@ def create_app(engine: AsyncEngine | None, *,
                                      serving_config)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         e = require_engine()
         try:
             check_model(body.model, model_name)
@@ -287,7 +286,7 @@ def create_app(engine: AsyncEngine | None, *,
     async def ping() -> Response:
         if engine is not None and engine.is_closed:
             return error_response(503, "the engine is shut down", type="service_unavailable")
-        return Response(status_code=200)
+        return Response(status_code=200, media_type="text/plain")   # empty, as vLLM's
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -326,5 +325,10 @@ def create_app(engine: AsyncEngine | None, *,
         app.include_router(lab)
     install_openapi(app, max_model_len=engine.max_model_len if engine is not None else None,
                     api_key=bool(api_key), max_request_body_bytes=max_request_body_bytes,
-                    max_logprobs=getattr(engine, "max_logprobs", None))
+                    max_logprobs=getattr(engine, "max_logprobs", None),
+                    vocab_size=engine.vocab_size if engine is not None else None,
+                    scheduling_policy=engine.scheduling_policy if engine is not None else None,
+                    trust_request_chat_template=serving_config.trust_request_chat_template,
+                    auto_tool_choice=bool(serving_config.tools.enable_auto_tool_choice
+                                          and serving_config.tools.tool_call_parser))
     return app
