@@ -599,6 +599,11 @@ class KernelConfig:
         "(passive when the 1-minute load average at start is at least the usable CPUs); "
         "applied by `iterserve serve` before torch loads, an OMP_WAIT_POLICY in the "
         "environment wins", OmpWaitPolicy)
+    threads: int | None = knob(
+        None, "compute threads of a step (the OpenMP team of the kernels and torch); default: "
+        "adaptive, at most the usable CPUs (affinity mask, cgroup CPU quota), fewer while "
+        "measured step times say other processes take cores (model/contention.py)", int,
+        minimum=1, nullable=True)
 
     def validate(self) -> "KernelConfig":
         _check_fields(self)

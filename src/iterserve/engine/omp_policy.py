@@ -19,15 +19,9 @@ import sys
 from typing import Mapping
 
 from iterserve import envs
+from iterserve.model.contention import usable_cpus   # torch-free: affinity and cgroup quota
 
 logger = logging.getLogger(__name__)
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def decide(policy: str, env: Mapping[str, str] | None = None, load1: float | None = None,
