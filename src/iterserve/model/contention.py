@@ -22,9 +22,10 @@ The signals, cheapest first:
   the CPUs): a change between busy and quiet makes the adapter re-probe at once instead
   of waiting out its back-off.
 
-Outputs do not depend on the team size: the native kernels split output columns over
-threads (each output is summed by one thread in one order), so greedy text is the same at
-any count (tests/model/test_contention.py). Torch-free: the runner (model/runner.py)
+Outputs do not depend on the team size: the kernels hand each thread whole outputs to sum
+(a thread's share changes with the count, an output's order of summation does not), and
+greedy text is the same at 1, 2 and a count changing every step on the bundled GGUF and a
+float32 checkpoint (tests/model/test_contention.py). Torch-free: the runner (model/runner.py)
 applies the choice with torch.set_num_threads on the thread that steps;
 engine/omp_policy.py uses `usable_cpus` for its start-up decision.
 """
