@@ -137,7 +137,8 @@ def build_engine_parts(args: Any) -> EngineParts:
     check_weight_format(load)
     torch.manual_seed(args.seed)
     from iterserve.model import kernels  # torch: the engine package imports none
-    kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
+    kernel_knobs = args.create_kernel_config()
+    kernels.configure(kernels.KernelConfig.from_knobs(kernel_knobs))
     parallel = args.create_parallel_config()
     if parallel.data_parallel_size > 1:
         # One LLMEngine is one replica: replicas are separate processes behind the server's
@@ -166,7 +167,8 @@ def build_engine_parts(args: Any) -> EngineParts:
                              num_tier_blocks=cache_cfg.num_ram_tier_blocks,
                              kv_offload_dir=args.kv_offload_dir if tiers else None,
                              kv_setting_key=kv_setting_key(args, loaded)
-                             if args.kv_offload_dir else None, pooler=pooler)
+                             if args.kv_offload_dir else None, pooler=pooler,
+                             threads=kernel_knobs.threads, adaptive_threads=True)
     _configure_speculation(runner, sched_cfg, args.seed)
     parts = _parts(args, loaded, runner, sched_cfg, cache_cfg)
     parts.pooler_config = pooler.config if pooler is not None else None
