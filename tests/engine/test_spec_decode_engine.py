@@ -4,10 +4,14 @@ drafts are verified and accepted.
 
 Exactness needs a verified position's logits to equal what a decode step computes for it.
 The runner verifies drafts as decode rows, so that holds wherever the decode kernels give a
-row the same result whatever the batch: the tiny float32 model's dense path, and the bundled
-GGUF with `kernel_activations="int8"` (the same int8 decode kernel for 1 to 32 rows). With
-`auto` the bundled model switches kernels above 8 rows (kernels/qdot8.c), as it does between
-batch sizes without speculation; the batch-invariant kernels make that path exact too.
+row the same bits whatever the call's row count: the tiny float32 model's dense path; the
+bundled GGUF (Q4_1, a Q8_0 LM head) with `kernel_activations="int8"` (the int8 decode
+kernels for 1 to 32 rows: their K chunks are fixed by K, kernels/qdot8.c) and with the
+default `auto` while a step holds at most 8 rows on a CPU whose int8 kernels are AVX2 (auto
+hands 9+ rows of these types to other kernels, as it does between batch sizes without
+speculation: k + 1 <= 8 at batch 1). On AVX-512 VNNI CPUs one Q8_0 row (the LM head) takes
+a kernel of its own (qdot8.c's dot32_vnni against dot8_vnni), so there auto and int8 are
+exact only with `batch_invariant=True`, which makes every row count exact everywhere.
 """
 
 from __future__ import annotations
@@ -127,22 +131,64 @@ def test_an_abort_mid_speculation_frees_every_block(pair):
 def test_the_bundled_model_copies_a_file_back_exactly_in_fewer_steps():
     """Real text: a source file continued as its copy. int8 activations make decode rows
     exact whatever their number, so the output is speculation off's token for token."""
-    from pathlib import Path
-
-    import iterserve.core.block_manager as bm_module
-
-    code = Path(bm_module.__file__).read_text()[:1200]
-    prompt = code + "\n\n\n# A copy of the module above:\n" + code[:150]
+    prompt = _bundled_copy_prompt()
     kw = dict(kernel_activations="int8", max_model_len=1024, num_kv_blocks=160)
     sp = SamplingParams(max_tokens=64, temperature=0)
     off = LLM(**kw)
     a = off.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     steps_off = off.engine.num_steps
     del off
+    # adaptive off: this is about exactness and steps; the adaptive plan (its own tests)
+    # shortens drafts from the step-time model, which moves with the machine
     on = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5,
-                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **kw)
+                                 "adaptive": False, "prompt_lookup_min": 2,
+                                 "prompt_lookup_max": 4}, **kw)
     b = on.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     assert b.token_ids == a.token_ids and "which request owns which block" in b.text
     total = spec_totals(on)
-    assert total.acceptance_rate > 0.8, total
-    assert on.engine.num_steps < 0.5 * steps_off
+    assert total.acceptance_rate > 0.6, total
+    assert on.engine.num_steps < 0.6 * steps_off
+
+
+def _bundled_copy_prompt() -> str:
+    """A source file (a fixed copy: the model's greedy answer, and so what is accepted,
+    follows the text) and the start of its copy."""
+    from pathlib import Path
+
+    code = (Path(__file__).parents[1] / "fixtures" / "copy_source.txt").read_text()
+    return code + "\n\n\n# A copy of the module above:\n" + code[:150]
+
+
+def _greedy_with_logprobs(llm, prompt: str):
+    out = llm.generate([prompt], SamplingParams(max_tokens=48, temperature=0, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    return out.token_ids, [lp.logprob for lp in out.logprobs]
+
+
+def _int8_kernels_are_avx2() -> bool:
+    from iterserve.model import kernels
+    return not kernels.available() or kernels.config().isa == "avx2" \
+        or kernels.int8_isa() == "avx2"
+
+
+@pytest.mark.parametrize("k, batch_invariant", [(7, False), (10, True)])
+def test_the_bundled_model_on_default_kernels_verifies_with_decodes_bits(k, batch_invariant):
+    """The default kernels (`auto`): greedy tokens and every logprob bit equal speculation
+    off's, at batch 1 with k + 1 = 8 verified rows (the most auto keeps on the int8 decode
+    kernels for Q4_1 / Q8_0 without VBMI), and with batch_invariant for any k."""
+    if not batch_invariant and not _int8_kernels_are_avx2():
+        pytest.skip("AVX-512 VNNI int8 kernels: one Q8_0 row has a kernel of its own; "
+                    "exact there with batch_invariant (the other case)")
+    prompt = _bundled_copy_prompt()
+    kw = dict(max_model_len=1024, num_kv_blocks=160, batch_invariant=batch_invariant)
+    off = LLM(**kw)
+    want = _greedy_with_logprobs(off, prompt)
+    del off
+    on = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                 "adaptive": False, "prompt_lookup_min": 2,
+                                 "prompt_lookup_max": 4}, **kw)
+    got = _greedy_with_logprobs(on, prompt)
+    assert got[0] == want[0]
+    assert got[1] == want[1]                       # bitwise, not approx
+    total = spec_totals(on)
+    assert total.num_accepted_tokens_per_pos[k - 1] > 0, total   # k + 1 rows were verified

@@ -55,6 +55,12 @@
 #define COL_CHUNK 64
 #define ROW_TILE 4
 #define A_TILE_BYTES (16 * 1024)     /* quantised activation bytes per row tile per K chunk */
+/* The K chunks of the 32-element drivers are sized for a full tile of ROW_TILE rows whatever
+ * the tile's own row count: a chunk's partial sum is reduced and added to the output, so its
+ * boundaries are part of the summation order, and boundaries that followed the tile's rows
+ * gave a row of a 4-row tile (K = 1536: two chunks) other bits than the same row alone (one
+ * chunk). With them fixed by K, a row's result is the same in a call of 1 to ACT8 rows:
+ * speculative verification (k + 1 decode rows) then computes what a one-row decode step does. */
 
 /* ---- quantised activations ------------------------------------------------------------ */
 /* One per call, in a thread-local buffer reused across calls. Per row r:
@@ -425,7 +431,7 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = A_TILE_BYTES / (R * per_block);
+                int64_t kc = A_TILE_BYTES / (ROW_TILE * per_block);
                 if (kc < 1) kc = 1;
                 const int64_t nk = (nb + kc - 1) / kc;
                 for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
@@ -466,7 +472,7 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = A_TILE_BYTES / (R * per_block);
+                int64_t kc = A_TILE_BYTES / (ROW_TILE * per_block);
                 if (kc < 2) kc = 2;
                 kc &= ~(int64_t)1;                   /* pairs of blocks per zmm */
                 const int64_t nk = (nb + kc - 1) / kc;
@@ -1203,7 +1209,7 @@ static VBMI void run_vbmi(int type, const act8 *ap, const uint8_t *w, int64_t n,
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = G32_TILE_BYTES / (R * per_unit);
+                int64_t kc = G32_TILE_BYTES / (ROW_TILE * per_unit);
                 if (kc < 4) kc = 4;
                 if (q8) kc &= ~(int64_t)3;
                 const int64_t nk = (nu + kc - 1) / kc;
