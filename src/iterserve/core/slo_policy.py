@@ -32,6 +32,11 @@ scheduler's clock by default (wall time in the engine); the lab, whose scheduler
 counts steps, installs its simulated seconds with `use_clock`, and then a request's arrival
 is the clock's reading when it is added.
 
+A forecast sums many steps, so it scales the fit's typical step by the model's
+`mean_bias` (recent measured over predicted seconds; above 1 when a loaded machine makes
+step times skewed), except where a prompt's own cost is judged (the 400 for a prompt too
+slow to prefill in time even on an idle engine).
+
 What a client sees per token is the bracketed step plus the time between steps (output
 processing, streaming, the engine loop): measured too, as `overhead_s` (an average of the
 gaps between back-to-back steps; 0 in the lab, whose steps are back to back), and added to
