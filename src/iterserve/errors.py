@@ -368,14 +368,6 @@ class SLOUnattainableError(QueueFullError):
     def http_message(self) -> str:
         return str(self)
 
-
-def _rebuild_slo_error(message: str, retry_after_s: float | None, predicted_ttft_s: float,
-                       ttft_slo_s: float, state: dict) -> SLOUnattainableError:
-    e = SLOUnattainableError(message, retry_after_s=retry_after_s,
-                             predicted_ttft_s=predicted_ttft_s, ttft_slo_s=ttft_slo_s)
-    e.__dict__.update(state)
-    return e
-
     def http_headers(self) -> dict[str, str]:
         """Retry-After in whole seconds (what every HTTP client reads) and retry-after-ms
         (OpenAI's SDKs read it first), both the predicted wait capped at 120 s, the longest
@@ -385,3 +377,11 @@ def _rebuild_slo_error(message: str, retry_after_s: float | None, predicted_ttft
         wait = min(self.retry_after_s, 120.0)
         return {"Retry-After": str(max(1, math.ceil(wait))),
                 "retry-after-ms": str(max(1, math.ceil(wait * 1000)))}
+
+
+def _rebuild_slo_error(message: str, retry_after_s: float | None, predicted_ttft_s: float,
+                       ttft_slo_s: float, state: dict) -> SLOUnattainableError:
+    e = SLOUnattainableError(message, retry_after_s=retry_after_s,
+                             predicted_ttft_s=predicted_ttft_s, ttft_slo_s=ttft_slo_s)
+    e.__dict__.update(state)
+    return e

@@ -74,6 +74,7 @@ def test_a_target_no_replica_can_meet_is_a_429_after_both_were_asked(slo_pool):
     assert e.value.body["code"] == "slo_unattainable"
     assert "no replica can meet" in e.value.body["message"]
     assert 1 <= int(e.value.response.headers["Retry-After"]) <= 120
+    assert 0 < int(e.value.response.headers["retry-after-ms"]) <= 120_000
     assert pool.num_retries_queue_full == retries + 1        # the second replica was asked
     # A target the queue can meet is served next to the busy answers.
     r = c.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2,
