@@ -388,6 +388,12 @@ class SLOUnattainableError(QueueFullError):
         else:
             self.status_code, self.error_type = 429, "rate_limit_exceeded"
 
+    def __reduce__(self):
+        # Pickled across processes (a -dp replica's refusal reaches the pool through Ray):
+        # the keyword-only fields and what was set on it (the replica's id) come along.
+        return (_rebuild_slo_error, (str(self), self.retry_after_s, self.predicted_ttft_s,
+                                     self.ttft_slo_s, dict(self.__dict__)))
+
     def http_message(self) -> str:
         return str(self)
 
@@ -400,3 +406,11 @@ class SLOUnattainableError(QueueFullError):
         wait = min(self.retry_after_s, 120.0)
         return {"Retry-After": str(max(1, math.ceil(wait))),
                 "retry-after-ms": str(max(1, math.ceil(wait * 1000)))}
+
+
+def _rebuild_slo_error(message: str, retry_after_s: float | None, predicted_ttft_s: float,
+                       ttft_slo_s: float, state: dict) -> SLOUnattainableError:
+    e = SLOUnattainableError(message, retry_after_s=retry_after_s,
+                             predicted_ttft_s=predicted_ttft_s, ttft_slo_s=ttft_slo_s)
+    e.__dict__.update(state)
+    return e

@@ -53,6 +53,30 @@ def test_noise_and_outliers_do_not_throw_it_off():
     assert mean_rel_error(m, TRUE, random.Random(4)) < 0.06
 
 
+def test_mean_bias_says_how_much_longer_a_sum_of_steps_takes_on_a_loaded_machine():
+    """One step in ten loses the CPU for 15x its time (another process on the core): the
+    fit keeps predicting the typical step (outliers are clipped), and `mean_bias` is the
+    measured total over the predicted total, what a forecast summing steps must scale by."""
+    rng = random.Random(5)
+    m = StepTimeModel(TRUE)
+    assert m.mean_bias == 1.0
+    total = predicted = 0.0
+    for i, s in enumerate(shapes(rng, 1500)):
+        y = seconds(TRUE, *s) * (15.0 if i % 10 == 0 else 1.0)
+        if i >= 1400:
+            total += y
+            predicted += m.predict(*s)
+        m.observe(*s, y)
+    assert m.predict(1, 1, 100, 0) < 1.6 * seconds(TRUE, 1, 1, 100, 0)    # still typical
+    assert m.mean_bias == pytest.approx(total / predicted, rel=0.2)
+    assert m.mean_bias > 1.8
+    # An unloaded machine: no bias (and never below 1: a fit predicting long corrects itself).
+    q = StepTimeModel(TRUE)
+    for s in shapes(random.Random(6), 300):
+        q.observe(*s, seconds(TRUE, *s) * 0.9)
+    assert q.mean_bias == 1.0
+
+
 def test_adapts_when_the_machine_slows_down():
     rng = random.Random(5)
     m = StepTimeModel(TRUE)

@@ -142,10 +142,19 @@ def test_error_tracker_factor_follows_the_quantile():
     for i in range(100):
         tr.record(1.0, 1.0 + i / 100, target_s=2.0)    # ratios 1.00 .. 1.99
     assert tr.factor() == pytest.approx(1.891, abs=0.01)
-    tr.record(0.01, 5.0, target_s=2.0)                  # far below its target: not a ratio
-    assert tr.factor() == pytest.approx(1.891, abs=0.01)
+    # Far below its target and on time: judged at the floor (0.4 s), a ratio of 1.0 that
+    # leaves the quantile where it was (not a 0.01 s step's jitter).
+    tr.record(0.01, 0.02, target_s=2.0)
+    assert tr.factor() == pytest.approx(1.891, abs=0.02)
+    assert sorted(tr._ratios)[0] == 1.0
     s = tr.summary()
     assert s["count"] == 101 and s["error_p50_s"] == pytest.approx(0.5, abs=0.02)
+    # Far below its target but late (the one step it needed lost the CPU): counted in
+    # full at the floor, 2.0 / 0.4 = 5x, and enough of them move the quantile to it.
+    for _ in range(15):
+        tr.record(0.01, 2.0, target_s=2.0)
+    assert max(tr._ratios) == pytest.approx(5.0)
+    assert tr.factor() == pytest.approx(5.0)
     assert s["error_p99_s"] >= s["error_p90_s"] >= s["error_p50_s"]
 
 

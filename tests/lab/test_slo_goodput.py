@@ -90,3 +90,26 @@ def test_lab_slo_command_prints_the_comparison():
     bad = subprocess.run(cmd[:-3] + ["--max-num-seqs", "0"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "max_num_seqs" in bad.stderr
+
+
+def test_user_targets_keep_the_promise_from_half_to_four_times_capacity():
+    """`iterserve lab slo --loads` with targets a user picks (TTFT 2,000 ms, TPOT 150 ms, 16
+    slots): the admitted requests meet both targets >= 95% at every load, goodput slo / fcfs
+    is >= 1.5x at 1.5x capacity and >= 2x above, and nothing is lost at half capacity."""
+    cmd = [sys.executable, "-m", "iterserve.cli", "lab", "slo", "--requests", "200",
+           "--max-num-seqs", "16", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "150",
+           "--loads", "0.5,1.5,2,4", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    rows = {row["load"]: row for row in json.loads(proc.stdout)["rows"]}
+    assert sorted(rows) == [0.5, 1.5, 2.0, 4.0]
+    for load, row in rows.items():
+        assert row["slo"]["admitted_met"] >= 0.95, (load, row["slo"])
+    assert rows[0.5]["goodput_ratio"] >= 0.98
+    assert rows[1.5]["goodput_ratio"] >= 1.5
+    assert rows[2.0]["goodput_ratio"] >= 2.0 and rows[4.0]["goodput_ratio"] >= 2.0
+    assert rows[4.0]["fcfs"]["admitted_met"] < 0.5       # fcfs breaks its admitted ones
+    bad = subprocess.run(cmd[:-2] + ["0,-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--loads" in bad.stderr

@@ -32,6 +32,11 @@ scheduler's clock by default (wall time in the engine); the lab, whose scheduler
 counts steps, installs its simulated seconds with `use_clock`, and then a request's arrival
 is the clock's reading when it is added.
 
+A forecast sums many steps, so it scales the fit's typical step by the model's
+`mean_bias` (recent measured over predicted seconds; above 1 when a loaded machine makes
+step times skewed), except where a prompt's own cost is judged (the 400 for a prompt too
+slow to prefill in time even on an idle engine).
+
 What a client sees per token is the bracketed step plus the time between steps (output
 processing, streaming, the engine loop): measured too, as `overhead_s` (an average of the
 gaps between back-to-back steps; 0 in the lab, whose steps are back to back), and added to
@@ -244,15 +249,17 @@ class SloPolicy(FcfsPolicy):
             c = min(c, max(room, 1))
         return max(c, 1)
 
-    def prefill_time(self, n: int, decodes: int, kv: int) -> float:
-        """Predicted seconds to prefill n tokens next to `decodes` running decodes."""
+    def prefill_time(self, n: int, decodes: int, kv: int, typical: bool = False) -> float:
+        """Predicted seconds to prefill n tokens next to `decodes` running decodes (with
+        `typical`, at the fit's typical step time, without the recent mean bias: what the
+        prompt costs this engine, not what the machine's other load adds today)."""
         c = self._chunk(n)
         steps = -(-n // c)
         # Chunk k (1-based) attends to k * c tokens: c * c * steps * (steps + 1) / 2 pairs in
         # all, spread evenly over the steps.
         pairs = c * c * (steps + 1) / 2
-        return steps * (self.model.predict(decodes + c, decodes + 1, kv + c * steps, c, pairs)
-                        + self.overhead_s)
+        return steps * self._step_seconds(decodes + c, decodes + 1, kv + c * steps, c, pairs,
+                                          typical)
 
     def queue_key(self, request: Request) -> float:
         """Latest start (scheduler seconds) at which `request` still makes its TTFT target."""
@@ -286,10 +293,14 @@ class SloPolicy(FcfsPolicy):
             return
         slo = slo_ms / 1000.0
         n = request.num_prompt_tokens
-        # A seed from another machine must not refuse a fresh engine's work.
-        may_refuse = self.model.num_observed >= MIN_OBSERVED_TO_REFUSE
-        alone = self.prefill_time(n, 0, 0)
-        if may_refuse and alone > slo:
+        # A seed from another machine must not refuse a fresh engine's work; nor is a request
+        # refused by an idle engine (refusing it helps nobody, and its first token is what
+        # teaches the correction again after a stretch of refusals).
+        running = self._running_work()
+        warm = self.model.num_observed >= MIN_OBSERVED_TO_REFUSE
+        may_refuse = warm and bool(running or self.waiting)
+        alone = self.prefill_time(n, 0, 0, typical=True)
+        if warm and alone > slo:
             self.num_refused += 1
             raise SLOUnattainableError(
                 f"request {request.request_id!r}: its prompt of {n} tokens takes ~{alone:.3f} s "
@@ -299,13 +310,14 @@ class SloPolicy(FcfsPolicy):
         arrival = now if self._own_clock else request.arrival_time
         spent = max(now - arrival, 0.0)          # tokenising, in the server
         ahead, behind = self._queue_around(self.queue_key(request))
-        running = self._running_work()
         queue = [w for _, w in ahead] + [_work(request)] + [w for _, w in behind]
         horizon = slo + MAX_RETRY_AFTER_S
         first = forecast(running, queue, self._limits, self._step_seconds, horizon)
         factor = self.errors.factor()
         mine = spent + first[len(ahead)]
-        predicted = mine * factor
+        # At the correction's resolution: a forecast below its floor is judged as the floor
+        # (the correction was learned from such forecasts at that floor, see ErrorTracker).
+        predicted = max(mine, self.errors.floor(slo)) * factor
         broken = None
         if may_refuse and predicted <= slo and behind:
             broken = self._breaks(behind, first[len(ahead) + 1:], running,
@@ -357,7 +369,7 @@ class SloPolicy(FcfsPolicy):
             if entry is None or entry[3] is None:
                 continue                        # a preempted or late one: no promise held
             _, arrival, _, target = entry
-            if (now - arrival + f) * factor > target:
+            if max(now - arrival + f, self.errors.floor(target)) * factor > target:
                 late.append((r, arrival, target))
         if not late:
             return None
@@ -365,7 +377,8 @@ class SloPolicy(FcfsPolicy):
                            max(t for _, _, t in late) + 1.0)[pos:]
         index = {r.request_id: i for i, (r, _) in enumerate(behind)}
         for r, arrival, target in late:
-            if (now - arrival + without[index[r.request_id]]) * factor <= target:
+            wait = now - arrival + without[index[r.request_id]]
+            if max(wait, self.errors.floor(target)) * factor <= target:
                 return r.request_id
         return None
 
@@ -376,8 +389,12 @@ class SloPolicy(FcfsPolicy):
                 out.append(_work(r))
         return out
 
-    def _step_seconds(self, tokens, seqs, kv, prefill, pairs) -> float:
-        return self.model.predict(tokens, seqs, kv, prefill, pairs) + self.overhead_s
+    def _step_seconds(self, tokens, seqs, kv, prefill, pairs=0.0, typical=False) -> float:
+        """Expected seconds of a step of this shape as a client sees it: the fit's typical
+        step times its recent mean bias (`StepTimeModel.mean_bias`: a sum of steps is
+        their mean times their count; not with `typical`), plus the time between steps."""
+        s = self.model.predict(tokens, seqs, kv, prefill, pairs)
+        return (s if typical else s * self.model.mean_bias) + self.overhead_s
 
     def begin_step(self, step: int, running: Sequence[Request]) -> StepRules:
         """Stamp the step's start (`step_done` times it) and measure the gap since the
@@ -431,7 +448,7 @@ class SloPolicy(FcfsPolicy):
             ok = True
         else:
             n = len(request.all_token_ids)
-            step_s = self.model.predict(seqs + 1, seqs + 1, self._hold_kv + n, 0) + self.overhead_s
+            step_s = self._step_seconds(seqs + 1, seqs + 1, self._hold_kv + n, 0)
             ok = step_s <= TPOT_HEADROOM * tpot / 1000.0
         if not ok:
             self.num_held_steps += 1

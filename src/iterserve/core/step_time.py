@@ -121,6 +121,7 @@ MIN_PRIOR_SHARE = 0.05      # prior scale of a coefficient seeded at 0, as a sha
 _PRIOR_SHARE = (MIN_PRIOR_SHARE,) * 5 + (1.0, MIN_PRIOR_SHARE)
 CONFIDENT_INFO = 4.0        # decayed sum of (term's share of the step)^2 to trust a term
 SPEED_RANGE = (0.02, 50.0)  # the speed fit is clipped to this (a broken clock stays bounded)
+MEAN_BIAS_RANGE = (1.0, 100.0)  # `mean_bias` is clipped to this (a broken clock stays bounded)
 
 
 def _solve(A: list[list[float]], b: list[float], free: list[int]) -> list[float]:
@@ -150,7 +151,8 @@ class StepTimeModel:
 
     __slots__ = ("_theta", "_seed", "_ridge", "_A", "_b", "_dirty", "forgetting",
                  "num_observed", "last_seconds", "_fitted_at", "_shape", "_info", "_seen",
-                 "_unmeasured", "corrections", "_corr_scale")
+                 "_unmeasured", "corrections", "_corr_scale", "_sum_measured",
+                 "_sum_predicted")
 
     def __init__(self, coefficients: Mapping[str, float] | Sequence[float],
                  forgetting: float = FORGETTING,
@@ -200,6 +202,9 @@ class StepTimeModel:
         self.num_observed = 0
         self._fitted_at = 0
         self.last_seconds = 0.0
+        # Decayed sums of the recent steps' measured and predicted seconds (`mean_bias`).
+        self._sum_measured = 0.0
+        self._sum_predicted = 0.0
 
     @classmethod
     def from_cost_model(cls, cost) -> "StepTimeModel":
@@ -237,6 +242,24 @@ class StepTimeModel:
             return 1.0
         lo, hi = SPEED_RANGE
         return min(max(num / den, lo), hi)
+
+    @property
+    def mean_bias(self) -> float:
+        """Recent steps' measured seconds over what the fit predicted for them, summed
+        (memory ~1 / (1 - forgetting) steps), clipped to MEAN_BIAS_RANGE; 1.0 before any step.
+
+        Why: the fit minimises *relative* error and clips outliers, so it predicts a typical
+        step, below the mean when step times are skewed. On a loaded machine they are: a
+        step that loses the CPU to another process takes 10-30x its usual time (measured: 16
+        decodes of the bundled model, 0.07-0.2 s most steps, 1.5-3 s one in ten), and the fit
+        counts it as 1.5x. A forecast adds up many steps, so its expected total is the *mean*
+        step times the count: this ratio is what a sum of predictions needs to be scaled by.
+        Not below 1: a fit that predicts long is corrected by the fit itself within a few
+        steps (a step shorter than predicted is not clipped in that direction)."""
+        if self._sum_predicted <= 0.0:
+            return 1.0
+        lo, hi = MEAN_BIAS_RANGE
+        return min(max(self._sum_measured / self._sum_predicted, lo), hi)
 
     def confidence(self) -> dict[str, float]:
         """Per coefficient, its decayed information in units of its own size (see
@@ -280,13 +303,15 @@ class StepTimeModel:
         th = self._theta if self._fresh() else self._fit()
         pred = (th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4]
                 + th[5] * x[5] + th[6] * x[6])
+        lam = self.forgetting
+        self._sum_measured = self._sum_measured * lam + seconds
+        self._sum_predicted = self._sum_predicted * lam + max(pred, 0.0) * seconds
         target = 1.0
         if self.num_observed >= TRUST_AFTER:          # the fit is data now, not the seed
             if pred - 1.0 > MAX_REL_RESIDUAL * 2:     # measured far below the prediction
                 target = pred - MAX_REL_RESIDUAL * 2
             elif 1.0 - pred > MAX_REL_RESIDUAL:
                 target = pred + MAX_REL_RESIDUAL      # an outlier step (GC pause, ...)
-        lam = self.forgetting
         seen = self._seen
         for i in range(_N):
             if x[i] != 0.0:              # the correction feature has either sign

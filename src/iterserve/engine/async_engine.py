@@ -411,6 +411,10 @@ class AsyncEngine:
         EngineDeadError (shutting down). A text prompt is tokenised off the event loop."""
         if not self._accepting or self._closed:
             raise EngineDeadError("the server is shutting down")
+        # Arrival is now, on the engine's clock, not when the engine thread gets to it: the
+        # wait for tokenising and for the step in flight is part of the client's time to
+        # first token, and the slo policy forecasts (and is checked against) that time.
+        kw.setdefault("arrival_time", self.engine.clock())
         self._adding += 1
         try:
             return await self._add_request(request_id, prompt, params, **kw)

@@ -65,6 +65,11 @@ def goodput_comparison(options: dict[str, Any] | None = None,
                 "goodput_rps", "slo_met", "refused", "requests", "time_s", "p99_ttft_s",
                 "mean_ttft_s", "p99_itl_s", "mean_itl_s", "throughput_tokens_per_s")
                 if k in r}
+        for policy in ("fcfs", "slo"):
+            r = row[policy]
+            admitted = r["requests"] - r.get("refused", 0)
+            # The promise: the share of admitted requests that met both targets.
+            r["admitted_met"] = r["slo_met"] / admitted if admitted else None
         g_f, g_s = row["fcfs"]["goodput_rps"], row["slo"]["goodput_rps"]
         row["goodput_ratio"] = g_s / g_f if g_f > 0 else float("inf")
         rows.append(row)
@@ -77,7 +82,7 @@ def goodput_comparison(options: dict[str, Any] | None = None,
 def register(subparsers):
     """`iterserve lab slo`: the preset as a command (the goodput table in one line)."""
     p = subparsers.add_parser(
-        "slo", help="goodput of fcfs vs slo at 0.8x / 1.5x / 2x the engine's capacity",
+        "slo", help="goodput of fcfs vs slo at 0.8x / 1.5x / 2x (--loads) the engine's capacity",
         description="Run the SLO preset (bench poisson mix, smollm2-cpu cost model, 64 slots, "
                     f"TTFT <= {PRESET['slo_ttft_ms']:g} ms, TPOT <= {PRESET['slo_tpot_ms']:g} "
                     "ms) under fcfs and slo at each load factor.")
@@ -87,6 +92,9 @@ def register(subparsers):
     p.add_argument("--slo-tpot-ms", type=float, default=PRESET["slo_tpot_ms"])
     p.add_argument("--max-num-seqs", type=int, default=PRESET["max_num_seqs"])
     p.add_argument("--cost-model", default=PRESET["cost_model"], metavar="FILE|NAME")
+    p.add_argument("--loads", default=",".join(f"{f:g}" for f in LOAD_FACTORS),
+                   help="load factors x the measured capacity, comma-separated "
+                        "(e.g. 0.5,1,1.5,2,3,4)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
     return p
@@ -102,7 +110,10 @@ def run(args) -> int:
     if args.seed is not None:
         opts["seed"] = args.seed
     try:
-        result = goodput_comparison(opts)
+        loads = tuple(float(x) for x in args.loads.split(","))
+        if not loads or any(not (f > 0) for f in loads):
+            raise ValueError(f"--loads must be positive numbers, got {args.loads!r}")
+        result = goodput_comparison(opts, loads)
     except (LabOptionsError, CostModelError, ValueError) as e:
         print(f"iterserve lab slo: error: {e}", file=sys.stderr)
         return 2
@@ -113,9 +124,11 @@ def run(args) -> int:
     print(f"capacity {result['capacity_rps']:.2f} requests/s; TTFT <= {args.slo_ttft_ms:g} ms, "
           f"TPOT <= {args.slo_tpot_ms:g} ms; goodput = requests/s meeting both")
     print(f"{'load':>6} {'rate':>7} {'fcfs goodput':>13} {'slo goodput':>12} {'refused':>8} "
-          f"{'ratio':>7}")
+          f"{'ratio':>7} {'admitted met (fcfs / slo)':>26}")
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     for row in result["rows"]:
+        met = f"{pct(row['fcfs']['admitted_met'])} / {pct(row['slo']['admitted_met'])}"
         print(f"{row['load']:>5}x {row['arrival_rate_s']:>7.2f} "
               f"{row['fcfs']['goodput_rps']:>13.2f} {row['slo']['goodput_rps']:>12.2f} "
-              f"{row['slo']['refused']:>8} {row['goodput_ratio']:>6.2f}x")
+              f"{row['slo']['refused']:>8} {row['goodput_ratio']:>6.2f}x {met:>26}")
     return 0

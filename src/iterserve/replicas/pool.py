@@ -11,6 +11,10 @@ What each piece of the single-server behaviour becomes:
   acceptance first, and the pool awaits it in `generate`;
 - back-pressure: a replica whose queue is full refuses with QueueFullError; the pool retries
   with that replica excluded and answers 503 only when every replica refused;
+- SLO admission (`--scheduling-policy slo`): a replica whose TTFT forecast misses the
+  request's target refuses it the same way (SLOUnattainableError), so the request goes to
+  the next replica, and only when none can meet it is it a 429 with the soonest predicted
+  Retry-After of them all;
 - abort (client disconnect, generator closed): the pool cancels the handle's stream, Serve
   cancels the replica's task, and the replica's `finally` aborts the request in its engine;
 - faults: a replica that dies mid-stream ends its streams with ReplicaDiedError (an SSE error
@@ -34,7 +38,7 @@ from iterserve.core.request import SamplingParams
 from iterserve.core.scheduler import SchedulerStats
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.errors import (EmptyPromptError, EngineDeadError, PromptTooLongError,
-                              QueueFullError, ReplicaDiedError)
+                              QueueFullError, ReplicaDiedError, SLOUnattainableError)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,19 @@ def unwrap(exc: BaseException) -> BaseException:
     if isinstance(exc, rex.RayError):
         return ReplicaDiedError(f"the replica failed: {type(exc).__name__}: {exc}")
     return exc
+
+
+def _no_replica_in_time(refusals: Sequence[SLOUnattainableError],
+                        num_replicas: int) -> SLOUnattainableError:
+    """Every replica refused a request by its TTFT forecast: one 429 whose Retry-After is
+    the soonest any replica predicted it could take the request in time."""
+    soonest = min(refusals, key=lambda e: e.retry_after_s)
+    return SLOUnattainableError(
+        f"no replica can meet the request's TTFT target ({num_replicas} replicas asked; "
+        f"the least loaded predicts ~{soonest.predicted_ttft_s:.3f} s against "
+        f"{soonest.ttft_slo_s * 1000:g} ms); retry in ~{soonest.retry_after_s:.1f} s",
+        retry_after_s=soonest.retry_after_s, predicted_ttft_s=soonest.predicted_ttft_s,
+        ttft_slo_s=soonest.ttft_slo_s)
 
 
 @dataclasses.dataclass
@@ -293,6 +310,7 @@ class ReplicaPool(AsyncEngine):
             ids = list(prompt)
         self.start()
         excluded: list[str] = []
+        slo_refusals: list[SLOUnattainableError] = []
         while True:
             gen = self._gen_handle.remote(request_id=request_id, prompt_token_ids=ids,
                                           params=params, kw=kw,
@@ -305,10 +323,16 @@ class ReplicaPool(AsyncEngine):
                                        f"{self.accept_timeout:g} s") from None
             except BaseException as e:
                 err = unwrap(e)
+                if isinstance(err, SLOUnattainableError) and err.retry_after_s is None:
+                    raise err from None         # its prefill alone is too slow: anywhere
                 if isinstance(err, QueueFullError):
                     excluded.append(getattr(err, "replica_id", "?"))
+                    if isinstance(err, SLOUnattainableError):
+                        slo_refusals.append(err)
                     live = set(self.replica_ids())
                     if live and not live - set(excluded):
+                        if slo_refusals:
+                            raise _no_replica_in_time(slo_refusals, len(live)) from None
                         raise QueueFullError(f"every replica's queue is full "
                                              f"({len(live)} replicas)") from None
                     self.num_retries_queue_full += 1
