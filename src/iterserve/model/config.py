@@ -287,7 +287,9 @@ def _gemma(c: ModelConfig, hf: dict, rope_per_type: dict | None, *, gemma3: bool
     c.layer_window = int(window) if window else None
     c.sliding_window = None
     c.attention_scale = float(hf.get("query_pre_attn_scalar") or c.head_dim) ** -0.5
-    c.norm_weight_offset = 1.0
+    # HF stores Gemma's norm weights as w (applied as 1 + w); llama.cpp's converter stores
+    # 1 + w, and the GGUF loader says so with norm_weight_offset 0
+    c.norm_weight_offset = float(hf.get("norm_weight_offset", 1.0))
     c.sandwich_norms = True
     c.embedding_multiplier = c.hidden_size ** 0.5
     c.tie_word_embeddings = bool(hf.get("tie_word_embeddings", True))
