@@ -77,7 +77,12 @@ def build_engine_parts(args: Any) -> EngineParts:
     with phase("runner"):      # memory plan, KV pools, kernel selection / build
         runner = ModelRunner(loaded, num_blocks=cache_cfg.num_kv_blocks,
                              block_size=cache_cfg.block_size,
-                             num_swap_blocks=cache_cfg.num_swap_blocks)
+                             num_swap_blocks=cache_cfg.num_swap_blocks,
+                             # sliding-window layers hold only their window (chunked prefill)
+                             max_tokens_per_step=sched_cfg.max_num_batched_tokens
+                             if sched_cfg.enable_chunked_prefill else None,
+                             max_num_seqs=sched_cfg.max_num_seqs,
+                             prefix_caching=cache_cfg.enable_prefix_caching)
     return _parts(args, loaded, runner, sched_cfg, cache_cfg)
 
 

@@ -138,8 +138,9 @@ def compute_paths(model: torch.nn.Module) -> dict:
 
 
 def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                kv_dtype: torch.dtype | None = None) -> dict:
-    """The plan dict (module docstring) for `loaded` with a KV pool of this size."""
+                kv_dtype: torch.dtype | None = None, kv_bytes: int | None = None) -> dict:
+    """The plan dict (module docstring) for `loaded` with a KV pool of this size
+    (`kv_bytes`: the pools' bytes when some layers' pools are smaller, sliding windows)."""
     from iterserve.model.kv_cache import PagedKVCache
     cfg = loaded.config
     kv_dtype = kv_dtype or cfg.kv_cache_dtype or cfg.dtype
@@ -157,7 +158,8 @@ def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: in
             mapped += n
         elif t.device.type == "cpu":
             anon += n
-    kv_bytes, swap_bytes = num_blocks * per_block, num_swap_blocks * per_block
+    kv_bytes = num_blocks * per_block if kv_bytes is None else kv_bytes
+    swap_bytes = num_swap_blocks * per_block
     rss = process_rss_bytes()
     device_kv = kv_bytes if next(loaded.model.parameters()).device.type == "cpu" else 0
     need = mapped + device_kv + swap_bytes + RESERVE_BYTES

@@ -71,26 +71,70 @@ QUANT_DEFAULT = True
 NATIVE_KERNELS_DEFAULT = True
 
 
+def _window_blocks(config: ModelConfig, num_blocks: int, block_size: int, num_swap_blocks: int,
+                   max_tokens: int | None, max_num_seqs: int | None, prefix_caching: bool):
+    """core.sliding_window.SlidingWindowBlocks for a model whose sliding layers can hold
+    fewer blocks than its full ones, or None (no such layers, swap space, prefix caching, no
+    bound on a request's tokens per step, or no saving at this pool size)."""
+    from iterserve.core.sliding_window import SlidingWindowBlocks, blocks_per_request
+    from iterserve.model.config import FULL, SLIDING
+    window = config.layer_window
+    if not window or not max_tokens or num_swap_blocks or prefix_caching \
+            or not {FULL, SLIDING} <= set(config.layer_types):
+        return None
+    cap = blocks_per_request(window, block_size, max_tokens)
+    pool = min(num_blocks, (max_num_seqs or num_blocks) * cap)
+    if pool < cap or pool >= num_blocks:
+        return None
+    return SlidingWindowBlocks(window, block_size, max_tokens, pool)
+
+
 class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, sampler: SamplerFn | None = None,
                  pack_weights: str | bool | None = "default",
                  quant_kernels: bool | str = "default",
-                 native_kernels: bool | str = "default") -> None:
+                 native_kernels: bool | str = "default",
+                 max_tokens_per_step: int | None = None, max_num_seqs: int | None = None,
+                 prefix_caching: bool = False) -> None:
+        """`max_tokens_per_step` (the scheduler's token budget with chunked prefill) turns on
+        window pools for sliding-window layers (core/sliding_window.py): without swap space
+        or prefix caching, those layers hold only their window's blocks."""
         self.loaded = loaded
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
         self.device = next(self.model.parameters()).device
         self.block_size = block_size
         kv_dtype = self.config.kv_cache_dtype or self.config.dtype
+        self.window_blocks = _window_blocks(self.config, num_blocks, block_size, num_swap_blocks,
+                                            max_tokens_per_step, max_num_seqs, prefix_caching)
+        layer_blocks = None
+        if self.window_blocks is not None:
+            w = self.window_blocks
+            layer_blocks = [w.num_blocks if win == w.window else num_blocks
+                            for win in self.config.layer_windows()]
         # Say what this process will hold and refuse, before allocating, what cannot fit.
         from iterserve.model.memory import check_memory_plan, log_memory_plan, plan_memory
-        self.memory_plan = plan_memory(loaded, num_blocks=num_blocks, block_size=block_size,
-                                       num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype)
+        per_layer = PagedKVCache.bytes_per_block(self.config, block_size, kv_dtype) \
+            // self.config.num_layers
+        self.memory_plan = plan_memory(
+            loaded, num_blocks=num_blocks, block_size=block_size,
+            num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype,
+            kv_bytes=None if layer_blocks is None else per_layer * sum(layer_blocks))
+        self._window_stats = None
+        if self.window_blocks is not None:
+            self._window_stats = self.window_blocks.stats()
+            full = [i for i, n in enumerate(layer_blocks) if n == num_blocks
+                    and self.config.window_of(i) != self.window_blocks.window]
+            self.memory_plan["kv_cache"]["layer_groups"] = [
+                {"window": None, "layers": full, "num_blocks": num_blocks},
+                {"layers": [i for i in range(len(layer_blocks)) if i not in full],
+                 **self._window_stats}]
+            self._window_stats = self.memory_plan["kv_cache"]["layer_groups"][1]
         check_memory_plan(self.memory_plan)
         self.kv_cache = PagedKVCache(self.config, num_blocks=num_blocks, block_size=block_size,
                                      num_swap_blocks=num_swap_blocks, dtype=kv_dtype,
-                                     device=self.device)
+                                     device=self.device, layer_blocks=layer_blocks)
         if sampler is None:
             from iterserve.model.sampler import Sampler
             sampler = Sampler()
@@ -130,11 +174,23 @@ class ModelRunner:
         """Apply the step's data to the per-request states (finished / preempted dropped,
         new ones built, cached ones' new blocks and resumed tables applied)."""
         states = self.requests
+        wb = self.window_blocks
         for rid in output.finished_req_ids:
             states.pop(rid, None)
+            if wb is not None:
+                wb.release(rid)
         for rid in output.preempted_req_ids:
             states.pop(rid, None)
+            if wb is not None:
+                wb.release(rid)
         for d in output.scheduled_new_reqs:
+            if wb is not None:
+                if not d.num_computed_tokens:
+                    wb.release(d.req_id)       # a request starting over starts its window too
+                elif not wb.holds(d.req_id):
+                    raise ValueError(f"request {d.req_id!r} starts at token "
+                                     f"{d.num_computed_tokens} but its sliding-window layers "
+                                     "hold no blocks (prefix caching keeps full tables)")
             states[d.req_id] = RequestState(d.req_id, d.prompt_token_ids, d.output_token_ids,
                                             d.sampling_params, d.block_ids)
         for d in output.scheduled_cached_reqs:
@@ -203,6 +259,14 @@ class ModelRunner:
             spans.append((start, n, st.block_ids))
         meta = build_metadata(spans, self.block_size, self.config.sliding_window, self.device,
                               self.config.dtype, decode_kernel=self.decode_kernel)
+        if self.window_blocks is not None:      # the sliding layers read their window pools
+            wb = self.window_blocks
+            window_spans = [(start, n, wb.table(chunks[i][0].req_id, start, n))
+                            for i, (start, n, _) in zip(order, spans)]
+            meta.variants[wb.window] = build_metadata(
+                window_spans, self.block_size, wb.window, self.device, self.config.dtype,
+                decode_kernel=self.decode_kernel)
+            self._window_stats.update(wb.stats())
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
