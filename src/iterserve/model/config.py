@@ -182,6 +182,11 @@ class ModelConfig:
         if model_type == "gemma3":             # the multimodal checkpoint: its text model
             hf = gemma3_text_config(hf)
             model_type = "gemma3_text"
+        quant = (hf.get("quantization_config") or {}).get("quant_method")
+        if quant is not None and not (quant == "mxfp4" and model_type == "gpt_oss"):
+            raise UnsupportedModelError(
+                f"{model_type}: checkpoints quantised with {quant!r} are not supported (use the "
+                "bf16 / fp16 checkpoint or a GGUF file; gpt-oss's own MXFP4 experts are read)")
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
