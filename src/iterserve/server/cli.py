@@ -75,6 +75,13 @@ def add_openai_cli_args(p: argparse.ArgumentParser) -> None:
                    help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, "
                         "SmolLM3), llama3_json (Llama 3.x), mistral; also the format forced "
                         'for tool_choice "required" / named (default hermes)')
+    from iterserve.reasoning import REASONING_PARSERS
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's thinking into message.reasoning_content: "
+                        "deepseek_r1 (output starts thinking, up to </think>), qwen3 "
+                        "(<think>...</think> when the output opens with it), openai_gptoss "
+                        "(gpt-oss's analysis channel); structured outputs and forced tool "
+                        "calls then apply to the answer only")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="auto (default): the model's generation_config.json supplies default "
                         "temperature / top_p / top_k / min_p / repetition_penalty / max_tokens "
@@ -117,6 +124,7 @@ def serving_config_from_args(args: argparse.Namespace, model: str | None):
         tools=ToolServerConfig(enable_auto_tool_choice=args.enable_auto_tool_choice,
                                tool_call_parser=args.tool_call_parser),
         sampling_defaults=load_generation_defaults(args.generation_config, model),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         log_requests=args.log_requests, max_log_len=args.max_log_len)
 
 

@@ -41,6 +41,7 @@ class ServingConfig:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     log_requests: bool = False
     max_log_len: int | None = None
+    reasoning_parser: str | None = None      # --reasoning-parser (iterserve.reasoning)
 
     def log_request(self, request_id: str, prompt: Any, prompt_ids: Any, params: Any) -> None:
         if not self.log_requests:
