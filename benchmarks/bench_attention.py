@@ -12,9 +12,15 @@ against 139 ms at the lab's linear price; at context 0 the two agreed. Two parts
 - `engine`: `ModelRunner.execute` of one prefill chunk at a context (the whole forward: all
   layers, the LM head), torch and kernel alternating on one runner (attention.PREFILL_NATIVE
   toggled between steps), medians.
+- `ab`: the attention kernels of this tree against those of a git revision (`--baseline`;
+  its decode_attention.c and prefill_attention.c built into a library of their own), called
+  alternately in one process on the same pools: decode steps (sequences x contexts) and
+  prefill chunks (chunk sizes x contexts), medians and the baseline/current ratio. This is
+  how the cost of the batch-invariant order (attention_core.h) was measured.
 
     python benchmarks/bench_attention.py kernel [--shape 9/3/64] [--repeats 15]
     python benchmarks/bench_attention.py engine [--model PATH] [--chunk 128] [--context 1500]
+    python benchmarks/bench_attention.py ab --baseline REV [--shape 1.7b] [--kv-dtype float16]
     add --out benchmarks/results/attn-NAME.json to keep the numbers
 
 Under load only the same-run ratios mean anything; OMP_WAIT_POLICY=PASSIVE helps there.
@@ -158,9 +164,109 @@ def bench_engine(model: str | None, chunk: int, contexts: list[int], repeats: in
     return rows
 
 
+def _baseline_library(rev: str):
+    """ctypes handle of `rev`'s decode_attention.c + prefill_attention.c (and the headers they
+    include), compiled with the kernels' own flags into a temporary library; the CPU feature
+    probe they call is copied from `rev`'s abi.c."""
+    import ctypes
+    import subprocess
+    import tempfile
+    root = Path(__file__).resolve().parents[1]
+    kdir = "src/iterserve/model/kernels"
+    tmp = Path(tempfile.mkdtemp(prefix="attn-baseline-"))
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{rev}:{kdir}"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name.endswith((".h", ".c")):
+            blob = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{kdir}/{name}"],
+                                  check=True, capture_output=True).stdout
+            (tmp / name).write_bytes(blob)
+    abi = (tmp / "abi.c").read_text()
+    probe = abi[abi.index("int64_t iterserve_cpu_features(void)"):]
+    (tmp / "probe.c").write_text('#include <cpuid.h>\n#include <stdint.h>\n' + probe)
+    srcs = [str(tmp / n) for n in ("decode_attention.c", "prefill_attention.c", "probe.c")]
+    flags = [f for f in kernels._FLAGS]
+    so = tmp / "baseline.so"
+    subprocess.run([kernels._compiler(), *flags, *srcs, "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    for name in ("iterserve_decode_attention_kv", "iterserve_prefill_attention"):
+        fn, ref = getattr(lib, name), getattr(kernels._lib(), name)
+        fn.restype, fn.argtypes = ref.restype, ref.argtypes
+    return lib
+
+
+def bench_ab(shape: str, baseline: str, batches: list[int], contexts: list[int],
+             chunks: list[int], repeats: int, kv_dtype: torch.dtype) -> list[dict]:
+    H, kvh, d = (int(x) for x in SHAPES.get(shape, shape).split("/"))
+    bs, scale = 16, d ** -0.5
+    base, cur = _baseline_library(baseline), kernels._lib()
+    kvt = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[kv_dtype]
+    threads = torch.get_num_threads()
+    rows = []
+
+    def timed(calls: dict) -> dict:
+        t = {n: [] for n in calls}
+        for r in range(repeats + 1):
+            order = list(calls) if r % 2 == 0 else list(reversed(calls))
+            for name in order:
+                t0 = time.perf_counter()
+                rc = calls[name]()
+                dt = time.perf_counter() - t0
+                if rc:
+                    raise SystemExit(f"{name} kernel returned {rc}")
+                if r:
+                    t[name].append(dt)
+        return {n: _median_ms(x) for n, x in t.items()}
+
+    i32 = dict(dtype=torch.int32)
+    for L in contexts:
+        g = torch.Generator().manual_seed(L)
+        cases = [("decode", D, 1) for D in batches if kv_dtype != torch.bfloat16] \
+            + [("prefill", 1, C) for C in chunks]
+        for kind, D, C in cases:
+            nb = D * ((L + C + bs - 1) // bs)
+            blocks = list(range(nb))
+            random.Random(L + D + C).shuffle(blocks)
+            per = nb // D
+            pk = torch.randn(nb * bs, kvh * d, generator=g).to(kv_dtype)
+            pv = torch.randn(nb * bs, kvh * d, generator=g).to(kv_dtype)
+            tables = torch.tensor([blocks[i * per:(i + 1) * per] for i in range(D)], **i32)
+            q = torch.randn(D * C, H, d, generator=g)
+            outs = {"baseline": torch.empty_like(q), "current": torch.empty_like(q)}
+            if kind == "decode":
+                lens = torch.full((D,), L + 1, **i32)
+
+                def call(lib, out):
+                    return lambda: lib.iterserve_decode_attention_kv(
+                        q.data_ptr(), pk.data_ptr(), pv.data_ptr(), pk.shape[0],
+                        tables.data_ptr(), tables.shape[1], lens.data_ptr(), 0, D, H, kvh, d,
+                        bs, scale, out.data_ptr(), threads, kvt)
+            else:
+                qs, ctx, ql = (torch.tensor([v], **i32) for v in (0, L, C))
+
+                def call(lib, out):
+                    return lambda: lib.iterserve_prefill_attention(
+                        q.data_ptr(), pk.data_ptr(), pv.data_ptr(), pk.shape[0], 1,
+                        qs.data_ptr(), ctx.data_ptr(), ql.data_ptr(), tables.data_ptr(),
+                        tables.shape[1], 0, H, kvh, d, bs, scale, out.data_ptr(), threads,
+                        kvt, 0)
+            med = timed({"baseline": call(base, outs["baseline"]),
+                         "current": call(cur, outs["current"])})
+            row = {"kind": kind, "seqs": D, "chunk": C, "context": L,
+                   "baseline_ms": med["baseline"], "current_ms": med["current"],
+                   "current_over_baseline": round(med["current"] / med["baseline"], 3),
+                   "max_abs_diff": float((outs["baseline"] - outs["current"]).abs().max())}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=("kernel", "engine"))
+    ap.add_argument("part", choices=("kernel", "engine", "ab"))
+    ap.add_argument("--baseline", default=None, help="ab: the git revision to compare with")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32],
+                    help="ab: decode sequences per step")
     ap.add_argument("--shape", default="135m",
                     help=f"H/kvh/d or one of {', '.join(SHAPES)} (kernel)")
     ap.add_argument("--chunks", type=int, nargs="+", default=[32, 128, 512])
@@ -175,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.part == "kernel":
+    if a.part == "ab":
+        if not a.baseline:
+            ap.error("ab needs --baseline REV")
+        rows = bench_ab(a.shape, a.baseline, a.batches, a.contexts, a.chunks, a.repeats,
+                        getattr(torch, a.kv_dtype))
+    elif a.part == "kernel":
         rows = bench_kernel(a.shape, a.chunks, a.contexts, a.repeats, getattr(torch, a.kv_dtype),
                             a.window)
     else:

@@ -3,46 +3,31 @@ process, alternating.
 
 For SmolLM2-1.7B shapes (q/o 2048x2048, gate_up 16384x2048, down 2048x8192) and row counts,
 times, alternating `--repeats` times and keeping each side's median:
-- "old": `kernels.qgemm` in the float activation mode (what iterserve_qgemm runs without bf16
-  dot products: the AVX-512 register kernel at 1-2 rows, the float32 panel GEMM from 3 rows on); for prefill
-  rows (> 32) `kernels.gemm` in float mode (what layers.py calls there);
-- "new": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 16 rows, the bf16
-  panel GEMM from 16), also "new_decode" (the K-chunked decode kernel),
-  "new_stream" (the streamed decode kernel, auto's default) and "new_panel" forced, for the
-  row threshold;
+- "float": `kernels.qgemm` in the float activation mode (the float register kernel at 1-2
+  rows, the float32 panel GEMM from 3 rows on); for prefill rows (> 32) `kernels.gemm` in
+  float mode (what layers.py calls there);
+- "bf16": `kernels.qgemm_bf16` (path auto: the bf16 decode kernel below 16 rows, the bf16
+  panel GEMM from 16), also "bf16_decode" and "bf16_panel" forced, for the row threshold;
 - "torch": torch's own bf16 matmul (oneDNN, avx512bf16) of x.bfloat16() @ W^T, then .float()
   (bf16 output rounding), for the prefill comparison.
 Decode rows report GB/s of weight bytes streamed; prefill rows GFLOP/s (2 M N K / s). F16
-weights at decode rows (<= 32; f16_variants): "old" = `qgemm` in the auto mode on the
-register-kernel F16 path (`f16_variant(F16_REGISTER)`), "new" = `qgemm` by default (f16dot.c's
-streamed kernel up to 16 rows),
-"stream512" / "stream2" the streamed kernel forced on AVX-512 / AVX2 at any row count, and
-"float_panel" prefill.c's float32 panel, for the row limit; at prefill rows "old" is
-the F16C float path and "new" the bf16 panel, weights rounded to bf16. `--shapes
+weights at decode rows (<= 32): "auto" = `qgemm` in the auto mode (f16dot.c's streamed
+kernel up to 16 rows), "stream512" / "stream2" the streamed kernel forced on AVX-512 / AVX2
+at any row count, and "float_panel" prefill.c's float32 panel, for the row limit. `--shapes
 gate` is one 8192x2048 gate / up segment (what a GGUF's step multiplies; `gate_up` the
 fused pair of a checkpoint).
+
+An A/B against the kernels of another commit runs this script (or `--e2e`) in a second
+worktree of that commit (`git worktree add ../ab <commit>`), alternating runs of the two
+trees with the same arguments: the product keeps no switch for superseded kernels.
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --types F16 --shapes qo gate down \
         --rows 1 2 4 8 12 16 24 --repeats 7 --threads 2          # ~3 min
 
-`--e2e F16_GGUF --f16-variants` alternates the register-kernel F16 path and the streamed kernel
-end to end (greedy generation of --batch sequences, auto mode):
-
-    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
-        smollm2-1.7b/smollm2-1.7b.F16.gguf --f16-variants --batch 8 --steps 16 --repeats 3 \
-        --threads 2
 Under load: medians of alternating repeats; threads via --threads (default 1: CPU time).
 
     PYTHONPATH=src python benchmarks/bench_bf16.py --quick   # ~1 min
     PYTHONPATH=src python benchmarks/bench_bf16.py           # ~4-6 min
-
-`--e2e MODEL --variants` runs the same generation in the auto mode with the decode kernel
-alternating between the K-chunked one (`bf16_variant("chunked")`) and the streamed one
-(`"streamed"`, the default), and also reports the steps' share of time by kind from the
-engine (prefill vs decode), for the decode-kernel decision:
-
-    PYTHONPATH=src python benchmarks/bench_bf16.py --e2e ~/.cache/iterserve-models/\
-        smollm2-1.7b/hf-bf16 --variants --batch 8 --steps 32 --repeats 3 --threads 2
 
 `--e2e MODEL --mix-split` runs `mix` (16 requests at --batch slots) offline and times every
 engine step: the share of prefill steps vs decode-only steps (by batch size) in `mix`:
@@ -75,8 +60,6 @@ from _timing import time_call  # noqa: E402  (benchmarks/ is the script's direct
 
 SHAPES = {"qo": (2048, 2048), "gate": (8192, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 BF16, F16 = 30, 1
-# The register-kernel F16 path's name in kernels.f16_variant (the kernels' own spelling).
-F16_REGISTER = "s15"
 
 
 def _time(fn, min_s: float) -> float:
@@ -91,18 +74,13 @@ def _weight(t: int, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def f16_variants(w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) -> dict:
-    """F16 decode rows (f16dot.c): "old" = `qgemm` in the auto mode on the register-kernel
-    path (f16_variant(F16_REGISTER): the register kernel at 1-2 rows, prefill.c's float32 panel
-    at 3-15, bf16dot.c's bf16 panel from 16), "new" = `qgemm` by default (auto mode: the streamed
-    kernel up to F16_STREAM_ROWS rows), "stream512" / "stream2" the streamed kernel forced
-    (AVX-512 / AVX2) at any row count, "float_panel" prefill.c's float32 panel (kernels.gemm
-    in float mode), for the row limit."""
-    def q(variant):
-        def fn():
-            kernels.set_activations("auto")
-            kernels.f16_variant(variant)
-            kernels.qgemm(F16, w, k, x, out)
-        return fn
+    """F16 decode rows: "auto" = `qgemm` in the auto mode (the streamed kernel up to 16
+    rows), "stream512" / "stream2" the streamed kernel forced (AVX-512 / AVX2) at any row
+    count, "float_panel" prefill.c's float32 panel (kernels.gemm in float mode), for the row
+    limit."""
+    def q():
+        kernels.set_activations("auto")
+        kernels.qgemm(F16, w, k, x, out)
 
     def forced(isa):
         return lambda: kernels.qgemm_f16(w, k, x, out, 0, isa)
@@ -110,8 +88,8 @@ def f16_variants(w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor) ->
     def float_panel():
         kernels.set_activations("float")
         kernels.gemm(F16, w, k, x, out)
-    v = {"old": q(F16_REGISTER), "new": q("streamed"), "stream512": forced("avx512")}
-    v["stream2"], v["float_panel"] = forced("avx2"), float_panel
+    v = {"float_panel": float_panel, "auto": q, "stream512": forced("avx512")}
+    v["stream2"] = forced("avx2")
     return v
 
 
@@ -127,10 +105,9 @@ def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor
     def new(path="auto"):
         return lambda: kernels.qgemm_bf16(t, w, k, x, out, 0, path)
 
-    v = {"old": old, "new": new()}
+    v = {"float": old, "bf16": new()}
     if m <= 32:
-        v["new_decode"], v["new_panel"] = new("decode"), new("panel")
-        v["new_stream"] = new("stream")
+        v["bf16_decode"], v["bf16_panel"] = new("decode"), new("panel")
     if torch_too and t == BF16:
         wt = w.view(torch.bfloat16)
 
@@ -138,47 +115,6 @@ def variants(t: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor
             out.copy_(torch.mm(x.bfloat16(), wt.t()))
         v["torch"] = tmm
     return v
-
-
-def variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
-                kind: str = "bf16") -> dict:
-    """Greedy generation of `batch` sequences, auto mode, the decode kernel alternating
-    `repeats` times after one warm-up round: median output tokens/s each. kind "bf16": the bf16
-    kernel chunked / streamed (bf16_variant); "f16": F16 weights' register-kernel path / the
-    streamed f16dot.c kernel (f16_variant F16_REGISTER / "streamed")."""
-    if kind == "f16":
-        return _variants_ab(model, batch, steps, repeats, threads, kernels.f16_variant,
-                            (F16_REGISTER, "streamed"))
-    return _variants_ab(model, batch, steps, repeats, threads, kernels.bf16_variant,
-                        ("chunked", "streamed"))
-
-
-def _variants_ab(model: str, batch: int, steps: int, repeats: int, threads: int, setter,
-                 names: tuple[str, str]) -> dict:
-    from iterserve import LLM, SamplingParams
-    torch.set_num_threads(threads)
-    llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
-    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    prompts = [f"Once upon a time {i}" for i in range(batch)]
-    kernels.set_activations("auto")
-    before = setter()
-    res: dict[str, list[float]] = {names[0]: [], names[1]: []}
-    try:
-        for rep in range(repeats + 1):
-            for v in res:
-                setter(v)
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, sp)
-                dt = time.perf_counter() - t0
-                if rep:
-                    res[v].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
-    finally:
-        setter(before)
-    med = {v: statistics.median(ts) for v, ts in res.items()}
-    a, b = names
-    return {"model": model, "batch": batch, "steps": steps, "threads": threads,
-            "repeats": repeats, f"{a}_tok_s": round(med[a], 3), f"{b}_tok_s": round(med[b], 3),
-            f"{b}_over_{a}": round(med[b] / med[a], 3), "raw": res}
 
 
 def mix_split(model: str, slots: int, threads: int) -> dict:
@@ -301,15 +237,14 @@ def run(rows, shapes, types, repeats: int, min_s: float, threads: int) -> list[d
                     for name, fn in vs.items():
                         times[name].append(_time(fn, min_s))
                 kernels.set_activations("float")
-                if t == F16:
-                    kernels.f16_variant("streamed")
                 med = {name: statistics.median(ts) for name, ts in times.items()}
                 row = {"type": tname, "shape": sname, "n": n, "k": k, "rows": m,
                        "threads": threads, "median_s": med}
                 if m <= 32:
                     row["GB_s"] = {name: 2 * n * k / s / 1e9 for name, s in med.items()}
                 row["GFLOP_s"] = {name: 2 * m * n * k / s / 1e9 for name, s in med.items()}
-                row["old_over_new"] = med["old"] / med["new"]
+                base, other = next(iter(med)), list(med)[1]
+                row[f"{base}_over_{other}"] = med[base] / med[other]
                 if "torch" in med:
                     row["torch_over_new"] = med["torch"] / med["new"]
                 res.append(row)
@@ -336,11 +271,6 @@ def main() -> None:
     ap.add_argument("--e2e", metavar="MODEL", help="end-to-end float vs auto decode A/B instead")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--variants", action="store_true",
-                    help="with --e2e: chunked vs streamed decode kernel (auto mode)")
-    ap.add_argument("--f16-variants", action="store_true",
-                    help="with --e2e on an F16 GGUF: the register-kernel F16 path vs the streamed "
-                         "f16dot.c kernel (auto mode)")
     ap.add_argument("--mix-split", action="store_true",
                     help="with --e2e: time `mix`'s engine steps, prefill vs decode (--batch slots)")
     ap.add_argument("--mix-bound", metavar="PROFILE_JSON",
@@ -362,12 +292,6 @@ def main() -> None:
     if a.e2e and a.mix_split:
         res = mix_split(a.e2e, a.batch, a.threads)
         print(json.dumps(res))
-        Path(a.out).write_text(json.dumps(res, indent=1))
-        return
-    if a.e2e and (a.variants or a.f16_variants):
-        res = variants_ab(a.e2e, a.batch, a.steps, a.repeats, a.threads,
-                          "f16" if a.f16_variants else "bf16")
-        print(json.dumps({k: v for k, v in res.items() if k != "raw"}))
         Path(a.out).write_text(json.dumps(res, indent=1))
         return
     if a.e2e:

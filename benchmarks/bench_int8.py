@@ -18,24 +18,19 @@ offline LLM, float and auto (the default: int8 where measured faster) alternatin
     PYTHONPATH=src python benchmarks/bench_int8.py --decode ~/.cache/iterserve-models/\
         smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf --batch 1 --steps 32 --repeats 3 --threads 2
 
-The K-quant decode path, all same process, alternating, `--clock cpu --cold 96`:
-`--crossover` (the decode kernels against the int8 prefill GEMM at decode row counts: where
-auto hands over), `--kq-variants 1,0,2,32` (K-chunk variants of the decode kernels),
-`--kq-variants t4,t6` (AVX-512 row tiles), `--kq-variants 1,0 --kq-gemm8` (the prefill GEMM's
-scalar vs vector K-quant scale decode); with `--decode`, `--kq-variants 1` runs the K-quant
-path with 16 KB K chunks, 4-row tiles and no hand-over (`chunk16k`) against the defaults
-(`default`) end to end.
+`--crossover` (same process, alternating, `--clock cpu --cold 96`) times the int8 decode
+kernels (qdot8.c), the int8 prefill GEMM (prefill8.c) and `auto` (the engine's dispatch,
+dispatch.c's table) at decode row counts: where auto hands over; `--sides decode,gemm8`
+picks sides (the first is the ratios' baseline); `--isa avx2` also forces the float kernels
+to AVX2 (an AVX2-only CPU):
 
-The 32-element types: `--crossover --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0` times the decode
-kernels, the int8 prefill GEMM, `auto` (the engine's dispatch) and `nohandover` (auto without
-the hand-over to the GEMM, which past the decode kernels' rows is the float path);
-`--sides decode,gemm8,nohandover` picks sides (the first is the ratios' baseline); `--isa avx2` also
-forces the float kernels to AVX2 (an AVX2-only CPU); `--gemm8-pack` times the prefill GEMM with
-prefill8.c's one-block panel decode against its grouped one:
-
-    PYTHONPATH=src python benchmarks/bench_int8.py --crossover --sides decode,gemm8,nohandover \
+    PYTHONPATH=src python benchmarks/bench_int8.py --crossover --sides decode,gemm8,auto \
         --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0 --shapes qo,gate_up,down --threads 1,2 \
         --rows 4,8,12,14,16,24,32 --clock cpu --cold 96      # ~6 min quiet
+
+An A/B against the kernels of another commit runs this script in a second worktree of that
+commit (`git worktree add ../ab <commit>`), alternating runs of the two trees with the same
+arguments, and compares their JSON: the product keeps no switch for superseded kernels.
 
 Every mode is one loop (`ab_grid`: the sides of a `*_sides` function alternated, medians,
 benchmarks/_timing.py).
@@ -75,7 +70,7 @@ def random_blocks(name: str, n: int, k: int, seed: int = 0) -> tuple[int, torch.
 
 CLOCK = time.perf_counter
 COPY_BYTES = 0          # --cold MB: weight copies cycled per call, at least this many bytes
-Q32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")     # the 32-element types (qdot8.c Q32_GEMM8_*)
+Q32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")     # the 32-element types
 
 
 def ab_grid(types, shapes, threads, rows, repeats: int, min_s: float, make_sides) -> list[dict]:
@@ -119,53 +114,18 @@ def float_int8_sides(name, t, next_w, k, x, y):
             {"float": lambda: kernels.set_activations("float")})
 
 
-def variants_sides(name, t, next_w, k, x, y):
-    """The int8 kernels' two AVX-512 variants for the 32-element types: pairs (the two-block
-    kernels) against groups (qdot8.c's 4-block VBMI kernels, the default); pairs_over_groups
-    > 1: the 4-block kernels are faster."""
-    lib = kernels._lib()
-    fn = lambda: kernels.qgemm_int8(t, next_w(), k, x, y)    # noqa: E731
-    return ({"pairs": fn, "groups": fn},
-            {"pairs": lambda: lib.iterserve_act8_variant(1),
-             "groups": lambda: lib.iterserve_act8_variant(0)})
-
-
-def _handover(rows: int) -> None:
-    """Where auto hands decode steps to the int8 prefill GEMM: 0 the measured rows (qdot8.c
-    KQ_GEMM8_ROWS_* / Q32_GEMM8_ROWS_*), 33 never, v from v rows (all types)."""
-    lib = kernels._lib()
-    lib.iterserve_act8_kq_gemm_rows(rows)
-    lib.iterserve_act8_q32_gemm_rows(rows)
-
-
 def crossover_sides(name, t, next_w, k, x, y):
     """The decode kernels (qdot8.c, `qgemm_int8`) against the int8 prefill GEMM (prefill8.c,
     `gemm_int8`) at decode row counts, and `auto` (kernels.qgemm in the auto mode: what the
-    engine runs, hand-over included) and `nohandover` (auto without the hand-over: for the
-    32-element types, beyond the decode kernels' rows, the float path).
-    decode_over_gemm8 > 1: the prefill GEMM is faster than the decode kernels."""
-    def auto(rows):
-        return lambda: (kernels.set_activations("auto"), _handover(rows))
+    engine runs, hand-over included). decode_over_gemm8 > 1: the prefill GEMM is faster than
+    the decode kernels."""
     sides = {"decode": lambda: kernels.qgemm_int8(t, next_w(), k, x, y),
              "gemm8": lambda: kernels.gemm_int8(t, next_w(), k, x, y),
              "auto": lambda: kernels.qgemm(t, next_w(), k, x, y)}
-    prepare = {"auto": auto(0)}
-    if name in Q32:
-        sides["nohandover"] = sides["auto"]
-        prepare["nohandover"] = auto(33)
-    prepare["decode"] = prepare["gemm8"] = lambda: _handover(0)
+    prepare = {"auto": lambda: kernels.set_activations("auto"),
+               "decode": lambda: kernels.set_activations("float"),
+               "gemm8": lambda: kernels.set_activations("float")}
     return sides, prepare
-
-
-def pack_sides(name, t, next_w, k, x, y):
-    """The int8 prefill GEMM (kernels.gemm_int8) with prefill8.c's two panel decodes for the
-    32-element types: oneblock (one block of a row at a time) against grouped (8 blocks of a
-    row and a prefetch, the default); oneblock_over_grouped > 1: the grouped decode is faster."""
-    lib = kernels._lib()
-    fn = lambda: kernels.gemm_int8(t, next_w(), k, x, y)     # noqa: E731
-    return ({"oneblock": fn, "grouped": fn},
-            {"oneblock": lambda: lib.iterserve_gemm8_pack_variant(1),
-             "grouped": lambda: lib.iterserve_gemm8_pack_variant(0)})
 
 
 def only_sides(make_sides, names):
@@ -177,73 +137,21 @@ def only_sides(make_sides, names):
     return make
 
 
-def kq_variants_sides(variants, gemm8: bool):
-    """The K-quant decode kernels' K-chunking / tile variants (`_kq_set`; the first is the
-    baseline), or with gemm8 the int8 prefill GEMM's (variant 1: its scalar scale decode)."""
-    def make(name, t, next_w, k, x, y):
-        call = kernels.gemm_int8 if gemm8 else kernels.qgemm_int8
-        fn = lambda: call(t, next_w(), k, x, y)              # noqa: E731
-        return ({f"v{v}": fn for v in variants},
-                {f"v{v}": (lambda v=v: _kq_set(v)) for v in variants})
-    return make
-
-
-def _kq_set(v: str) -> None:
-    """A --kq-variants token: N = K-chunk variant N (qdot8.c kq_variant) with 8-row tiles;
-    tN = the default chunks with N-row AVX-512 tiles (kq_tile, 4 or 8)."""
-    lib = kernels._lib()
-    lib.iterserve_act8_kq_variant(0 if v.startswith("t") else int(v))
-    lib.iterserve_act8_kq_tile(int(v[1:]) if v.startswith("t") else 8)
-
-
-def _kq_mode(mode: str) -> None:
-    """chunk16k: the K-quant decode kernels with 16 KB K chunks, 4-row tiles and no hand-over
-    to the prefill GEMM; default: the defaults (qdot8.c kq_variant 0, KQ_GEMM8_ROWS_*)."""
-    lib = kernels._lib()
-    lib.iterserve_act8_kq_variant(1 if mode == "chunk16k" else 0)
-    lib.iterserve_act8_kq_gemm_rows(33 if mode == "chunk16k" else 0)
-    lib.iterserve_act8_kq_tile(4 if mode == "chunk16k" else 8)
-
-
-def _q32_mode(mode: str) -> None:
-    """nohandover: the 32-element types' decode steps on the decode kernels up to 32 rows
-    (no hand-over to the int8 prefill GEMM) and its one-block panel decode; default: the
-    defaults (qdot8.c Q32_GEMM8_ROWS_*, the grouped panel decode)."""
-    lib = kernels._lib()
-    lib.iterserve_act8_q32_gemm_rows(33 if mode == "nohandover" else 0)
-    lib.iterserve_gemm8_pack_variant(1 if mode == "nohandover" else 0)
-
-
-def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
-              variants: bool = False, kq: bool = False, q32: bool = False) -> dict:
+def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
     """Greedy generation of `batch` sequences through the offline LLM, float and auto modes
     alternating `repeats` times (after one warm-up round), `steps` tokens each: median output
-    tokens/s per mode (random-weight models: greedy tokens need not agree). variants: the
-    32-element types' two AVX-512 kernels; kq: the K-quant decode path with 16 KB chunks and no
-    hand-over against the defaults (`_kq_mode`), both auto; q32: the 32-element types without
-    the hand-over against the defaults (`_q32_mode`), both auto."""
+    tokens/s per mode (random-weight models: greedy tokens need not agree)."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    modes = ("chunk16k", "default") if kq else ("nohandover", "default") if q32 \
-        else ("pairs", "groups") if variants else ("float", "auto")
+    modes = ("float", "auto")
     res = {m: [] for m in modes}
     texts = {}
     for rep in range(repeats + 1):
         for mode in modes:
-            if kq:
-                kernels.set_activations("auto")
-                _kq_mode(mode)
-            elif q32:
-                kernels.set_activations("auto")
-                _q32_mode(mode)
-            elif variants:           # both auto; the AVX-512 kernels of the 32-element types
-                kernels.set_activations("auto")
-                kernels._lib().iterserve_act8_variant(1 if mode == "pairs" else 0)
-            else:
-                kernels.set_activations(mode)
+            kernels.set_activations(mode)
             t0 = CLOCK()
             outs = llm.generate(prompts, sp)
             dt = CLOCK() - t0
@@ -251,13 +159,6 @@ def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int,
             if rep:                                    # the first round warms up
                 res[mode].append(toks / dt)
             texts[mode] = [list(o.outputs[0].token_ids) for o in outs]
-    if variants:
-        kernels._lib().iterserve_act8_variant(0)
-        kernels._lib().iterserve_gemm8_pack_variant(0)
-    if kq:
-        _kq_mode("default")
-    if q32:
-        _q32_mode("default")
     a_, b_ = modes
     agree = sum(a == b for x, y in zip(texts[a_], texts[b_]) for a, b in zip(x, y))
     total = sum(len(x) for x in texts[a_])
@@ -285,29 +186,12 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (one thread on a loaded machine: "
                          "time lost to other processes does not count)")
-    ap.add_argument("--variants", action="store_true",
-                    help="the 4-block AVX-512 VBMI kernels of the 32-element types against the "
-                         "two-block pair kernels (int8 GEMMs; with --decode: auto mode)")
     ap.add_argument("--crossover", action="store_true",
                     help="the decode kernels against the int8 prefill GEMM (prefill8.c) at "
                          "decode row counts (where auto hands the K-quants over)")
-    ap.add_argument("--gemm8-pack", action="store_true",
-                    help="the int8 prefill GEMM with prefill8.c's one-block panel decode of the "
-                         "32-element types against its grouped one")
-    ap.add_argument("--q32", action="store_true",
-                    help="with --decode: the 32-element types without the hand-over to the int8 "
-                         "prefill GEMM against the defaults, both auto")
     ap.add_argument("--sides", default=None, metavar="S,S,...",
-                    help="with --crossover: only these sides (decode, gemm8, auto, nohandover; the "
+                    help="with --crossover: only these sides (decode, gemm8, auto; the "
                          "first is the baseline of the ratios)")
-    ap.add_argument("--kq-variants", default=None, metavar="V,V,...",
-                    help="the K-quant decode kernels' K-chunking variants (qdot8.c "
-                         "iterserve_act8_kq_variant; the first is the baseline), e.g. 1,0; "
-                         "with --decode (any value): the K-quant path with 16 KB chunks, 4-row "
-                         "tiles and no hand-over against the defaults")
-    ap.add_argument("--kq-gemm8", action="store_true",
-                    help="with --kq-variants: time the int8 prefill GEMM (prefill8.c; variant 1 "
-                         "= its scalar K-quant scale decode) instead of the decode kernels")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="cycle distinct weight copies of at least MB megabytes in "
                          "all (more than the L3), so each call streams its weights from memory")
@@ -321,39 +205,30 @@ def main() -> None:
         CLOCK = time.process_time
     if a.isa:
         kernels.int8_isa(a.isa)
-        if a.isa == "avx2":     # an AVX2-only CPU: the float kernels (the `nohandover` side) too
+        if a.isa == "avx2":     # an AVX2-only CPU: the float kernels too
             kernels.gemm_isa("avx2")
     meta = {"machine": platform.processor() or platform.machine(), "features":
             sorted(kernels.features()), "int8_isa": kernels.int8_isa(), "note":
-            "same process, the two sides alternating (float / int8, or the variants named), "
+            "same process, the sides alternating (float / int8, or the sides named), "
             "medians; machine possibly loaded",
             "clock": a.clock}
     if a.decode:
         result = {**meta, "decode": decode_ab(a.decode, a.batch, a.steps, a.repeats,
-                                              int(a.threads.split(",")[-1]), a.variants,
-                                              kq=bool(a.kq_variants), q32=a.q32)}
+                                              int(a.threads.split(",")[-1]))}
         print(json.dumps(result["decode"]))
         out = a.out or f"benchmarks/results/int8-decode-b{a.batch}.json"
     else:
         if a.quick:
             a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
-        sides = variants_sides if a.variants else crossover_sides if a.crossover \
-            else pack_sides if a.gemm8_pack else float_int8_sides
+        sides = crossover_sides if a.crossover else float_int8_sides
         if a.crossover and a.sides:
             sides = only_sides(sides, a.sides.split(","))
-        if a.kq_variants:
-            sides = kq_variants_sides(tuple(a.kq_variants.split(",")), a.kq_gemm8)
         rows = ab_grid(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
                        a.repeats, a.min_s, sides)
-        _kq_set("0")
-        _handover(0)
-        kernels._lib().iterserve_act8_variant(0)
+        kernels.set_activations("float")
         result = {**meta, "results": rows}
-        out = a.out or ("benchmarks/results/int8-variants.json" if a.variants
-                        else "benchmarks/results/kq-crossover.json" if a.crossover
-                        else "benchmarks/results/gemm8-pack.json" if a.gemm8_pack
-                        else "benchmarks/results/kq-variants.json" if a.kq_variants
+        out = a.out or ("benchmarks/results/kq-crossover.json" if a.crossover
                         else "benchmarks/results/int8-qgemm.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,26 +1,27 @@
-"""The K-quant decode kernels (model/kernels/qdot8.c), per-tile against per-call super-block
-decode, same process, alternating.
+"""The K-quant int8 kernels (model/kernels/qdot8.c's decode kernels, prefill8.c's GEMM) on
+real shapes, same process, alternating.
 
-The per-tile kernels (`dotk_*`) decode a super-block once per row tile (4 rows on AVX2, up to
-6 on AVX-512 where K <= 4096); the per-call ones (`dotkw_*`, the default) once for all rows of
-the call (tiles of up to 12) with a shorter per-row tail. For each type, SmolLM2-1.7B shape (qo 2048x2048,
-gate_up 8192x2048, down 2048x8192, lm_head 49152x2048) or Llama-3.1-8B shape (qo8 4096x4096,
-gate_up8 28672x4096, down8 4096x14336), thread count and row count, `kernels.qgemm_int8` runs
-under `iterserve_act8_kq_decode(1)` (pertile) and `(0)` (percall) in turn, `--repeats` times,
-each timing at least `--min-s`; medians; `pertile_over_percall` > 1 means the per-call kernels
-are faster.
-`--cold MB` cycles weight copies of at least MB megabytes so each call streams from memory
-(more than the 32 MB L3: 96). `--clock cpu` times this process's CPU time (one thread on a
-loaded machine: time lost to other processes does not count; with two threads it sums both).
-`--tiles 4,8,12` instead compares dotkw tile sizes (iterserve_act8_kq_decode(100 + rows)).
+For each type, SmolLM2-1.7B shape (qo 2048x2048, gate_up 8192x2048, down 2048x8192, lm_head
+49152x2048) or Llama-3.1-8B shape (qo8 4096x4096, gate_up8 28672x4096, down8 4096x14336),
+thread count and row count, the decode kernels (`kernels.qgemm_int8`) and the int8 GEMM
+(`kernels.gemm_int8`) run in turn, `--repeats` times, each timing at least `--min-s`;
+medians; `decode_over_gemm8` < 1 means the decode kernels are faster (what dispatch.c's
+hand-over rows are measured from). `--cold MB` cycles weight copies of at least MB megabytes
+so each call streams from memory (more than the 32 MB L3: 96). `--clock cpu` times this
+process's CPU time (one thread on a loaded machine: time lost to other processes does not
+count; with two threads it sums both).
 
     PYTHONPATH=src python benchmarks/bench_kq_decode.py --cold 96 --clock cpu --threads 1
-    PYTHONPATH=src python benchmarks/bench_kq_decode.py --cold 96 --threads 2 --rows 1,8
     PYTHONPATH=src python benchmarks/bench_kq_decode.py --decode MODEL.gguf --batch 8 \\
         --steps 16 --repeats 3 --threads 2 --out benchmarks/results/kq-decode-e2e-b8.json
 
-`--decode` instead times end-to-end greedy generation (the offline LLM, auto activations)
-with the two kernel sets alternating in one process. Writes JSON (`--out`, default benchmarks/results/kq-decode.json).
+`--decode` instead times end-to-end greedy generation (the offline LLM, auto activations).
+Writes JSON (`--out`, default benchmarks/results/kq-decode.json).
+
+An A/B against the kernels of another commit: check that commit out in a second worktree
+(`git worktree add ../ab <commit>`), run this script in both trees alternately (same
+machine, same arguments, interleaved runs) and compare the JSON files; the product keeps no
+switch for superseded kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ SHAPES = {"qo": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192),
 
 
 def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> list[dict]:
-    lib = kernels._lib()
     out = []
     for name in types:
         for shape in shapes:
@@ -61,12 +61,12 @@ def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> l
                     y = torch.empty(m, n)
                     it = iter(range(1 << 62))
                     fn = lambda: kernels.qgemm_int8(t, ws[next(it) % len(ws)], k, x, y)  # noqa: E731
-                    times = {s: [] for s, _ in sides}
+                    fns = {"decode": fn, "gemm8": lambda: kernels.gemm_int8(  # noqa: E731
+                        t, ws[next(it) % len(ws)], k, x, y)}
+                    times = {s: [] for s in sides}
                     for _ in range(repeats):
-                        for s, setv in sides:
-                            for v in setv:
-                                lib.iterserve_act8_kq_decode(v)
-                            times[s].append(time_call(fn, min_s, clock))
+                        for s in sides:
+                            times[s].append(time_call(fns[s], min_s, clock))
                     med = {s: statistics.median(v) for s, v in times.items()}
                     base = sides[0][0]
                     row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th, "rows": m,
@@ -76,36 +76,27 @@ def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> l
                               for s in med if s != base}}
                     print(json.dumps(row), flush=True)
                     out.append(row)
-    lib.iterserve_act8_kq_decode(100 + 12)
-    lib.iterserve_act8_kq_decode(0)
     return out
 
 
 def decode_ab(model: str, batch: int, steps: int, repeats: int, threads: int) -> dict:
-    """End to end in one process: greedy generation of `batch` sequences, `steps` tokens
-    each, through the offline LLM (auto activations), with the per-tile K-quant decode
-    kernels and the per-call ones alternating (after one warm-up round each): median output
-    tokens/s per side (prefill of the short prompts included in both)."""
+    """End to end: greedy generation of `batch` sequences, `steps` tokens each, through the
+    offline LLM (auto activations), after one warm-up round: median output tokens/s
+    (prefill of the short prompts included)."""
     from iterserve import LLM, SamplingParams
     torch.set_num_threads(threads)
-    lib = kernels._lib()
     llm = LLM(model=model, max_num_seqs=max(batch, 1), kv_cache_memory=0.25)
     sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     prompts = [f"Once upon a time {i}" for i in range(batch)]
-    res = {"pertile": [], "percall": []}
+    res = []
     for rep in range(repeats + 1):
-        for side in res:
-            lib.iterserve_act8_kq_decode(1 if side == "pertile" else 0)
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp)
-            dt = time.perf_counter() - t0
-            if rep:
-                res[side].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
-    lib.iterserve_act8_kq_decode(0)
-    med = {s: statistics.median(v) for s, v in res.items()}
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+        if rep:
+            res.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
     return {"model": model, "batch": batch, "steps": steps, "threads": threads,
-            "pertile_tok_s": round(med["pertile"], 3), "percall_tok_s": round(med["percall"], 3),
-            "percall_over_pertile": round(med["percall"] / med["pertile"], 3), "raw": res}
+            "tok_s": round(statistics.median(res), 3), "raw": res}
 
 
 def main() -> None:
@@ -119,9 +110,7 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=96, metavar="MB")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--isa", choices=["avx2", "avx512vnni"], default=None)
-    ap.add_argument("--tiles", default=None, metavar="R,R,...",
-                    help="compare dotkw tile sizes instead (the first is the baseline)")
-    ap.add_argument("--decode", metavar="GGUF", help="end-to-end A/B on this model instead")
+    ap.add_argument("--decode", metavar="GGUF", help="end-to-end generation on this model instead")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", default="benchmarks/results/kq-decode.json")
@@ -135,15 +124,12 @@ def main() -> None:
         print(json.dumps(res))
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"features": sorted(kernels.features()),
-                                           "note": "same process, alternating; under load",
+                                           "note": "under load",
                                            "decode": res}, indent=1) + "\n")
         print("wrote", a.out)
         return
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    if a.tiles:
-        sides = [(f"t{r}", (0, 100 + int(r))) for r in a.tiles.split(",")]
-    else:
-        sides = [("pertile", (1,)), ("percall", (0, 112))]
+    sides = ["decode", "gemm8"]
     rows = ab(a.types.split(","), a.shapes.split(","), [int(v) for v in a.threads.split(",")],
               [int(v) for v in a.rows.split(",")], a.repeats, a.min_s, a.cold, clock, sides)
     meta = {"machine": platform.processor() or platform.machine(),

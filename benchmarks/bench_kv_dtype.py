@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from iterserve.lab.calibrate import GridPoint, _build_outputs
+    from iterserve.core.fit import GridPoint
+    from iterserve.lab.calibrate import _build_outputs
     from iterserve.model.loader import load_model
     from iterserve.model.runner import ModelRunner
 

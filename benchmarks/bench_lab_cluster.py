@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from iterserve.core.cost_model import load_cost_model
 from iterserve.lab.cluster import plan_cluster, simulate_cluster, summarize_cluster
-from iterserve.lab.cost_model import load_cost_model
 
 WORKLOAD = {"batching": "continuous", "max_num_seqs": 32, "prompt_len": [20, 100],
             "prefix_groups": 256, "prefix_len": 512, "prefix_zipf": 0.8,

@@ -312,7 +312,7 @@ def _baseline_lib(rev: str):
             if name.endswith(".c"):
                 srcs.append(os.path.join(d, name))
     out = os.path.join(d, "base.so")
-    flags = [f for f in kernels._FLAGS]
+    flags = [f for f in kernels.build._FLAGS]
     subprocess.run([kernels._compiler(), *flags, *srcs, "-o", out], check=True)
     lib = ctypes.CDLL(out)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -320,7 +320,13 @@ def _baseline_lib(rev: str):
         fn = getattr(lib, name)
         fn.restype = None if name == "iterserve_qgemm" else i32
         fn.argtypes = [i64, p, i64, i64, i64, p, i64, i64, p, i64, i32]
-    lib.iterserve_gemm_isa.restype, lib.iterserve_gemm_isa.argtypes = i64, [i64]
+    if hasattr(lib, "iterserve_configure"):         # one configuration, set once
+        from iterserve.model.kernels._abi import Config
+        lib.iterserve_configure.restype, lib.iterserve_configure.argtypes = None, [p]
+        lib.iterserve_configure(ctypes.byref(Config(0, 0, 0)))
+    else:                                             # a tree with per-file ISA setters
+        lib.iterserve_gemm_isa.restype, lib.iterserve_gemm_isa.argtypes = i64, [i64]
+        lib.iterserve_gemm_isa(0)
     return lib
 
 
@@ -335,7 +341,6 @@ def ab(rows_list: list[int], rounds: int, types_: list[str], shapes: list[str], 
     from fixtures.gguf_blocks import gguf_blocks
     from iterserve.model import kernels
     base = _baseline_lib(rev)
-    base.iterserve_gemm_isa(0)
     kernels.gemm_isa(None)
     threads = torch.get_num_threads()
     clock = time.thread_time if threads == 1 else time.perf_counter

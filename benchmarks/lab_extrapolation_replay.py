@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import iterserve.lab.cost_model as cm
-from iterserve.lab.cost_model import CostModel
+import iterserve.core.cost_model as cm
+from iterserve.core.cost_model import CostModel
 from slo_workloads import preset_options
 import slo_engine_tradeoffs as t
 RESULTS = Path(__file__).resolve().parent / "results"

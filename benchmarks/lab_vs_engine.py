@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # slo_workloads, for 
 
 from iterserve.bench.client import machine_info
 from iterserve.bench.workloads import Workload, build_workload
+from iterserve.core.cost_model import CostModel, load_cost_model
 from iterserve.core.step_time import attention_pairs
-from iterserve.lab.cost_model import CostModel, load_cost_model
 from iterserve.lab.simulator import SimResult, SimSettings, simulate
 from iterserve.lab.workload import RequestSpec
 

@@ -43,9 +43,9 @@ import numpy as np
 
 from iterserve.bench.client import ClientOptions, machine_info, run_workload
 from iterserve.bench.workloads import BenchRequest, Workload, build_workload
+from iterserve.core.cost_model import load_cost_model
 from iterserve.engine.args import EngineArgs
 from iterserve.lab.cluster import simulate_replicas
-from iterserve.lab.cost_model import load_cost_model
 from iterserve.lab.simulator import SimSettings
 from iterserve.lab.workload import RequestSpec
 

@@ -132,7 +132,7 @@ def _native_profiler():
 def _type_name(t: int) -> str:
     from iterserve.model import kernels
     try:
-        return kernels._type_names().get(t, f"type{t}")
+        return kernels.build._type_names().get(t, f"type{t}")
     except Exception:               # noqa: BLE001 - a name is only a label
         return f"type{t}"
 
@@ -269,14 +269,15 @@ def profile(engine, steps: int, top: int = 25) -> dict:
 
 def native_work_entries() -> list[str]:
     """The kernel library's entries that do work on buffers: every entry of its function table
-    (`kernels._ARGTYPES`, as iterserve.h declares them) that takes a pointer, but the ABI
-    self-description. What Python alone stubs, taken from the table so that a kernel added
+    (`kernels._abi.ARGTYPES`, as iterserve.h declares them) that takes a pointer, but the ABI
+    self-description and the configuration. What Python alone stubs, taken from the table so that a kernel added
     later is stubbed too. The others take integers only: pure ISA / dispatch queries
-    (`iterserve_can_gemm8`, `iterserve_bf16_takes`, ...) that stay real, so the step takes
+    (`iterserve_can_gemm8`, `iterserve_route`, ...) that stay real, so the step takes
     the same Python path as with the kernels."""
     from iterserve.model import kernels
-    return [n for n, (_, args) in kernels._ARGTYPES.items()
-            if ctypes.c_void_p in args and n != "iterserve_abi"]
+    return [n for n, (_, args) in kernels._abi.ARGTYPES.items()
+            if ctypes.c_void_p in args
+            and n not in ("iterserve_abi", "iterserve_configure", "iterserve_config_state")]
 
 
 def python_only(engine, steps: int) -> dict:

@@ -52,6 +52,12 @@ figures are also given as a fraction of the bandwidth bound.
         --iterserve-variants "base=" "f16kv=--kv-cache-dtype float16" \\
         "passive=OMP_WAIT_POLICY=PASSIVE"      # A/B one engine's flags / environment
 
+`--iterserve-variants` compares flags of one tree. Kernels have no run-time switch for a
+superseded generation: an A/B against the kernels of another commit checks that commit out
+in a second worktree (`git worktree add ../ab <commit>`) and runs this script there and here
+in alternation with the same arguments (or passes that tree's `src` as PYTHONPATH in a
+variant's environment, e.g. "ab=PYTHONPATH=../ab/src").
+
 A model is `NAME:FORMAT` (NAME a shape from benchmarks/models.py, FORMAT a GGUF type
 `<NAME>.<FORMAT>.gguf` in its cache folder, `blocks-Q4_K_M` for the block-recipe files, or
 `hf-bf16`), `bundled`, or a path. JSON goes to benchmarks/results/bench-<tag>.json.
@@ -129,7 +135,8 @@ def model_limits(m: ModelFile) -> dict:
         heads = c["num_attention_heads"]
         return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads", heads),
                 "head_dim": c.get("head_dim") or c["hidden_size"] // heads}
-    from iterserve.model.gguf_loader import open_gguf, read_gguf_config
+    from iterserve.model.gguf import open_gguf
+    from iterserve.model.gguf_loader import read_gguf_config
     c = read_gguf_config(open_gguf(m.path))
     heads = c["num_attention_heads"]
     return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads") or heads,

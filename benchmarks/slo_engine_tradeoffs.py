@@ -68,9 +68,9 @@ from slo_workloads import bench_workload, plan, preset_options, serve_args  # no
 import iterserve.bench.client as bench_client  # noqa: E402
 from iterserve.bench.client import ClientOptions, machine_info, run_workload  # noqa: E402
 from iterserve.bench.metrics import SLO  # noqa: E402
-from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
+from iterserve.core.cost_model import load_cost_model  # noqa: E402
 from iterserve.core.step_time import attention_pairs  # noqa: E402
-from iterserve.lab.cost_model import load_cost_model  # noqa: E402
+from iterserve.lab.api import LONGPROMPT_SHORT, run_lab  # noqa: E402
 # The one definition of the preset rate scale and its reference step: lab_vs_engine.py.
 from lab_vs_engine import rate_scale as preset_rate_scale  # noqa: E402
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from iterserve.core.cost_model import load_cost_model
 from iterserve.lab.api import plan_lab, run_lab, simulate_plan
 from iterserve.lab.metrics import summarize
-from iterserve.lab.cost_model import load_cost_model
 from iterserve.lab.options import PRESETS
 
 

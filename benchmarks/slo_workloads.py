@@ -29,7 +29,7 @@ def preset_options(preset: str, **over: Any) -> dict[str, Any]:
 def plan(preset: str, **over: Any) -> LabPlan:
     opts = apply_preset({"preset": None, **preset_options(preset, **over)})
     if isinstance(opts.get("cost_model"), str):
-        from iterserve.lab.cost_model import load_cost_model
+        from iterserve.core.cost_model import load_cost_model
 
         opts["cost_model"] = load_cost_model(opts["cost_model"])
     opts.setdefault("batching", "continuous")

@@ -33,15 +33,9 @@ PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
 )]
 
 # What must stay, each with why: (path relative to the repository, exact text on the line).
-ALLOWED = {
-    # The kernels' own spelling of the F16 register-kernel variant (kernels.f16_variant);
-    # it goes when the kernels drop that variant.
-    ("benchmarks/bench_bf16.py", 'F16_REGISTER = "s15"'),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
-# TODO(integrator): remove this exclusion once the kernels rewrite (src/iterserve/model/
-# kernels/**) is merged: its comments still name sessions and s14/s15 variants until then.
-EXCLUDED_DIRS = ("src/iterserve/model/kernels",)
+EXCLUDED_DIRS: tuple[str, ...] = ()
 
 TEXT_SUFFIXES = {".py", ".md", ".js", ".html", ".css", ".json", ".toml", ".txt", ".c", ".h",
                  ".cfg", ".ini", ".yaml", ".yml", ".jinja", ".sh"}
@@ -64,10 +58,17 @@ def scanned_files() -> list[Path]:
     return [p for p in files if p.is_file()]
 
 
+# In C, s12 / s16 are ordinary identifiers (12 scale bytes, 16-bit lanes): there the variant
+# pattern only counts a quoted or assigned name ("s15", =s15) or one naming a kernel or path.
+C_VARIANT = re.compile(r'["=]s1\d\b|\bs1\d(?:\'s)? (?:kernels?|paths?|variants?)\b', re.IGNORECASE)
+C_PATTERNS = [C_VARIANT] + [p for p in PATTERNS if p.pattern != r"\bs1\d\b"]
+
+
 def offending_lines(rel: str, text: str) -> list[str]:
     out = []
+    patterns = C_PATTERNS if rel.endswith((".c", ".h")) else PATTERNS
     for no, line in enumerate(text.splitlines(), 1):
-        if any(pat.search(line) for pat in PATTERNS):
+        if any(pat.search(line) for pat in patterns):
             if not any(rel == path and snippet in line for path, snippet in ALLOWED):
                 out.append(f"{rel}:{no}: {line.strip()[:120]}")
     return out
@@ -83,6 +84,9 @@ def test_the_patterns_catch_history_and_spare_the_product():
                "the validation functions", "s8 slots", "--sat-slots 8,16,32"]
     assert all(offending_lines("x", s) for s in history)
     assert not any(offending_lines("x", s) for s in product)
+    assert offending_lines("k.c", "/* as ITERSERVE_KQ_DECODE=s15 did */")
+    assert offending_lines("k.c", "/* the s15 kernel */")
+    assert not offending_lines("k.c", "q4k_scales(s12, u); const __m256i s16 = x;")
 
 
 def test_the_scope_is_what_the_product_ships():

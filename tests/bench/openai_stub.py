@@ -26,6 +26,7 @@ class StubConfig:
     first_token_delay_s: float = 0.01
     send_usage: bool = True
     fail_prompts_containing: str | None = None
+    cached_tokens: int | None = None       # sent as usage.prompt_tokens_details when set
     received: list[dict] = field(default_factory=list)
 
 
@@ -50,6 +51,8 @@ def make_app(cfg: StubConfig) -> FastAPI:
         yield f"data: {json.dumps({'id': 'x', 'choices': [final]})}\n\n"
         if cfg.send_usage and (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": n + 7}
+            if cfg.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": cfg.cached_tokens}
             yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -6,9 +6,10 @@ import json
 import pytest
 
 from iterserve.bench.cli import register
-from iterserve.bench.client import BenchClientError, ClientOptions, run_sweep, run_workload
+from iterserve.bench.client import ClientOptions, run_sweep, run_workload
 from iterserve.bench.metrics import SLO
 from iterserve.bench.workloads import build_workload
+from iterserve.errors import BenchClientError
 
 from .openai_stub import StubConfig, running_stub
 
@@ -121,3 +122,25 @@ def test_the_cli_writes_the_json_result(tmp_path, capsys):
     assert "output tok/s" in capsys.readouterr().out
     args = parser.parse_args(["bench", "serve", "--base-url", "http://x", "--slo", "bogus"])
     assert args.func(args) == 2
+
+
+def test_sessions_send_each_turn_after_the_last_answered_and_summarise_per_turn():
+    import asyncio
+
+    from iterserve.bench.sessions import run_sessions, ttft_over_turns
+    from iterserve.bench.workloads import agent
+
+    w = agent(num_requests=3, num_turns=4, system_len=20, tool_len=(5, 8), answer_len=(2, 3))
+    cfg = StubConfig(cached_tokens=11)
+    with running_stub(cfg) as url:
+        doc = asyncio.run(run_sessions(url, w, turns=(2, 4)))
+    assert doc["kind"] == "sessions" and doc["turns"] == [2, 4]
+    assert doc["summary"]["completed"] == 9 and doc["summary"]["failed"] == 0
+    assert sorted(doc["per_turn"]) == ["2", "3", "4"]
+    assert all(t["completed"] == 3 and t["cached_tokens"] == 33 for t in doc["per_turn"].values())
+    # each session's turns reached the server in order, one at a time
+    sent = [b["prompt"] for b in cfg.received]
+    for s in range(3):
+        mine = [p for p in sent if p in {r.prompt for r in w.requests if r.session == s}]
+        assert mine == [r.prompt for r in w.requests if r.session == s and r.turn >= 2]
+    assert ttft_over_turns(doc, 2, 4) > 0

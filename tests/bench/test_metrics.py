@@ -2,8 +2,8 @@
 
 import pytest
 
-from iterserve.bench.metrics import (SLO, RequestRecord, SLOError, parse_slo, percentile,
-                                     summarize)
+from iterserve.bench.metrics import SLO, RequestRecord, parse_slo, percentile, summarize
+from iterserve.errors import SLOError
 
 
 def rec(i, ttft, gaps, ok=True, prompt_len=10):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from iterserve.bench.offline import CountingExecutor, OfflineBenchError, run_offline
+from iterserve.bench.offline import CountingExecutor, run_offline
+from iterserve.errors import OfflineBenchError
 
 
 @pytest.fixture(scope="module")

@@ -63,20 +63,20 @@ def test_profile_rows_add_up_to_the_step_and_split_the_layer_gemms_by_type(tmp_p
 
 def test_python_alone_stubs_every_native_entry_that_does_work():
     """"Python alone" stubs the kernel library's function table, not a hand-kept list (which
-    would miss a new entry, as it once missed the int8 prefill GEMM, bf16 GEMM, prefill attention
-    and act8): every
+    can miss a kernel added later): every
     entry the wrappers call that takes a pointer is stubbed; what stays real are pure integer
     queries (ISA and dispatch decisions), so the step keeps its Python path."""
     import re
     stubbed = set(profile_decode.native_work_entries())
-    assert {"iterserve_qgemm", "iterserve_gemm", "iterserve_gemm8", "iterserve_qgemm_act8",
-            "iterserve_bf16_gemm", "iterserve_prefill_attention", "iterserve_decode_attention_kv",
+    assert {"iterserve_qgemm", "iterserve_gemm", "iterserve_linear_kernel", "iterserve_k_bf16",
+            "iterserve_k_f16", "iterserve_prefill_attention", "iterserve_decode_attention_kv",
             "iterserve_decode_layers_kv", "iterserve_rmsnorm", "iterserve_dequant"} <= stubbed
-    src = (Path(kernels.__file__)).read_text()
+    src = "".join(p.read_text() for p in Path(kernels.__file__).parent.glob("*.py"))
     called = set(re.findall(r"(?:\blib|\b_lib\(\))\.(iterserve_\w+)", src))
     assert "iterserve_prefill_attention" in called and len(called) > 15
-    table = kernels._ARGTYPES
-    for name in called - stubbed - {"iterserve_abi", "iterserve_qgemm_path"}:
-        assert name in table, f"{name} is called but not in kernels._ARGTYPES"
-        assert all(t is not kernels._p for t in table[name][1]), \
+    table = kernels._abi.ARGTYPES
+    for name in called - stubbed - {"iterserve_abi", "iterserve_configure",
+                                    "iterserve_config_state"}:
+        assert name in table, f"{name} is called but not in kernels._abi.ARGTYPES"
+        assert all(t is not kernels._abi._p for t in table[name][1]), \
             f"{name} takes a pointer (does work) but Python alone would not stub it"

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench.workloads import (WORKLOADS, WorkloadError, build_workload,
-                                       load_length_distribution, make_prompt)
+from iterserve.bench.workloads import (WORKLOADS, build_workload, load_length_distribution,
+                                       make_prompt)
+from iterserve.errors import WorkloadError
 
 
 def test_mix_is_48_requests_80_percent_short_20_percent_long_all_at_t0():
@@ -106,3 +107,36 @@ def test_a_prompt_of_n_words_is_exactly_n_tokens_for_the_default_models_tokenize
     reqs = list(build_workload("mix").requests) + list(build_workload("longprompt").requests)
     for r in reqs:
         assert len(tok.encode(r.prompt).ids) == r.prompt_len, r.index
+
+
+def test_agent_sessions_resend_the_conversation_with_a_shared_system_prompt():
+    w = build_workload("agent")
+    assert len(w.requests) == 80 and {r.session for r in w.requests} == set(range(8))
+    by = {}
+    for r in w.requests:
+        by.setdefault(r.session, []).append(r)
+    system = w.requests[0].prompt.split()[:2000]
+    for turns in by.values():
+        assert [r.turn for r in turns] == list(range(1, 11))
+        assert turns[0].prompt.split()[:2000] == system             # shared by every session
+        for a, b in zip(turns, turns[1:]):
+            assert b.prompt.startswith(a.prompt + " ")              # the whole history again
+            added = b.prompt_len - a.prompt_len - a.max_tokens      # + its answer + a tool
+            assert 250 <= added <= 350
+        assert all(20 <= r.max_tokens <= 60 for r in turns)
+        assert all(r.prompt_len == len(r.prompt.split()) for r in turns)
+    assert by[0][1].prompt != by[1][1].prompt                        # sessions differ
+    assert build_workload("agent", num_requests=2).summary()["num_sessions"] == 2
+    with pytest.raises(WorkloadError, match="closed loops"):
+        build_workload("agent", rate=1.0)
+
+
+def test_edit_quotes_a_300_to_800_token_file_and_asks_for_it_back_renamed():
+    w = build_workload("edit")
+    assert len(w.requests) == 8 and w.name == "edit"
+    for r in w.requests:
+        body = r.prompt.split("```python\n", 1)[1].split("```", 1)[0]
+        old = r.prompt.rsplit("Rename the function `", 1)[1].split("`", 1)[0]
+        assert f"def {old}(" in body                    # the function to rename is in the file
+        assert 300 <= r.max_tokens <= 800 + 60          # the answer is the file's length
+        assert r.prompt_len > r.max_tokens              # the prompt holds the whole file

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from iterserve.core import router as router_mod
 from iterserve.core.block_manager import BlockManager, block_hashes
 from iterserve.core.request import Request, SamplingParams
-from iterserve.core.router import NoHealthyReplicaError, ReplicaLoad, Router
+from iterserve.core.router import ReplicaLoad, Router
+from iterserve.errors import NoHealthyReplicaError
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 

@@ -4,7 +4,8 @@ import pytest
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from iterserve.core.scheduler import QueueFullError, Scheduler
+from iterserve.core.scheduler import Scheduler
+from iterserve.errors import ConfigError, QueueFullError, SamplingParamsError
 
 TOKEN = 7
 
@@ -22,6 +23,9 @@ def make(clock=None, **kw):
                                     "enable_prefix_caching") if k in kw}
     cache.setdefault("block_size", 4)
     cache.setdefault("num_kv_blocks", 256)
+    # The rules below are about budgets and queues; their prompts share blocks by chance, and
+    # a prefix hit would change the chunks they count. The cache's own tests turn it on.
+    cache.setdefault("enable_prefix_caching", False)
     return Scheduler(SchedulerConfig(**kw), CacheConfig(**cache), clock=clock or Clock())
 
 
@@ -635,7 +639,6 @@ def test_consistency_violations_report_a_lost_request():
                                   "frequency_penalty", "repetition_penalty"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_sampling_floats_are_rejected_by_name(name, value):
-    from iterserve.core.request import SamplingParamsError
     with pytest.raises(SamplingParamsError, match=name) as e:
         SamplingParams(**{name: value}).validate()
     assert e.value.param == name
@@ -685,8 +688,6 @@ def test_max_long_partial_prefills_two_lets_two_long_prompts_prefill_together():
 
 
 def test_max_long_partial_prefills_is_checked_and_off_by_default():
-    from iterserve.core.config import ConfigError
-
     with pytest.raises(ConfigError, match="max_long_partial_prefills"):
         SchedulerConfig(max_num_partial_prefills=1, max_long_partial_prefills=2).validate()
     with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
@@ -743,8 +744,6 @@ def test_max_long_prefill_tokens_passes_a_long_prompt_over_but_not_short_ones():
 
 
 def test_max_long_prefill_tokens_needs_a_threshold_and_is_off_by_default():
-    from iterserve.core.config import ConfigError
-
     assert SchedulerConfig().validate().max_long_prefill_tokens == 0
     with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
         SchedulerConfig(max_long_prefill_tokens=16).validate()

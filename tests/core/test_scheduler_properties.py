@@ -7,9 +7,14 @@ deadlines). The driver runs the scheduler with a fake executor and asserts after
 the token budget and max_num_seqs hold, every chunk starts at the request's computed
 tokens, the block tables a data-only executor rebuilds from the SchedulerOutputs (new
 requests once, then diffs) equal the block manager's own, no block is owned twice and ref counts match owners (check_consistency), static
-batching never admits into a live group; and at the end that every request ended with
-exactly its max_tokens (ignore_eos) or with the abort/timeout it was given, and that every
-block is free again (cached blocks count as free).
+batching never admits into a live group; with speculative decoding on (ngram, suffix, or
+synthetic drafts, adaptive or not), that drafts are verified from the request's last token,
+count against the budget and its blocks, and that after each step a request holds no block
+past its computed tokens (the rejected drafts' blocks are back); and at the end that every
+request ended with exactly its max_tokens (ignore_eos) or with the abort/timeout it was
+given, and that every block is free again (cached blocks count as free). A content-tracking
+executor runs each step's copies (KV tier saves, disk reads, swaps, RAM loads) and checks
+that every chunk's context holds its own prefix, however its blocks got there.
 """
 
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +22,8 @@ from hypothesis import strategies as st
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
-from iterserve.core.scheduler import QueueFullError, Scheduler
+from iterserve.core.scheduler import Scheduler
+from iterserve.errors import QueueFullError
 
 
 class Clock:
@@ -54,14 +60,74 @@ def configs(draw):
         # decode step is ~10 ms, a 12-token prefill ~35 ms).
         slo_ttft_ms=draw(st.sampled_from([None, 30.0, 200.0, 5000.0])),
         slo_tpot_ms=draw(st.sampled_from([None, 15.0, 100.0])),
+        speculative_config=draw(st.sampled_from([
+            None, None, None,
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 2, "adaptive": False},
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+            {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
+            {"method": "synthetic", "acceptance_rates": [0.9, 0.5], "adaptive": False}])),
     )
+    caching = draw(st.booleans())
+    ram = draw(st.sampled_from([0, 0, 2, 8])) if caching else 0
     cache = CacheConfig(
         block_size=draw(st.integers(1, 4)),
         num_kv_blocks=draw(st.integers(2, 10)),
         num_swap_blocks=draw(st.sampled_from([0, 3, 12])),
-        enable_prefix_caching=draw(st.booleans()),
+        enable_prefix_caching=caching,
+        num_ram_tier_blocks=ram,
+        num_disk_tier_blocks=draw(st.sampled_from([0, 4, 30])) if ram else 0,
     )
     return sched, cache
+
+
+class ContentExecutor:
+    """What each KV slot holds, as a symbol: position p of a request holds its prefix
+    tokens[:p + 1]. Copies (tier saves, disk reads, swaps, loads) run in the runner's order
+    (model/runner.py); before a chunk computes, every position of its context must hold its
+    own prefix, however the block got there (device hit, RAM, disk, swap)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.disk: dict[str, list] = {}
+
+    def step(self, out, held, scheduler) -> None:
+        ops = out.kv_tiers
+        copy = lambda blk: list(blk) if blk is not None else None   # noqa: E731
+        if ops is not None:
+            for block, slot in ops.ram_saves:
+                self.host[slot] = copy(self.device.get(block))
+            for block, digest in ops.disk_saves:
+                self.disk[digest] = copy(self.device.get(block))
+            for digest in ops.disk_deletes:
+                self.disk.pop(digest, None)
+            for digest, slot in ops.disk_reads:
+                assert digest in self.disk, "a disk read of a block never written"
+                self.host[slot] = copy(self.disk[digest])
+        for block, host in out.blocks_to_swap_out:
+            self.host[host] = copy(self.device.get(block))
+        for host, block in out.blocks_to_swap_in:
+            self.device[block] = copy(self.host.get(host))
+        if ops is not None:
+            for slot, block in ops.ram_loads:
+                self.device[block] = copy(self.host.get(slot))
+        bs = self.bs
+        for rid, n in out.num_scheduled_tokens.items():
+            r = scheduler.get_request(rid)
+            # A verification computes the drafts' positions too (their KV is what an
+            # accepted draft keeps), so they are written with the drafts in the prefix.
+            tokens = list(r.all_token_ids) + list(out.scheduled_spec_decode_tokens.get(rid, ()))
+            table, start = held[rid], r.num_computed_tokens
+            for p in range(start):
+                blk = self.device.get(table[p // bs])
+                got = blk[p % bs] if blk is not None else None
+                assert got == tuple(tokens[:p + 1]), (
+                    f"{rid}: position {p} of its context holds {got}, not its prefix")
+            for p in range(start, start + n):
+                self.device.setdefault(table[p // bs], [None] * bs)[p % bs] = \
+                    tuple(tokens[:p + 1])
 
 
 arrival = st.tuples(
@@ -84,6 +150,7 @@ def run(sched_cfg, cache_cfg, script):
     group: set[str] = set()               # static: members admitted since the group formed
     group_live: set[str] = set()          # ... and not finished yet
     held: dict[str, list[int]] = {}       # block tables as an executor rebuilds them
+    content = ContentExecutor(cache_cfg.block_size)
     max_steps = 4000
     k = 0
     while k < max_steps:
@@ -126,6 +193,9 @@ def run(sched_cfg, cache_cfg, script):
         # The executor's side of the seam: state from data only.
         for rid in out.finished_req_ids + out.preempted_req_ids:
             held.pop(rid, None)
+        for rid, keep in out.truncated_block_tables.items():
+            if rid in held:
+                del held[rid][keep:]
         for d in out.scheduled_new_reqs:
             r = s.get_request(d.req_id)
             assert d.req_id not in held, "a held request was sent whole again"
@@ -139,11 +209,19 @@ def run(sched_cfg, cache_cfg, script):
                 held[d.req_id].extend(d.new_block_ids)
         data = out.scheduled_new_reqs + out.scheduled_cached_reqs
         assert sorted(d.req_id for d in data) == sorted(sched_tokens)
+        drafts = out.scheduled_spec_decode_tokens
+        assert set(drafts) <= set(sched_tokens)
         for d in data:
             rid, n = d.req_id, sched_tokens[d.req_id]
             r = s.get_request(rid)
             assert n >= 1 and d.num_computed_tokens == r.num_computed_tokens
-            assert d.num_computed_tokens + n <= r.num_tokens
+            if rid in drafts:                # a verification: from its last token on
+                assert d.num_computed_tokens == r.num_tokens - 1
+                assert n == 1 + len(drafts[rid]) and drafts[rid]
+                assert r.num_tokens + len(drafts[rid]) <= sched_cfg.max_model_len
+                assert r.num_output_tokens + len(drafts[rid]) < r.sampling_params.max_tokens
+            else:
+                assert d.num_computed_tokens + n <= r.num_tokens
             if rid in before:
                 assert d.num_computed_tokens == before[rid]
             assert held[rid] == s.block_manager.block_table(rid)
@@ -161,13 +239,25 @@ def run(sched_cfg, cache_cfg, script):
             group |= newly
             group_live |= newly
             assert len(group) <= sched_cfg.max_num_seqs, "static refilled a live group"
+        content.step(out, held, s)
         sampled = {}
         for d in data:
             r = s.get_request(d.req_id)
-            if d.num_computed_tokens + sched_tokens[d.req_id] >= r.num_tokens:
-                sampled[d.req_id] = 1 + (k + d.num_computed_tokens) % 3
+            own = 1 + (k + d.num_computed_tokens) % 3
+            if d.req_id in drafts:           # accept some of the drafts, then a token of its own
+                proposed = drafts[d.req_id]
+                taken = (k + d.num_computed_tokens) % (len(proposed) + 1)
+                sampled[d.req_id] = proposed[:taken] + [own]
+            elif d.num_computed_tokens + sched_tokens[d.req_id] >= r.num_tokens:
+                sampled[d.req_id] = own
         finished = s.update_from_output(out, sampled)
         s.check_consistency()
+        bs = cache_cfg.block_size
+        for rid in drafts:
+            r = s.get_request(rid)
+            if r is not None and r.status is RequestStatus.RUNNING:
+                assert s.block_manager.num_device_blocks(rid) == -(-r.num_computed_tokens // bs), \
+                    "a rejected draft's block was kept"
         for r in finished:
             group_live.discard(r.request_id)
         clock.t += 0.25
@@ -219,5 +309,45 @@ def test_every_request_gets_exactly_max_tokens_under_heavy_kv_pressure(
     cache = CacheConfig(block_size=2, num_kv_blocks=8, num_swap_blocks=6,
                         enable_prefix_caching=caching)
     script = [[("arrive", [1] * p, m, i % 3, None)] for i, (p, m) in enumerate(reqs)]
+    s = run(sched, cache, script)
+    assert s.stats().num_running == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 2), st.integers(5, 9), st.integers(1, 3), st.integers(4, 40),
+       st.sampled_from(["recompute", "swap"]),
+       st.lists(st.tuples(st.lists(st.integers(0, 1), min_size=2, max_size=10),
+                          st.integers(1, 3)), min_size=2, max_size=16))
+def test_kv_tiers_under_pressure_keep_every_context_right(block_size, blocks, ram, disk, mode,
+                                                          reqs):
+    """A pool of a few blocks, a RAM tier of one to three: cached blocks go to RAM, fall out
+    to disk and are read back (promoted) while prompts that share prefixes come and go."""
+    sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16,
+                            preemption_mode=mode)
+    cache = CacheConfig(block_size=block_size, num_kv_blocks=blocks, num_swap_blocks=4,
+                        num_ram_tier_blocks=ram, num_disk_tier_blocks=disk)
+    script = [[("arrive", p, m, 0, None)] if i % 2 == 0 else []
+              for i, (p, m) in enumerate(x for r in reqs for x in (r, r))]
+    run(sched, cache, script)
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["fcfs", "priority"]), st.sampled_from(["recompute", "swap"]),
+       st.booleans(), st.booleans(), st.sampled_from(["ngram", "suffix", "synthetic"]),
+       st.lists(st.tuples(st.integers(1, 10), st.integers(1, 20)), min_size=1, max_size=10))
+def test_speculation_under_kv_pressure_keeps_every_invariant(
+        policy, mode, caching, chunked, method, reqs):
+    """Speculative decoding on every step it can: drafts from a 3-token vocabulary are
+    proposed nearly always, some accepted, under constant preemption; nothing leaks."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "synthetic":
+        spec["acceptance_rates"] = [0.8, 0.6, 0.3]
+    sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10 if chunked else 48,
+                            max_model_len=48, scheduling_policy=policy, preemption_mode=mode,
+                            enable_chunked_prefill=chunked, speculative_config=spec)
+    cache = CacheConfig(block_size=2, num_kv_blocks=14, num_swap_blocks=8,
+                        enable_prefix_caching=caching)
+    script = [[("arrive", [i % 3, 1, 2, 1][:1 + p % 4] * (1 + p // 4), m, i % 3, None)]
+              for i, (p, m) in enumerate(reqs)]
     s = run(sched, cache, script)
     assert s.stats().num_running == 0

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
+from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.request import Request, RequestStatus, SamplingParams
-from iterserve.core.scheduler import QueueFullError, Scheduler
-from iterserve.core.slo_policy import SLOUnattainableError
+from iterserve.core.scheduler import Scheduler
 from iterserve.core.step_time import StepTimeModel
+from iterserve.errors import ConfigError, QueueFullError, SLOUnattainableError, SamplingParamsError
 
 COST = dict(c0=0.010, c_tok=0.0, c_seq=0.002, c_kv=0.0, c_prefill_tok=0.001)
 
@@ -147,24 +147,27 @@ def test_refuses_a_prompt_that_cannot_make_its_ttft_even_on_an_idle_engine():
 
 
 def test_refuses_early_at_capacity_with_a_retry_after():
-    """A saturated engine (two slots, a queue) measures its admission rate; a new request that
-    would wait past its target is refused with how long to wait, and one that would not is
-    accepted; below capacity nothing is refused."""
+    """Two slots held by long answers: a new request waits for one of them to finish (the
+    forecast replays their remaining decodes), so a target shorter than that wait is refused
+    with how long to wait, and a longer one is accepted and met as forecast."""
     e = Engine(max_num_seqs=2)
-    for i in range(4):
+    e.warm()
+    for i in range(2):
         e.add(f"bg{i}", max_tokens=100)
-    for k in range(400):
-        while e.s.num_waiting < 2:                    # a standing queue: saturated
-            e.add(f"fill{k}-{e.s.num_waiting}", max_tokens=100)
+    for _ in range(5):
         e.step()
-    rate = e.s.slo.admission_rate
-    assert rate is not None and 1.0 < rate < 2.0        # 2 slots / 100 steps of ~14 ms
-    # 2 requests ahead at ~1.4 admissions/s: ~2 s of wait.
+    # ~95 decode steps of 14 ms left in both slots: ~1.3 s before a slot frees.
     with pytest.raises(SLOUnattainableError) as exc:
         e.add("impatient", ttft_slo_ms=200.0)
-    assert exc.value.retry_after_s is not None and exc.value.retry_after_s > 0.2
+    assert 1.0 < exc.value.retry_after_s < 1.3
+    assert 1.2 < exc.value.predicted_ttft_s < 1.5
     assert e.s.get_request("impatient") is None
-    e.add("patient", ttft_slo_ms=60_000.0)
+    t0 = e.t
+    r = e.add("patient", ttft_slo_ms=60_000.0)
+    forecast_s = e.s.slo._forecasts["patient"][2]
+    while r.first_token_time is None:
+        e.step()
+    assert r.first_token_time - t0 == pytest.approx(forecast_s, rel=0.02)
     e.drain()
 
 
@@ -291,8 +294,6 @@ def test_per_request_targets_come_from_the_sampling_params_and_override_the_defa
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("field", ["ttft_slo_ms", "tpot_slo_ms"])
 def test_targets_under_another_policy_are_refused_naming_the_field(policy, field):
-    from iterserve.core.request import SamplingParamsError
-
     s = Scheduler(SchedulerConfig(scheduling_policy=policy, max_num_seqs=4,
                                   max_num_batched_tokens=64, max_model_len=64),
                   CacheConfig(block_size=16, num_kv_blocks=64))

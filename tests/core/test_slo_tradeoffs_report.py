@@ -97,7 +97,7 @@ def test_the_long_prefill_cap_trims_the_heavy_presets_tail_in_the_lab(bench):
     1 long): without it the step that ends one long prefill starts the next with a whole
     second chunk; with it that step is no longer than the others, so p99.9 / max ITL drop
     at the same throughput (same requests, same cost model: the lab runs this scheduler)."""
-    from iterserve.lab.cost_model import load_cost_model
+    from iterserve.core.cost_model import load_cost_model
 
     t, w = bench
     cost = load_cost_model("smollm2-cpu")
@@ -156,7 +156,7 @@ def test_longprompt_heavy_makes_the_stall_the_p99_in_the_lab(bench):
     fit), and a 64-token budget brings p99 (and p99.9 and max) down to one chunk step at
     about the same throughput. The lab's own check; the real engine is
     benchmarks/slo_engine_tradeoffs.py --presets longprompt-heavy."""
-    from iterserve.lab.cost_model import load_cost_model
+    from iterserve.core.cost_model import load_cost_model
     from iterserve.lab.options import PRESETS
 
     t, w = bench

@@ -190,7 +190,7 @@ def test_a_cost_model_with_token_corrections_seeds_with_them():
     """Seeded from a v3 fit, the online model predicts what the lab's cost model says for
     every shape (the same corrections, the same clamp, proportional beyond the last knot):
     the SLO policy and the lab's simulated steps are the same function at the seed."""
-    from iterserve.lab.cost_model import CostModel
+    from iterserve.core.cost_model import CostModel
 
     joint = CostModel(**JOINT_LIN, token_corrections=JOINT_CORR)
     raw = CostModel(**JOINT_LIN)
@@ -233,7 +233,7 @@ def test_the_corrections_level_is_refitted_online_and_follows_the_machine(level,
     """The corrections' shape comes from the seed; their level is learned with the linear
     terms: on a machine twice as slow they double with the rest, and a runner whose
     corrections are weaker or stronger than the fit's is matched too."""
-    from iterserve.lab.cost_model import CostModel
+    from iterserve.core.cost_model import CostModel
 
     joint = CostModel(**JOINT_LIN, token_corrections=JOINT_CORR)
     m = StepTimeModel.from_cost_model(joint)

@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 
 from iterserve import LLM, SamplingParams
-from iterserve.engine.errors import InvalidRequestError
-from iterserve.structured import StructuredOutputsError, StructuredOutputsParams
+from iterserve.errors import GrammarCompileTimeout, InvalidRequestError, StructuredOutputsError
+from iterserve.structured import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",
@@ -337,7 +337,6 @@ def test_the_step_carries_masks_only_for_constrained_rows_that_sample(tiny_model
 def test_a_compile_timeout_is_a_400_naming_the_field(tiny_model_dir, monkeypatch):
     import time
 
-    from iterserve.structured.backend import GrammarCompileTimeout
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256)
     compiler = llm.engine.structured_compiler
     compiler.compile_timeout = 0.05

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from iterserve.core.config import ConfigError
 from iterserve.engine.args import GiB, EngineArgs
+from iterserve.errors import ConfigError
 
 
 def parse(*argv: str) -> EngineArgs:
@@ -93,7 +93,6 @@ def test_an_in_process_engine_refuses_data_parallel_replicas():
     one engine quietly when asked for N."""
     import pytest
 
-    from iterserve.core.config import ConfigError
     from iterserve.engine.builder import build_engine_parts
 
     with pytest.raises(ConfigError, match="data_parallel_size 2.*iterserve serve"):

@@ -13,6 +13,7 @@ from iterserve.core.scheduler import Scheduler, SchedulerStats
 from iterserve.core.scheduler_output import SampleResult
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.metrics import RequestMetrics
+from iterserve.errors import SamplingParamsError
 from iterserve.model.detokenizer import IncrementalDetokenizer
 
 
@@ -210,7 +211,6 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_bad_values_are_refused():
                                                    prompt_logprobs=1))
     second = [o for o in drain(e) if o.finished][0]
     assert second.num_cached_tokens == 0
-    from iterserve.core.request import SamplingParamsError
     with pytest.raises(SamplingParamsError, match="prompt_logprobs") as info:
         e.add_request("p", "hello", SamplingParams(prompt_logprobs=-2))
     assert info.value.param == "prompt_logprobs"

@@ -6,12 +6,11 @@ import time
 
 import pytest
 
-from iterserve.core.request import SamplingParams, SamplingParamsError
+from iterserve.core.request import SamplingParams
 from iterserve.engine.args import EngineArgs
-from iterserve.engine.errors import (
-    DuplicateRequestIdError, EmptyPromptError, MaxTokensTooLargeError, PromptTooLongError,
-    TokenIdOutOfRangeError)
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.errors import (DuplicateRequestIdError, EmptyPromptError, MaxTokensTooLargeError,
+                              PromptTooLongError, SamplingParamsError, TokenIdOutOfRangeError)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

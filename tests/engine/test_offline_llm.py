@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import TokenIdOutOfRangeError
 from iterserve.engine.llm import LLM
+from iterserve.errors import (InvalidRequestError, SamplingParamsError, TokenIdOutOfRangeError,
+                              ToolChoiceError)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +116,6 @@ def test_request_output_has_num_cached_tokens_and_prompt_logprobs(tiny_model_dir
     (["fine", 4.5], "prompt 1 is a float"),
 ])
 def test_wrong_prompt_shapes_get_a_message_naming_the_prompt(llm, prompts, match):
-    from iterserve.engine.errors import InvalidRequestError
-
     with pytest.raises(InvalidRequestError, match=match):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -160,7 +159,6 @@ def test_best_of_returns_the_n_most_likely_of_best_of_samples(llm):
                            use_tqdm=False)[0].outputs
     assert [o.token_ids for o in with_lp] == [ranked[0].token_ids]
     assert with_lp[0].cumulative_logprob == pytest.approx(ranked[0].cumulative_logprob)
-    from iterserve.core.request import SamplingParamsError
     with pytest.raises(SamplingParamsError, match="best_of"):
         llm.generate("x", SamplingParams(n=3, best_of=2), use_tqdm=False)
 
@@ -226,10 +224,8 @@ def test_chat_with_tools_renders_them_and_returns_parsed_calls(tiny_model_dir):
                        chat_template=template, tools=[WEATHER])
     assert auto.outputs[0].tool_calls is None
     assert auto.outputs[0].content == auto.outputs[0].text
-    from iterserve.engine.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError, match="tool_parser"):
         llm.chat(msgs, tools=[WEATHER], tool_parser="nope", use_tqdm=False)
-    from iterserve.tools import ToolChoiceError
     with pytest.raises(ToolChoiceError, match="not in tools"):
         llm.chat(msgs, tools=[WEATHER], use_tqdm=False,
                  tool_choice={"type": "function", "function": {"name": "missing"}})

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
+from iterserve.errors import SamplingParamsError
 
 PROMPT = "The quick brown fox jumps over the lazy dog again and again and again"
 
@@ -112,6 +113,5 @@ def test_preempted_requests_keep_correct_prompt_logprobs(tiny_model_dir, hf):
 
 
 def test_negative_prompt_logprobs_is_refused():
-    from iterserve.core.request import SamplingParamsError
     with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1).validate()

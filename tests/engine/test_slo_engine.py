@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from iterserve.core.request import SamplingParams
-from iterserve.core.scheduler import QueueFullError
-from iterserve.core.slo_policy import SLOUnattainableError
 from iterserve.engine.args import EngineArgs
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.errors import QueueFullError, SLOUnattainableError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
-from iterserve.lab.cost_model import CostModel
+from iterserve.core.cost_model import CostModel
 from iterserve.lab.metrics import summarize
 from iterserve.lab.simulator import SimSettings, simulate
 from iterserve.lab.workload import RequestSpec

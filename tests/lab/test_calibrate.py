@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from iterserve.cli import main
+from iterserve.core.cost_model import COEFFICIENTS, load_cost_model, shipped_cost_models
+from iterserve.core.fit import (GridPoint, correction_knots, fit_coefficients,
+                                fit_with_corrections, nnls)
+from iterserve.errors import CalibrationError, CostModelError
 from iterserve.lab.api import run_lab
-from iterserve.lab.calibrate import (
-    CalibrationError, GridPoint, check_point, correction_knots, default_grid, fit_coefficients,
-    fit_errors, fit_overhead, fit_with_corrections, nnls)
-from iterserve.lab.cost_model import (
-    COEFFICIENTS, CostModelError, load_cost_model, shipped_cost_models)
+from iterserve.lab.calibrate import check_point, default_grid, fit_errors, fit_overhead
 
 TRUE = {"c0": 0.025, "c_tok": 1.2e-3, "c_seq": 4e-4, "c_kv": 2e-6, "c_prefill_tok": 3e-4,
         "c_attn": 8e-7}
@@ -64,7 +64,7 @@ def test_token_corrections_fit_a_runner_whose_kernels_change_with_the_row_count(
     assert coef["c_kv"] == pytest.approx(1e-5, rel=0.3)
     # Shapes off the grid, as the lab meets them: 7 decodes + a 20-token prompt (27 rows),
     # 6 decodes + a 30-token prompt (36 rows).
-    from iterserve.lab.cost_model import CostModel
+    from iterserve.core.cost_model import CostModel
     m = CostModel(token_corrections=corr, **coef)
     for tokens, seqs, kv in ((27, 8, 7 * 300 + 20), (36, 7, 6 * 300 + 30)):
         truth = _kernel_rows(tokens) + 0.002 * seqs + 1e-5 * kv
@@ -73,8 +73,8 @@ def test_token_corrections_fit_a_runner_whose_kernels_change_with_the_row_count(
 
 
 def test_engine_scale_is_measured_over_predicted_on_the_engine_steps_and_clipped():
+    from iterserve.core.cost_model import CostModel
     from iterserve.lab.calibrate import engine_scale, scaled
-    from iterserve.lab.cost_model import CostModel
 
     cost = CostModel(c0=0.01, c_seq=0.002, token_corrections=((1, 0.001), (8, -0.002)))
     shapes = [(1, 1, 40, 0, 0), (8, 8, 800, 0, 0), (30, 8, 900, 23, 23 * 23)]

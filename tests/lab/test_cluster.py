@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from iterserve.cli import main
+from iterserve.core.cost_model import load_cost_model
+from iterserve.errors import LabOptionsError
 from iterserve.lab.api import plan_lab
 from iterserve.lab.cluster import (
     plan_cluster, run_cluster_lab, search_rate, search_replicas, simulate_cluster,
     summarize_cluster)
-from iterserve.lab.cost_model import load_cost_model
-from iterserve.lab.options import LabOptionsError
 from iterserve.lab.simulator import simulate
 from iterserve.lab.workload import (
     PREFIX_TOKEN_BASE, SharedPrefixSpec, draw_prefix_groups, prompt_token_ids)

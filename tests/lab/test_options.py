@@ -2,6 +2,7 @@
 
 import pytest
 
+from iterserve.errors import LabOptionsError
 from iterserve.lab.api import run_lab
 
 
@@ -195,7 +196,6 @@ def test_prefix_caching_serves_the_shared_prompt_prefix_from_the_cache():
                                          ("enable_prefix_caching", "yes"),
                                          ("mix", "bursty")])
 def test_scheduler_knobs_are_checked_by_the_schema_and_errors_name_them(name, value):
-    from iterserve.lab.api import LabOptionsError
     with pytest.raises(LabOptionsError, match=name) as e:
         run_lab({name: value})
     assert e.value.option == name

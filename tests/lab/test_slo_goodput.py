@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import run_lab
 from iterserve.lab.preset_scale import speed
 from iterserve.lab.slo import PRESET, capacity_rps, goodput_comparison
 

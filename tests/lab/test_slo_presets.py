@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import run_lab
 from iterserve.lab.options import PRESETS, presets_json
 
 
@@ -96,7 +97,7 @@ def test_the_cli_takes_a_preset(capsys):
 def test_presets_follow_the_shipped_fit_speed():
     """A re-fitted smollm2-cpu that runs every step 2.5x faster keeps each preset the same
     experiment: rates x 2.5, time targets / 2.5, so the same steps, in 2.5x less time."""
-    from iterserve.lab.cost_model import CostModel
+    from iterserve.core.cost_model import CostModel
     from iterserve.lab.preset_scale import (
         DECODE_STEP, FULL_BATCH_STEP, LONGPROMPT_STEP, REFERENCE_FIT, scale_options, speed)
 

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from iterserve.cli import main
-from iterserve.lab.api import LabOptionsError, run_lab
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import run_lab
 
 
 def run(**opts):

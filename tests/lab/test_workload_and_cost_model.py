@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from iterserve.lab.cost_model import (
-    CostModel, CostModelError, default_cost_model, load_cost_model)
-from iterserve.lab.workload import (
-    WorkloadError, WorkloadSpec, draw_workload, parse_range, read_lengths_file)
+from iterserve.core.cost_model import CostModel, default_cost_model, load_cost_model
+from iterserve.errors import CostModelError, WorkloadError
+from iterserve.lab.workload import WorkloadSpec, draw_workload, parse_range, read_lengths_file
 
 
 def test_parse_range_reads_min_max_and_a_single_number():

@@ -112,42 +112,6 @@ def test_streamed_decode_two_threads_split_the_weight_rows(m):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_auto_path_runs_the_decode_variant_chosen():
-    """bf16_variant switches the auto path's decode kernel (same-process A/B): streamed is
-    bit for bit path "stream", chunked path "decode"; the panel GEMM from 16 rows either way."""
-    n, k = 60, 8192
-    w, wu = _weight(BF16, n, k)
-    before = kernels.bf16_variant()
-    assert before == "streamed"                            # the default
-    try:
-        for m in (1, 8, 15, 16):
-            x = torch.randn(m, k)
-            ref = {}
-            for path in ("stream", "decode", "panel"):
-                ref[path] = torch.empty(m, n)
-                kernels.qgemm_bf16(BF16, wu, k, x, ref[path], 0, path)
-            for variant, path in (("streamed", "stream"), ("chunked", "decode")):
-                assert kernels.bf16_variant(variant) == variant
-                got = torch.empty(m, n)
-                kernels.qgemm_bf16(BF16, wu, k, x, got, 0, "auto")
-                assert torch.equal(got, ref[path if m < 16 else "panel"])
-            _check(ref["stream"], x, w)
-    finally:
-        kernels.bf16_variant(before)
-
-
-def test_k_chunked_decode_tiles_equal_the_unsplit_ones():
-    """8 rows of 8,192 (the down projection) split K into L1-sized chunks; same sums."""
-    m, n, k = 8, 24, 8192
-    w, wu = _weight(BF16, n, k)
-    x = torch.randn(m, k)
-    a, b = torch.empty(m, n), torch.empty(m, n)
-    kernels.qgemm_bf16(BF16, wu, k, x, a, 0, "decode")
-    kernels.qgemm_bf16(BF16, wu, k, x, b, 0, "decode_nosplit")
-    _check(a, x, w)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
-
-
 @pytest.mark.parametrize("m", [1, 8, 20, 64])
 def test_auto_mode_routes_bf16_weights_through_the_bf16_kernels(m):
     n, k = 50, 256
@@ -238,7 +202,7 @@ def _steps(d, mode: str, decode_steps: int = 4):
         return greedy(logits, requests)
 
     lm = load_model(str(d))
-    assert kernels.configure_activations(mode) == mode
+    assert kernels.set_activations(mode) == mode
     runner = ModelRunner(lm, num_blocks=64, block_size=4, sampler=sampler)
     assert runner.fused_decode
     blocks = Blocks(64, 4)

@@ -92,7 +92,7 @@ def test_fused_decode_is_off_without_the_block_kernel_or_native_ops(quant_model)
 
 def test_mixed_type_weights_take_the_fused_call_as_segments(tmp_path):
     """The default tiny GGUF stores q/k/v in three types: qkv is three row segments, each
-    with a native qgemm, so the fused call runs (row segments per type)."""
+    with a native qgemm, so the fused call runs (one segment per run of parts of one type)."""
     from iterserve.model.loader import load_model
     from iterserve.model.runner import ModelRunner
     path = tmp_path / "mixed.gguf"

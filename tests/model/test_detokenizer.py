@@ -147,7 +147,7 @@ def test_sentencepiece_output_keeps_the_space_that_continues_the_prompt(tmp_path
     # SentencePiece decoders drop a leading space, so decoding outputs alone would glue the
     # first word to the prompt; decoding in the prompt's context (as vLLM does) keeps it.
     from fixtures.tiny_gguf import write_tiny_sentencepiece_gguf
-    from iterserve.model.gguf_loader import open_gguf
+    from iterserve.model.gguf import open_gguf
     write_tiny_sentencepiece_gguf(tmp_path / "spm.gguf")
     tok = Tokenizer.from_gguf_metadata(open_gguf(tmp_path / "spm.gguf"))
     full = tok.encode("The quick brown fox jumps over the lazy dog")

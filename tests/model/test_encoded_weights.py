@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q, quants
 
 from fixtures.tiny_gguf import random_blocks, write_tiny_llama_gguf
+from iterserve.errors import ModelLoadError
 from iterserve.model import weights as weights_mod
 from iterserve.model.layers import Embedding, Linear
 from iterserve.model.weights import EncodedWeight
@@ -183,7 +184,6 @@ def test_safetensors_tensors_are_views_of_the_mapping(tmp_path):
         assert torch.equal(refs[name].to_float(), v.float()), name
     assert refs["a"].view().data_ptr() == refs["a"].mapping.data_ptr()
     (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
-    from iterserve.model.config import ModelLoadError
     with pytest.raises(ModelLoadError, match="not a safetensors file"):
         read_safetensors(tmp_path / "bad.safetensors")
 
@@ -216,7 +216,7 @@ def test_kv_cache_dtype_float16_halves_the_pools_and_keeps_the_logits(tmp_path):
 
 
 def test_dtype_choices_follow_vllm():
-    from iterserve.model.config import ModelLoadError, parse_dtype
+    from iterserve.model.config import parse_dtype
     assert parse_dtype("auto") is None and parse_dtype("half") == torch.float16
     assert parse_dtype("float") == torch.float32 and parse_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ModelLoadError, match="auto"):

@@ -5,16 +5,12 @@ gguf-py's dequantisation times x in float64 to float32 summation error, at every
 (1..16, and beyond when forced), on both ISAs, for weight-row counts that leave a tail after
 the groups and K that is not a multiple of the kernels' 64-element step; `qgemm` must route
 F16 decode steps (1..16 rows, every activation mode) through them bit for bit and leave other
-row counts and types alone; ITERSERVE_F16_DECODE=s15 / f16_variant("s15") must restore the
-register-kernel paths; and on a tiny all-F16 GGUF the fused decode layers must equal the per-module path
+row counts and types alone; and on a tiny all-F16 GGUF the fused decode layers must equal the per-module path
 bit for bit and the torch fallback to float32 rounding.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -120,7 +116,6 @@ def test_qgemm_routes_f16_decode_steps_through_the_streamed_kernel_in_every_mode
     _isa_or_skip(isa)
     n, k = 50, 256
     wu = _weight(n, k)
-    assert kernels.f16_variant() == "streamed"            # the default
     try:
         assert kernels.gemm_isa(isa) == isa
         for m in (1, 2, 8, 16, 17, 40):
@@ -146,41 +141,6 @@ def test_qgemm_routes_f16_decode_steps_through_the_streamed_kernel_in_every_mode
     finally:
         kernels.set_activations("float")
         kernels.gemm_isa()
-
-
-def test_the_s15_variant_restores_the_old_paths():
-    """f16_variant("s15"): qgemm does not take the streamed kernel; the result is the
-    register-kernel path's (the register kernel at 1-2 rows, the panel GEMM from 3) and still
-    exact to float32 summation error."""
-    n, k = 64, 512
-    wu = _weight(n, k)
-    kernels.set_activations("float")
-    try:
-        for m in (1, 2, 5, 8):
-            x = torch.randn(m, k)
-            new = torch.empty(m, n)
-            kernels.qgemm(F16, wu, k, x, new)
-            assert kernels.f16_variant("s15") == "s15"
-            assert not kernels.f16_takes(m)
-            old = torch.empty(m, n)
-            kernels.qgemm(F16, wu, k, x, old)
-            panel = torch.empty(m, n)
-            kernels.qgemm_path("registers" if m < 3 else "panel", F16, wu, k, x, panel)
-            assert torch.equal(old, panel)
-            _check(old, x, wu)
-            _check(new, x, wu)
-            assert kernels.f16_variant("streamed") == "streamed"
-    finally:
-        kernels.f16_variant("streamed")
-
-
-def test_the_env_switch_chooses_the_variant_at_start():
-    code = ("from iterserve.model import kernels; print(kernels.f16_variant(), "
-            "kernels.f16_takes(4))")
-    env = {**os.environ, "ITERSERVE_F16_DECODE": "s15"}
-    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert got.stdout.split() == ["s15", "False"], got.stderr[-2000:]
 
 
 def test_bad_arguments_raise():

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from fixtures.tiny_models import make_tiny_model_dir
-from iterserve.model.config import ModelConfig, UnsupportedModelError
-from iterserve.model.gguf_loader import GGUFLoadError, load_gguf
+from iterserve.errors import GGUFLoadError, UnsupportedModelError
+from iterserve.model.config import ModelConfig
+from iterserve.model.gguf_loader import load_gguf
 
 BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
             vocab_size=512, intermediate_size=128)

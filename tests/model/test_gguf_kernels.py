@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fixtures.gguf_blocks import TYPES, gguf_blocks
+from iterserve.errors import KernelsUnavailable
 from iterserve.model import kernels
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
@@ -147,7 +148,7 @@ def test_disabled_kernels_report_unavailable_and_wrappers_raise(monkeypatch):
         assert kernels.decode_attention() is None
         assert "avx2" in kernels.features()          # still detected, from /proc/cpuinfo
         t, raw, _ = gguf_blocks("Q4_0", 8, 64)
-        with pytest.raises(kernels.KernelsUnavailable):
+        with pytest.raises(KernelsUnavailable):
             kernels.qgemm(t, raw, 64, torch.randn(1, 64), torch.empty(1, 8))
         assert not kernels.DecodeLayers.supported([])
     finally:

@@ -9,8 +9,9 @@ import torch
 
 from fixtures.tiny_gguf import TINY_LLAMA, write_tiny_llama_gguf
 from fixtures.tiny_tokenizer import write_tiny_tokenizer
-from iterserve.model.default_model import DefaultModelMissing, default_model_path
-from iterserve.model.gguf_loader import GGUFLoadError, dequantize_state, load_gguf
+from iterserve.errors import DefaultModelMissing, GGUFLoadError
+from iterserve.model.default_model import default_model_path
+from iterserve.model.gguf_loader import dequantize_state, load_gguf
 from iterserve.model.tokenizer import Tokenizer
 
 
@@ -251,7 +252,7 @@ def _assert_same_as_gguf_py(path):
     """open_gguf's header parser and gguf-py's GGUFReader agree on every field and tensor."""
     import gguf
 
-    from iterserve.model.gguf_loader import open_gguf
+    from iterserve.model.gguf import open_gguf
 
     fast, ref = open_gguf(path), gguf.GGUFReader(os.fspath(path))
     assert list(fast.fields) == list(ref.fields)
@@ -304,7 +305,7 @@ def test_big_endian_gguf_is_read_through_gguf_py(tmp_path):
     """GGUFHeader reads little-endian v2/v3; anything else goes to gguf-py's reader."""
     import gguf
 
-    from iterserve.model.gguf_loader import GGUFHeader, open_gguf
+    from iterserve.model.gguf import GGUFHeader, open_gguf
 
     path = tmp_path / "be.gguf"
     w = gguf.GGUFWriter(os.fspath(path), "llama", endianess=gguf.GGUFEndian.BIG)
@@ -337,7 +338,7 @@ def test_truncated_string_array_is_a_clear_error(tmp_path):
 
 
 def test_metadata_only_header_has_the_same_fields_and_no_tensors(tiny_file):
-    from iterserve.model.gguf_loader import open_gguf
+    from iterserve.model.gguf import open_gguf
     full, meta = open_gguf(tiny_file[0]), open_gguf(tiny_file[0], tensors=False)
     assert meta.tensors == [] and len(full.tensors) > 0
     assert {k: f.contents() for k, f in meta.fields.items()} == \

@@ -25,7 +25,10 @@ import torch
 
 from fixtures.gguf_blocks import gguf_blocks
 from fixtures.tiny_models import greedy_steps
+from iterserve.errors import ConfigError
 from iterserve.model import kernels
+from iterserve.model.kernels import ops
+from iterserve.model.kernels.config import state_of
 
 pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
                                 reason="needs an x86-64 AVX2/FMA/F16C CPU and a C compiler")
@@ -87,64 +90,24 @@ def test_int8_gemm_equals_quantised_activations_times_dequantised_weights(name, 
     check(name, wide[:, 5:72], x, ref)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
-@pytest.mark.parametrize("k", [256, 768, 2048, 8192])
-def test_one_kquant_row_on_avx512_equals_session_15s_kernel(name, k, monkeypatch):
-    """One Q4_K / Q5_K row on AVX-512 runs dotk1_vnni (64-byte code loads, activations in
-    their order, scales decoded in SSE); the per-tile dotk_vnni (iterserve_act8_kq_decode
-    301) does the same integer arithmetic, so the two agree to float summation order, for one
-    to 32 super-blocks a row, one and two threads, and both match the reference."""
-    if kernels.int8_isa("avx512vnni") != "avx512vnni":
-        kernels.int8_isa()
-        pytest.skip("no AVX-512 VNNI on this CPU")
-    n = 131
-    t, w, ref = gguf_blocks(name, n, k, seed=k)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
-    x[0, 256 * (k // 512):256 * (k // 512) + 256] = 0.0      # one all-zero super-block
-    lib = kernels._lib()
-    outs = {}
-    try:
-        for threads in (1, 2):
-            monkeypatch.setattr(kernels, "_threads", lambda threads=threads: threads)
-            for v in (300, 301):
-                lib.iterserve_act8_kq_decode(v)
-                out = torch.empty(1, n)
-                kernels.qgemm_int8(t, w, k, x, out)
-                check(name, out, x, ref)
-                outs[(threads, v)] = out
-    finally:
-        lib.iterserve_act8_kq_decode(300)
-        kernels.int8_isa()
-    mag = quantised(x, block_of(name))[0].abs() @ ref.abs().T
-    for o in outs.values():
-        assert ((o - outs[(1, 301)]).abs() <= 4e-6 * mag + 1e-9).all()
-
-
 @pytest.mark.parametrize("name", TYPES)
 def test_int8_long_rows_two_threads_and_both_isas_agree(name, monkeypatch):
     """K of 8192 (down_proj's) splits into several K chunks; 2 threads split 193 columns;
-    AVX2 and AVX-512 give the same integers, so they agree to summation order. The K-quants
-    also under each K-chunk variant (qdot8.c kq_variant: 0 the default 32 / 64 KB, 1
-    16 KB, 2 no chunks, 5 a 5 KB chunk: one to several chunks per row tile)."""
+    AVX2 and AVX-512 give the same integers, so they agree to summation order."""
     k, n = 8192, 193
     t, w, ref = gguf_blocks(name, n, k, seed=3)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(kernels, "_threads", lambda: 2)
-    lib = kernels._lib()
-    variants = (0, 1, 2, 5) if name.endswith("_K") else (0,)
+    monkeypatch.setattr(ops, "_threads", lambda: 2)
     outs = []
     try:
         for isa_name in ISAS:
             if kernels.int8_isa(isa_name) != isa_name:
                 continue
-            for v in variants:
-                assert lib.iterserve_act8_kq_variant(v) == v
-                out = torch.empty(5, n)
-                kernels.qgemm_int8(t, w, k, x, out)
-                check(name, out, x, ref)
-                outs.append(out)
+            out = torch.empty(5, n)
+            kernels.qgemm_int8(t, w, k, x, out)
+            check(name, out, x, ref)
+            outs.append(out)
     finally:
-        lib.iterserve_act8_kq_variant(0)
         kernels.int8_isa()
     mag = quantised(x, block_of(name))[0].abs() @ ref.abs().T
     for o in outs[1:]:
@@ -155,10 +118,9 @@ def test_int8_long_rows_two_threads_and_both_isas_agree(name, monkeypatch):
 @pytest.mark.parametrize("isa8", ISAS, indirect=True)
 def test_auto_runs_kquant_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa8):
     """Every decode row count 1..33 of a K-quant: the decode kernels (qgemm_int8) are right
-    at each; `auto` takes them below the measured row count (qdot8.c KQ_GEMM8_ROWS_*) and the
-    int8 prefill GEMM (gemm_int8, exactly) from there (and beyond 32 rows, as before); the
-    override (iterserve_act8_kq_gemm_rows) moves the switch; "int8" keeps the decode
-    kernels up to 32 rows."""
+    at each; `auto` takes them below the measured row count (dispatch.c gemm8_from) and the
+    int8 prefill GEMM (gemm_int8, exactly) from there (and beyond 32 rows); "int8" keeps the
+    decode kernels up to 32 rows."""
     k, n = 768, 67                                       # 3 super-blocks, a ragged panel
     t, w, ref = gguf_blocks(name, n, k, seed=4)
     short = _switch_rows(name, t, w, k, ref)
@@ -169,43 +131,31 @@ def test_auto_runs_kquant_steps_of_many_rows_on_the_int8_prefill_gemm(name, isa8
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_kquant_avx512_row_tiles_of_4_to_8_rows(name):
-    """The AVX-512 K-quant kernels' row tiles (qdot8.c kq_tile: the default 6, and 4, 5, 7,
-    8) at every row count 1..17 (one to three balanced tiles), K = 1024."""
+def test_kquant_avx512_row_tiles(name):
+    """The AVX-512 K-quant kernels at every row count 1..17 (one to two tiles), K = 1024."""
     if kernels.int8_isa("avx512vnni") != "avx512vnni":
         pytest.skip("the CPU has no AVX-512 VNNI")
     k, n = 1024, 37
     t, w, ref = gguf_blocks(name, n, k, seed=6)
-    lib = kernels._lib()
-    assert lib.iterserve_act8_kq_tile(-1) == 6
     try:
-        for tile in (4, 5, 6, 7, 8):
-            assert lib.iterserve_act8_kq_tile(tile) == tile
-            for rows in range(1, 18):
-                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-                out = torch.empty(rows, n)
-                kernels.qgemm_int8(t, w, k, x, out)
-                check(name, out, x, ref)
+        for rows in range(1, 18):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            out = torch.empty(rows, n)
+            kernels.qgemm_int8(t, w, k, x, out)
+            check(name, out, x, ref)
     finally:
-        lib.iterserve_act8_kq_tile(6)
         kernels.int8_isa()
 
 
-def _switch_rows(name, t, w, k, ref, override_fn=None) -> int:
+def _switch_rows(name, t, w, k, ref) -> int:
     """Every row count 1..33 through `auto`: each is either exactly the int8 prefill GEMM's
     result or (below the switch) the decode kernels' (where they take the rows: 32 rows with
-    the VBMI kernels, else 8; past that the float path); the override (`override_fn`,
-    iterserve_act8_kq_gemm_rows or iterserve_act8_q32_gemm_rows) moves the switch to 5 or
-    past 32. Returns the default switch row."""
+    the VBMI kernels, else 8; past that the float path). Returns the switch row."""
     n = w.shape[0]
-    lib = kernels._lib()
-    override_fn = override_fn or lib.iterserve_act8_kq_gemm_rows
-    assert override_fn(-1) == 0                          # the measured rows by default
     decode_rows = 32 if name.endswith("_K") or _groups(name) else 8
     seen = set()
     try:
-        for override in (0, 5, 33):
-            override_fn(override)
+        for override in (0,):
             for rows in range(1, 34):
                 x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
                 dec, gem = torch.empty(rows, n), torch.empty(rows, n)
@@ -228,14 +178,8 @@ def _switch_rows(name, t, w, k, ref, override_fn=None) -> int:
                     assert ((got - exact).abs() <= 1e-4 * (x.abs() @ ref.abs().T)
                             + 1e-6).all(), (override, rows)
                 assert rows > 32 or torch.equal(int8, dec)
-                if override == 5:
-                    assert on_gemm == (rows >= 5), rows
-                elif override == 33:
-                    assert on_gemm == (rows > 32), rows
-                else:
-                    seen.add((rows, on_gemm))
+                seen.add((rows, on_gemm))
     finally:
-        override_fn(0)
         kernels.set_activations("float")
     # the default: one switch point, at 2..32 rows
     switch = min(r for r, g in seen if g)
@@ -245,12 +189,10 @@ def _switch_rows(name, t, w, k, ref, override_fn=None) -> int:
 
 def _groups(name: str) -> bool:
     """Whether the 32-element type runs qdot8.c's 4-block VBMI kernels (to 32 rows) here."""
-    lib = kernels._lib()                  # (iterserve_act8_isa(-1) reports; int8_isa() sets)
-    return (name != "Q8_0" and lib.iterserve_act8_isa(-1) == 2 and _has_vbmi()
-            and lib.iterserve_act8_variant(-1) == 0)
+    return name != "Q8_0" and bool(state_of(kernels._lib())["vbmi"])
 
 
-# qdot8.c Q32_GEMM8_ROWS_* / _LONG_* (K > 4096): from these rows auto hands a decode step of a
+# dispatch.c gemm8_from (K <= 4096, K > 4096): from these rows auto hands a decode step of a
 # 32-element type to the int8 prefill GEMM; without the VBMI kernels from 12 at the latest
 Q32_GEMM8_ROWS = {"Q4_0": (14, 8), "Q4_1": (14, 6), "Q5_0": (14, 6), "Q5_1": (12, 6),
                   "Q8_0": (4, 4)}
@@ -263,23 +205,22 @@ def test_auto_runs_32_element_steps_of_many_rows_on_the_int8_prefill_gemm(name, 
     the decode kernels below the measured row count and on the int8 prefill GEMM (exactly
     its result) from there, at the table's rows for K <= 4096 and K > 4096 (down_proj);
     without the VBMI kernels (AVX2 here) from 12 rows at the latest (the decode kernels stop
-    at 8, the float path follows); the override (iterserve_act8_q32_gemm_rows) moves the switch."""
+    at 8, the float path follows)."""
     if name == "Q8_0" and isa8 == "avx2":
         pytest.skip("no int8 prefill GEMM for Q8_0 on avx2 (vpmaddubsw would saturate)")
-    lib = kernels._lib()
     short_rows, long_rows = Q32_GEMM8_ROWS[name]
     if not _groups(name):
         short_rows, long_rows = min(short_rows, 12), min(long_rows, 12)
     t, w, ref = gguf_blocks(name, 67, 512, seed=4)         # 16 blocks: two 8-block groups
-    assert _switch_rows(name, t, w, 512, ref, lib.iterserve_act8_q32_gemm_rows) == short_rows
+    assert _switch_rows(name, t, w, 512, ref) == short_rows
     k2 = 4352                                                # > 4096, 136 blocks
     t2, w2, ref2 = gguf_blocks(name, 33, k2, seed=5)
-    assert _switch_rows(name, t2, w2, k2, ref2, lib.iterserve_act8_q32_gemm_rows) == long_rows
+    assert _switch_rows(name, t2, w2, k2, ref2) == long_rows
     if name == "Q8_0":
         # K not a multiple of 256 (the bundled model's tied LM head, K = 576): the GEMM's
-        # one-block panel decode loses below 12 rows (qdot8.c Q32_GEMM8_ROWS_Q8_0_RAGGED)
+        # one-block panel decode loses below 12 rows (dispatch.c)
         t3, w3, ref3 = gguf_blocks(name, 33, 576, seed=6)
-        assert _switch_rows(name, t3, w3, 576, ref3, lib.iterserve_act8_q32_gemm_rows) == 12
+        assert _switch_rows(name, t3, w3, 576, ref3) == 12
 
 
 def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone():
@@ -487,9 +428,16 @@ def test_int8_continues_the_bundled_model_greedily_as_float_does(mixed_model):
     prompt = _prompt(mixed_model)
     f_tokens, f_logits = _greedy(mixed_model, prompt, "float")
     i_tokens, i_logits = _greedy(mixed_model, prompt, "int8")
-    assert i_tokens == f_tokens, (mixed_model.tokenizer.decode(i_tokens),
-                                  mixed_model.tokenizer.decode(f_tokens))
-    for a, b in zip(i_logits[1:], f_logits[1:]):             # the decode steps
+    # The 8-layer cut of the model is near random, so its continuation meets near-ties: the
+    # texts may part only where float's own top two are within 8-bit error of each other
+    # (2% of the logits' spread), and not before the third token.
+    same = next((k for k, (a, b) in enumerate(zip(i_tokens, f_tokens)) if a != b), len(f_tokens))
+    if same < len(f_tokens):
+        f = f_logits[same][0]
+        margin = ((f[f_tokens[same]] - f[i_tokens[same]]) / f.std()).item()
+        assert same >= 3 and margin < 0.02, (same, margin, mixed_model.tokenizer.decode(i_tokens),
+                                             mixed_model.tokenizer.decode(f_tokens))
+    for a, b in zip(i_logits[1:same + 1], f_logits[1:same + 1]):   # decode steps, same context
         rel = ((a - b).pow(2).mean().sqrt() / b.std()).item()
         assert 0 < rel < 0.1                                 # 0: int8 did not run
 
@@ -507,10 +455,11 @@ def test_fused_decode_layers_equal_the_per_module_path_in_int8_mode(mixed_model)
 # --- the knob ----------------------------------------------------------------------------------
 
 def test_kernel_activations_knob_reaches_the_kernels(tiny_model_dir):
-    from iterserve.core.config import ConfigError
     from iterserve.engine.args import EngineArgs
-    from iterserve.engine.builder import _configure_kernels
     import argparse
+
+    def _configure_kernels(args):           # what engine/builder.py does before loading
+        kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     p = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(p.parse_args([])).kernel_activations == "auto"
     args = EngineArgs.from_cli_args(p.parse_args(["--kernel-activations", "float"]))
@@ -531,18 +480,13 @@ def test_kernel_activations_knob_reaches_the_kernels(tiny_model_dir):
     assert kernels.activations() == "float"
 
 
-VARIANTS = {"groups": 0, "pairs": 1}     # qdot8.c's AVX-512 kernels of the 32-element types
-
-
-@pytest.fixture(params=list(VARIANTS))
-def vnni_variant(request):
+@pytest.fixture
+def vnni_variant():
+    """The AVX-512 VNNI int8 kernels of the 32-element types (the 4-block ones on VBMI CPUs)."""
     if not {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= kernels.features():
         pytest.skip("the CPU has no AVX-512 VNNI")
-    lib = kernels._lib()
     kernels.int8_isa("avx512vnni")
-    lib.iterserve_act8_variant(VARIANTS[request.param])
-    yield request.param
-    lib.iterserve_act8_variant(0)
+    yield "groups" if state_of(kernels._lib())["vbmi"] else "pairs"
     kernels.int8_isa()
 
 
@@ -592,84 +536,25 @@ def test_int8_32_element_kernels_read_nothing_past_the_tensor(name, vnni_variant
         del wg
 
 
-def test_kq_decode_env_selects_session_14s_kquant_path_for_ab(monkeypatch):
-    """ITERSERVE_KQ_DECODE=s14 (what run_models.py --iterserve-variants passes to a server)
-    loads the kernels with the K-quant decode path of 16 KB chunks, 4-row tiles and no
-    hand-over; unset, the defaults."""
-    lib = kernels._lib()
-    assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
-            lib.iterserve_act8_kq_gemm_rows(-1)) == (0, 6, 0)
-    monkeypatch.setenv("ITERSERVE_KQ_DECODE", "s14")
-    kernels.clear_cache()
-    try:
-        lib = kernels._lib()
-        assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
-                lib.iterserve_act8_kq_gemm_rows(-1)) == (1, 4, 33)
-    finally:
-        lib.iterserve_act8_kq_variant(0)
-        lib.iterserve_act8_kq_tile(6)
-        lib.iterserve_act8_kq_gemm_rows(0)
-        monkeypatch.delenv("ITERSERVE_KQ_DECODE")
-        kernels.clear_cache()
-
-
-def test_kq_gemm_rows_env_moves_the_kquant_hand_over_for_ab(monkeypatch):
-    """ITERSERVE_KQ_GEMM_ROWS=N (an A/B variant of run_models.py) hands K-quant decode steps
-    of N rows and more to the int8 prefill GEMM; unset again, a reload restores the
-    measured rows (0: by type and K)."""
-    monkeypatch.setenv("ITERSERVE_KQ_GEMM_ROWS", "13")
-    kernels.clear_cache()
-    try:
-        lib = kernels._lib()
-        assert lib.iterserve_act8_kq_gemm_rows(-1) == 13
-        monkeypatch.delenv("ITERSERVE_KQ_GEMM_ROWS")
-        kernels.clear_cache()
-        assert kernels._lib().iterserve_act8_kq_gemm_rows(-1) == 0
-    finally:
-        monkeypatch.delenv("ITERSERVE_KQ_GEMM_ROWS", raising=False)
-        kernels.clear_cache()
-        kernels._lib().iterserve_act8_kq_gemm_rows(0)
-
-
-def test_q32_decode_env_selects_session_15s_path_for_ab(monkeypatch):
-    """ITERSERVE_Q32_DECODE=s15 loads the kernels with the 32-element types' decode steps
-    without the hand-over: to the int8 prefill GEMM up to 32 rows and its
-    one-block panel decode; unset, the defaults."""
-    lib = kernels._lib()
-    assert (lib.iterserve_act8_q32_gemm_rows(-1), lib.iterserve_gemm8_pack_variant(-1)) == (0, 0)
-    monkeypatch.setenv("ITERSERVE_Q32_DECODE", "s15")
-    kernels.clear_cache()
-    try:
-        lib = kernels._lib()
-        assert (lib.iterserve_act8_q32_gemm_rows(-1), lib.iterserve_gemm8_pack_variant(-1)) \
-            == (33, 1)
-    finally:
-        lib.iterserve_act8_q32_gemm_rows(0)
-        lib.iterserve_gemm8_pack_variant(0)
-        monkeypatch.delenv("ITERSERVE_Q32_DECODE")
-        kernels.clear_cache()
-
-
 def test_fused_decode_layers_equal_the_per_module_path_on_the_hand_over(tmp_path):
     """A decode step of 24 rows in auto mode on a tiny Q4_0 / Q4_1 / Q8_0 model (every
     projection at or past its hand-over row count): the fused decode layers and the
-    per-module path give bit-identical logits, and they are not those of the path without the
-    hand-over (ITERSERVE_Q32_DECODE=s15's rows), so the int8 prefill GEMM really ran."""
+    per-module path give bit-identical logits, and the table sends those calls to the int8
+    prefill GEMM."""
     from fixtures.tiny_gguf import load_all_quant_model
     loaded = load_all_quant_model(tmp_path / "allquant.gguf", seed=7)
-    lib = kernels._lib()
     prompts = [[3 + i, 7, 11 + i] for i in range(24)]
 
-    def run(fused: bool, rows_override: int):
-        lib.iterserve_act8_q32_gemm_rows(rows_override)
-        try:
-            return greedy_steps(loaded, prompts, "auto", fused, 4, num_blocks=80, block_size=4)[1][1:]
-        finally:
-            lib.iterserve_act8_q32_gemm_rows(0)
+    def run(fused: bool):
+        return greedy_steps(loaded, prompts, "auto", fused, 4, num_blocks=80, block_size=4)[1][1:]
 
-    on, off, old = run(True, 0), run(False, 0), run(True, 33)
+    on, off = run(True), run(False)
     assert len(on) == len(off) == 3
-    for a, b, c in zip(on, off, old):
+    for a, b in zip(on, off):
         assert a.shape[0] == 24
         assert torch.equal(a, b)
-        assert not torch.equal(a, c)
+    kernels.set_activations("auto")
+    try:
+        assert all(kernels.route(t, 24, 64) == "gemm8" for t in (2, 3)), "no hand-over"
+    finally:
+        kernels.set_activations("float")

@@ -14,6 +14,9 @@ import pytest
 
 from fixtures.tiny_gguf import write_random_llama_gguf, write_tiny_llama_gguf
 
+from iterserve.errors import InsufficientMemoryError
+
+
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 MB = 1 << 20
 # A ~213M-parameter llama shape (Llama-3.2-1B-like proportions, tied embeddings).
@@ -88,7 +91,7 @@ def test_an_impossible_kv_cache_request_exits_with_a_clear_message(tmp_path):
 def test_memory_plan_reports_weights_linears_and_kv(tmp_path):
     from fixtures.tiny_models import greedy
     from iterserve.model.loader import load_model
-    from iterserve.model.memory import InsufficientMemoryError, check_memory_plan, plan_memory
+    from iterserve.model.memory import check_memory_plan, plan_memory
     from iterserve.model.runner import ModelRunner
     path = tmp_path / "t.gguf"
     write_tiny_llama_gguf(path)
@@ -99,7 +102,7 @@ def test_memory_plan_reports_weights_linears_and_kv(tmp_path):
     assert set(plan["weights"]["bytes_by_encoding"]) >= {"Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"}
     assert plan["kv_cache"] == {"dtype": "float32", "num_blocks": 10, "block_size": 4,
                                 "bytes": 10 * ModelRunner.kv_cache_bytes_per_block(lm.config, 4),
-                                "swap_bytes": 0}
+                                "swap_bytes": 0, "ram_tier_blocks": 0, "ram_tier_bytes": 0}
     lin = plan["linears"]
     assert sum(lin[k] for k in ("native", "mixed", "reference", "dense")) == 4 * 2 + 1
     json.dumps(plan)                                         # plain data, for the HTTP routes

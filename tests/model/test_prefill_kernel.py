@@ -187,7 +187,7 @@ def test_int8_gemm_long_k_strided_rows_threads_and_isas_agree(name, threads, mon
     """K = 2,560 (not a power of two, 10 super-blocks), strided x rows, 97 columns (3 full
     panels + 1), two threads splitting rows for the quantisation and panels for the GEMM;
     AVX2 and AVX-512 compute the same integers, so they agree to summation order."""
-    monkeypatch.setattr(kernels, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels.ops, "_threads", lambda: threads)
     k = 2560
     t, raw, w = gguf_blocks(name, 97, k, seed=7)
     x = torch.randn(45, k + 64)[:, 32:32 + k]
@@ -207,29 +207,18 @@ def test_int8_gemm_long_k_strided_rows_threads_and_isas_agree(name, threads, mon
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_int8_gemm_grouped_panel_decode_of_32_element_types(name, isa8):
     """prefill8.c decodes the 32-element types' panels 8 blocks of a row at a time where K is
-    whole groups of 8 blocks (else one block at a time, as
-    iterserve_gemm8_pack_variant(1) always does): for 1-17 blocks (grouped at 8 and 16), at the decode
-    row counts that hand over (4, 14, 32), the result is right and equals the one-block
-    decode bit for bit (the same codes, scales and summation order)."""
+    whole groups of 8 blocks (else one block at a time): for 1-17 blocks (grouped at 8 and
+    16), at the decode row counts that hand over (4, 14, 32), the result is right."""
     if not kernels.supports_gemm_int8(int(GGMLQuantizationType[name])):
         pytest.skip(f"no int8 prefill GEMM for {name} on {isa8} (vpmaddubsw would saturate)")
-    lib = kernels._lib()
-    assert lib.iterserve_gemm8_pack_variant(-1) == 0
-    try:
-        for blocks in (1, 7, 8, 9, 16, 17):
-            k = 32 * blocks
-            t, raw, w = gguf_blocks(name, 41, k, seed=blocks)      # a panel and 9 columns
-            for rows in (4, 14, 32):
-                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-                grouped, single = torch.empty(rows, 41), torch.empty(rows, 41)
-                kernels.gemm_int8(t, raw, k, x, grouped)
-                lib.iterserve_gemm8_pack_variant(1)
-                kernels.gemm_int8(t, raw, k, x, single)
-                lib.iterserve_gemm8_pack_variant(0)
-                assert_int8_close(grouped, x, w)
-                assert torch.equal(grouped, single), (blocks, rows)
-    finally:
-        lib.iterserve_gemm8_pack_variant(0)
+    for blocks in (1, 7, 8, 9, 16, 17):
+        k = 32 * blocks
+        t, raw, w = gguf_blocks(name, 41, k, seed=blocks)          # a panel and 9 columns
+        for rows in (4, 14, 32):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            grouped = torch.empty(rows, 41)
+            kernels.gemm_int8(t, raw, k, x, grouped)
+            assert_int8_close(grouped, x, w)
 
 
 def test_int8_gemm_rejects_bad_arguments_and_types():
@@ -289,10 +278,13 @@ def test_parallel_build_compiles_each_file_once_under_the_lock(tmp_path, monkeyp
     import ctypes
     import subprocess
     import threading
-    kdir = kernels._DIR
-    srcs = [kdir / "elementwise.c", kdir / "decode_attention.c"]      # self-contained
+    kdir = kernels.build._DIR
+    # A self-contained set: both attention kernels share prefill_attention.c's ISA choice
+    # (attention_core.h), which reads config.c's CPU probe.
+    srcs = [kdir / "elementwise.c", kdir / "decode_attention.c", kdir / "prefill_attention.c",
+            kdir / "config.c"]
     monkeypatch.setenv("ITERSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_SOURCES", srcs)
+    monkeypatch.setattr(kernels.build, "_SOURCES", srcs)
     compiles = []
     real_run = subprocess.run
 
@@ -300,7 +292,7 @@ def test_parallel_build_compiles_each_file_once_under_the_lock(tmp_path, monkeyp
         if "-c" in cmd:
             compiles.append(cmd[cmd.index("-c") + 1])
         return real_run(cmd, *a, **kw)
-    monkeypatch.setattr(kernels.subprocess, "run", spy)
+    monkeypatch.setattr(kernels.build.subprocess, "run", spy)
     got = []
     threads = [threading.Thread(target=lambda: got.append(kernels._build(kernels._compiler())))
                for _ in range(2)]
@@ -315,7 +307,7 @@ def test_parallel_build_compiles_each_file_once_under_the_lock(tmp_path, monkeyp
     assert hasattr(lib, "iterserve_rmsnorm") and hasattr(lib, "iterserve_decode_attention")
     broken = tmp_path / "broken.c"
     broken.write_text("int f(void) { return }\n")
-    monkeypatch.setattr(kernels, "_SOURCES", [*srcs, broken])
+    monkeypatch.setattr(kernels.build, "_SOURCES", [*srcs, broken])
     with pytest.raises(RuntimeError, match="broken.c"):
         kernels._build(kernels._compiler())
     assert not list((tmp_path / "kernels").glob(".build-*"))

@@ -31,6 +31,11 @@ def test_building_into_an_empty_cache_dir_compiles_and_caches(tmp_path, monkeypa
         kernels.clear_cache()
 
 
+KQ_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256)
+
+
 @pytest.fixture(scope="module")
 def quant_model(tmp_path_factory):
     return load_all_quant_model(tmp_path_factory.mktemp("q") / "allquant.gguf", seed=3)
@@ -85,7 +90,7 @@ def test_disabling_native_kernels_falls_back_to_float_weights(quant_model, monke
 
 def test_mixed_type_fused_layers_keep_one_segment_per_type(tmp_path):
     """The default tiny GGUF stores q/k/v in three different types: qkv is three segments
-    (one row segment per type)."""
+    (one row segment per run of parts of the same type)."""
     from gguf import GGMLQuantizationType as Q
     from iterserve.model.loader import load_model
     path = tmp_path / "mixed.gguf"
@@ -95,7 +100,7 @@ def test_mixed_type_fused_layers_keep_one_segment_per_type(tmp_path):
     assert model.layers[0].self_attn.o_proj.quant.types == [Q.Q4_1]      # Q4_1 alone
 
 
-# --- the K-quant int8 decode kernels (qdot8.c dotkv_vnni / dotkw_avx2) -----------------------
+# --- the K-quant int8 decode kernels (qdot8.c dotkv_vnni / dotkw_avx2) ----------------------
 
 KQ_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 KQ_ISAS = ["avx2", "avx512vnni"]
@@ -138,70 +143,32 @@ def _check_kq(out: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("name", KQ_TYPES)
 def test_kquant_decode_kernels_every_row_count_against_gguf_py(name, kq_isa):
-    """The K-quant decode kernels (one decode of a super-block for all rows of a tile of up
-    to 12) and the per-tile ones (iterserve_act8_kq_decode(1): row tiles of 4 / 6), at
-    every row count 1..12 and 13, 25 (two and three tiles), K of 1024 (one K chunk) and 8192
-    (several), 37 columns; both against gguf-py's dequantisation times a float matmul."""
-    lib = kernels._lib()
-    assert lib.iterserve_act8_kq_decode(-1) == 0                     # the new ones by default
-    try:
-        for k in (1024, 8192):
-            t, w, ref = gguf_blocks(name, 37, k, seed=k)
-            for rows in list(range(1, 14)) + [25]:
-                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
-                x[0, :300] = 0.0                                     # a zero block (scale 0)
-                for dec in (0, 1):
-                    assert lib.iterserve_act8_kq_decode(dec) == dec
-                    out = torch.full((rows, 37), float("nan"))
-                    kernels.qgemm_int8(t, w, k, x, out)
-                    _check_kq(out, x, ref)
-    finally:
-        lib.iterserve_act8_kq_decode(0)
+    """The K-quant decode kernels (one decode of a super-block for all rows of a tile of up to
+    12), at every row count 1..12 and 13, 25 (two and three tiles), K of 1024 (one K chunk)
+    and 8192 (several), 37 columns, against gguf-py's dequantisation times a float matmul."""
+    for k in (1024, 8192):
+        t, w, ref = gguf_blocks(name, 37, k, seed=k)
+        for rows in list(range(1, 14)) + [25]:
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
+            x[0, :300] = 0.0                                         # a zero block (scale 0)
+            out = torch.full((rows, 37), float("nan"))
+            kernels.qgemm_int8(t, w, k, x, out)
+            _check_kq(out, x, ref)
 
 
 @pytest.mark.parametrize("name", KQ_TYPES)
 def test_kquant_decode_tiles_threads_and_column_offsets(name, kq_isa, monkeypatch):
-    """The new kernels' tile size (iterserve_act8_kq_decode(100 + rows): 4..12 rows a tile),
-    two threads splitting 193 columns, and a column offset into a wider output: every result
+    """Two threads splitting 193 columns and a column offset into a wider output: every result
     within the bound, nothing written outside its columns."""
-    lib = kernels._lib()
     k, n = 2048, 193
     t, w, ref = gguf_blocks(name, n, k, seed=11)
-    monkeypatch.setattr(kernels, "_threads", lambda: 2)
-    try:
-        for tile in (4, 7, 12):
-            lib.iterserve_act8_kq_decode(100 + tile)
-            for rows in (1, 5, 9, 12):
-                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-                wide = torch.full((rows, n + 9), 7.0)
-                kernels.qgemm_int8(t, w, k, x, wide, col0=4)
-                assert (wide[:, :4] == 7).all() and (wide[:, n + 4:] == 7).all()
-                _check_kq(wide[:, 4:n + 4], x, ref)
-    finally:
-        lib.iterserve_act8_kq_decode(112)
-        lib.iterserve_act8_kq_decode(0)
-
-
-def test_kq_decode_env_selects_session_15s_kernels_for_ab(monkeypatch):
-    """ITERSERVE_KQ_DECODE=s15 (run_models.py --iterserve-variants "s15=ITERSERVE_KQ_DECODE=
-    s15") loads the kernels with the per-tile K-quant decode kernels, all else as
-    default; unset, the per-call ones (also after such a reload: dlopen keeps the library's state)."""
-    monkeypatch.setenv("ITERSERVE_KQ_DECODE", "s15")
-    kernels.clear_cache()
-    try:
-        lib = kernels._lib()
-        assert lib.iterserve_act8_kq_decode(-1) == 1
-        assert (lib.iterserve_act8_kq_variant(-1), lib.iterserve_act8_kq_tile(-1),
-                lib.iterserve_act8_kq_gemm_rows(-1)) == (0, 6, 0)
-    finally:
-        monkeypatch.delenv("ITERSERVE_KQ_DECODE")
-        kernels.clear_cache()
-    assert kernels._lib().iterserve_act8_kq_decode(-1) == 0
-
-
-KQ_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256)
+    monkeypatch.setattr(kernels.ops, "_threads", lambda: 2)
+    for rows in (1, 5, 9, 12, 13, 25):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        wide = torch.full((rows, n + 9), 7.0)
+        kernels.qgemm_int8(t, w, k, x, wide, col0=4)
+        assert (wide[:, :4] == 7).all() and (wide[:, n + 4:] == 7).all()
+        _check_kq(wide[:, 4:n + 4], x, ref)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ import torch
 
 from fixtures.tiny_models import Blocks, advance, chunk, greedy, make_tiny_model_dir, request, step
 from iterserve.core.scheduler_output import SchedulerOutput
-from iterserve.model.config import ModelLoadError, UnsupportedModelError
-from iterserve.model.kv_cache import KVCacheError
+from iterserve.errors import KVCacheError, ModelLoadError, UnsupportedModelError
 from iterserve.model.loader import load_model
 from iterserve.model.runner import ModelRunner
 

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from fixtures.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tiny_tokenizer, write_tiny_tokenizer
-from iterserve.model.chat_template import ChatTemplateError
-from iterserve.model.tokenizer import Tokenizer, TokenizerLoadError
+from iterserve.errors import ChatTemplateError, DefaultModelMissing, TokenizerLoadError
+from iterserve.model.tokenizer import Tokenizer
 
 SAMPLES = [
     "Hello, world!",
@@ -166,8 +166,8 @@ def test_template_tojson_keeps_unicode_and_sandbox_blocks_attribute_escapes(tiny
 # --- the bundled SmolLM2 GGUF against transformers loading the same file ------------------
 @pytest.fixture(scope="module")
 def smollm2():
-    from iterserve.model.default_model import DefaultModelMissing, default_model_path
-    from iterserve.model.gguf_loader import open_gguf
+    from iterserve.model.default_model import default_model_path
+    from iterserve.model.gguf import open_gguf
     try:
         path = default_model_path()
     except DefaultModelMissing as exc:
@@ -222,7 +222,7 @@ SPM_SAMPLES = ["Hello world", "The quick brown fox.", " two  spaces", "日本 �
 @pytest.fixture(scope="module")
 def spm_gguf(tmp_path_factory):
     from fixtures.tiny_gguf import write_tiny_sentencepiece_gguf
-    from iterserve.model.gguf_loader import open_gguf
+    from iterserve.model.gguf import open_gguf
     path = tmp_path_factory.mktemp("spm") / "spm.gguf"
     write_tiny_sentencepiece_gguf(path)
     return path, Tokenizer.from_gguf_metadata(open_gguf(path))
@@ -255,18 +255,18 @@ def test_from_path_gguf_reads_metadata_only_and_matches_gguf_py(smollm2, monkeyp
     ~3 s on a 1.7B or 8B file); the tokenizer is the one gguf-py's view of the file gives."""
     import gguf
 
-    from iterserve.model import gguf_loader
+    from iterserve.model import gguf as gguf_header
     path = smollm2[0]
     ref = Tokenizer.from_gguf_metadata(gguf.GGUFReader(path))
     opened = []
-    real_open = gguf_loader.open_gguf
+    real_open = gguf_header.open_gguf
 
     def spy(p, tensors=True):
         header = real_open(p, tensors)
         opened.append((tensors, len(header.tensors)))
         return header
 
-    monkeypatch.setattr(gguf_loader, "open_gguf", spy)
+    monkeypatch.setattr(gguf_header, "open_gguf", spy)
     monkeypatch.setattr(gguf, "GGUFReader", None)          # must not be used
     tok = Tokenizer.from_path(path)
     assert opened == [(False, 0)]

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from fixtures.tiny_gguf import ALL_QUANT, TINY_LLAMA, write_tiny_llama_gguf
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import ModelConfig
 from iterserve.model.gguf_loader import load_gguf
-from iterserve.model.parallel import (DequantShardRef, KShardRef, Shard, k_shard, row_shard,
+from iterserve.model.parallel import (KShardRef, Shard, k_shard, k_splits, row_shard,
                                       vocab_range)
 from iterserve.model.weights import EncodedWeight
 
@@ -48,23 +49,31 @@ def test_row_slices_are_byte_ranges_that_decode_to_the_rows(mixed_refs, world):
                                        rtol=0, atol=0)
 
 
-def test_k_slices_stay_encoded_when_whole_blocks_else_dequantised(mixed_refs):
-    _, refs = mixed_refs
+def test_k_slices_stay_encoded_when_whole_blocks_else_the_rows_are_split(mixed_refs):
+    full_cfg, refs = mixed_refs
     o = refs["model.layers.0.self_attn.o_proj.weight"]          # Q4_1, K 64 -> 32 per rank
     down = refs["model.layers.0.mlp.down_proj.weight"]          # Q4_K, K 256 -> 128 per rank
-    for ref, kind in ((o, KShardRef), (down, DequantShardRef)):
-        full = ref.to_float()
-        half = ref.k // 2
-        for r in range(2):
-            part = k_shard(ref, r, 2)
-            assert isinstance(part, kind)
-            if kind is KShardRef:
-                assert part.ggml_type == ref.ggml_type and part.nbytes == ref.nbytes // 2
-            torch.testing.assert_close(part.to_float(), full[:, r * half:(r + 1) * half],
-                                       rtol=0, atol=0)
-            w = EncodedWeight.fuse([part])                      # what Linear.set_weight gets
-            torch.testing.assert_close(w.dequantize(), full[:, r * half:(r + 1) * half],
-                                       rtol=0, atol=0)
+    assert k_splits(o, 2) and not k_splits(down, 2)
+    full = o.to_float()
+    half = o.k // 2
+    for r in range(2):
+        part = k_shard(o, r, 2)
+        assert isinstance(part, KShardRef)
+        assert part.ggml_type == o.ggml_type and part.nbytes == o.nbytes // 2
+        torch.testing.assert_close(part.to_float(), full[:, r * half:(r + 1) * half],
+                                   rtol=0, atol=0)
+        w = EncodedWeight.fuse([part])                          # what Linear.set_weight gets
+        torch.testing.assert_close(w.dequantize(), full[:, r * half:(r + 1) * half],
+                                   rtol=0, atol=0)
+    with pytest.raises(ModelLoadError, match="not whole Q4_K blocks"):
+        k_shard(down, 0, 2)
+    # a K slice that is not whole blocks: the rank keeps whole-K rows, still encoded
+    full = down.to_float()
+    rows = down.shape[0] // 2
+    for r in range(2):
+        part = Shard(r, 2).refs(refs, full_cfg)["model.layers.0.mlp.down_proj.weight"]
+        assert part.ggml_type == down.ggml_type and part.shape == (rows, down.k)
+        torch.testing.assert_close(part.to_float(), full[r * rows:(r + 1) * rows], rtol=0, atol=0)
 
 
 def test_rank_slices_of_every_tensor_have_the_local_shapes(mixed_refs):
@@ -81,7 +90,7 @@ def test_rank_slices_of_every_tensor_have_the_local_shapes(mixed_refs):
         assert out[p + "self_attn.k_proj.weight"].shape == (d, 64)
         assert out[p + "self_attn.o_proj.weight"].shape == (64, 2 * d)
         assert out[p + "mlp.up_proj.weight"].shape == (128, 64)
-        assert out[p + "mlp.down_proj.weight"].shape == (64, 128)
+        assert out[p + "mlp.down_proj.weight"].shape == (32, 256)   # Q4_K: rows, whole K
         assert out["model.embed_tokens.weight"].shape == (256, 64)
         assert out[p + "input_layernorm.weight"] is refs[p + "input_layernorm.weight"]
 
@@ -111,7 +120,8 @@ def test_all_quant_file_splits_on_block_boundaries(tmp_path):
     write_tiny_llama_gguf(path, seed=3, tensor_types=ALL_QUANT)
     config, refs, _ = load_gguf(path)
     out = Shard(1, 2).refs(refs, ModelConfig.from_hf(config))
-    assert not any(isinstance(r, DequantShardRef) for r in out.values())
+    assert all(k_splits(refs[n], 2) for n in refs if n.endswith(("o_proj.weight",
+                                                                 "down_proj.weight")))
     assert sum(isinstance(r, KShardRef) for r in out.values()) == 2 * TINY_LLAMA["num_hidden_layers"]
     perm = out["model.layers.0.self_attn.q_proj.weight"].row_perm
     assert perm is not None and sorted(np.asarray(perm).tolist()) == list(range(len(perm)))

@@ -80,19 +80,19 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def start_pool(ray_cluster, tiny_model_dir):
-    """start_pool(**engine_kw) -> a served ReplicaPool of 2 replicas x 1 thread; all stop
-    at module end."""
+    """start_pool(**engine_kw) -> a served ReplicaPool of 2 replicas x 1 thread (of the shared
+    tiny model, or `model=` a directory); all stop at module end."""
     from iterserve.engine.args import EngineArgs
     from iterserve.replicas import close_pool, start_pool as _start_pool
 
     started: list[Served] = []
 
-    def start(app_kw: dict | None = None, **kw: Any) -> Served:
+    def start(app_kw: dict | None = None, model: Any = None, **kw: Any) -> Served:
         kw.setdefault("num_kv_blocks", 128)
         kw.setdefault("max_model_len", 256)
         kw.setdefault("data_parallel_size", 2)
         t0 = time.monotonic()
-        pool = _start_pool(EngineArgs(model=str(tiny_model_dir), **kw), threads_per_replica=1)
+        pool = _start_pool(EngineArgs(model=str(model or tiny_model_dir), **kw), threads_per_replica=1)
         print(f"\n[replicas] start_pool({kw.get('router', 'least_loaded')}): "
               f"{time.monotonic() - t0:.1f} s")
         s = serve_engine(pool, **(app_kw or {}))

@@ -15,11 +15,16 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def limited(start_pool):
-    # max_model_len 1024: the running requests (1000 tokens) outlast the queued ones' 0.5 s
-    # queue timeout by seconds, whatever the machine's load.
+def limited(start_pool, tmp_path_factory):
+    from fixtures.tiny_models import make_tiny_model_dir
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("long-tiny-llama"),
+                                max_position_embeddings=4096)
+    # The running requests may decode 4,000 tokens, far longer than the queued ones' 2 s queue
+    # timeout on any machine; the test aborts them once it has seen the timeouts. 2 s leaves a
+    # loaded machine time to send the over-limit request while both queued ones still wait.
     return start_pool(max_num_seqs=1, max_queued_requests=1, scheduling_policy="priority",
-                      queue_timeout=0.5, max_model_len=1024)
+                      queue_timeout=2.0, max_model_len=4096, num_kv_blocks=300,
+                      model=model)
 
 
 class Stream(threading.Thread):
@@ -33,6 +38,7 @@ class Stream(threading.Thread):
         self.tokens = 0
         self.finish: str | None = None
         self.first = threading.Event()
+        self.stop = threading.Event()    # set: close the stream, which aborts the request
         self.start()
 
     def run(self) -> None:
@@ -46,6 +52,8 @@ class Stream(threading.Thread):
                 return
             self.first.set()
             for line in r.iter_lines():
+                if self.stop.is_set():
+                    return
                 if line.startswith("data: {"):
                     ev = json.loads(line[6:])
                     if ev.get("choices"):
@@ -60,8 +68,8 @@ def test_503_only_when_every_replica_queue_is_full_and_queued_requests_time_out(
     def running() -> int:
         return httpx.get(s.base_url + "/v1/engine/stats").json()["num_running"]
 
-    a = Stream(s, "first", max_tokens=1000)
-    b = Stream(s, "second", max_tokens=1000)
+    a = Stream(s, "first", max_tokens=4000)
+    b = Stream(s, "second", max_tokens=4000)
     deadline = time.monotonic() + 30
     while running() < 2 and time.monotonic() < deadline:     # one running on each replica
         time.sleep(0.05)
@@ -76,13 +84,18 @@ def test_503_only_when_every_replica_queue_is_full_and_queued_requests_time_out(
     assert r.status_code == 503 and r.headers.get("retry-after"), r.text
     assert r.json()["error"]["type"] == "service_unavailable"
     assert pool.num_retries_queue_full >= 1
-    # The queued two never got a slot: their queue timeout (0.5 s) ends them.
+    # The queued two never got a slot: their queue timeout (2 s) ends them.
     for t in (c, d):
         t.join(timeout=30)
         assert t.finish == "timeout" and t.tokens == 1, (t.finish, t.tokens)
+    assert a.is_alive() and b.is_alive(), "a running request ended before the queued ones timed out"
     for t in (a, b):
-        t.join(timeout=60)
-        assert t.finish == "length", t.finish
+        t.stop.set()
+        t.join(timeout=30)
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:     # the aborts free both slots
+        time.sleep(0.05)
+    assert running() == 0
 
 
 def test_priorities_work_through_the_pool(limited):

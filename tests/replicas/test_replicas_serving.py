@@ -13,6 +13,7 @@ import pytest
 
 from iterserve.engine.args import EngineArgs
 from iterserve.engine.async_engine import AsyncEngine
+from iterserve.errors import RayNotInstalledError
 
 from .conftest import serve_engine
 
@@ -168,7 +169,7 @@ def test_data_parallel_flag_needs_ray(monkeypatch):
     """Without Ray installed, -dp 2 is a clear error, not a traceback."""
     import builtins
 
-    from iterserve.replicas.launch import RayNotInstalledError, require_ray
+    from iterserve.replicas.launch import require_ray
 
     real = builtins.__import__
 

@@ -12,6 +12,10 @@ import time
 import httpx
 import pytest
 
+from iterserve.errors import (ChatTemplateError, ClientError, KVCacheError, ModelLoadError,
+                              ServerError)
+
+
 try:
     from iterserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 except ImportError:            # so that this file also runs on a tree without that constant
@@ -73,11 +77,6 @@ def test_a_server_fault_is_a_500_with_an_error_body_on_a_usable_connection(start
 
 
 def test_model_side_errors_are_typed_by_whose_fault_they_are():
-    from iterserve.engine.errors import ClientError, ServerError
-    from iterserve.model.chat_template import ChatTemplateError
-    from iterserve.model.config import ModelLoadError
-    from iterserve.model.kv_cache import KVCacheError
-
     assert issubclass(ChatTemplateError, ClientError)
     assert issubclass(ModelLoadError, ServerError) and not issubclass(ModelLoadError,
                                                                       ClientError)

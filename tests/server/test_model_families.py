@@ -1,6 +1,8 @@
 """The families beyond Llama served as a user meets them: a Gemma 3 checkpoint through the
 official openai client over real HTTP, with /v1/engine/stats showing that its sliding
-layers hold only their window of KV blocks while the global layers hold the whole prompt."""
+layers hold only their window of KV blocks while the global layers hold the whole prompt
+(without prefix caching), and with prefix caching on (the default) every layer keeps the
+whole prompt so a cached prefix serves the sliding layers too, with the same greedy text."""
 
 from __future__ import annotations
 
@@ -21,7 +23,16 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemma(start_server):
     return start_server(block_size=BS, num_kv_blocks=256, max_model_len=512,
-                        max_num_batched_tokens=BUDGET, max_num_seqs=4)
+                        max_num_batched_tokens=BUDGET, max_num_seqs=4,
+                        enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def gemma_cached(start_server):
+    from iterserve.server.serving_config import ServingConfig
+    return start_server(block_size=BS, num_kv_blocks=256, max_model_len=512,
+                        max_num_batched_tokens=BUDGET, max_num_seqs=4,
+                        serving_config=ServingConfig(prompt_tokens_details=True))
 
 
 def test_gemma3_chat_and_completions(gemma):
@@ -52,3 +63,24 @@ def test_sliding_layers_hold_only_their_window_on_a_long_prompt(gemma):
     assert all(g["blocks_in_use"] <= cap for _, g in seen)
     assert window["peak_blocks_per_request"] <= cap < full_used / 4
     assert window["window"] == 6 and window["layers"] == [0, 1, 3]
+
+
+def test_prefix_caching_keeps_every_layer_and_the_same_greedy_text(gemma, gemma_cached):
+    """A cached prefix must hold the sliding layers' KV as well: the window pools are off
+    with prefix caching, and a repeated long prompt is served from the cache with the text
+    the window-pool server (no cache) gives."""
+    prompt = [(7 * i) % 400 + 5 for i in range(200)]
+
+    def run(srv):
+        client = openai.OpenAI(base_url=srv.v1, api_key="x")
+        r = client.completions.create(model=srv.model, prompt=prompt, max_tokens=12,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.usage
+
+    want, _ = run(gemma)
+    stats = httpx.get(gemma_cached.base_url + "/v1/engine/stats").json()
+    assert "layer_groups" not in stats["memory"]["kv_cache"]
+    first, u1 = run(gemma_cached)
+    again, u2 = run(gemma_cached)
+    assert first == want and again == want
+    assert u2.prompt_tokens_details.cached_tokens >= len(prompt) - 2 * BS

@@ -10,12 +10,16 @@ body fields, driven with the official `openai` client against a real uvicorn ser
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+
+from iterserve.errors import SamplingParamsError
+
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 GREEDY = {"temperature": 0.0}
@@ -64,7 +68,7 @@ def test_bad_values_are_a_400_naming_the_field(fcfs, field, value):
 
 
 def test_offline_params_validate_the_targets():
-    from iterserve.core.request import SamplingParams, SamplingParamsError
+    from iterserve.core.request import SamplingParams
 
     SamplingParams(ttft_slo_ms=250, tpot_slo_ms=50.0).validate()
     for bad in (float("nan"), float("inf"), 0.0, -1.0, 4e6, "100", True):
@@ -106,15 +110,15 @@ def test_an_unattainable_ttft_target_is_a_429_with_retry_after(start_server):
     # cannot be met by a request queued now (72+ ms of queue), though its own prefill alone
     # could (predicted < 40 ms: decode-only traffic leaves the prefill coefficient near the
     # seed cost model's): a 429 to retry later, not the request's own 400.
-    # 16 x 240 steps: >= 1.3 s of backlog, what the rate estimate needs (MIN_RATE_EVIDENCE_S);
-    # ~3 s on a quiet machine.
+    # 48 x 240 steps: >= 3 s of backlog, so it is still queued when the rate estimate has
+    # its evidence (MIN_RATE_EVIDENCE_S) even on a fast machine.
     server = start_server(scheduling_policy="slo", max_num_seqs=1)
     client = _client(server)
     slo = server.engine.engine.scheduler.slo
     free = server.engine.engine.scheduler.stats().num_free_blocks
     backlog = [threading.Thread(target=lambda: client.completions.create(
         model=server.model, prompt="Hello there", max_tokens=240,
-        extra_body={"ignore_eos": True}, **GREEDY)) for _ in range(16)]
+        extra_body={"ignore_eos": True}, **GREEDY)) for _ in range(48)]
     for t in backlog:
         t.start()
     deadline = time.monotonic() + 90
@@ -147,3 +151,73 @@ def test_an_unattainable_ttft_target_is_a_429_with_retry_after(start_server):
     while server.engine.num_in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.engine.engine.scheduler.stats().num_free_blocks == free   # no KV leaked
+
+
+def test_overload_gets_429_retry_after_and_admitted_requests_meet_their_ttft(start_server):
+    """A burst of streamed requests into two slots, through the openai client: the ones the
+    policy admits get their first token within the 300 ms target (measured here, as a user
+    would), the rest are refused at once with 429, OpenAI's error body and Retry-After /
+    retry-after-ms equal to the predicted wait (<= 120 s); a client that retries as told is
+    served; the forecast errors are in /metrics."""
+    server = start_server(scheduling_policy="slo", max_num_seqs=2, slo_ttft_ms=300)
+    client = _client(server)
+    slo = server.engine.engine.scheduler.slo
+    client.completions.create(model=server.model, prompt="warm", max_tokens=40,
+                              extra_body={"ignore_eos": True}, **GREEDY)
+    assert slo.model.num_observed >= 20
+    ttfts: list[float] = []
+    refused: list[openai.RateLimitError] = []
+    others: list[Exception] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            stream = client.completions.create(
+                model=server.model, prompt=f"Request {i}", max_tokens=240, stream=True,
+                extra_body={"ignore_eos": True}, **GREEDY)
+            first = None
+            for chunk in stream:            # read to the end: an admitted request keeps its
+                if first is None and chunk.choices and chunk.choices[0].text:   # slot
+                    first = time.perf_counter() - t0
+            with lock:
+                ttfts.append(first)
+        except openai.RateLimitError as e:
+            with lock:
+                refused.append(e)
+        except Exception as e:              # anything else fails the test below
+            with lock:
+                others.append(e)
+
+    # Enough requests that the last would wait twice the target behind 240-token answers
+    # in two slots, at the step time the policy measured (a fast machine needs more).
+    step_s = slo.model.predict(tokens=2, seqs=2, kv_tokens=256)
+    rounds = math.ceil(2 * 0.3 / (240 * step_s))
+    n = min(48, max(8, 2 + 2 * rounds))
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(timeout=120)
+    assert not others, others
+    assert ttfts and refused, (ttfts, len(refused))
+    assert all(t <= 0.3 for t in ttfts), ttfts
+    for e in refused:
+        assert e.status_code == 429 and e.body["code"] == "slo_unattainable"
+        assert e.body["type"] == "rate_limit_exceeded" and "ttft_slo_ms=300" in e.body["message"]
+        h = e.response.headers
+        assert 1 <= int(h["Retry-After"]) <= 120
+        ms = int(h["retry-after-ms"])
+        assert 0 < ms <= 120_000 and int(h["Retry-After"]) == max(1, -(-ms // 1000))
+    # With retries on, the openai client waits as told and is served.
+    patient = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=8, timeout=300)
+    r = patient.completions.create(model=server.model, prompt="Hi", max_tokens=2, **GREEDY)
+    assert r.choices[0].finish_reason == "length"
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    assert 'iterserve:slo_ttft_forecast_error_seconds{model_name=' in text
+    assert "iterserve:slo_requests_refused" in text
+    deadline = time.monotonic() + 60
+    while server.engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.num_in_flight == 0

@@ -11,6 +11,9 @@ import jsonschema
 import openai
 import pytest
 
+from iterserve.errors import SLOUnattainableError
+
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -126,8 +129,7 @@ def test_logit_bias_forces_and_bans_a_token(client, server):
 
 
 def test_slo_refusal_maps_to_429_with_retry_after():
-    from iterserve.core.slo_policy import SLOUnattainableError
-    from iterserve.server.serving_common import to_api_error
+    from iterserve.server.errors import to_api_error
 
     err = to_api_error(SLOUnattainableError("cannot meet ttft", retry_after_s=2.2,
                                             predicted_ttft_s=3.0, ttft_slo_s=1.0))

@@ -16,67 +16,9 @@ import jsonschema
 import openai
 import pytest
 
+from fixtures.tool_templates import QWEN_TEMPLATE
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_tools import ToolServerConfig
-
-# Qwen2.5's template (hermes format; its instructions shortened to fit the tiny model's
-# 1024-token context with the tiny tokenizer): tools in the system turn, assistant tool calls with
-# their arguments through `tojson`, tool results as <tool_response> in a user turn.
-QWEN_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\nCall a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -133,13 +75,114 @@ def test_required_with_parallel_calls_gives_valid_calls(client, tool_server):
     choice = r.choices[0]
     calls = choice.message.tool_calls
     assert calls, choice
-    if choice.finish_reason == "length":     # the model may keep adding calls: the last may
-        calls = calls[:-1]                   # be cut, every one before it is whole
-    else:
-        assert choice.finish_reason == "tool_calls"
+    # max_tokens may cut the list: the cut call is left out, every call returned is whole
+    assert choice.finish_reason in ("length", "tool_calls"), choice
     for call in calls:
         _check_call(call)
     assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+
+@pytest.fixture(scope="module")
+def roomy(start_server):
+    """The model's own template (no tools section), so a long list of calls fits in the
+    tiny model's 1024 positions (its tokenizer spends ~70 tokens on one call)."""
+    return start_server(max_model_len=1024, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def roomy_client(roomy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=roomy.v1, api_key="x", max_retries=0, timeout=120)
+
+
+def test_a_call_cut_by_max_tokens_is_not_returned(roomy_client, roomy):
+    """The second call cannot fit: the reply is the first alone, parseable, with "length"."""
+    client = roomy_client
+    for seed in range(10):                  # the first seed whose reply has several calls
+        kw = dict(model=roomy.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  temperature=1.0, seed=seed)
+        whole = client.chat.completions.create(max_tokens=900, **kw).choices[0]
+        assert whole.finish_reason == "tool_calls", whole
+        if len(whole.message.tool_calls) >= 2:
+            break
+    assert len(whole.message.tool_calls) >= 2, whole
+    first_tokens = len(roomy.engine.tokenizer.encode(
+        _hermes_text(whole.message.tool_calls[:1]) + "\n<tool_call>\n{",
+        add_special_tokens=False))
+    cut = client.chat.completions.create(max_tokens=first_tokens + 3, **kw).choices[0]
+    assert cut.finish_reason == "length"
+    assert cut.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in cut.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls[:1]]
+    # cut inside the first call: no call, no half a call as text
+    cut = client.chat.completions.create(max_tokens=8, **kw).choices[0]
+    assert cut.finish_reason == "length"
+    assert cut.message.tool_calls is None and not cut.message.content
+
+
+def _hermes_text(calls) -> str:
+    return "\n".join(f'<tool_call>\n{{"name": "{c.function.name}", "arguments": '
+                     f'{c.function.arguments}}}\n</tool_call>' for c in calls)
+
+
+def test_required_ends_its_call_list(roomy_client, roomy):
+    """The grammar closes the list: with room to spare, a model that would go on adding
+    calls stops after at most MAX_PARALLEL_CALLS, and every call is whole."""
+    from iterserve.tools.choice import MAX_PARALLEL_CALLS
+    for seed in (3, 11, 12):
+        r = roomy_client.chat.completions.create(
+            model=roomy.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+            max_tokens=900, temperature=1.0, seed=seed)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", (seed, choice)
+        assert 1 <= len(choice.message.tool_calls) <= MAX_PARALLEL_CALLS
+        for call in choice.message.tool_calls:
+            _check_call(call)
+
+
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+        "required": ["city"]}}}
+
+
+def test_forced_calls_invent_no_keys(client, tool_server):
+    """No `additionalProperties` in the schema: still no key it does not name (as vLLM's
+    grammar backends); `strict: true` makes every named key required (OpenAI's strict)."""
+    kw = dict(model=tool_server.model, messages=MESSAGES, max_tokens=150, temperature=1.0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    seen = set()
+    for seed in range(6):
+        (call,) = client.chat.completions.create(tools=[OPEN_WEATHER], seed=seed,
+                                                 **kw).choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert set(args) <= {"city", "days"} and "city" in args, args
+        seen |= set(args)
+    strict = {"type": "function", "function": {**OPEN_WEATHER["function"], "strict": True}}
+    for seed in range(3):
+        (call,) = client.chat.completions.create(tools=[strict], seed=seed,
+                                                 **kw).choices[0].message.tool_calls
+        assert set(json.loads(call.function.arguments)) == {"city", "days"}
+
+
+def test_streamed_calls_send_no_empty_deltas(client, tool_server):
+    """While the model writes the `<tool_call>` tag nothing is certain, so nothing is sent;
+    the logprobs of those tokens arrive with the next chunk (none is lost)."""
+    kw = dict(model=tool_server.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+              max_tokens=120, temperature=1.0, seed=3, stream=True, logprobs=True,
+              stream_options={"include_usage": True})
+    chunks = list(client.chat.completions.create(**kw))
+    choice_chunks = [c for c in chunks if c.choices]
+    assert choice_chunks[0].choices[0].delta.role == "assistant"
+    for c in choice_chunks[1:-1]:
+        d = c.choices[0].delta
+        assert c.choices[0].finish_reason is None
+        assert d.content or d.tool_calls, c            # every chunk says something
+    assert choice_chunks[-1].choices[0].finish_reason in ("tool_calls", "length")
+    lps = [t for c in choice_chunks if c.choices[0].logprobs
+           for t in c.choices[0].logprobs.content or []]
+    assert len(lps) == chunks[-1].usage.completion_tokens
+    # fewer chunks than tokens: the tag's tokens had none of their own
+    assert len(choice_chunks) - 2 < chunks[-1].usage.completion_tokens
 
 
 def test_named_tool_choice_calls_that_function(client, tool_server):

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from iterserve.cli import build_parser
+from iterserve.errors import TokenizerLoadError
 from iterserve.server.cli import build_app, resolve_model_args, serving_config_from_args
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -50,7 +51,6 @@ def test_separate_tokenizer_for_an_hf_model_without_one(tmp_path, tiny_model_dir
     """vLLM's --tokenizer: a model directory with no tokenizer files serves with the given
     one (directory or tokenizer.json); a tokenizer too big for the model fails at start."""
     from iterserve import LLM, SamplingParams
-    from iterserve.model.tokenizer import TokenizerLoadError
 
     bare = tmp_path / "bare-model"
     shutil.copytree(tiny_model_dir, bare)

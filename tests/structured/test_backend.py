@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fixtures.constrained_loop import Row, generate
+from iterserve.errors import DefaultModelMissing, GrammarCompileError, GrammarCompileTimeout
 from iterserve.structured import StructuredOutputsParams as P
-from iterserve.structured.backend import (
-    GrammarCompileError, GrammarCompileTimeout, StructuredOutputCompiler, build_ll_tokenizer)
+from iterserve.structured.backend import StructuredOutputCompiler, build_ll_tokenizer
 from iterserve.structured.bitmask import (
     GrammarBitmask, allocate_bitmask, apply_bitmask, fill_bitmasks, unpack_bitmask)
 
@@ -59,7 +59,7 @@ def test_tiny_vocab_bytes_and_special_tokens(tiny_tok):
 
 def test_bundled_gguf_vocab_bytes():
     gguf = pytest.importorskip("gguf")
-    from iterserve.model.default_model import DefaultModelMissing, default_model_path
+    from iterserve.model.default_model import default_model_path
     from iterserve.model.tokenizer import Tokenizer
     try:
         path = default_model_path()

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from iterserve.structured.params import StructuredOutputsError, StructuredOutputsParams as P
+from iterserve.errors import StructuredOutputsError
+from iterserve.structured.params import StructuredOutputsParams as P
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

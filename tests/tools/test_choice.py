@@ -7,7 +7,8 @@ import jsonschema
 import pytest
 
 from fixtures.constrained_loop import Row, generate
-from iterserve.tools import ToolChoiceError, get_tool_parser, tool_choice_constraint
+from iterserve.errors import ToolChoiceError
+from iterserve.tools import get_tool_parser, tool_choice_constraint
 
 TOOLS = [
     {"type": "function", "function": {

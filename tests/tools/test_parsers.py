@@ -35,13 +35,13 @@ def reassemble(deltas):
     return content or None, [calls[i] for i in sorted(calls)]
 
 
-def stream(parser_name, text, chunks):
+def stream(parser_name, text, chunks, cut=False):
     p = get_tool_parser(parser_name, id_factory=counter_ids())
     s = p.stream()
     deltas = []
     for c in chunks:
         deltas += s.feed(c)
-    deltas += s.finish()
+    deltas += s.finish(cut)
     return reassemble(deltas), s
 
 
@@ -56,11 +56,11 @@ def splits(text, seed):
         yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
-def check_stream_equals_extract(parser_name, text):
-    ex = get_tool_parser(parser_name, id_factory=counter_ids()).extract(text)
+def check_stream_equals_extract(parser_name, text, cut=False):
+    ex = get_tool_parser(parser_name, id_factory=counter_ids()).extract(text, cut)
     want = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in ex.tool_calls]
     for chunks in splits(text, len(text)):
-        (content, calls), _ = stream(parser_name, text, chunks)
+        (content, calls), _ = stream(parser_name, text, chunks, cut)
         assert content == ex.content, chunks
         assert calls == want, chunks
     return ex
@@ -84,6 +84,25 @@ HERMES = [
 @pytest.mark.parametrize("text", HERMES)
 def test_hermes_stream_equals_extract(text):
     check_stream_equals_extract("hermes", text)
+
+
+@pytest.mark.parametrize("parser_text", [("hermes", t) for t in HERMES] + [
+    ("hermes", "Checking.\n<tool_call>\n{\"na"), ("hermes", "Trailing space "),
+    ("llama3_json", '{"na'), ("mistral", "Sure.[TOOL_CALLS][{\"name\": \"f\"")])
+def test_a_cut_output_keeps_out_what_was_undecided(parser_text):
+    """max_tokens ended the output: a half-written tag or call name is neither content nor
+    a call, in a stream as in extract; text that was never in doubt stays as it is."""
+    parser_name, text = parser_text
+    ex = check_stream_equals_extract(parser_name, text, cut=True)
+    whole = get_tool_parser(parser_name).extract(text)
+    assert [c.name for c in ex.tool_calls] == [c.name for c in whole.tool_calls]
+    kept = {"Checking.\n<tool_call>\n{\"na": "Checking.", "A < b and <tool_ca": "A < b and"}
+    if text in kept:
+        assert (ex.content, ex.dropped) == (kept[text], 1)
+    if text == "Trailing space ":
+        assert (ex.content, ex.dropped) == (text, 0)
+    if text == '{"na':
+        assert (ex.content, ex.dropped) == (None, 1)
 
 
 def test_hermes_extract():

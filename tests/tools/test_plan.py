@@ -9,9 +9,9 @@ import pytest
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.chat_tools import plan_offline_tools, tool_params
+from iterserve.errors import InvalidRequestError, ToolChoiceError
 from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.serving_tools import ToolServerConfig, plan_tools
-from iterserve.tools import ToolChoiceError
 from iterserve.tools.plan import NO_TOOLS, ToolPlan, plan_tool_choice
 
 WEATHER = {"type": "function", "function": {
@@ -74,7 +74,6 @@ def test_sampling_params_force_the_call_and_keep_mistral_special_tokens():
 def test_the_policies_differ_only_where_they_should():
     """The server needs --enable-auto-tool-choice for "auto"; the offline API reads "auto"
     with its tool_parser (default hermes) and refuses an unknown one."""
-    from iterserve.engine.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError, match="enable-auto-tool-choice"):
         _server("auto", auto=False)
     plan, _ = _server("required", auto=False)               # forced: hermes by default
@@ -86,3 +85,28 @@ def test_the_policies_differ_only_where_they_should():
     with pytest.raises(ToolChoiceError, match="not in tools"):
         plan_offline_tools([WEATHER], {"type": "function", "function": {"name": "x"}},
                            None, True, None)
+
+
+CUT = TWO.replace('"Oslo"}}\n</tool_call>', '"Os')      # max_tokens ended the second call
+
+
+def test_a_call_cut_in_half_is_left_out_of_the_reply():
+    """The completed calls come back, the cut one does not (nor its text as content); a
+    reply of only a cut call has neither content nor calls, so nothing fails to parse."""
+    from iterserve.server.serving_tools import message_with_tools
+
+    plan = plan_tool_choice([WEATHER, PING], "auto", parallel=True, auto_parser="hermes",
+                            forced_format="hermes")
+    parsed = plan.parser().extract(CUT)                 # the parser itself reports both
+    assert [c.complete for c in parsed.tool_calls] == [True, False]
+    ex = plan.extract(CUT)
+    assert [c.name for c in ex.tool_calls] == ["ping"] and ex.dropped == 1
+    message, called = message_with_tools(plan, CUT)
+    assert called and message["content"] is None
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ["{}"]
+    only_cut = CUT[CUT.index("<tool_call>\n{\"name\": \"get_weather\""):]
+    message, called = message_with_tools(plan, "Checking.\n" + only_cut)
+    assert not called and message == {"role": "assistant", "content": "Checking."}
+    # arguments that are not a JSON object are not a call a client can run either
+    bad = '<tool_call>\n{"name": "ping", "arguments": "not json"}\n</tool_call>'
+    assert plan.extract(bad).tool_calls == [] and plan.extract(bad).dropped == 1

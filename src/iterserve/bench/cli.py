@@ -11,6 +11,12 @@ import json
 import sys
 from pathlib import Path
 
+from iterserve.errors import BenchClientError, OfflineBenchError, SLOError, WorkloadError
+
+from .metrics import parse_slo
+from .workloads import build_workload
+
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark a server (serve) or the engine (offline)",
@@ -75,9 +81,8 @@ def format_summary(label: str, s: dict) -> str:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .client import BenchClientError, ClientOptions, parse_rates, run_sweep, run_workload
-    from .metrics import SLOError, parse_slo
-    from .workloads import WorkloadError, build_workload
+    # httpx: for `bench serve` only (`iterserve --help` builds every subcommand's parser)
+    from .client import ClientOptions, parse_rates, run_sweep, run_workload
 
     try:
         slo = parse_slo(args.slo)
@@ -103,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from .offline import OfflineBenchError, run_offline
+    from .offline import run_offline      # the engine and httpx: for `bench offline` only
 
     try:
         modes = [m.strip() for m in args.batching.split(",") if m.strip()]

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import httpx
 
+
 from .metrics import SLO, RequestRecord, summarize
 from .workloads import BenchRequest, Workload, build_workload
 
-
-class BenchClientError(ValueError):
-    """Bad client arguments (URL, endpoint, rates); the message says which."""
+from iterserve.errors import BenchClientError
 
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -143,6 +142,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, mod
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
                     rec.prompt_tokens_reported = usage.get("prompt_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        rec.cached_tokens = details["cached_tokens"]
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec

@@ -21,9 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from iterserve.errors import SLOError
 
-class SLOError(ValueError):
-    """An --slo specification that cannot be parsed."""
 
 
 @dataclass(slots=True)
@@ -41,6 +40,7 @@ class RequestRecord:
     output_tokens: int = 0            # counted from the usage block if given, else chunks
     chunks: int = 0                   # stream chunks that carried generated text
     prompt_tokens_reported: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
     success: bool = False
     error: str | None = None
 

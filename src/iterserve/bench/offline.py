@@ -19,12 +19,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+
 from .client import machine_info
 from .workloads import Workload, build_workload
 
-
-class OfflineBenchError(ValueError):
-    """Bad offline-benchmark arguments (batching mode, workload with arrivals)."""
+from iterserve.core.request import SamplingParams
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.llm import LLM
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.errors import OfflineBenchError
 
 
 class CountingExecutor:
@@ -51,8 +54,6 @@ class CountingExecutor:
 
 
 def _sampling_params(w: Workload):
-    from iterserve.core.request import SamplingParams
-
     return [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
             for r in w.requests]
 
@@ -60,10 +61,6 @@ def _sampling_params(w: Workload):
 def run_mode(w: Workload, batching: str, max_num_seqs: int, model: str | None,
              **engine_args: Any) -> dict:
     """One offline run of `w` with the given batching mode; the dict goes into the report."""
-    from iterserve.engine.args import EngineArgs
-    from iterserve.engine.llm import LLM
-    from iterserve.engine.llm_engine import LLMEngine
-
     args = EngineArgs(model=model, max_num_seqs=max_num_seqs, batching=batching, **engine_args)
     engine = LLMEngine.from_engine_args(args)
     llm = LLM.from_engine(engine)

@@ -16,6 +16,17 @@ Workloads (see `WORKLOADS`):
   what chunked prefill does to everyone else's inter-token latency.
 - ``sharegpt``: prompt/output lengths drawn from ``data/sharegpt_lengths.json`` (a documented,
   ShareGPT-like parametric distribution; see that file for its sources and caveats).
+- ``agent``: multi-turn agent sessions (8 by default, 10 turns each) that share a 2,000-token
+  system prompt with its tool list; every turn sends the whole conversation again plus about
+  300 tokens of tool output and asks for a short answer. Sessions are closed loops: turn
+  k + 1 is sent when turn k has answered (bench/sessions.py runs them). The conversation
+  carries the workload's own answer text, not the model's, so every engine gets exactly the
+  same prompts; the prefix an engine can reuse is the previous turn's prompt.
+- ``edit``: an agent's edit turn: each prompt quotes a 300-800-token Python file and asks for
+  it back with one function renamed, so the answer repeats the prompt (what speculative
+  decoding from the context accepts). The files are made of `WORDS` identifiers, so every
+  engine sees the same text; their token counts are estimates (code punctuation is not one
+  token per character in every vocabulary), said in the workload's `extra`.
 """
 
 from __future__ import annotations
@@ -26,7 +37,8 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 
-from iterserve.core.errors import WorkloadError  # the one workload error (lab and bench)
+from iterserve.errors import WorkloadError
+
 
 # Single tokens (with a leading space) in SmolLM2's tokenizer; common English, so they are
 # single tokens in most BPE vocabularies too (GPT-2, Llama-3 style).
@@ -58,7 +70,10 @@ class BenchRequest:
     prompt_len: int        # tokens in `prompt` (exact for SmolLM2's tokenizer)
     max_tokens: int        # tokens to generate (ignore_eos: exactly this many)
     arrival_s: float       # seconds after the benchmark starts
-    kind: str              # "short" | "long" | "longprompt" | "chat" | "sharegpt"
+    kind: str              # "short" | "long" | "longprompt" | "chat" | "sharegpt" | "agent"
+    #                        | "edit"
+    session: int = -1      # agent: the session this turn belongs to (-1: no session)
+    turn: int = 0          # agent: 1-based turn in its session (sent after turn - 1 answered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,13 +219,112 @@ def sharegpt(seed: int = DEFAULT_SEED, rate: float | None = None,
     return _build("sharegpt", seed, rate, lengths, arrivals, rng, desc, extra)
 
 
-WORKLOADS = {"mix": mix, "poisson": poisson, "longprompt": longprompt, "sharegpt": sharegpt}
+def _words(n: int, rng: random.Random) -> list[str]:
+    return [rng.choice(WORDS) for _ in range(n)]
+
+
+def agent(seed: int = DEFAULT_SEED, rate: float | None = None, num_requests: int = 8,
+          num_turns: int = 10, system_len: int = 2000, tool_len: tuple[int, int] = (250, 350),
+          answer_len: tuple[int, int] = (20, 60)) -> Workload:
+    """`num_requests` agent sessions (the sessions are the requests' owners: 8 by default)
+    of `num_turns` turns each. Turn k's prompt is the shared system prompt (`system_len`
+    tokens: instructions and tool schemas), then every earlier turn's tool output and answer,
+    then turn k's tool output (`tool_len` tokens); it generates `answer_len` tokens, and the
+    workload's own answer of that length goes into the history. Lengths are fixed by the
+    seed; every session has its own tool outputs and answers."""
+    if rate is not None:
+        raise WorkloadError("agent sessions are closed loops (each turn waits for the last "
+                            "answer); they take no arrival rate")
+    if num_requests < 1 or num_turns < 1 or system_len < 1:
+        raise WorkloadError("agent needs at least one session, one turn and a system prompt")
+    rng = random.Random(seed)
+    system = [rng.choice(FIRST_WORDS)] + _words(system_len - 1, rng)
+    reqs = []
+    for s in range(num_requests):
+        history = list(system)
+        for t in range(1, num_turns + 1):
+            history += _words(rng.randint(*tool_len), rng)         # the tool's output
+            answer = rng.randint(*answer_len)
+            reqs.append(BenchRequest(index=len(reqs), prompt=" ".join(history),
+                                     prompt_len=len(history), max_tokens=answer,
+                                     arrival_s=0.0, kind="agent", session=s, turn=t))
+            history += _words(answer, rng)                          # the answer it gave
+    desc = (f"{num_requests} agent sessions x {num_turns} turns: a shared {system_len}-token "
+            f"system prompt with tools, each turn the whole conversation plus "
+            f"{tool_len[0]}-{tool_len[1]} tokens of tool output, answers of "
+            f"{answer_len[0]}-{answer_len[1]} tokens, ignore_eos; closed loop per session")
+    return Workload("agent", seed, None, tuple(reqs), desc,
+                    {"num_sessions": num_requests, "num_turns": num_turns,
+                     "system_len": system_len})
+
+
+
+_EDIT_BODIES = (
+    "    return {a} + {b}",
+    "    if {a} > {b}:\n        return {a}\n    return {b}",
+    "    for {c} in range({a}):\n        {b} = {b} + {c}\n    return {b}",
+    "    {c} = [{a}, {b}]\n    return sorted({c})",
+    "    {c} = {a} * 2\n    if not {c}:\n        raise ValueError(\"{a} is empty\")\n    return {c} - {b}",
+    "    return {{\"{a}\": {a}, \"{b}\": {b}}}",
+)
+
+
+def _estimate_tokens(text: str) -> int:
+    """Words, numbers and punctuation marks, one token each; indentation runs count once."""
+    import re
+    return len(re.findall(r"[A-Za-z_]+|[0-9]+|\n +|[^\sA-Za-z_0-9]", text))
+
+
+def _edit_file(rng: random.Random, target_tokens: int) -> tuple[str, list[str]]:
+    """A Python file of about `target_tokens` tokens: functions named from `WORDS`."""
+    funcs, names, used = [], [], set()
+    while _estimate_tokens("\n\n".join(funcs)) < target_tokens:
+        name = "_".join(rng.sample(WORDS[20:], 2))
+        if name in used:
+            continue
+        used.add(name)
+        a, b, c = rng.sample(WORDS[20:], 3)
+        body = rng.choice(_EDIT_BODIES).format(a=a, b=b, c=c)
+        funcs.append(f"def {name}({a}, {b}):\n    \"\"\"{rng.choice(WORDS).capitalize()} "
+                     f"{' '.join(rng.sample(WORDS, 5))}.\"\"\"\n{body}")
+        names.append(name)
+    return "\n\n\n".join(funcs) + "\n", names
+
+
+def edit(seed: int = DEFAULT_SEED, rate: float | None = None, num_requests: int = 8,
+         min_file_tokens: int = 300, max_file_tokens: int = 800) -> Workload:
+    """Each prompt: a file and an instruction to rename one function (an instruction, so send
+    it to the chat endpoint); max_tokens is the file's length, so a faithful answer is the
+    file again."""
+    rng = random.Random(seed)
+    arrivals = _arrivals(num_requests, rate, random.Random(seed + 1))
+    reqs = []
+    for i in range(num_requests):
+        text, names = _edit_file(rng, rng.randint(min_file_tokens, max_file_tokens))
+        old = rng.choice(names)
+        new = "_".join(rng.sample(WORDS[20:], 2))
+        prompt = (f"Here is the file `module_{i}.py`:\n\n```python\n{text}```\n\n"
+                  f"Rename the function `{old}` to `{new}` and reply with the whole file.")
+        file_tokens = _estimate_tokens(text)
+        reqs.append(BenchRequest(index=i, prompt=prompt, prompt_len=_estimate_tokens(prompt),
+                                 max_tokens=file_tokens, arrival_s=arrivals[i], kind="edit"))
+    desc = (f"a {min_file_tokens}-{max_file_tokens}-token Python file quoted back with one "
+            "function renamed (the answer repeats the prompt), "
+            + ("all at t=0" if rate is None else f"Poisson arrivals at {rate} req/s")
+            + ", ignore_eos")
+    return Workload(name="edit", seed=seed, rate=rate, requests=tuple(reqs), description=desc,
+                    extra={"token_counts": "estimated (words, numbers, punctuation)"})
+
+
+WORKLOADS = {"mix": mix, "poisson": poisson, "longprompt": longprompt, "sharegpt": sharegpt,
+             "agent": agent, "edit": edit}
 
 
 def build_workload(name: str, *, seed: int = DEFAULT_SEED, rate: float | None = None,
                    num_requests: int | None = None) -> Workload:
     """Build a workload by name. `rate` (requests/s) turns arrivals into a Poisson process
-    (for `mix` that is exactly `poisson`); `num_requests` overrides the default count."""
+    (for `mix` that is exactly `poisson`); `num_requests` overrides the default count (for
+    `agent`, the number of sessions)."""
     try:
         factory = WORKLOADS[name]
     except KeyError:

@@ -21,6 +21,13 @@ Swap space is a second pool of `num_swap_blocks` host blocks. Swapping out copie
 request's computed blocks to host blocks and frees the device blocks; swapping in does the
 reverse. The copies themselves are the executor's job: these methods return the
 (source, destination) pairs.
+
+KV tiers (core/kv_tiers.py, with `num_ram_tier_blocks` / `num_disk_tier_blocks`): an
+evicted cached block is kept in host RAM slots that follow the swap pool's, every newly
+cached block is written through to a disk directory, and admission looks past the device
+cache into both (`find_prefix_hit`). This module only calls the tiers at those points and
+hands their ops to the scheduler's output at `end_step`; which digest is in which tier is
+theirs.
 """
 
 from __future__ import annotations
@@ -28,13 +35,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from iterserve.core.kv_tiers import NO_HIT, KVTiers, PrefixHit
 from iterserve.core.request import Request
+from iterserve.core.scheduler_output import KVTierFeedback, KVTierOps
+from iterserve.errors import NoFreeBlocksError
 
 BlockKey = tuple  # (parent hash or None, tuple of block_size token ids)
-
-
-class NoFreeBlocksError(RuntimeError):
-    """An allocation was attempted without checking that enough blocks are free (a bug)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -75,11 +81,14 @@ class BlockManager:
     """Owns the device and host block pools; the scheduler's only view of the KV cache."""
 
     def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 enable_prefix_caching: bool = False) -> None:
-        if num_blocks < 1 or block_size < 1 or num_swap_blocks < 0:
+                 enable_prefix_caching: bool = False, num_ram_tier_blocks: int = 0,
+                 num_disk_tier_blocks: int = 0) -> None:
+        if num_blocks < 1 or block_size < 1 or num_swap_blocks < 0 \
+                or num_ram_tier_blocks < 0 or num_disk_tier_blocks < 0:
             raise ValueError(
                 f"invalid pool: num_blocks={num_blocks}, block_size={block_size}, "
-                f"num_swap_blocks={num_swap_blocks}")
+                f"num_swap_blocks={num_swap_blocks}, num_ram_tier_blocks="
+                f"{num_ram_tier_blocks}, num_disk_tier_blocks={num_disk_tier_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_swap_blocks = num_swap_blocks
@@ -104,6 +113,15 @@ class BlockManager:
 
         self.num_cache_hits = 0       # blocks served from the prefix cache (lifetime)
         self.num_cache_queries = 0    # blocks looked up (lifetime)
+
+        # Tiers below the pool (tiers of the prefix cache, so only with it). The RAM tier's
+        # slots follow the swap pool's in the executor's host pool.
+        self.tiers: KVTiers | None = None
+        if enable_prefix_caching and (num_ram_tier_blocks or num_disk_tier_blocks):
+            self.tiers = KVTiers(block_size=block_size, ram_first_slot=num_swap_blocks,
+                                 ram_slots=num_ram_tier_blocks, disk_blocks=num_disk_tier_blocks)
+        self._block_digest: dict[int, str] = {}          # registered block -> tier digest
+        self._loading: set[str] = set()                  # requests with RAM loads this step
 
     # --- queries --------------------------------------------------------------------------
     @property
@@ -152,16 +170,21 @@ class BlockManager:
         return set(self.tables)
 
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     cached_blocks: list[int] | tuple = ()) -> bool:
+                     cached_blocks: list[int] | tuple | PrefixHit = ()) -> bool:
         """Whether `num_new_tokens` more tokens (after `cached_blocks` hits) fit now."""
+        if isinstance(cached_blocks, PrefixHit):
+            return self._blocks_needed(request, num_new_tokens, cached_blocks.blocks,
+                                       len(cached_blocks.ram_slots)) >= 0
         return self._blocks_needed(request, num_new_tokens, cached_blocks) >= 0
 
     def _blocks_needed(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] | tuple) -> int:
-        """Free blocks left after such an allocation (negative: it does not fit)."""
+                       cached_blocks: list[int] | tuple, num_ram_hits: int = 0) -> int:
+        """Free blocks left after such an allocation (negative: it does not fit). RAM tier
+        hits each take a fresh block."""
         table = self.tables.get(request.request_id)
         have = len(table) if table else 0
-        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        total = request.num_computed_tokens + (len(cached_blocks) + num_ram_hits) \
+            * self.block_size + num_new_tokens
         need = cdiv(total, self.block_size) - have - len(cached_blocks)
         ref = self.ref_cnt
         # Hitting an evictable cached block takes it out of the free pool too.
@@ -189,11 +212,7 @@ class BlockManager:
         At most num_tokens - 1 tokens are served from the cache: the last token is always
         computed so the executor has logits to sample from.
         """
-        if not self.enable_prefix_caching:
-            return []
-        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
-            return []    # its prompt rows need logits, which cached blocks lack (as vLLM)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = self._max_hit_blocks(request)
         if max_blocks <= 0:
             return []
         keys = self._keys_for(request, max_blocks)
@@ -206,8 +225,34 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens."""
+    def _max_hit_blocks(self, request: Request) -> int:
+        """How many leading blocks a cache may serve: 0 without prefix caching or for a
+        prompt that needs its prompt logprobs (cached blocks have no logits: as vLLM)."""
+        if not self.enable_prefix_caching:
+            return 0
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            return 0
+        return (request.num_tokens - 1) // self.block_size
+
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """Admission's lookup: the device hits (`find_cached_blocks`), then, with KV tiers,
+        the blocks after them found in RAM, and whether a disk run after those is being
+        read into RAM this step (then the request is better admitted next step)."""
+        blocks = self.find_cached_blocks(request)
+        tiers = self.tiers
+        if tiers is None:
+            return PrefixHit(tuple(blocks)) if blocks else NO_HIT
+        max_blocks = self._max_hit_blocks(request)
+        if len(blocks) >= max_blocks:
+            return PrefixHit(tuple(blocks))
+        digests = tiers.digests_for(request.request_id, request.all_token_ids, max_blocks)
+        slots, promoting = tiers.find(request.request_id, digests, len(blocks))
+        return PrefixHit(tuple(blocks), tuple(slots), promoting)
+
+    def cache_full_blocks(self, request: Request, write_through: bool = True) -> None:
+        """Register the request's blocks that are now full of computed tokens (and, with a
+        disk tier, write them through; not for blocks whose data a copy of this very step
+        brings: `write_through=False`, the swap-in's)."""
         rid = request.request_id
         table = self.tables.get(rid)
         if table is None:
@@ -218,12 +263,18 @@ class BlockManager:
             return
         keys = self._keys_for(request, full)
         cached, block_key = self._cached, self._block_key
+        tiers = self.tiers
+        digests = tiers.digests_for(rid, request.all_token_ids, full) if tiers else None
         for i in range(done, full):
             key = keys[i]
             block = table[i]
             if key not in cached and block not in block_key:
                 cached[key] = block
                 block_key[block] = key
+                if digests is not None:
+                    self._block_digest[block] = digests[i]
+                    if write_through:
+                        tiers.on_register(block, digests[i])
             # else: the same prefix is already cached in another block; this one stays
             # private and goes back to the plain free list when released.
         self._num_registered[rid] = full
@@ -236,21 +287,31 @@ class BlockManager:
             block, _ = self._free_cached.popitem(last=False)   # evict the LRU cached block
             key = self._block_key.pop(block)
             del self._cached[key]
+            if self.tiers is not None:
+                digest = self._block_digest.pop(block, None)
+                if digest is not None:
+                    self.tiers.on_evict(block, digest)       # kept in RAM, not lost
         else:
             raise NoFreeBlocksError("no free KV block (allocation without a fit check)")
         self.ref_cnt[block] = 1
         return block
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] | tuple = ()) -> KVCacheBlocks | None:
+                       cached_blocks: list[int] | tuple | PrefixHit = ()
+                       ) -> KVCacheBlocks | None:
         """Give `request` blocks for `num_new_tokens` more tokens: the blocks added (possibly
         none), or None (and no change) if they do not fit. `cached_blocks` are prefix-cache
         hits claimed first (admission only: the caller then advances num_computed_tokens by
-        len(cached_blocks) * block_size); they are part of the returned blocks."""
+        that many blocks' tokens); they are part of the returned blocks. A `PrefixHit` adds
+        RAM tier hits: each gets a fresh block, loaded from its slot before this step's
+        forward pass and cached at once (so later admissions of the step share it)."""
+        ram: tuple[int, ...] = ()
+        if isinstance(cached_blocks, PrefixHit):
+            cached_blocks, ram = cached_blocks.blocks, cached_blocks.ram_slots
         rid = request.request_id
         table = self.tables.get(rid)
         bs = self.block_size
-        if table is not None and not cached_blocks:
+        if table is not None and not cached_blocks and not ram:
             # Hot path (decode): usually the last block still has room (cdiv inlined).
             need = -(-(request.num_computed_tokens + num_new_tokens) // bs) - len(table)
             if need <= 0:
@@ -259,7 +320,7 @@ class BlockManager:
                 return None
             have = len(table)
         else:
-            if self._blocks_needed(request, num_new_tokens, cached_blocks) < 0:
+            if self._blocks_needed(request, num_new_tokens, cached_blocks, len(ram)) < 0:
                 return None
             if table is None:
                 table = self.tables[rid] = []
@@ -271,14 +332,61 @@ class BlockManager:
                     del free_cached[block]
                 ref[block] += 1
                 table.append(block)
-            if cached_blocks:
+            if ram:
+                self._load_ram_hits(request, table, ram)
+            if cached_blocks or ram:
                 self._num_registered[rid] = len(table)
-                self.num_cache_hits += len(cached_blocks)
-            need = cdiv(request.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens,
-                        bs) - len(table)
+                self.num_cache_hits += len(cached_blocks) + len(ram)
+            hit_tokens = (len(table) - have) * bs         # device and RAM hits
+            need = cdiv(request.num_computed_tokens + hit_tokens + num_new_tokens, bs) \
+                - len(table)
         for _ in range(need):
             table.append(self._take_free_block())
         return KVCacheBlocks(tuple(table[have:])) if len(table) > have else NO_NEW_BLOCKS
+
+    def _load_ram_hits(self, request: Request, table: list[int], slots: tuple[int, ...]) -> None:
+        """Append a fresh block per RAM hit, each loaded from its slot and cached under its
+        key (unless another block holds that prefix already: then it stays private)."""
+        tiers = self.tiers
+        tiers.claim(slots)
+        n = len(table) + len(slots)
+        keys = self._keys_for(request, n)
+        digests = tiers.digests_for(request.request_id, request.all_token_ids, n)
+        cached, block_key = self._cached, self._block_key
+        for slot in slots:
+            i = len(table)
+            block = self._take_free_block()
+            table.append(block)
+            tiers.load(slot, block)
+            if keys[i] not in cached:
+                cached[keys[i]] = block
+                block_key[block] = keys[i]
+                self._block_digest[block] = digests[i]
+        self._loading.add(request.request_id)
+
+    @property
+    def loading_request_ids(self) -> set[str]:
+        """Requests admitted this step with RAM tier loads (their blocks are written before
+        the forward pass, after any swap-out: so they must not be swapped out this step)."""
+        return self._loading
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Return the blocks past the first `num_tokens` slots of the request's table (the
+        slots of rejected speculative tokens); the number of blocks freed. Blocks that hold
+        computed tokens are never trimmed (num_tokens below them is a bug)."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            return 0
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < self._num_registered.get(request.request_id, 0):
+            raise ValueError(f"{request.request_id}: cannot trim to {num_tokens} tokens, "
+                             "below its cached blocks")
+        extra = len(table) - keep
+        if extra <= 0:
+            return 0
+        self._release(table[keep:])
+        del table[keep:]
+        return extra
 
     def note_cache_query(self, request: Request) -> None:
         """Count the blocks a first admission looked up (for the prefix-cache hit rate)."""
@@ -309,6 +417,8 @@ class BlockManager:
             self._free_host.extend(reversed(host))
         self._req_keys.pop(rid, None)
         self._num_registered.pop(rid, None)
+        if self.tiers is not None:
+            self.tiers.forget_request(rid)
 
     def free_device(self, request: Request) -> None:
         """Release the device blocks only (preemption by recompute); keeps memoised keys so a
@@ -362,13 +472,43 @@ class BlockManager:
         self._host_release.extend(host)
         # The fresh blocks are registered again (where their prefix is not cached elsewhere).
         self._num_registered[rid] = 0
-        self.cache_full_blocks(request)
+        self.cache_full_blocks(request, write_through=False)   # (their data comes later)
         return list(zip(host, table))
 
-    def end_step(self) -> None:
+    def end_step(self) -> KVTierOps | None:
+        """The step is scheduled: swap slots freed by swap-ins return, and the tiers' ops
+        of the step (None when there are none) go to its output."""
         if self._host_release:
             self._free_host.extend(reversed(self._host_release))
             self._host_release.clear()
+        if self.tiers is None:
+            return None
+        self._loading.clear()
+        return self.tiers.end_step()
+
+    # --- tiers ----------------------------------------------------------------------------
+    @property
+    def has_pending_kv_ops(self) -> bool:
+        """Tier ops (write-through saves, deletes) wait for the next step's output."""
+        return self.tiers is not None and self.tiers.has_pending_ops
+
+    def apply_tier_feedback(self, feedback: KVTierFeedback) -> None:
+        """The executor's report on the last step's tier ops: forget what it found missing
+        or corrupt, uncache device blocks a failed load left wrong, learn the costs."""
+        if self.tiers is None:
+            return
+        for block in self.tiers.apply_feedback(feedback):
+            key = self._block_key.pop(block, None)
+            self._block_digest.pop(block, None)
+            if key is None:
+                continue
+            del self._cached[key]
+            if block in self._free_cached:
+                del self._free_cached[block]
+                self._free_plain.append(block)
+
+    def tier_stats(self) -> dict | None:
+        return None if self.tiers is None else self.tiers.stats()
 
     # --- checks ---------------------------------------------------------------------------
     def consistency_violations(self) -> list[tuple[str | None, str]]:
@@ -415,6 +555,10 @@ class BlockManager:
         for key, b in self._cached.items():
             if block_key.get(b) != key:
                 bad.append((None, f"cache maps a key to block {b} but not back"))
+        if any(b not in block_key for b in self._block_digest):
+            bad.append((None, "a block has a tier digest but no cache key"))
+        if self.tiers is not None:
+            bad += [(None, msg) for msg in self.tiers.violations()]
         host_owned = [b for t in self.host_tables.values() for b in t]
         everything = host_owned + self._free_host + self._host_release
         if sorted(everything) != list(range(self.num_swap_blocks)):

@@ -18,6 +18,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from iterserve.errors import SamplingParamsError
+from iterserve.structured.params import StructuredOutputsParams
+
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"        # queued, never admitted
@@ -37,14 +41,6 @@ class FinishReason(enum.Enum):
     ABORT = "abort"        # the client went away or cancelled
     TIMEOUT = "timeout"    # deadline or queue-wait limit passed
     ERROR = "error"        # the executor failed on this request
-
-
-class SamplingParamsError(ValueError):
-    """Raised by SamplingParams.validate() with a message fit for an HTTP 400 body."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True)
@@ -163,7 +159,6 @@ class SamplingParams:
         the engine's input processor does them)."""
         so = self.structured_outputs
         if so is not None:
-            from iterserve.structured.params import StructuredOutputsParams
             if isinstance(so, dict):
                 self.structured_outputs = so = StructuredOutputsParams.from_structured_outputs(so)
             if not isinstance(so, StructuredOutputsParams):
@@ -239,6 +234,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "events",
         "deadline", "queue_deadline", "eos_token_id", "first_token_time", "first_scheduled_time",
         "finished_time", "token_times", "user_data", "ttft_slo_ms", "tpot_slo_ms",
+        "spec_token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     )
 
     def __init__(
@@ -280,6 +276,13 @@ class Request:
         self.finished_time: float | None = None
         self.token_times: list[float] = []   # time each output token was produced
         self.user_data = user_data           # free slot for the engine/lab (e.g. a stream)
+        # Speculative decoding (core/spec_decode): the drafts proposed for the next step
+        # (vLLM's spec_token_ids: extra tokens of that step, never part of all_token_ids),
+        # and this request's verifications so far.
+        self.spec_token_ids: list[int] = []
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # Latency targets for the `slo` policy: given here, else the sampling params' (a
         # request's own, over HTTP), else the scheduler's slo_ttft_ms / slo_tpot_ms defaults
         # (filled in by add_request); still None: no target.
@@ -316,6 +319,17 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first `num_output_tokens` output tokens: a step that verified drafts
+        appended several, and a stop string (or a completed grammar) ended the output inside
+        them; the tokens after it were never the output. Only for a request that is ending."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - drop:]
+        del self.token_times[num_output_tokens:]
+
     def record(self, name: str, time: float, step: int | None = None, **detail: Any) -> None:
         self.events.append(RequestEvent(name, time, step, detail or None))
 
@@ -340,5 +354,10 @@ class Request:
             "output_tokens": self.num_output_tokens,
             "cached_tokens": self.num_cached_tokens,
             "num_preemptions": self.num_preemptions,
+            **({"spec_decode": {
+                "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens,
+            }} if self.num_draft_tokens else {}),
             "events": [e.to_dict() for e in self.events],
         }

@@ -7,8 +7,8 @@ the head) so that a burst of aborts or queue timeouts costs O(1) each instead of
 every entry carries a sequence number, and an entry is live only while it is the latest one
 pushed for its request, so a request that is removed and pushed again is never seen twice.
 
-This mirrors vLLM v1's `request_queue.py` factory: the scheduler does not know which policy
-it runs.
+As in vLLM v1's `request_queue.py`, the scheduler does not know which order it runs: each
+policy (core/policy.py) keeps its own queues, and `make_queue` names the two plain ones.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from typing import Sequence
 
 from iterserve.core.block_manager import block_hashes
 from iterserve.core.config import RouterPolicy
+from iterserve.errors import NoHealthyReplicaError
 
 MIN_MATCH_BLOCKS = 1        # a shorter match is no match
 BALANCE_ABS_MIN = 2         # requests: the smallest absolute load gap that counts
@@ -60,11 +61,6 @@ BALANCE_ABS_FRAC = 0.25     # ... or this share of the replica's max_num_seqs, i
 BALANCE_REL = 1.5           # and the best-prefix replica's load > this x the least load
 KV_HIGH = 0.95              # KV usage at which a replica with a queue takes no more
 DEFAULT_CAPACITY_BLOCKS = 1 << 16   # per-replica index bound when none is given
-
-
-class NoHealthyReplicaError(RuntimeError):
-    """No replica can take the request (none given, or all unhealthy): a 503 for the
-    client, with a message saying how many replicas there are."""
 
 
 @dataclass

@@ -11,17 +11,22 @@ policy spends the same capacity on requests that can still make it:
   on-time request waits (it is not dropped: its client still gets an answer). Requests
   without a TTFT target come after those with one; preempted requests go first, as in the
   other policies.
-- **Refuse early.** `on_add` predicts the TTFT of a new request (the queue ahead of it at the
-  measured admission rate, plus its own prefill on the current batch); when that exceeds
-  its target it raises `SLOUnattainableError` (a `QueueFullError`, so the server answers 429)
-  with a retry-after estimate, instead of queueing it to be late and to make others late.
+- **Refuse early.** `on_add` forecasts the TTFT of a new request (core/ttft_forecast.py:
+  the scheduler's rules replayed over the running requests' remaining decodes and the queue
+  ahead of it, then its own prefill next to the decodes still running), scales it by a high
+  quantile of the recent actual / forecast ratios (`ErrorTracker`, learned from every
+  admitted request's first token), and when that exceeds its target raises
+  `SLOUnattainableError` (a `QueueFullError`, so the server answers 429) with the predicted
+  wait as retry-after, instead of queueing it to be late and to make others late. A request
+  whose slack puts it ahead of queued ones is refused too if it would make one of them miss
+  a target it would have met: an admitted request is a promise.
 - **Hold admission** when one more decode would make the predicted decode step exceed the
   tightest TPOT target of the running requests (and the candidate's), with headroom for the
   prefill chunks interleaved with decodes (`TPOT_HEADROOM`).
 
 Predictions come from `StepTimeModel` (core/step_time.py), seeded from a cost model and
-refitted from every step's measured time: the scheduler stamps `schedule()`'s start and
-`update_from_output()`'s call, which bracket the executor, so the real engine and the lab's
+refitted from every step's measured time: the policy's `begin_step` (in `schedule()`) and
+`step_done` (in `update_from_output()`) hooks bracket the executor, so the real engine and the lab's
 simulated executor feed it through the same code. Times are seconds on `self.clock`: the
 scheduler's clock by default (wall time in the engine); the lab, whose scheduler clock
 counts steps, installs its simulated seconds with `use_clock`, and then a request's arrival
@@ -42,47 +47,44 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
-from iterserve.core.request import Request
+from iterserve.core.config import SchedulerConfig
+from iterserve.core.cost_model import load_cost_model
+from iterserve.core.policy import NO_RULES, FcfsPolicy, StepRules
+from iterserve.core.request import Request, RequestStatus
 from iterserve.core.request_queue import RequestQueue
-from iterserve.core.scheduler import QueueFullError
 from iterserve.core.scheduler_output import SchedulerOutput
 from iterserve.core.step_time import StepTimeModel, attention_pairs
+from iterserve.core.ttft_forecast import ErrorTracker, Limits, Work, forecast
+from iterserve.errors import SLOUnattainableError
 
 TPOT_HEADROOM = 0.85        # a decode step may use 85% of the tightest TPOT target
 RATE_TIME_CONSTANT_S = 30.0  # memory of the measured admission rate under saturation
 MIN_RATE_EVIDENCE_S = 1.0    # saturated seconds seen before the rate is trusted
 OVERHEAD_EWMA = 0.05         # memory (~20 steps) of the per-step time outside the step
 DEFAULT_SEED_COST_MODEL = "smollm2-cpu"
+MAX_RETRY_AFTER_S = 120.0    # Retry-After at most this (what OpenAI's SDKs wait for)
 MIN_OBSERVED_TO_REFUSE = 20  # measured steps before predictions may refuse a request
 BIG_BATCH = 32               # above this many sequences a step's shape is sampled ...
 SAMPLE_EVERY = 4             # ... every 4th step
 _INF = math.inf
 
 
-class SLOUnattainableError(QueueFullError):
-    """A request that cannot meet its TTFT target, refused before it is queued.
-
-    `retry_after_s`: seconds after which the same request could be admitted in time (the
-    queue ahead having drained), or None when it could not be even on an idle engine (its
-    prefill alone is slower than its target). The server maps it to 429 with `Retry-After:
-    ceil(retry_after_s)` and an OpenAI error body; with None, to 400 (param `ttft_slo_ms`).
-    """
-
-    def __init__(self, message: str, *, retry_after_s: float | None,
-                 predicted_ttft_s: float, ttft_slo_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.predicted_ttft_s = predicted_ttft_s
-        self.ttft_slo_s = ttft_slo_s
-
-
 def default_step_time_model(name: str = DEFAULT_SEED_COST_MODEL) -> StepTimeModel:
-    """Seed from a cost model: a JSON file or a shipped name (lab/data; a pure-data import)."""
-    from iterserve.lab.cost_model import load_cost_model
-
+    """Seed from a cost model: a JSON file or a shipped name (core/data)."""
     return StepTimeModel.from_cost_model(load_cost_model(name))
+
+
+def _work(r: Request) -> Work:
+    """What is left of `r` for the forecast: tokens to compute before it samples (0 for a
+    decode), output tokens to produce, its context, its TPOT target."""
+    computed = r.num_computed_tokens
+    n = len(r.all_token_ids) - computed
+    prefill = n if n > 1 or computed < r.num_prompt_tokens else 0
+    left = r.sampling_params.max_tokens - len(r.output_token_ids)
+    tpot = r.tpot_slo_ms / 1000.0 if r.tpot_slo_ms is not None else _INF
+    return Work(prefill, max(left, 1 if prefill else 0), computed, tpot)
 
 
 class SloQueue(RequestQueue):
@@ -162,16 +164,23 @@ class SloQueue(RequestQueue):
         return iter(ordered + [r for s, r in self._late if live.get(r.request_id) == s])
 
 
-class SloPolicy:
-    """The scheduler's `slo` hooks (see the module docstring); one per Scheduler."""
+class SloPolicy(FcfsPolicy):
+    """The `slo` policy (see the module docstring); one per Scheduler.
 
-    def __init__(self, scheduler, model: StepTimeModel | None = None) -> None:
-        self.scheduler = scheduler
+    Otherwise fcfs: swapped requests resume by arrival, the latest arrival is the victim."""
+
+    refusal_reason = "slo_unattainable"
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float],
+                 model: StepTimeModel | None = None) -> None:
+        super().__init__(config)
+        self.config = config
         self.model = model if model is not None else default_step_time_model(
-            scheduler.config.slo_cost_model or DEFAULT_SEED_COST_MODEL)
-        self.clock: Callable[[], float] = scheduler.clock
+            config.slo_cost_model or DEFAULT_SEED_COST_MODEL)
+        self.clock: Callable[[], float] = clock
         self._own_clock = False
-        self.queue = SloQueue(self)
+        self.waiting = SloQueue(self)
+        self._step = 0
         # The last step's shape (for predictions) and what is needed to time it.
         self._t0 = 0.0
         self._features = (0, 0, 0, 0, 0)
@@ -196,6 +205,23 @@ class SloPolicy:
         self._hold_tpot = _INF
         self.num_refused = 0
         self.num_held_steps = 0
+        # The running list as of the last step (the scheduler's list object; a request that
+        # finished since has left the RUNNING state and is skipped).
+        self._running: Sequence[Request] = ()
+        self._limits = Limits(
+            max_num_seqs=config.max_num_seqs, budget=config.max_num_batched_tokens,
+            chunked=bool(config.enable_chunked_prefill),
+            threshold=(config.long_prefill_token_threshold or 0)
+            if config.enable_chunked_prefill else 0,
+            max_partial=config.max_num_partial_prefills, tpot_headroom=TPOT_HEADROOM)
+        # Admitted requests waiting for their first token: (request, arrival, forecast s,
+        # target s); the actual TTFT is compared with the forecast (`errors`).
+        self._forecasts: dict[str, tuple[Request, float, float, float | None]] = {}
+        self.errors = ErrorTracker()
+
+    @property
+    def slo(self) -> "SloPolicy":
+        return self
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Measure in seconds on `clock` instead of the scheduler's clock (the lab)."""
@@ -204,7 +230,7 @@ class SloPolicy:
 
     # --- predictions ------------------------------------------------------------------------
     def _chunk(self, n: int) -> int:
-        cfg = self.scheduler.config
+        cfg = self.config
         c = n
         if cfg.enable_chunked_prefill:
             t = cfg.long_prefill_token_threshold
@@ -244,53 +270,148 @@ class SloPolicy:
         return self._sat_admitted / self._sat_seconds
 
     # --- hooks ------------------------------------------------------------------------------
+    def check_request(self, request: Request) -> None:
+        pass                                    # latency targets are what this policy reads
+
     def on_add(self, request: Request) -> None:
-        """Refuse `request` (SLOUnattainableError) if it cannot meet its TTFT target."""
+        """Give `request` the configured default targets, then refuse it
+        (SLOUnattainableError) if it cannot meet its TTFT target, or if queueing it ahead of
+        others (a tighter slack) would make one of them miss a target it would have met."""
+        if request.ttft_slo_ms is None:
+            request.ttft_slo_ms = self.config.slo_ttft_ms
+        if request.tpot_slo_ms is None:
+            request.tpot_slo_ms = self.config.slo_tpot_ms
         slo_ms = request.ttft_slo_ms
-        if slo_ms is None or self.model.num_observed < MIN_OBSERVED_TO_REFUSE:
-            return          # a seed from another machine must not refuse a fresh engine's work
+        if slo_ms is None:
+            return
         slo = slo_ms / 1000.0
         n = request.num_prompt_tokens
+        # A seed from another machine must not refuse a fresh engine's work.
+        may_refuse = self.model.num_observed >= MIN_OBSERVED_TO_REFUSE
         alone = self.prefill_time(n, 0, 0)
-        if alone > slo:
+        if may_refuse and alone > slo:
             self.num_refused += 1
             raise SLOUnattainableError(
                 f"request {request.request_id!r}: its prompt of {n} tokens takes ~{alone:.3f} s "
                 f"to prefill on this engine, more than its ttft_slo_ms={slo_ms:g}",
                 retry_after_s=None, predicted_ttft_s=alone, ttft_slo_s=slo)
-        own = self.prefill_time(n, self._last_seqs, self._last_kv)
         now = self.clock()
         arrival = now if self._own_clock else request.arrival_time
-        # Time already spent (tokenising, in the server), then the step under way.
-        wait = max(now - arrival, 0.0) + self._last_step_s
-        rate = self.admission_rate
-        if self._saturated and rate is not None:
-            wait += (self.queue.num_ahead(arrival + slo - alone) + 1) / rate
-        predicted = wait + own
-        if predicted > slo:
+        spent = max(now - arrival, 0.0)          # tokenising, in the server
+        ahead, behind = self._queue_around(self.queue_key(request))
+        running = self._running_work()
+        queue = [w for _, w in ahead] + [_work(request)] + [w for _, w in behind]
+        horizon = slo + MAX_RETRY_AFTER_S
+        first = forecast(running, queue, self._limits, self._step_seconds, horizon)
+        factor = self.errors.factor()
+        mine = spent + first[len(ahead)]
+        predicted = mine * factor
+        broken = None
+        if may_refuse and predicted <= slo and behind:
+            broken = self._breaks(behind, first[len(ahead) + 1:], running,
+                                  [w for _, w in ahead + behind], len(ahead), factor, now)
+        if may_refuse and (predicted > slo or broken is not None):
             self.num_refused += 1
-            retry = max(predicted - slo, self._last_step_s, 0.001)
+            if broken is None:
+                why = (f"predicted time to first token ~{min(predicted, horizon):.3f} s "
+                       f"exceeds its ttft_slo_ms={slo_ms:g} (the engine is busy)")
+                retry = predicted - slo
+            else:
+                why = (f"queued ahead of request {broken!r} (a tighter deadline), it would "
+                       f"make that one miss its TTFT target")
+                retry = mine * factor
+            retry = min(max(retry, self._last_step_s, 0.001), MAX_RETRY_AFTER_S)
             raise SLOUnattainableError(
-                f"request {request.request_id!r}: predicted time to first token "
-                f"~{predicted:.3f} s exceeds its ttft_slo_ms={slo_ms:g} (the engine is busy); "
-                f"retry in ~{retry:.1f} s",
+                f"request {request.request_id!r}: {why}; retry in ~{retry:.1f} s",
                 retry_after_s=retry, predicted_ttft_s=predicted, ttft_slo_s=slo)
+        # Admitted: remember the forecast (from arrival, unscaled) to compare with the actual;
+        # one admitted unchecked (too few steps seen) was no promise, so it is reported but
+        # does not move the correction (target None).
+        self._forecasts[request.request_id] = (request, arrival, mine,
+                                               slo if may_refuse else None)
 
-    def step_started(self) -> None:
+    def _queue_around(self, key: float) -> tuple[list, list]:
+        """The waiting requests a new one with slack `key` would be admitted after (front
+        tier and on-time keys <= key) and before (later keys, then the late tier), each as
+        (request, Work), in admission order."""
+        ahead: list = []
+        behind: list = []
+        q = self.waiting
+        live = q._live
+        for t, k, seq, r in sorted(q._heap, key=lambda e: e[:3]):
+            if live.get(r.request_id) != seq:
+                continue
+            (ahead if t == 0 or k <= key else behind).append((r, _work(r)))
+        for seq, r in q._late:
+            if live.get(r.request_id) == seq:
+                behind.append((r, _work(r)))
+        return ahead, behind
+
+    def _breaks(self, behind: list, first_with: list[float], running: list,
+                queue_without: list, pos: int, factor: float, now: float) -> str | None:
+        """The id of a request behind the new one that would miss its target because of
+        it, though it would make it without (None: nobody)."""
+        late = []
+        for (r, _), f in zip(behind, first_with):
+            entry = self._forecasts.get(r.request_id)
+            if entry is None or entry[3] is None:
+                continue                        # a preempted or late one: no promise held
+            _, arrival, _, target = entry
+            if (now - arrival + f) * factor > target:
+                late.append((r, arrival, target))
+        if not late:
+            return None
+        without = forecast(running, queue_without, self._limits, self._step_seconds,
+                           max(t for _, _, t in late) + 1.0)[pos:]
+        index = {r.request_id: i for i, (r, _) in enumerate(behind)}
+        for r, arrival, target in late:
+            if (now - arrival + without[index[r.request_id]]) * factor <= target:
+                return r.request_id
+        return None
+
+    def _running_work(self) -> list[Work]:
+        out = []
+        for r in self._running:
+            if r.status is RequestStatus.RUNNING:
+                out.append(_work(r))
+        return out
+
+    def _step_seconds(self, tokens, seqs, kv, prefill, pairs) -> float:
+        return self.model.predict(tokens, seqs, kv, prefill, pairs) + self.overhead_s
+
+    def begin_step(self, step: int, running: Sequence[Request]) -> StepRules:
+        """Stamp the step's start (`step_done` times it) and measure the gap since the
+        last one ended."""
+        self._step = step
         self._t0 = t0 = self.clock()
+        if self._forecasts:
+            self._record_first_tokens(t0)
         if self._t_done >= 0.0:                 # the last step left work: back to back
             gap = t0 - self._t_done
             if 0.0 <= gap < max(4 * self._last_step_s, 0.05):   # not an idle wait
                 self.overhead_s += OVERHEAD_EWMA * (gap - self.overhead_s)
             self._t_done = -1.0
-        self._popped_before = self.queue.num_popped
+        self._popped_before = self.waiting.num_popped
         # A step that starts with a backlog left by the previous one measures the service
         # rate: how fast waiting requests get in when they have to wait.
         self._backlog = self._saturated
+        return NO_RULES
 
-    def hold(self, request: Request, running: list[Request]) -> bool:
+    def _record_first_tokens(self, now: float) -> None:
+        """Admitted requests whose first token came in the last step: actual vs forecast
+        TTFT (on this policy's clock: the lab's seconds too)."""
+        done = [rid for rid, e in self._forecasts.items() if e[0].first_token_time is not None]
+        for rid in done:
+            _, arrival, predicted, target = self._forecasts.pop(rid)
+            self.errors.record(predicted, now - arrival, target)
+
+    def forget(self, request: Request) -> None:
+        super().forget(request)
+        self._forecasts.pop(request.request_id, None)
+
+    def holds(self, request: Request, running: Sequence[Request]) -> bool:
         """True to stop admitting: one more decode would break the tightest TPOT target."""
-        step = self.scheduler.step
+        step = self._step
         if self._hold_step != step:
             self._hold_step = step
             kv = 0
@@ -322,17 +443,16 @@ class SloPolicy:
             self._hold_tpot = t
         return False
 
-    def scheduled(self, out: SchedulerOutput) -> None:
+    def end_step(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """End of schedule(): remember the step's shape to time it in `step_done`.
 
-        The shape costs a pass over the scheduled requests; in big batches (> BIG_BATCH sequences) only
-        every SAMPLE_EVERY-th step is measured (their shapes change slowly)."""
-        self._saturated = bool(self.queue)
+        The shape costs a pass over the scheduled requests; in big batches (> BIG_BATCH
+        sequences) only every SAMPLE_EVERY-th step is measured (their shapes change slowly)."""
+        self._saturated = bool(self.waiting)
         scheduled = out.num_scheduled_tokens
         if len(scheduled) > BIG_BATCH and out.step % SAMPLE_EVERY:
             self._features = None
             return
-        requests = self.scheduler.requests
         kv = prefill = pairs = 0
         for rid, n in scheduled.items():
             req = requests[rid]
@@ -343,11 +463,12 @@ class SloPolicy:
                 pairs += attention_pairs(start, n)
         self._features = (out.num_batched_tokens, len(scheduled), kv, prefill, pairs)
 
-    def step_done(self) -> None:
+    def step_done(self, running: Sequence[Request]) -> None:
         """update_from_output(): the executor has run; fold its measured time in."""
         now = self.clock()
         dt = now - self._t0
-        if self.scheduler.running or self.queue:
+        self._running = running
+        if running or self.waiting:
             self._t_done = now
         if self._features is not None:
             tokens, seqs, kv, prefill, pairs = self._features
@@ -357,7 +478,7 @@ class SloPolicy:
             self._last_seqs = seqs
             self._last_kv = kv
         if dt > 0:
-            admitted = self.queue.num_popped - self._popped_before
+            admitted = self.waiting.num_popped - self._popped_before
             if self._backlog:
                 d = math.exp(-dt / RATE_TIME_CONSTANT_S)
                 self._sat_admitted = self._sat_admitted * d + admitted
@@ -365,6 +486,6 @@ class SloPolicy:
 
     def stats(self) -> dict:
         return {"refused": self.num_refused, "held_steps": self.num_held_steps,
-                "late_waiting": self.queue.num_late, "admission_rate": self.admission_rate,
-                "overhead_s": self.overhead_s,
+                "late_waiting": self.waiting.num_late, "admission_rate": self.admission_rate,
+                "overhead_s": self.overhead_s, "ttft_forecast": self.errors.summary(),
                 "step_time_model": self.model.coefficients}

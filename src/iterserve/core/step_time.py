@@ -3,7 +3,7 @@
 Why: to refuse a request that cannot meet its time-to-first-token target, or to hold
 admission before one more decode pushes everyone past their time-per-output-token target,
 the scheduler must predict step times on *this* machine with *this* model, now. The lab's
-cost model (lab/cost_model.py) has the right form, fitted once offline by `iterserve lab
+cost model (core/cost_model.py) has the right form, fitted once offline by `iterserve lab
 calibrate`:
 
     step_s = c0 + c_tok * tokens + c_seq * seqs + c_kv * kv_tokens + c_prefill_tok * prefill_tokens

@@ -39,10 +39,10 @@ import threading
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import (EmptyPromptError, EngineDeadError, IterserveError,
-                                     InvalidRequestError, PromptTooLongError)
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
+from iterserve.errors import (EmptyPromptError, EngineDeadError, InvalidRequestError,
+                              IterserveError, PromptTooLongError)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -131,6 +131,10 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
+    @property
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 
@@ -143,7 +147,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def add_stat_logger(self, stat_logger: Any) -> None:
+    def add_stat_logger(self, stat_logger: Any, *,
+                        per_replica: Callable[[str, str], Any] | None = None) -> None:
+        """`stat_logger.log(StepStats)` after every step. `per_replica(model_name, replica)`
+        makes the logger of one replica's own series, for an engine that serves through
+        replicas (replicas/pool.py); one engine has none, so it does not call it."""
         self.engine.stat_loggers.append(stat_logger)
 
     def next_request_id(self, prefix: str = "req") -> str:
@@ -270,8 +278,10 @@ class AsyncEngine:
                         busy = False
                         if await loop.run_in_executor(self._thread, self._check_health):
                             continue            # ended requests emit their outputs next step
+                    # Re-read _closed after the clear: shutdown may have set _closed and
+                    # _work while the health check ran, and its wake-up is cleared here.
                     self._work.clear()
-                    if not self.engine.has_unfinished_requests():
+                    if not self._closed and not self.engine.has_unfinished_requests():
                         await self._work.wait()
                     continue
                 busy = True

@@ -67,7 +67,7 @@ def sizes(engine: Any) -> dict[str, int]:
         out["scheduler.swapped"] = _len(s, "swapped")
         out["scheduler.sent"] = _len(s, "_sent")
         out["scheduler.granted"] = _len(s, "_granted")
-        out["scheduler.group_ids"] = _len(s, "_group_ids")
+        out["scheduler.group_ids"] = _len(s, "policy", "group_ids")      # static batching
         out["scheduler.timeouts"] = _len(s, "_timeouts")
         out["scheduler.ended"] = _len(s, "_ended")
         out["scheduler.finished"] = _len(s, "_finished")

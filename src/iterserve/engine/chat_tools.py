@@ -13,7 +13,7 @@ import json
 from typing import Any, Sequence
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import InvalidRequestError
+from iterserve.errors import InvalidRequestError
 from iterserve.tools import TOOL_PARSERS
 from iterserve.tools.choice import normalize_tools
 from iterserve.tools.plan import ToolPlan, plan_tool_choice
@@ -77,6 +77,6 @@ def parse_tool_calls(plan: ToolPlan, outputs: Sequence[Any]) -> None:
         return
     for ro in outputs:
         for co in ro.outputs:
-            ex = plan.extract(co.text)
+            ex = plan.extract(co.text, co.finish_reason == "length")
             co.tool_calls = ex.tool_calls or None
-            co.content = ex.content if ex.tool_calls else co.text
+            co.content = ex.content if (ex.tool_calls or ex.dropped) else co.text

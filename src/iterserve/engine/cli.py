@@ -15,35 +15,26 @@ import json
 import sys
 import time
 
+from iterserve.core.config import GenerateConfig, add_config_arguments, knob_notices
+from iterserve.core.request import SamplingParams
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.llm import LLM
+from iterserve.errors import ConfigError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from iterserve.engine.args import EngineArgs
-
+    """`iterserve generate`: its own flags (GenerateConfig) and EngineArgs's, all from the
+    knob schema (core/config.py)."""
     p = subparsers.add_parser("generate", help="generate offline for prompts given as arguments",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompts", nargs="*", help="prompts; '-' reads one prompt per stdin line")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_config_arguments(p, (GenerateConfig,))
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from iterserve.core.config import ConfigError
-    from iterserve.core.request import SamplingParams
-    from iterserve.engine.args import EngineArgs
-    from iterserve.engine.llm import LLM
-
     prompts: list[str] = []
     for p in args.prompts:
         if p == "-":
@@ -54,18 +45,20 @@ def run(args: argparse.Namespace) -> int:
         print("iterserve generate: give at least one prompt (or '-' for stdin)", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, n=args.n, stop=args.stop,
+                            top_p=args.top_p, top_k=args.top_k, n=args.n, stop=args.stop or [],
                             seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     try:
         params.validate()
         ea = EngineArgs.from_cli_args(args)
+        for line in knob_notices(ea):
+            print(f"iterserve generate: {line}", file=sys.stderr)
         llm = LLM(**{k: v for k, v in vars(ea).items()})
         t0 = time.perf_counter()
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                            use_tqdm=not args.no_progress)
+                            use_tqdm=args.progress)
         else:
-            outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+            outs = llm.generate(prompts, params, use_tqdm=args.progress)
         elapsed = time.perf_counter() - t0
     except (ConfigError, ValueError) as e:
         print(f"iterserve generate: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@
         -> one scheduler `Request` per sequence (n > 1 fans out into n of them)
 
 Everything here can refuse a request, and does so before any state exists anywhere, with the
-precise ValueErrors of engine/errors.py (HTTP 400 in the server). The fan-out rule, as in
+precise ValueErrors of iterserve/errors.py (HTTP 400 in the server). The fan-out rule, as in
 vLLM: sequence i of a request with `n > 1` is its own scheduler request `<id>-n<i>` with
 n = 1 and, when the request is seeded, seed + i, so it samples exactly what a single request
 with that seed would.
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from iterserve.core.request import Request, SamplingParams
-from iterserve.engine.errors import (
-    EmptyPromptError, InvalidRequestError, MaxTokensTooLargeError, PromptTooLongError,
-    TokenIdOutOfRangeError)
+from iterserve.errors import (EmptyPromptError, InvalidRequestError, LogitsParamError,
+                              MaxTokensTooLargeError, PromptTooLongError, TokenIdOutOfRangeError)
 
 
 @dataclass(eq=False)
@@ -49,12 +48,21 @@ class ProcessedRequest:
 
 
 class InputProcessor:
+    """`max_logprobs` (--max-logprobs; -1: the vocabulary) bounds what a request's logprobs
+    and prompt_logprobs may ask for; `structured_outputs_config` (vLLM's
+    --structured-outputs-config) gives every constrained request its server-wide
+    defaults: disable_any_whitespace, and disable_additional_properties (a JSON schema's
+    objects take only the keys they declare unless they allow others explicitly)."""
+
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
                  eos_token_ids: Iterable[int] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_logprobs: int = -1,
+                 structured_outputs_config: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+        self.structured_defaults = dict(structured_outputs_config or {})
         # The scheduler's Request carries one eos id; the model's others become stop tokens.
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.clock = clock
@@ -68,6 +76,7 @@ class InputProcessor:
         if self._compiler is None:
             with self._compiler_lock:     # the server's event loop may ask first
                 if self._compiler is None:
+                    # llguidance and torch: once a request asks for structured outputs
                     from iterserve.structured.backend import StructuredOutputCompiler
                     try:
                         self._compiler = StructuredOutputCompiler(
@@ -121,9 +130,14 @@ class InputProcessor:
                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
                 f"the prompt, {max_tokens} in the completion)", "max_tokens")
 
-    @staticmethod
-    def check_params(params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> None:
         params.validate()
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {name} of {k}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (the server's --max-logprobs)", name)
 
     # --- the request ---------------------------------------------------------------------
     def process(self, request_id: str, prompt: str | Sequence[int],
@@ -158,8 +172,9 @@ class InputProcessor:
         if not (params.structured_outputs is not None or params.logit_bias
                 or params.allowed_token_ids or params.bad_words or params.min_tokens):
             return params, None
-        from iterserve.model.logits_processors import (
-            LogitsParamError, bad_words_token_ids, validate_logit_bias, validate_token_ids)
+        # torch: only for a request with logit_bias, allowed/bad tokens or min_tokens
+        from iterserve.model.logits_processors import (bad_words_token_ids, validate_logit_bias,
+                                                       validate_token_ids)
         changes: dict[str, Any] = {}
         try:
             if params.logit_bias:
@@ -177,8 +192,27 @@ class InputProcessor:
             changes["all_stop_token_ids"] = tuple(sorted(set(eos) | set(params.stop_token_ids)))
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self.structured_compiler.compile(params.structured_outputs)
+            so = self._with_server_defaults(params.structured_outputs)
+            if so is not params.structured_outputs:
+                changes["structured_outputs"] = so
+            grammar = self.structured_compiler.compile(so)
         return (dataclasses.replace(params, **changes) if changes else params), grammar
+
+    def _with_server_defaults(self, so: Any) -> Any:
+        """The request's constraint with --structured-outputs-config's defaults applied."""
+        d = self.structured_defaults
+        changes: dict[str, Any] = {}
+        if d.get("disable_any_whitespace") and not so.disable_any_whitespace:
+            changes["disable_any_whitespace"] = True
+        if d.get("disable_additional_properties") and so.kind == "json":
+            import json
+
+            from iterserve.tools.schema import closed_schema
+            schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+            closed = closed_schema(schema)
+            if closed != schema:
+                changes["json"] = closed
+        return dataclasses.replace(so, **changes) if changes else so
 
     def sequence_params(self, params: SamplingParams, i: int) -> SamplingParams:
         """Sequence i's own params: n = 1, seed + i, every eos id of the model as a stop,

@@ -13,10 +13,12 @@ from tqdm.auto import tqdm
 
 from iterserve.core.request import SamplingParams
 from iterserve.engine.args import EngineArgs
-from iterserve.engine.errors import InvalidRequestError
+from iterserve.engine.chat_tools import (parse_tool_calls, plan_offline_tools, template_messages,
+                                         tool_params)
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.prompts import parse_prompts
+from iterserve.errors import InvalidRequestError
 
 PromptArg = str | list[int] | dict[str, Any]
 
@@ -129,9 +131,6 @@ class LLM:
         `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces
         a call with structured outputs (arguments valid for the function's schema), "none"
         parses nothing, "auto" (the default) parses what the model writes."""
-        from iterserve.engine.chat_tools import (
-            parse_tool_calls, plan_offline_tools, template_messages, tool_params)
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         plan = None
         kw: dict[str, Any] = dict(chat_template_kwargs or {})

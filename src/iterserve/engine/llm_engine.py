@@ -28,13 +28,14 @@ from typing import Any, Callable, Iterable, Sequence
 from iterserve.core.request import FinishReason, SamplingParams
 from iterserve.core.scheduler import SchedulerStats
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
-from iterserve.engine.errors import DuplicateRequestIdError
+from iterserve.engine.builder import build_engine_parts
 from iterserve.engine.input_processor import InputProcessor
 from iterserve.engine.interfaces import EngineScheduler, Executor
 from iterserve.engine.metrics import StatLogger, StepStats
 from iterserve.engine.output_processor import OutputProcessor
 from iterserve.engine.outputs import RequestOutput
 from iterserve.engine.tracing import Tracer
+from iterserve.errors import DuplicateRequestIdError
 
 __all__ = ["LLMEngine", "Executor", "EngineScheduler"]
 
@@ -57,14 +58,17 @@ class LLMEngine:
         step_history_len: int = 300,
         stat_loggers: Sequence[StatLogger] = (),
         detokenizer_factory: Callable[..., Any] | None = None,
+        max_logprobs: int = -1,
+        structured_outputs_config: dict[str, Any] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock = clock
-        self.input_processor = InputProcessor(tokenizer, vocab_size=vocab_size,
-                                              max_model_len=max_model_len,
-                                              eos_token_ids=eos_token_ids, clock=clock)
+        self.input_processor = InputProcessor(
+            tokenizer, vocab_size=vocab_size, max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids, clock=clock, max_logprobs=max_logprobs,
+            structured_outputs_config=structured_outputs_config)
         self.output_processor = OutputProcessor(tokenizer, clock=clock,
                                                 detokenizer_factory=detokenizer_factory)
         self.tracer = Tracer(model_name=model_name, clock=clock,
@@ -72,6 +76,12 @@ class LLMEngine:
                              step_history_len=step_history_len, stat_loggers=stat_loggers)
         self.num_steps = 0
         self.num_executor_failures = 0
+        # KV tiers (core/kv_tiers.py): the executor's report on its tier ops goes back to
+        # the block manager after each step; None when either side has no tiers.
+        bm = getattr(scheduler, "block_manager", None)
+        self._tier_bm = bm if getattr(bm, "tiers", None) is not None else None
+        self._take_tier_feedback = getattr(executor, "take_kv_feedback", None) \
+            if self._tier_bm is not None else None
         # Set by from_engine_args (None for an engine wired by hand, as in tests).
         self.loaded_model: Any = None
         self.scheduler_config: Any = None
@@ -80,14 +90,14 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: Any, *, stat_loggers: Sequence[StatLogger] = ()) -> "LLMEngine":
         """Load the model, size the KV pool and build scheduler + runner (engine/builder.py)."""
-        from iterserve.engine.builder import build_engine_parts
-
         p = build_engine_parts(args)
         engine = cls(p.scheduler, p.executor, p.tokenizer, model_name=p.model_name,
                      max_model_len=p.max_model_len, vocab_size=p.vocab_size,
                      eos_token_ids=p.eos_token_ids, clock=p.clock,
                      max_finished_requests=args.max_finished_requests,
-                     step_history_len=args.step_history_len, stat_loggers=stat_loggers)
+                     step_history_len=args.step_history_len, stat_loggers=stat_loggers,
+                     max_logprobs=args.max_logprobs,
+                     structured_outputs_config=args.structured_outputs_config)
         engine.loaded_model = p.loaded_model
         engine.cache_config = p.cache_config
         engine.scheduler_config = p.scheduler_config
@@ -105,6 +115,11 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.input_processor.max_model_len
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for (--max-logprobs)."""
+        return self.input_processor.max_logprobs
 
     @property
     def vocab_size(self) -> int:
@@ -181,7 +196,10 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests) or self.output_processor.has_unemitted_outputs()
+        """Requests to serve or outputs to emit, or KV tier writes the last step left for
+        the next one (so an engine that goes idle still writes its last blocks through)."""
+        return bool(self.output_processor.requests) or self.output_processor.has_unemitted_outputs() \
+            or (self._tier_bm is not None and self._tier_bm.has_pending_kv_ops)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -199,6 +217,10 @@ class LLMEngine:
         if self.output_processor.has_constrained and sched_out.num_scheduled_tokens:
             sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
         results = self._execute(sched_out)
+        if self._take_tier_feedback is not None:  # failed tier reads / writes, their costs
+            feedback = self._take_tier_feedback()
+            if feedback is not None:
+                self._tier_bm.apply_tier_feedback(feedback)
         sampled = self.output_processor.live_tokens(results)
         # Always called, even for an empty or failed step: it advances the step counter, and
         # skips the chunks of requests ended above.
@@ -206,6 +228,10 @@ class LLMEngine:
 
         stopped = self.output_processor.process_tokens(sampled, results, stats)
         self._end_in_scheduler(stopped)           # stop strings, per-sequence failures
+        if self.output_processor.has_constrained and getattr(self.scheduler, "spec", None):
+            # speculative drafts of constrained sequences: only what their grammar takes
+            for sid, n in self.output_processor.draft_limits().items():
+                self.scheduler.limit_drafts(sid, n)
         self.output_processor.end_by_scheduler([r.request_id for r in finished],
                                                FinishReason.STOP)
         outputs, retired = self.output_processor.make_outputs(stats)
@@ -242,9 +268,12 @@ class LLMEngine:
             self._end_in_scheduler(self.output_processor.fail(rids, f"executor error: {e}"))
             return {}
 
-    def _end_in_scheduler(self, to_end: Iterable[tuple[str, FinishReason]]) -> None:
-        for sid, reason in to_end:
-            self.scheduler.finish_request(sid, reason)    # idempotent: no-op if already ended
+    def _end_in_scheduler(self, to_end: Iterable[tuple]) -> None:
+        for sid, reason, *keep in to_end:     # idempotent: no-op if already ended
+            if keep:                          # a stop inside a verification's tokens
+                self.scheduler.finish_request(sid, reason, num_output_tokens=keep[0])
+            else:
+                self.scheduler.finish_request(sid, reason)
 
     # --- health --------------------------------------------------------------------------
     def check_health(self) -> list[str]:
@@ -283,7 +312,14 @@ class LLMEngine:
         return getattr(self.executor, "fatal_error", None)
 
     def shutdown(self) -> None:
-        """Stop the executor's processes, if it has any (tensor-parallel ranks)."""
+        """Hand the executor the KV tier writes still pending (one step), then stop it: its
+        processes (tensor-parallel ranks), its disk tier's writer (which finishes them)."""
+        if self._tier_bm is not None and self._tier_bm.has_pending_kv_ops \
+                and not self.output_processor.requests:
+            try:
+                self.step()
+            except Exception:
+                logger.exception("writing the KV tiers' last blocks failed")
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
@@ -316,4 +352,10 @@ class LLMEngine:
             snap["memory"] = plan
         if getattr(self.scheduler, "slo", None) is not None:    # refused, held, rate, fit
             snap["slo"] = self.scheduler.slo.stats()
+        if self._tier_bm is not None:          # what each KV tier holds, hits, costs, I/O
+            tiers = self._tier_bm.tier_stats()
+            store = getattr(self.executor, "tier_store", None)
+            if store is not None:
+                tiers["store"] = store.stats()
+            snap["kv_tiers"] = tiers
         return snap

@@ -110,7 +110,40 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[RequestMetrics] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    # speculative decoding: this step's verifications (core/spec_decode SpecDecodingStats)
+    spec_decoding: Any = None
 
 
 class StatLogger(Protocol):
     def log(self, stats: StepStats) -> None: ...
+
+
+class LoggingStatLogger:
+    """vLLM's periodic stats line (`iterserve serve` without --disable-log-stats): every
+    `interval` seconds of engine time in which steps ran, one INFO line with the prompt and
+    generation throughput over the interval, the running / waiting requests and KV use at
+    its end. Only steps feed it, so an idle server writes nothing."""
+
+    def __init__(self, interval: float = 10.0, logger_name: str = "iterserve.stats") -> None:
+        import logging
+
+        self.interval = interval
+        self.logger = logging.getLogger(logger_name)
+        self._start: float | None = None
+        self._prompt = 0
+        self._generation = 0
+
+    def log(self, stats: StepStats) -> None:
+        if self._start is None:
+            self._start = stats.time
+        self._prompt += stats.num_prompt_tokens
+        self._generation += stats.num_generation_tokens
+        elapsed = stats.time - self._start
+        if elapsed < self.interval:
+            return
+        self.logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, Swapped: %d reqs, KV cache usage: %.1f%%",
+            self._prompt / elapsed, self._generation / elapsed, stats.num_running,
+            stats.num_waiting, stats.num_swapped, 100 * stats.kv_cache_usage)
+        self._start, self._prompt, self._generation = stats.time, 0, 0

@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Mapping
+
+from iterserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +30,12 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def decide(policy: str, env: dict | None = None, load1: float | None = None,
+def decide(policy: str, env: Mapping[str, str] | None = None, load1: float | None = None,
            cpus: int | None = None) -> str | None:
-    """The OMP_WAIT_POLICY value to set (None: leave the environment as it is)."""
-    env = os.environ if env is None else env
+    """The OMP_WAIT_POLICY value to set (None: leave the environment as it is); `env`
+    stands for this process's environment in tests."""
     policy = str(policy).lower()
-    if policy == "env" or env.get("OMP_WAIT_POLICY"):
+    if policy == "env" or envs.is_set("OMP_WAIT_POLICY", env):
         return None
     if policy == "auto":
         load1 = os.getloadavg()[0] if load1 is None else load1
@@ -51,7 +54,7 @@ def apply(policy: str) -> str | None:
             logger.warning("--omp-wait-policy %s: torch is already imported, so OpenMP keeps "
                            "its policy; set OMP_WAIT_POLICY=%s in the environment instead",
                            policy, value)
-            return os.environ.get("OMP_WAIT_POLICY")
-        os.environ["OMP_WAIT_POLICY"] = value
+            return envs.OMP_WAIT_POLICY
+        envs.export("OMP_WAIT_POLICY", value)
         logger.info("OMP_WAIT_POLICY=%s (--omp-wait-policy %s)", value, policy)
-    return os.environ.get("OMP_WAIT_POLICY")
+    return envs.OMP_WAIT_POLICY

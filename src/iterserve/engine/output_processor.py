@@ -35,10 +35,13 @@ from iterserve.engine.metrics import RequestMetrics, StepStats, merge_metrics
 from iterserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from iterserve.engine.request_state import RequestState, SequenceState
 from iterserve.engine.tracing import count_token
+from iterserve.model.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-ToEnd = list[tuple[str, FinishReason]]      # scheduler request ids the engine must end
+# Scheduler request ids the engine must end, and the reason; a third element, when present,
+# is how many output tokens to keep (a stop inside the tokens a verification appended).
+ToEnd = list[tuple]
 
 OVERLAP_BITMASK_FILL = True    # measured by benchmarks/bench_constrained_overhead.py
 
@@ -49,7 +52,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.clock = clock
         if detokenizer_factory is None:
-            from iterserve.model.detokenizer import IncrementalDetokenizer
             detokenizer_factory = IncrementalDetokenizer
         self.detokenizer_factory = detokenizer_factory
         self.requests: dict[str, RequestState] = {}                       # live, by request id
@@ -108,17 +110,38 @@ class OutputProcessor:
                 sampling[rid] = matchers[rid]
         if not sampling:
             return None
+        # torch: only for a step with constrained requests
         from iterserve.structured.bitmask import GrammarBitmask, PendingGrammarBitmask
+        spec = sched_out.scheduled_spec_decode_tokens
+        drafts = {rid: spec[rid] for rid in sampling if rid in spec} if spec else None
         if not self.overlap_bitmask_fill:
-            return GrammarBitmask.fill(sampling)
+            return GrammarBitmask.fill(sampling, drafts=drafts)
         if self._fill_pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         # Filled while the forward pass runs; a matcher that fails there is named in the
         # result and its sequence ended when its token comes back (process_tokens).
         self._pending_mask = PendingGrammarBitmask(
-            self._fill_pool.submit(GrammarBitmask.fill, sampling, isolate=True))
+            self._fill_pool.submit(GrammarBitmask.fill, sampling, isolate=True, drafts=drafts))
         return self._pending_mask
+
+    def draft_limits(self) -> dict[str, int]:
+        """Speculative decoding: for each live constrained sequence with drafts for its next
+        step, how many of them its grammar takes, where that is fewer than all ({seq id:
+        count}). Called once the step's tokens have advanced the matchers; each matcher
+        takes the drafts and gives them back."""
+        limits: dict[str, int] = {}
+        for rid, m in self._matchers.items():
+            req = self._seqs[rid][1].request
+            drafts = req.spec_token_ids
+            if not drafts:
+                continue
+            n = m.accept_tokens(drafts)
+            if n:
+                m.rollback(n)
+            if n < len(drafts):
+                limits[rid] = n
+        return limits
 
     def discard(self, request_id: str) -> None:
         """Forget a request that never reached the scheduler (its add failed)."""
@@ -151,10 +174,11 @@ class OutputProcessor:
         return ids
 
     # --- a step's results ----------------------------------------------------------------
-    def live_tokens(self, results: Mapping[str, SampleResult]) -> dict[str, int]:
-        """The sampled token of each sequence still live here (others' are dropped)."""
+    def live_tokens(self, results: Mapping[str, SampleResult]) -> dict[str, int | list[int]]:
+        """The sampled token of each sequence still live here (others' are dropped); for a
+        sequence that verified drafts, its tokens (SampleResult.token_ids)."""
         seqs = self._seqs
-        return {rid: r.token_id for rid, r in results.items()
+        return {rid: (r.token_ids if r.verified else r.token_id) for rid, r in results.items()
                 if rid in seqs and not seqs[rid][1].finished}
 
     def end_by_scheduler(self, request_ids: Iterable[str], default: FinishReason) -> None:
@@ -190,9 +214,14 @@ class OutputProcessor:
             to_end.append((rid, FinishReason.ERROR))
         return to_end
 
-    def process_tokens(self, sampled: Mapping[str, int], results: Mapping[str, SampleResult],
-                       stats: StepStats) -> ToEnd:
-        """Detokenise this step's tokens; the sequences a stop string (or a failure) ends."""
+    def process_tokens(self, sampled: Mapping[str, int | list[int]],
+                       results: Mapping[str, SampleResult], stats: StepStats) -> ToEnd:
+        """Detokenise this step's tokens; the sequences a stop string (or a failure) ends.
+
+        A sequence that verified drafts has several tokens; only those the scheduler kept
+        (it stops at an EOS, a stop token or the length) are handled, in order, and a stop
+        string in one of them ends the sequence there: the tokens after it are cut off
+        (by the scheduler, as it ends the sequence, or here if it has already ended)."""
         to_end: ToEnd = []
         pending, self._pending_mask = self._pending_mask, None
         # Waits for the step's fill if the executor did not (the matchers change below).
@@ -202,14 +231,32 @@ class OutputProcessor:
             if rid in failed:                    # its mask could not be computed this step
                 to_end += self.fail([rid], f"grammar error: {failed[rid]}")
                 continue
+            res = results[rid]
             try:
-                if self._process_token(state, seq, token_id, results[rid], stats):
-                    to_end.append((rid, FinishReason.STOP))
+                if isinstance(token_id, int):
+                    if self._process_token(state, seq, token_id, res, stats):
+                        to_end.append((rid, FinishReason.STOP))
+                else:
+                    self._process_verified(state, seq, token_id, res, stats, to_end)
             except Exception as e:
                 logger.exception("request %s failed while handling its token", rid)
                 to_end += self.fail([rid], f"{type(e).__name__}: {e}")
             self._mark(state, seq)
         return to_end
+
+    def _process_verified(self, state: RequestState, seq: SequenceState, tokens: list[int],
+                          res: SampleResult, stats: StepStats, to_end: ToEnd) -> None:
+        req = seq.request
+        kept = min(len(tokens), len(req.output_token_ids) - seq.num_tokens)
+        per_token = [res, *(res.verified or ())]
+        for i in range(kept):
+            if self._process_token(state, seq, tokens[i], per_token[i], stats):
+                if req.is_finished:              # the scheduler ended it in this step too
+                    req.truncate_output(seq.num_tokens)
+                    to_end.append((req.request_id, FinishReason.STOP))
+                else:
+                    to_end.append((req.request_id, FinishReason.STOP, seq.num_tokens))
+                return
 
     def _process_token(self, state: RequestState, seq: SequenceState, token_id: int,
                        result: SampleResult, stats: StepStats) -> bool:
@@ -218,7 +265,8 @@ class OutputProcessor:
         stop string ended the sequence."""
         req = seq.request
         seq.delta_token_ids.append(token_id)
-        count_token(stats, state, req)
+        seq.num_tokens += 1
+        count_token(stats, state, req, seq.num_tokens - 1)
         if req.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = req.num_cached_tokens
         if result.prompt_logprobs is not None and state.prompt_logprobs is None:

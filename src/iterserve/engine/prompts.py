@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.engine.errors import InvalidRequestError
+from iterserve.errors import InvalidRequestError
+
 
 _EXPECTED = ("a prompt is a string, a list of token ids, {'prompt': str} or "
              "{'prompt_token_ids': [int, ...]}")

@@ -34,6 +34,7 @@ class SequenceState:
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    num_tokens: int = 0                      # output tokens handled here so far
     metrics: RequestMetrics | None = None    # fixed once the finish is reported
     # Since the last output: what to stream, and whether this sequence is listed in it.
     delta_text: str = ""

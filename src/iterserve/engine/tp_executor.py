@@ -40,8 +40,8 @@ import time
 import weakref
 from typing import Any, Callable
 
-from iterserve.core.config import ConfigError
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
+from iterserve.errors import ConfigError, ModelLoadError, RankFailedError
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 # that dies is seen at once). Start-up waits for model loads by polling, not by collectives.
 COLLECTIVE_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 5.0
-
-
-class RankFailedError(RuntimeError):
-    """A tensor-parallel rank died or the group broke: the executor cannot run steps."""
 
 
 def _cpu_count() -> int:
@@ -76,17 +72,19 @@ def _rank_device(device: str, rank: int) -> str:
 
 
 def _load_shard(args: Any, rank: int, world: int):
-    from iterserve.engine.builder import _configure_kernels
+    # torch: the kernels and the model layer load in the rank process, not with the engine
+    from iterserve.model import kernels
     from iterserve.model.loader import load_model
     from iterserve.model.parallel import Shard
-    _configure_kernels(args)                  # each rank process has its own kernel mode
+    # each rank process has its own kernel configuration
+    kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     return load_model(args.model, dtype=args.dtype, device=_rank_device(args.device, rank),
                       kv_cache_dtype=args.kv_cache_dtype, shard=Shard(rank, world),
                       tokenizer=getattr(args, "tokenizer", None))
 
 
 def _make_runner(loaded, cache: tuple[int, int, int]):
-    from iterserve.model.runner import ModelRunner
+    from iterserve.model.runner import ModelRunner   # torch: in the rank process only
     num_blocks, block_size, num_swap = cache
     return ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size,
                        num_swap_blocks=num_swap)
@@ -157,10 +155,11 @@ def _rank_main(rank: int, world: int, args: Any, host: str, port: int, parent_pi
             if box[0] is None:
                 return
             sampled, output = box[0]
-            for rid, token in sampled.items():      # rank 0's tokens of the previous step
+            for rid, tokens in sampled.items():     # rank 0's tokens of the previous step
                 st = runner.requests.get(rid)
                 if st is not None:
-                    st.append(token)
+                    for token in tokens:            # (several after a verification)
+                        st.append(token)
             try:
                 runner.compute_logits(output)
             except Exception as e:
@@ -210,7 +209,7 @@ class TPExecutor:
         if str(args.device).startswith("cuda") and torch.cuda.device_count() < world:
             raise ConfigError(f"tensor_parallel_size {world} on CUDA needs {world} GPUs, this "
                               f"machine has {torch.cuda.device_count()}", "tensor_parallel_size")
-        from iterserve.model.parallel import check_model
+        from iterserve.model.parallel import check_model    # torch: the engine imports none
         check_model(args.model, world)          # a split the model cannot take: no spawn
         self.world_size = world
         self.threads = rank_threads(args, world)
@@ -264,7 +263,6 @@ class TPExecutor:
 
     def _wait_loaded(self, store) -> None:
         """Each rank's "ok" or error line; a rank that exits without one fails at once."""
-        from iterserve.model.config import ModelLoadError
         for r, p in enumerate(self.procs, start=1):
             key = f"iterserve/tp/loaded/{r}"
             while not store.check([key]):
@@ -312,7 +310,7 @@ class TPExecutor:
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         results = self._step(output, self.runner.execute)
-        self._pending = {rid: r.token_id for rid, r in results.items()}
+        self._pending = {rid: r.token_ids for rid, r in results.items()}
         return results
 
     def compute_logits(self, output: SchedulerOutput):

@@ -27,16 +27,21 @@ from iterserve.engine.request_state import RequestState
 logger = logging.getLogger(__name__)
 
 
-def count_token(stats: StepStats, state: RequestState, req: Request) -> None:
-    """Add one sampled token of `req` (after the scheduler appended it) to the step's stats."""
+def count_token(stats: StepStats, state: RequestState, req: Request,
+                index: int | None = None) -> None:
+    """Add output token `index` of `req` (default: its last; the scheduler has appended it)
+    to the step's stats. A step that verified drafts adds several, the ones after the
+    first with no gap (they came in the same step)."""
     stats.num_generation_tokens += 1
-    if req.num_output_tokens == 1 and req.first_token_time is not None:
+    times = req.token_times
+    i = len(times) - 1 if index is None else index
+    if i == 0 and req.first_token_time is not None:
         stats.time_to_first_tokens.append(req.first_token_time - req.arrival_time)
         if not state.counted_prompt:
             state.counted_prompt = True
             stats.num_prompt_tokens += req.num_prompt_tokens
-    elif len(req.token_times) >= 2:
-        stats.inter_token_latencies.append(req.token_times[-1] - req.token_times[-2])
+    elif 1 <= i < len(times):
+        stats.inter_token_latencies.append(times[i] - times[i - 1])
 
 
 class Tracer:
@@ -109,6 +114,7 @@ class Tracer:
         did something (`active`), and hand the stats to every stat logger."""
         stats.num_running, stats.num_waiting = sched.num_running, sched.num_waiting
         stats.num_swapped, stats.kv_cache_usage = sched.num_swapped, sched.kv_usage
+        stats.spec_decoding = getattr(sched, "spec_decoding", None)
         if active:
             self.history.append({
                 "step": stats.step, "time": time.time(),
@@ -135,6 +141,8 @@ class Tracer:
             "num_free_blocks": sched.num_free_blocks,
             "num_blocks": sched.num_blocks,
             "num_preemptions_total": sched.num_preemptions_total,
+            **({"spec_decode": sched.spec_decoding_total.to_dict()}
+               if getattr(sched, "spec_decoding_total", None) is not None else {}),
             "history": list(self.history),
             "recent_requests": self.recent_traces(live, 20),
         }

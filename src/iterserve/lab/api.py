@@ -23,16 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.core.config import CacheConfig, ConfigError, SchedulerConfig
-from iterserve.lab.cost_model import CostModel, CostModelError, default_cost_model
+from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.cost_model import CostModel, default_cost_model
+from iterserve.errors import ConfigError, CostModelError, LabOptionsError, WorkloadError
 from iterserve.lab.metrics import summarize
-from iterserve.lab.simulator import SimResult, SimSettings, simulate
 from iterserve.lab.options import (  # noqa: F401  (re-exported for callers)
-    MAX_REQUESTS, MAX_SLOTS, OPTION_DEFAULTS, LabOptions, LabOptionsError,
-    parse_options)
-from iterserve.lab.workload import (
-    RequestSpec, SharedPrefixSpec, WorkloadError, WorkloadSpec, check_lengths, check_range,
-    draw_workload, with_shared_prefix)
+    MAX_REQUESTS, MAX_SLOTS, OPTION_DEFAULTS, LabOptions, parse_options)
+from iterserve.lab.simulator import SimResult, SimSettings, simulate
+from iterserve.lab.workload import (RequestSpec, SharedPrefixSpec, WorkloadSpec, check_lengths,
+                                    check_range, draw_workload, with_shared_prefix)
 
 # The seed of the reference case: its draw lands near the mission's figures
 # (static ~2,100 steps at ~35%, continuous ~950 at ~78%).

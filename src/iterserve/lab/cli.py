@@ -16,6 +16,20 @@ import json
 import sys
 from typing import Any
 
+from iterserve.core.config import (CacheConfig, ParallelConfig, SchedulerConfig, add_knob_argument,
+                                   knob_fields, knobs_of)
+from iterserve.core.cost_model import load_cost_model
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import plan_lab, simulate_plan
+from iterserve.lab.cluster import CLUSTER_FIELDS, DEFAULT_REPLICAS, run_cluster_lab
+from iterserve.lab.metrics import summarize
+from iterserve.lab.options import (LAB_CHOICES, LAB_DEFAULTS, LAB_HELP, OPTION_DEFAULTS, PRESETS,
+                                   RENAMED, SHARED_KNOBS)
+from iterserve.lab.plot import write_plot
+from iterserve.lab.trace import write_trace
+from iterserve.lab.workload import parse_range, read_lengths_file
+
+
 # Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
 # `iterserve lab calibrate` fits the cost model to the real model runner.
 LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate"),
@@ -28,17 +42,19 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Run the engine's scheduler with a simulated executor and compare "
                     "static and continuous batching (steps, utilisation, latency).")
     w = p.add_argument_group("workload")
-    from iterserve.lab.options import PRESETS
+    D = OPTION_DEFAULTS
     w.add_argument("--preset", choices=tuple(PRESETS),
                    help="start from a named option set (the other flags override it): "
                         + "; ".join(f"{k}: {v['description']}"
                                     for k, v in PRESETS.items()).replace("%", "%%"))
-    w.add_argument("--batching", choices=("static", "continuous", "both"))
-    w.add_argument("--requests", type=int, help="number of requests (default 48)")
+    w.add_argument("--requests", type=int, help=f"number of requests (default {D['requests']})")
     w.add_argument("--seed", type=int, help="random seed of the draw (default: the reference seed)")
-    w.add_argument("--short-frac", type=float, help="share of short answers (default 0.8)")
-    w.add_argument("--short", metavar="MIN-MAX", help="short answer lengths (default 10-100)")
-    w.add_argument("--long", metavar="MIN-MAX", help="long answer lengths (default 250-500)")
+    w.add_argument("--short-frac", type=float,
+                   help=f"share of short answers (default {D['short_frac']})")
+    w.add_argument("--short", metavar="MIN-MAX",
+                   help="short answer lengths (default {}-{})".format(*D["short"]))
+    w.add_argument("--long", metavar="MIN-MAX",
+                   help="long answer lengths (default {}-{})".format(*D["long"]))
     w.add_argument("--lengths", metavar="FILE",
                    help="one output length per line instead of drawing them")
     w.add_argument("--arrival-rate", type=float, metavar="R",
@@ -46,10 +62,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     s = p.add_argument_group("scheduler (prefill on)")
     s.add_argument("--prompt-len", metavar="MIN-MAX",
                    help="prompt lengths; turns prefill on (default: prefill ignored)")
-    s.add_argument("--max-num-batched-tokens", type=int)
-    s.add_argument("--num-kv-blocks", type=int)
-    s.add_argument("--block-size", type=int)
-    s.add_argument("--preemption-mode", choices=("recompute", "swap"))
     s.add_argument("--priority-frac", type=float,
                    help="share of urgent requests under --scheduling-policy priority "
                         "(default 0.2)")
@@ -58,33 +70,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "(--prompt-len, default 20-100); turns prefill on")
     s.add_argument("--long-prompt-frac", type=float,
                    help="--mix longprompt: share of the long prompts (default 0.1)")
-    # The engine's own knobs, flags and help generated from core/config.py (the same
-    # spellings as `iterserve serve`); the help gives the lab's default where it differs.
-    from iterserve.core.config import (
-        CacheConfig, SchedulerConfig, add_knob_argument, knob_fields)
-    from iterserve.lab.options import OPTION_DEFAULTS, RENAMED
-    for cls, group, names in (
-            (SchedulerConfig, w, ("max_num_seqs",)),
-            (SchedulerConfig, s, ("enable_chunked_prefill", "scheduling_policy",
-                                  "long_prefill_token_threshold", "max_num_partial_prefills",
-                                  "slo_ttft_ms", "slo_tpot_ms")),
-            (CacheConfig, s, ("enable_prefix_caching",))):
-        for name, _default, k in knob_fields(cls):
-            if name in names:
-                add_knob_argument(group, name, k, None, f"default {OPTION_DEFAULTS[name]}")
+    _add_knob_arguments(w, s)
     # The lab's former flags: hidden, and an error that names the new flag.
     for old, new in RENAMED.items():
         p.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS,
                        action=_Renamed, new="--" + new.replace("_", "-"))
-    s.add_argument("--max-queued-requests", type=int, metavar="N",
-                   help="bound on the waiting queue; a full queue refuses the arrival "
-                        "(counted as refused; default 0: none)")
-    s.add_argument("--request-timeout", type=float, metavar="STEPS",
-                   help="in simulated steps from arrival: a request still running (or "
-                        "waiting) then ends with finish_reason timeout (default: none)")
-    s.add_argument("--queue-timeout", type=float, metavar="STEPS",
-                   help="in simulated steps: a request not admitted by then ends with "
-                        "finish_reason timeout (default: none)")
     s.add_argument("--arrival-rate-s", type=float, metavar="R",
                    help="Poisson arrivals, requests per simulated second (instead of per "
                         "step; for SLO experiments)")
@@ -112,6 +102,30 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# Shared knobs whose flag sits with the workload's; the rest go with the scheduler's.
+_WORKLOAD_KNOBS = ("batching", "max_num_seqs")
+_METAVARS = {"request_timeout": "STEPS", "queue_timeout": "STEPS", "max_queued_requests": "N"}
+
+
+def _add_knob_arguments(workload, scheduler) -> None:
+    """A flag for every engine knob the lab takes (lab/options.py SHARED_KNOBS), spelled as
+    `iterserve serve` spells it and generated from core/config.py; the help gives the
+    lab's default, its units and its extra choices where they differ."""
+    from dataclasses import replace
+
+    schema = knobs_of(SchedulerConfig, CacheConfig)
+    for name in SHARED_KNOBS:
+        k = schema[name][1]
+        if name in LAB_CHOICES:
+            k = replace(k, kind=str, choices_=LAB_CHOICES[name])
+        k = replace(k, help=LAB_HELP.get(name, k.help), metavar=_METAVARS.get(name, k.metavar))
+        default = OPTION_DEFAULTS[name]
+        text = (f"default {default}" if default is not None
+                else "default: from the workload" if name in LAB_DEFAULTS else "")
+        add_knob_argument(workload if name in _WORKLOAD_KNOBS else scheduler, name, k, None,
+                          text)
+
+
 # Cluster flags (lab/cluster.py): any of them makes the run a cluster run.
 CLUSTER_ARGS = ("data_parallel_size", "router", "prefix_groups", "prefix_len", "prefix_zipf",
                 "search", "search_p99_ttft_ms", "search_max_replicas")
@@ -121,9 +135,6 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """`--replicas N --router POLICY ...`: the knobs' flags generated from ParallelConfig
     (`--replicas` is the lab's spelling of --data-parallel-size / -dp, which work too)."""
     from dataclasses import replace
-
-    from iterserve.core.config import ParallelConfig, add_knob_argument, knob_fields
-    from iterserve.lab.cluster import CLUSTER_FIELDS, DEFAULT_REPLICAS
 
     c = p.add_argument_group(
         "cluster (N replicas behind the server's router; any of these makes a cluster run)")
@@ -161,17 +172,12 @@ class _Renamed(argparse.Action):
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """CLI flags -> run_lab options (files are read here; values are checked by run_lab)."""
-    from iterserve.lab.cost_model import load_cost_model
-    from iterserve.lab.workload import parse_range, read_lengths_file
-
     opts: dict[str, Any] = {"batching": args.batching or (None if args.preset else "both"),
                             "preset": args.preset}
-    for name in ("max_num_seqs", "requests", "seed", "short_frac", "arrival_rate",
-                 "max_num_batched_tokens", "num_kv_blocks", "block_size", "preemption_mode",
-                 "enable_chunked_prefill", "scheduling_policy", "priority_frac", "mix", "enable_prefix_caching", "long_prompt_frac",
-                 "long_prefill_token_threshold", "max_num_partial_prefills",
-                 "arrival_rate_s", "slo_ttft_ms", "slo_tpot_ms", "max_queued_requests",
-                 "request_timeout", "queue_timeout"):
+    for name in (*SHARED_KNOBS, "requests", "seed", "short_frac", "arrival_rate",
+                 "priority_frac", "mix", "long_prompt_frac", "arrival_rate_s"):
+        if name == "batching":
+            continue
         value = getattr(args, name)
         if value is not None:
             opts[name] = value
@@ -189,10 +195,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.serve:
-        return serve(args.host, args.port)
-    from iterserve.lab.api import LabOptionsError, plan_lab, simulate_plan
-    from iterserve.lab.metrics import summarize
+    if args.serve:               # the server's handler, set by iterserve/cli.py
+        return args.serve_lab_page(args.host, args.port)
 
     if any(getattr(args, name, None) is not None for name in CLUSTER_ARGS):
         return run_cluster(args)
@@ -205,12 +209,8 @@ def run(args: argparse.Namespace) -> int:
     summaries = {m: summarize(r, per_request=plan.per_request) for m, r in results.items()}
     try:
         if args.trace:
-            from iterserve.lab.trace import write_trace
-
             write_trace(results, args.trace)
         if args.plot:
-            from iterserve.lab.plot import write_plot
-
             write_plot(results, summaries, args.plot)
     except OSError as e:
         print(f"iterserve lab: error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
@@ -225,9 +225,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_cluster(args: argparse.Namespace) -> int:
     """`iterserve lab --replicas N --router POLICY ...`: the cluster lab (lab/cluster.py)."""
-    from iterserve.lab.cluster import run_cluster_lab
-    from iterserve.lab.options import LabOptionsError
-
     for flag, value in (("--trace", args.trace), ("--plot", args.plot),
                         ("--per-request", args.per_request or None)):
         if value is not None:
@@ -309,15 +306,6 @@ def format_cluster_report(r: dict[str, Any]) -> str:
             lines.append(f"  {what}: p99 TTFT {row.get('p99_ttft_s', 0):.3f} s, refused "
                          f"{row['refused']}, {'meets' if row['meets'] else 'misses'}")
     return "\n".join(lines)
-
-
-def serve(host: str, port: int) -> int:
-    import uvicorn
-
-    from iterserve.server.app import create_app
-
-    uvicorn.run(create_app(engine=None), host=host, port=port)
-    return 0
 
 
 def _fmt(value: Any, kind: str) -> str:

@@ -48,14 +48,14 @@ import numpy as np
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from iterserve.core.config import ParallelConfig, knob_fields
+from iterserve.core.cost_model import CostModel, shipped_cost_model, shipped_cost_models
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.router import ReplicaLoad, Router
-from iterserve.core.scheduler import QueueFullError, Scheduler
-from iterserve.core.slo_policy import SLOUnattainableError
+from iterserve.core.scheduler import Scheduler
+from iterserve.errors import LabOptionsError, QueueFullError, SLOUnattainableError, SimulationError
 from iterserve.lab.api import LabPlan, plan_lab
-from iterserve.lab.cost_model import CostModel, shipped_cost_models
-from iterserve.lab.options import LabOptions, LabOptionsError, _field, _message, apply_preset
-from iterserve.lab.simulator import STALL_LIMIT, SimExecutor, SimSettings, SimulationError
+from iterserve.lab.options import LabOptions, _field, _message, apply_preset
+from iterserve.lab.simulator import STALL_LIMIT, SimExecutor, SimSettings
 from iterserve.lab.workload import (
     MAX_LENGTH, RequestSpec, SharedPrefixSpec, prompt_token_ids)
 
@@ -104,16 +104,6 @@ _REFUSED = {
                      "cluster runs",
     "per_request": "per-request records are not kept in cluster runs",
 }
-
-
-def _shipped(name: str) -> CostModel:
-    """A shipped cost model by name, read from the package's lab/data (never a path)."""
-    import json
-    from importlib import resources
-
-    text = resources.files("iterserve.lab").joinpath(f"data/{name}.json").read_text(
-        encoding="utf-8")
-    return CostModel.from_dict(json.loads(text))
 
 
 def _bad(option: str, message: str) -> LabOptionsError:
@@ -167,7 +157,7 @@ def plan_cluster(options: dict | None) -> ClusterPlan:
         if name not in shipped_cost_models():
             raise _bad("cost_model", f"no shipped cost model named {name!r} (shipped: "
                        f"{', '.join(shipped_cost_models())}); or give the model's JSON object")
-        lab["cost_model"] = _shipped(name)
+        lab["cost_model"] = shipped_cost_model(name)
     batching = lab.get("batching") or "continuous"
     if batching == "both":
         raise _bad("batching", "a cluster run simulates one mode: continuous or static")

@@ -1,10 +1,12 @@
 """The lab's options as one pydantic model, its scheduler fields made from the knob schema.
 
 `LabOptions` is what `run_lab`, `iterserve lab` and `POST /v1/lab/run` accept. The
-scheduler and KV-cache fields are generated from `core/config.py` (type, bounds, choices,
-help), so the lab checks a knob exactly as the engine does; the workload fields (what to
-draw, how to time it) are the lab's own. Validation is strict (no "8" for 8, no 1 for true)
-and every error is turned into a `LabOptionsError` whose message names the option.
+scheduler and KV-cache fields (`SHARED_KNOBS`) are generated from `core/config.py` (type,
+bounds, choices, help, default), so the lab checks a knob exactly as the engine does and
+starts from the engine's default, except where `LAB_DEFAULTS` says why not; the workload
+fields (what to draw, how to time it) are the lab's own. Validation is strict (no "8" for 8,
+no 1 for true) and every error is turned into a `LabOptionsError` whose message names the
+option.
 
 Every engine knob carries the engine's own name. The lab's former spellings (`RENAMED`:
 slots, policy, chunked_prefill) are refused with a message naming the new one, so an old
@@ -17,7 +19,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
-from iterserve.core.config import CacheConfig, Knob, SchedulerConfig, knob_fields
+from iterserve.core.config import CacheConfig, Knob, SchedulerConfig, default_on, knobs_of
+from iterserve.core.cost_model import load_cost_model
+from iterserve.errors import LabOptionsError
+from iterserve.lab import preset_scale
 
 MAX_SLOTS = 4096
 MAX_REQUESTS = 1_000_000
@@ -26,30 +31,41 @@ MAX_LENGTH = 100_000
 # Former lab option name -> its engine name; refused with a pointer to the new name.
 RENAMED = {"slots": "max_num_seqs", "policy": "scheduling_policy",
            "chunked_prefill": "enable_chunked_prefill"}
-# The engine knobs the lab exposes, with lab defaults (None: derived from the workload,
-# see lab/api.py) and lab-only upper bounds that keep a run interactive.
-_LAB_KNOBS: dict[str, tuple[Any, float | None]] = {
-    "max_num_seqs": (8, MAX_SLOTS),
-    "max_num_batched_tokens": (None, 10 * MAX_LENGTH),
-    "enable_chunked_prefill": (True, None),
-    "long_prefill_token_threshold": (0, None),
-    "max_num_partial_prefills": (1, None),
-    "max_long_partial_prefills": (None, None),
-    "max_long_prefill_tokens": (0, None),
-    "priority_less_urgent_tokens": (0, None),
-    "priority_guard_steps": (500, None),
-    "scheduling_policy": ("fcfs", None),
-    "preemption_mode": ("recompute", None),
-    "num_kv_blocks": (None, 100_000_000),
-    "block_size": (16, 4096),
-    "enable_prefix_caching": (False, None),
-    "max_queued_requests": (0, MAX_REQUESTS),  # a full queue refuses the arrival
-    "request_timeout": (None, None),      # in simulated steps here (the scheduler's clock)
-    "queue_timeout": (None, None),
-    "slo_ttft_ms": (None, None),          # SLO targets: goodput is reported
-    "slo_tpot_ms": (None, None),          # whenever one is set; policy slo admits by them
+# The engine knobs the lab takes, under the engine's names, with the engine's defaults
+# (its CPU ones: the shipped cost models are CPU fits) unless LAB_DEFAULTS says otherwise.
+SHARED_KNOBS: tuple[str, ...] = (
+    "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+    "long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills",
+    "max_long_prefill_tokens", "priority_less_urgent_tokens", "priority_guard_steps",
+    "scheduling_policy", "batching", "preemption_mode", "num_kv_blocks", "block_size",
+    "enable_prefix_caching", "max_queued_requests", "request_timeout", "queue_timeout",
+    "slo_ttft_ms", "slo_tpot_ms")
+# The one place where a lab default differs from the engine's, and why.
+LAB_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "max_num_seqs": (8, "the reference case (README): 48 requests on 8 slots, few enough to "
+                        "read the slot chart, enough for static batching's idle slots to show"),
+    "batching": ("both", "the lab's question is static against continuous: 'both' runs the "
+                         "same workload each way, side by side"),
+    "max_num_batched_tokens": (None, "derived from the workload (lab/api.py) rather than the "
+                                     "engine's per-device default: every running request's "
+                                     "decode plus one whole recompute with prefill ignored, "
+                                     "else 2048, so the reference case has no budget pressure"),
+    "num_kv_blocks": (None, "derived from the workload (lab/api.py): every slot can hold the "
+                            "longest request, where the engine sizes it from a memory budget"),
+    "enable_prefix_caching": (False, "the lab's questions are scheduling trade-offs, and its "
+                                     "simulated prompts are one repeated token (simulator.py), "
+                                     "so a prefix cache would serve every prompt from the last "
+                                     "one and hide the prefill cost they are about (the cluster "
+                                     "lab's shared-prefix workloads turn it on)"),
 }
-
+# An option's values in the lab where they are more than the knob's choices (a superset).
+LAB_CHOICES: dict[str, tuple[str, ...]] = {"batching": ("static", "continuous", "both")}
+# Lab-only upper bounds that keep a run interactive.
+LAB_MAXIMA: dict[str, float] = {
+    "max_num_seqs": MAX_SLOTS, "max_num_batched_tokens": 10 * MAX_LENGTH,
+    "num_kv_blocks": 100_000_000, "block_size": 4096,
+    "max_queued_requests": MAX_REQUESTS,   # a full queue refuses the arrival
+}
 
 # What the two document-QA presets share (they differ in the long share, rate and budget).
 _LONGPROMPT_BASE: dict[str, Any] = {"batching": "continuous", "max_num_seqs": 16,
@@ -135,8 +151,6 @@ _TYPICAL_STEP = {"longprompt": "LONGPROMPT_STEP", "longprompt-heavy": "LONGPROMP
 
 
 def _follow_the_shipped_fit() -> None:
-    from iterserve.lab import preset_scale
-
     for name, p in PRESETS.items():
         step = (getattr(preset_scale, _TYPICAL_STEP[name]) if name in _TYPICAL_STEP
                 else preset_scale.decode_step(p["options"]["max_num_seqs"]))
@@ -160,8 +174,6 @@ def apply_preset(options: dict[str, Any]) -> dict[str, Any]:
     merged = dict(PRESETS[name]["options"])
     merged.update({k: v for k, v in options.items() if k != "preset" and v is not None})
     if isinstance(merged.get("cost_model"), str):
-        from iterserve.lab.cost_model import load_cost_model
-
         merged["cost_model"] = load_cost_model(merged["cost_model"])
     return merged
 
@@ -172,28 +184,26 @@ def presets_json() -> dict[str, Any]:
             for name, p in PRESETS.items()}
 
 
-class LabOptionsError(ValueError):
-    """A lab option with a bad value (or an unknown option); the message names it."""
-
-    def __init__(self, message: str, option: str | None = None):
-        super().__init__(message)
-        self.option = option
-
-
 # The lab's clock counts steps, so its timeouts do too (the engine's are in seconds).
 LAB_HELP = {
+    "batching": "static (a whole batch runs to completion), continuous, or both, side by side",
     "request_timeout": "simulated steps from arrival after which a request ends with "
                        "finish_reason 'timeout' (fewer output tokens than drawn)",
     "queue_timeout": "simulated steps a request may wait before admission, else it ends "
                      "with finish_reason 'timeout'",
+    "max_queued_requests": "bound on the waiting queue; a full queue refuses the arrival "
+                           "(counted as refused; 0: none)",
 }
 
 
 def _field(k: Knob, default: Any, maximum: float | None,
-           help: str | None = None) -> tuple[Any, Any]:
-    """(annotation, FieldInfo) for one knob, from its metadata."""
-    if k.choices:
-        kind: Any = Literal[k.choices]          # strict: the plain string, not the Enum
+           help: str | None = None, choices: tuple[str, ...] | None = None
+           ) -> tuple[Any, Any]:
+    """(annotation, FieldInfo) for one knob, from its metadata (`choices` replaces the
+    knob's own)."""
+    choices = choices or k.choices
+    if choices:
+        kind: Any = Literal[choices]          # strict: the plain string, not the Enum
     else:
         kind = k.kind
     bounds: dict[str, Any] = {}
@@ -208,17 +218,28 @@ def _field(k: Knob, default: Any, maximum: float | None,
     return ann, Field(default, description=help or k.help, **bounds)
 
 
+def lab_default(name: str) -> Any:
+    """A shared knob's default in the lab: LAB_DEFAULTS', else the engine's on the CPU."""
+    if name in LAB_DEFAULTS:
+        return LAB_DEFAULTS[name][0]
+    default, k, _ = _SCHEMA[name]
+    value = default_on(k, default, "cpu")
+    return getattr(value, "value", value)
+
+
+_SCHEMA = knobs_of(SchedulerConfig, CacheConfig)
+
+
 def _knob_fields() -> dict[str, tuple[Any, Any]]:
-    schema = {name: k for cls in (SchedulerConfig, CacheConfig) for name, _, k in knob_fields(cls)}
-    return {name: _field(schema[name], default, hi, LAB_HELP.get(name))
-            for name, (default, hi) in _LAB_KNOBS.items()}
+    return {name: _field(_SCHEMA[name][1], lab_default(name), LAB_MAXIMA.get(name),
+                         LAB_HELP.get(name), LAB_CHOICES.get(name))
+            for name in SHARED_KNOBS}
 
 
 LabOptions = create_model(
     "LabOptions",
     __config__=ConfigDict(strict=True, extra="forbid"),
     __doc__="Options of one lab run (all optional; None means the default).",
-    batching=(Literal["static", "continuous", "both"], Field("both")),
     requests=(int, Field(48, ge=1, le=MAX_REQUESTS, description="number of requests")),
     seed=(Optional[int], Field(None, ge=0, description="seed of the draw")),
     short_frac=(float, Field(0.8, ge=0, le=1, allow_inf_nan=False)),

@@ -26,7 +26,7 @@ import functools
 import math
 from typing import Any
 
-from iterserve.lab.cost_model import CostModel, load_cost_model
+from iterserve.core.cost_model import CostModel, load_cost_model
 
 SHIPPED = "smollm2-cpu"
 # The smollm2-cpu fit the presets' numbers were chosen on (a linear fit, no attention term).

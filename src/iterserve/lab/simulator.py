@@ -31,22 +31,18 @@ from typing import Any
 import numpy as np
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
+from iterserve.core.cost_model import CostModel
 from iterserve.core.request import Request, SamplingParams
-from iterserve.core.scheduler import QueueFullError, Scheduler
-from iterserve.core.step_time import attention_pairs
+from iterserve.core.scheduler import Scheduler
 from iterserve.core.scheduler_output import SchedulerOutput
-from iterserve.core.slo_policy import SLOUnattainableError
-from iterserve.lab.cost_model import CostModel
+from iterserve.core.step_time import attention_pairs
+from iterserve.errors import QueueFullError, SLOUnattainableError, SimulationError
 from iterserve.lab.workload import RequestSpec
 
 PROMPT_TOKEN = 1       # the token every simulated prompt is made of (so, with prefix
                        # caching on, prompts share their prefixes as far as they go)
 SAMPLED_TOKEN = 2      # what the simulated executor "samples"; never an eos (ignore_eos too)
 STALL_LIMIT = 10_000   # steps with work queued but nothing scheduled before we give up
-
-
-class SimulationError(RuntimeError):
-    """The scheduler broke an invariant the lab relies on (a bug to report, not bad input)."""
 
 
 @dataclass(frozen=True, slots=True)

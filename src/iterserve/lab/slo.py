@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from iterserve.core.cost_model import load_cost_model
+from iterserve.errors import CostModelError, LabOptionsError
 from iterserve.lab.api import run_lab
-from iterserve.lab.cost_model import load_cost_model
 from iterserve.lab.preset_scale import scale_options, speed
 
 PRESET: dict[str, Any] = {
@@ -94,9 +95,6 @@ def register(subparsers):
 def run(args) -> int:
     import json
     import sys
-
-    from iterserve.lab.api import LabOptionsError
-    from iterserve.lab.cost_model import CostModelError
 
     opts = {"requests": args.requests, "slo_ttft_ms": args.slo_ttft_ms,
             "slo_tpot_ms": args.slo_tpot_ms, "max_num_seqs": args.max_num_seqs,

@@ -16,7 +16,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from iterserve.core.errors import WorkloadError
+from iterserve.errors import WorkloadError
+
 
 MAX_LENGTH = 100_000      # one request's output or prompt length (keeps the lab interactive)
 

@@ -10,9 +10,8 @@ sequence's context from. Then in every layer:
   one batched SDPA: context slots are gathered and padded to the longest context with a key
   mask; grouped-query heads stay grouped (SDPA enable_gqa) - expanding K/V per query head
   was measured 4-20x slower from batch 32 up.
-- prefill chunks: with the native kernels (CPU float32, float32/f16 pools: whenever the
-  decodes get the native kernel) all chunks of the step go to one call of
-  kernels/prefill_attention.c, which reads each chunk's context straight from the pools
+- prefill chunks: with the native kernels (CPU float32, float32/f16/bf16 pools) all chunks
+  of the step go to one call of kernels/prefill_attention.c, which reads each chunk's context straight from the pools
   through its block table (flash-style online softmax, causal within the chunk, GQA grouped,
   sliding windows). A 128-token chunk at context 1500 was ~11x its cost at context 0 on the
   torch path below (index_select of the whole context, then SDPA with an explicit
@@ -20,22 +19,29 @@ sequence's context from. Then in every layer:
   PREFILL_NATIVE off): one SDPA per chunk over [its cached prefix + the chunk] with a causal
   mask offset by the prefix length (measured faster than a block-diagonal mask over all
   chunks).
+
+Batch invariance: the two native kernels share one order of operations
+(kernels/attention_core.h), so a query's output is bitwise the same whether it is a decode
+row or in a prefill chunk of any size, after any cached prefix, beside any other sequences.
+bf16 pools have no native decode kernel: there every sequence, decodes included, goes to the
+prefill kernel as a chunk (a decode is a one-token chunk; the same arithmetic). The torch
+paths (no native kernels, CUDA, ITERSERVE_PREFILL_ATTENTION=0) give no such guarantee: SDPA's
+blocking follows the padded shapes of the step.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from iterserve import envs
 from iterserve.model import kernels
 
 # Prefill chunks through kernels/prefill_attention.c wherever the decodes use the native
 # kernel. ITERSERVE_PREFILL_ATTENTION=0 (or setting this False) keeps the torch path for A/B.
-PREFILL_NATIVE = os.environ.get("ITERSERVE_PREFILL_ATTENTION", "1").lower() not in (
-    "0", "false", "no", "off")
+PREFILL_NATIVE = envs.ITERSERVE_PREFILL_ATTENTION
 
 
 @dataclass(slots=True)
@@ -78,20 +84,24 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                    sliding_window: int | None, device: torch.device,
-                   dtype: torch.dtype = torch.float32, decode_kernel=None) -> AttentionMetadata:
+                   dtype: torch.dtype = torch.float32, decode_kernel=None,
+                   prefill_kernel: bool = False) -> AttentionMetadata:
     """seqs: (start, num_tokens, block_ids) in flattened order, decodes (num_tokens == 1) first.
 
     With `decode_kernel` (kernels.decode_attention(), CPU float32 only) the decodes get block
     tables and lengths for it instead of gather slots and a padding mask, and (PREFILL_NATIVE)
     the prefill chunks block tables (kernels.PrefillChunks) instead of context slots
-    and masks."""
+    and masks. `prefill_kernel` without a decode kernel (bf16 pools) sends every sequence,
+    decodes included, to the prefill kernel (PREFILL_NATIVE)."""
     for start, n, block_ids in seqs:
         if len(block_ids) * block_size < start + n:
             raise ValueError(f"block table of {len(block_ids)} blocks cannot hold {start + n} "
                              f"tokens (block_size {block_size})")
+    native_chunks = PREFILL_NATIVE and (decode_kernel is not None or prefill_kernel)
     num_decodes = 0
-    while num_decodes < len(seqs) and seqs[num_decodes][1] == 1:
-        num_decodes += 1
+    if decode_kernel is not None or not native_chunks:
+        while num_decodes < len(seqs) and seqs[num_decodes][1] == 1:
+            num_decodes += 1
     offsets = torch.arange(block_size)
     new_slots: list[torch.Tensor] = []
     meta = AttentionMetadata(slot_mapping=torch.empty(0))
@@ -124,7 +134,7 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
 
     row = num_decodes
     prefill_seqs = seqs[num_decodes:]
-    if decode_kernel is not None and PREFILL_NATIVE and prefill_seqs:
+    if native_chunks and prefill_seqs:
         # The new tokens' slots straight from the tables; no context slots, no masks.
         nbs = [(start + n + block_size - 1) // block_size for start, n, _ in prefill_seqs]
         mb = max(nbs)

@@ -23,11 +23,8 @@ import json
 from datetime import datetime
 from typing import Any
 
-from iterserve.engine.errors import ClientError  # base class: see engine/errors.py
+from iterserve.errors import ChatTemplateError
 
-
-class ChatTemplateError(ClientError):
-    """The messages cannot be rendered: malformed input, no template, or the template refused."""
 
 
 def _raise_exception(message: str) -> None:
@@ -64,12 +61,13 @@ def compile_template(source: str):
         raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from exc
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def normalize_messages(messages: Any, keep_parts: bool = False) -> list[dict[str, Any]]:
     """Check the OpenAI-style message list and return it with every `content` a string.
 
     Content given as a list of parts (`[{"type": "text", "text": ...}]`, as the OpenAI API
-    allows) is joined into one string; other part types are rejected because a text-only
-    model cannot see them.
+    allows) is joined into one string, unless `keep_parts` (a template that loops over a
+    message's parts: --chat-template-content-format openai); other part types are rejected
+    because a text-only model cannot see them.
     """
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError(
@@ -96,7 +94,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                         f"messages[{i}].content[{j}] must be a text part "
                         "{'type': 'text', 'text': str}; this model reads text only")
                 texts.append(part["text"])
-            content = "".join(texts)
+            if not keep_parts:
+                content = "".join(texts)
         elif not isinstance(content, str):
             raise ChatTemplateError(
                 f"messages[{i}].content must be a string, got {type(content).__name__}")
@@ -108,6 +107,8 @@ def _continue_final(rendered: str, msgs: list[dict[str, Any]]) -> str:
     """HF's `continue_final_message`: everything up to the end of the final message's
     content (its end-of-turn tokens and what follows are cut)."""
     final = msgs[-1]["content"]
+    if isinstance(final, list):                 # OpenAI's parts (content_format "openai")
+        final = "".join(part["text"] for part in final)
     stripped = final.strip()
     if not stripped or stripped not in rendered:
         raise ChatTemplateError(
@@ -122,9 +123,10 @@ def _continue_final(rendered: str, msgs: list[dict[str, Any]]) -> str:
 def render_chat_template(source: str | None, messages: Any, *, add_generation_prompt: bool = True,
                          special_tokens: dict[str, str | None] | None = None,
                          continue_final_message: bool = False,
-                         **extra: Any) -> str:
+                         content_format: str = "string", **extra: Any) -> str:
     """Render `messages` with the template `source`; `special_tokens` gives bos_token etc.,
-    `extra` the other template variables (`tools`, chat_template_kwargs)."""
+    `extra` the other template variables (`tools`, chat_template_kwargs); `content_format`
+    "openai" leaves a message's content as its list of text parts."""
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both "
                                 "be true")
@@ -134,7 +136,7 @@ def render_chat_template(source: str | None, messages: Any, *, add_generation_pr
     from jinja2 import TemplateError
 
     template = compile_template(source)
-    msgs = normalize_messages(messages)
+    msgs = normalize_messages(messages, keep_parts=content_format == "openai")
     variables = {k: v for k, v in (special_tokens or {}).items()}
     variables.update(extra)
     try:

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from iterserve.engine.errors import ServerError  # the base class is the server's (errors.py says why)
+from iterserve.errors import ModelLoadError, UnsupportedModelError
+
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # Dense families on the one decoder, then Mixture-of-Experts ones; gpt2 has its own module.
@@ -39,14 +40,6 @@ _ALIASES = {"half": "float16", "float": "float32"}
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-class ModelLoadError(ServerError, ValueError):
-    """A model path, config or weight file cannot be used; the message says which and why."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """The config names an architecture or option iterserve does not implement."""
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

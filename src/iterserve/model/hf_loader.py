@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from iterserve.model.config import ModelLoadError
 from gguf import GGMLQuantizationType
 
+from iterserve.errors import ModelLoadError
 from iterserve.model.weights import BF16, F16, F32, TensorRef, map_file
 
 # safetensors dtype -> GGML type of the same bytes. U8 are raw bytes (gpt-oss's MXFP4 expert

@@ -1,4 +1,4 @@
-"""The paged KV cache: one K and one V pool per layer, plus a host swap pool.
+"""The paged KV cache: one K and one V pool per layer, plus a host pool (swap, RAM tier).
 
 Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. Token position p of a
 request lives in slot `block_ids[p // block_size] * block_size + p % block_size` of the
@@ -12,6 +12,12 @@ pools read as zeros exactly as before (the padded SDPA path reads slots past a s
 length, and a 0 * NaN from uninitialised memory there would poison the output), yet nothing
 is written at start: a 1.5 GiB pool took 3.7-20 s to zero-fill at start under load, and now
 costs nothing until used, and RSS grows as the cache fills (as llama.cpp's does).
+
+The host pool holds `num_swap_blocks` slots for swap preemption followed by the RAM tier's
+`num_tier_blocks` slots (core/kv_tiers.py): both are the same copies (`swap_out` device ->
+host, `swap_in` host -> device), so the tiers move bytes with the swap mechanism. A block's
+whole K/V (every layer) is one strided view of the pools (`block_view`, `host_view`: all
+layers sit in one allocation), which is what the disk tier writes and reads back.
 """
 
 from __future__ import annotations
@@ -21,13 +27,9 @@ import mmap
 
 import torch
 
-from iterserve.engine.errors import ServerError  # base class: see engine/errors.py
+from iterserve.errors import KVCacheError
 from iterserve.model.config import ModelConfig
 from iterserve.model.startup import phase
-
-
-class KVCacheError(ServerError):
-    """A block id or swap pair is outside the pools."""
 
 
 # Below this a plain torch.zeros is as cheap and keeps small pools on the allocator.
@@ -53,17 +55,20 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class PagedKVCache:
     def __init__(self, config: ModelConfig, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu",
+                 device: str | torch.device = "cpu", num_tier_blocks: int = 0,
                  layer_blocks: list[int] | None = None) -> None:
         """`layer_blocks`: blocks of each layer's pools where they differ from num_blocks
         (sliding-window layers with a pool of their own, core/sliding_window.py); swap
-        copies cover only layers of num_blocks (the runner uses window pools only without
-        swap)."""
-        if num_blocks < 1 or block_size < 1 or num_swap_blocks < 0:
+        copies cover only layers of num_blocks, and whole-block views (the KV tiers) need
+        one pool size, so the runner uses window pools only without swap or tiers."""
+        if num_blocks < 1 or block_size < 1 or num_swap_blocks < 0 or num_tier_blocks < 0:
             raise KVCacheError(
-                f"need num_blocks >= 1, block_size >= 1, num_swap_blocks >= 0; got "
-                f"{num_blocks}, {block_size}, {num_swap_blocks}")
+                f"need num_blocks >= 1, block_size >= 1, num_swap_blocks >= 0, "
+                f"num_tier_blocks >= 0; got {num_blocks}, {block_size}, {num_swap_blocks}, "
+                f"{num_tier_blocks}")
         self.num_blocks, self.block_size, self.num_swap_blocks = num_blocks, block_size, num_swap_blocks
+        self.num_tier_blocks = num_tier_blocks
+        self.num_host_blocks = num_host = num_swap_blocks + num_tier_blocks
         self.dtype = dtype or config.dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
@@ -72,30 +77,43 @@ class PagedKVCache:
         if len(self.layer_blocks) != L or min(self.layer_blocks) < 1:
             raise KVCacheError(f"layer_blocks {self.layer_blocks} is not one count per layer")
         with phase("kv_alloc"):
-            self.k, self.v = [None] * L, [None] * L
-            for n in sorted(set(self.layer_blocks)):
-                idx = [i for i, b in enumerate(self.layer_blocks) if b == n]
-                lshape = (n, *shape[1:])
+            self._pools = None
+            if len(set(self.layer_blocks)) == 1 and self.layer_blocks[0] == num_blocks:
                 if self.device.type == "cpu":
-                    pools = lazy_zeros((2, len(idx), *lshape), self.dtype)
-                    ks, vs = pools[0].unbind(0), pools[1].unbind(0)
+                    pools = lazy_zeros((2, L, *shape), self.dtype)
                 else:
-                    ks = [torch.zeros(lshape, dtype=self.dtype, device=self.device) for _ in idx]
-                    vs = [torch.zeros(lshape, dtype=self.dtype, device=self.device) for _ in idx]
-                for i, kt, vt in zip(idx, ks, vs):
-                    self.k[i], self.v[i] = kt, vt
+                    pools = torch.zeros((2, L, *shape), dtype=self.dtype, device=self.device)
+                self._pools = pools
+                self.k, self.v = list(pools[0].unbind(0)), list(pools[1].unbind(0))
+            else:
+                self.k, self.v = [None] * L, [None] * L
+                for n in sorted(set(self.layer_blocks)):
+                    idx = [i for i, b in enumerate(self.layer_blocks) if b == n]
+                    lshape = (n, *shape[1:])
+                    if self.device.type == "cpu":
+                        pools = lazy_zeros((2, len(idx), *lshape), self.dtype)
+                        ks, vs = pools[0].unbind(0), pools[1].unbind(0)
+                    else:
+                        ks = [torch.zeros(lshape, dtype=self.dtype, device=self.device)
+                              for _ in idx]
+                        vs = [torch.zeros(lshape, dtype=self.dtype, device=self.device)
+                              for _ in idx]
+                    for i, kt, vt in zip(idx, ks, vs):
+                        self.k[i], self.v[i] = kt, vt
         # Flat 2-D views addressed by slot: [num_blocks * block_size, kv_heads * head_dim].
         # 2-D because index_select/index_copy_ over 2-D rows was measured ~4x faster than
         # over [slots, kv_heads, head_dim].
         self.k_slots = [t.view(-1, shape[2] * shape[3]) for t in self.k]
         self.v_slots = [t.view(-1, shape[2] * shape[3]) for t in self.v]
-        swap_shape = (num_swap_blocks, *shape[1:])
+        swap_shape = (num_host, *shape[1:])
         if self.device.type == "cuda":     # pinned host memory for the copies
-            self.swap_k = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=True) for _ in self.k]
-            self.swap_v = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=True) for _ in self.v]
+            swaps = torch.zeros((2, L, *swap_shape), dtype=self.dtype, pin_memory=True)
         else:
             swaps = lazy_zeros((2, L, *swap_shape), self.dtype)
-            self.swap_k, self.swap_v = list(swaps[0].unbind(0)), list(swaps[1].unbind(0))
+        self._host = swaps
+        self.swap_k, self.swap_v = list(swaps[0].unbind(0)), list(swaps[1].unbind(0))
+        # One block's K/V, every layer: [2, layers, block_size, kv_heads, head_dim].
+        self.block_shape = (2, L, *shape[1:])
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +125,22 @@ class PagedKVCache:
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
+    def block_view(self, block: int) -> torch.Tensor:
+        """Device block `block`'s K/V, every layer, as a (strided) view of the pools."""
+        if not 0 <= block < self.num_blocks:
+            raise KVCacheError(f"block {block} is outside the pool of {self.num_blocks}")
+        if self._pools is None:
+            raise KVCacheError("whole-block views need every layer's pool of num_blocks "
+                               "(sliding-window pools are for runs without swap or KV tiers)")
+        return self._pools[:, :, block]
+
+    def host_view(self, slot: int) -> torch.Tensor:
+        """Host slot `slot`'s K/V, every layer (a view: writing it fills the slot)."""
+        if not 0 <= slot < self.num_host_blocks:
+            raise KVCacheError(f"host slot {slot} is outside the host pool of "
+                               f"{self.num_host_blocks}")
+        return self._host[:, :, slot]
+
     def _check(self, pairs: list[tuple[int, int]], src_n: int, dst_n: int, what: str) -> None:
         for src, dst in pairs:
             if not (0 <= src < src_n and 0 <= dst < dst_n):
@@ -117,7 +151,7 @@ class PagedKVCache:
         """Copy (device block, host block) pairs device -> host."""
         if not pairs:
             return
-        self._check(pairs, self.num_blocks, self.num_swap_blocks, "swap-out")
+        self._check(pairs, self.num_blocks, self.num_host_blocks, "swap-out")
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs])
         for pools, swaps in ((self.k, self.swap_k), (self.v, self.swap_v)):
@@ -129,7 +163,7 @@ class PagedKVCache:
         """Copy (host block, device block) pairs host -> device."""
         if not pairs:
             return
-        self._check(pairs, self.num_swap_blocks, self.num_blocks, "swap-in")
+        self._check(pairs, self.num_host_blocks, self.num_blocks, "swap-in")
         src = torch.tensor([p[0] for p in pairs])
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for pools, swaps in ((self.k, self.swap_k), (self.v, self.swap_v)):

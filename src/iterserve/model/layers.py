@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.model.config import ModelConfig, UnsupportedModelError
+from iterserve.errors import UnsupportedModelError
+from iterserve.model import kernels
+from iterserve.model.config import ModelConfig
 from iterserve.model.weights import EncodedWeight, decode_rows, scratch, tile_rows
 
 
@@ -147,7 +149,6 @@ QUANT_MAX_ROWS = 32
 
 def _kernels():
     """The native kernels module when it has the GGUF-native API (qgemm over file blocks)."""
-    from iterserve.model import kernels
     if not hasattr(kernels, "supports_qgemm") or not kernels.available():
         return None
     return kernels

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.model import layers as layers_mod
+from iterserve.errors import ModelLoadError
+from iterserve.model import kernels, layers as layers_mod
 from iterserve.model.attention import AttentionMetadata, for_window, paged_attention
 from iterserve.model.attention_eager import eager_paged_attention
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.layers import Embedding, Linear, RMSNorm, apply_rope
 from iterserve.model.moe import Expert, SparseMoE
@@ -204,7 +205,6 @@ class LlamaForCausalLM(nn.Module):
         """One `kernels.LayerSpec` per layer from the Linears' encoded segments (None when
         the kernels are missing, the layers are not plain Llama layers, or a layer's weights
         are not all encoded)."""
-        from iterserve.model import kernels
         if not hasattr(kernels, "LayerSpec") or not self.config.llama_like:
             return None
         specs = []
@@ -238,7 +238,6 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.down_proj)]
         if any(m.compute_path() != "native" for m in linears):
             return False
-        from iterserve.model import kernels
         specs = self.decode_layer_specs()
         if specs is None or not hasattr(kernels, "DecodeLayers") \
                 or not kernels.DecodeLayers.supported(specs):
@@ -383,7 +382,6 @@ class LlamaForCausalLM(nn.Module):
     def use_native_ops(self, on: bool = True) -> bool:
         """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c)
         on CPU float32, or back to torch ops; returns whether they are in use."""
-        from iterserve.model import kernels
         native = on and self.norm.weight.device.type == "cpu" \
             and self.norm.weight.dtype == torch.float32 and kernels.available()
         for m in self.modules():

@@ -20,12 +20,15 @@ from pathlib import Path
 
 import torch
 
-from iterserve.model.config import (DECODER_FAMILIES, ModelConfig, ModelLoadError, parse_dtype,
-                                    parse_kv_cache_dtype)
-from iterserve.model.hf_loader import read_hf_config, read_hf_weights
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import DECODER_FAMILIES, ModelConfig, parse_dtype, parse_kv_cache_dtype
+from iterserve.model.default_model import default_model_path
+from iterserve.model.gguf_loader import load_gguf
+from iterserve.model.hf_loader import read_hf_config, read_hf_weights, weight_files
 from iterserve.model.gpt2 import GPT2ForCausalLM
 from iterserve.model.llama import LlamaForCausalLM
 from iterserve.model.startup import phase
+from iterserve.model.tokenizer import Tokenizer, load_tokenizer_for
 from iterserve.model.weights import FLOAT_TYPES, EncodedWeight, TensorRef, release_read_scratch
 
 log = logging.getLogger(__name__)
@@ -103,14 +106,11 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but this torch has no usable CUDA")
     if path is None:
-        from iterserve.model.default_model import default_model_path
         path = default_model_path()
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist")
     if p.is_dir():
-        from iterserve.model.tokenizer import Tokenizer
-        from iterserve.model.hf_loader import weight_files
         with phase("metadata"):
             hf_config = read_hf_config(p)
             ModelConfig.from_hf(hf_config)             # fail on the arch before mapping weights
@@ -120,7 +120,6 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
         name = p.name
         file_bytes = sum(f.stat().st_size for f in weight_files(p))
     elif p.suffix.lower() == ".gguf":
-        from iterserve.model.gguf_loader import load_gguf
         hf_config, refs, own_tokenizer = load_gguf(p, tokenizer=tokenizer is None)
         name = p.stem
         file_bytes = p.stat().st_size
@@ -135,7 +134,6 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
     config = ModelConfig.from_hf(hf_config, compute)
     config.kv_cache_dtype = kv_dtype or compute
     if tokenizer is not None:                # --tokenizer (api's hunk)
-        from iterserve.model.tokenizer import load_tokenizer_for
         with phase("tokenizer"):
             own_tokenizer = load_tokenizer_for(tokenizer, config.vocab_size)
     tokenizer = own_tokenizer

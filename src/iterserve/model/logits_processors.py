@@ -24,15 +24,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from iterserve.errors import LogitsParamError
+
+
+
 LOGIT_BIAS_LIMIT = 100.0     # OpenAI's range for logit_bias values
-
-
-class LogitsParamError(ValueError):
-    """A request field these processors cannot take; `param` names it (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 # --- request side -------------------------------------------------------------------------

@@ -11,15 +11,17 @@ and exit 1) when it cannot fit. The same dict is `ModelRunner.memory_plan`, for
      "linears": {"native": n, "mixed": n, "reference": n, "dense": n,
                  "by_encoding": {"Q4_K": {"native": n, "reference": n}, ...}},
      "fused_decode": bool,
-     "kv_cache": {"dtype", "num_blocks", "block_size", "bytes", "swap_bytes"},
+     "kv_cache": {"dtype", "num_blocks", "block_size", "bytes", "swap_bytes",
+                  "ram_tier_blocks", "ram_tier_bytes"},
      "process_rss_bytes", "reserve_bytes", "planned_peak_bytes", "available_bytes",
      "fits": bool}
 
 `mapped_bytes` are weights read from the file's mapping as they are used (they become
 resident, shared with the page cache); `anonymous_bytes` are weights copied at load (fused
 q/k/v and gate/up, gathered rows, dense conversions), already resident when the plan is made.
-The check: mapped weights + KV + swap + reserve must fit in what the system (and the cgroup,
-in a container) still has available.
+The check: mapped weights + KV + swap + the RAM tier + reserve must fit in what the system
+(and the cgroup, in a container) still has available. The engine adds a "kv_tiers" entry
+(the disk tier's directory and bound) once the tiers are wired.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import os
 
 import torch
 
-from iterserve.model.config import ModelLoadError
+from iterserve.errors import InsufficientMemoryError
+from iterserve.model.kv_cache import PagedKVCache
+from iterserve.model.layers import Embedding, Linear
 from iterserve.model.weights import type_name
 
 log = logging.getLogger(__name__)
@@ -37,10 +41,6 @@ log = logging.getLogger(__name__)
 # Activations, logits, the reference path's tiles, allocator slack: what a step needs beyond
 # weights and KV (a 256-token step of an 8B-shaped model needs ~100 MB).
 RESERVE_BYTES = 256 << 20
-
-
-class InsufficientMemoryError(ModelLoadError):
-    """Model + requested KV cache do not fit in the memory available."""
 
 
 def _meminfo_available() -> int | None:
@@ -90,7 +90,6 @@ def process_rss_bytes() -> int:
 
 def _weight_tensors(model: torch.nn.Module):
     """(encoding name, uint8-or-float tensor) of every distinct weight of the model."""
-    from iterserve.model.layers import Embedding, Linear
     seen: set[tuple[int, int]] = set()
 
     def once(t: torch.Tensor) -> bool:
@@ -123,7 +122,6 @@ def _mapped_ranges(loaded) -> list[tuple[int, int]]:
 
 def compute_paths(model: torch.nn.Module) -> dict:
     """How the Linears compute: {"linears": {native, mixed, reference, dense, by_encoding}}."""
-    from iterserve.model.layers import Linear
     counts = {"native": 0, "mixed": 0, "reference": 0, "dense": 0}
     by: dict[str, dict[str, int]] = {}
     for m in model.modules():
@@ -138,10 +136,10 @@ def compute_paths(model: torch.nn.Module) -> dict:
 
 
 def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                kv_dtype: torch.dtype | None = None, kv_bytes: int | None = None) -> dict:
+                kv_dtype: torch.dtype | None = None, num_tier_blocks: int = 0,
+                kv_bytes: int | None = None) -> dict:
     """The plan dict (module docstring) for `loaded` with a KV pool of this size
     (`kv_bytes`: the pools' bytes when some layers' pools are smaller, sliding windows)."""
-    from iterserve.model.kv_cache import PagedKVCache
     cfg = loaded.config
     kv_dtype = kv_dtype or cfg.kv_cache_dtype or cfg.dtype
     per_block = PagedKVCache.bytes_per_block(cfg, block_size, kv_dtype)
@@ -160,9 +158,10 @@ def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: in
             anon += n
     kv_bytes = num_blocks * per_block if kv_bytes is None else kv_bytes
     swap_bytes = num_swap_blocks * per_block
+    tier_bytes = num_tier_blocks * per_block
     rss = process_rss_bytes()
     device_kv = kv_bytes if next(loaded.model.parameters()).device.type == "cpu" else 0
-    need = mapped + device_kv + swap_bytes + RESERVE_BYTES
+    need = mapped + device_kv + swap_bytes + tier_bytes + RESERVE_BYTES
     avail = available_bytes()
     return {
         "weights": {"file_bytes": int(getattr(loaded, "file_bytes", 0) or 0),
@@ -170,7 +169,8 @@ def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: in
                     "mapped_bytes": mapped, "anonymous_bytes": anon,
                     "bytes_by_encoding": dict(sorted(by_enc.items(), key=lambda kv: -kv[1]))},
         "kv_cache": {"dtype": str(kv_dtype).removeprefix("torch."), "num_blocks": num_blocks,
-                     "block_size": block_size, "bytes": kv_bytes, "swap_bytes": swap_bytes},
+                     "block_size": block_size, "bytes": kv_bytes, "swap_bytes": swap_bytes,
+                     "ram_tier_blocks": num_tier_blocks, "ram_tier_bytes": tier_bytes},
         "process_rss_bytes": rss,
         "reserve_bytes": RESERVE_BYTES,
         "planned_peak_bytes": rss + need,
@@ -189,11 +189,12 @@ def check_memory_plan(plan: dict) -> None:
         return
     kv, w = plan["kv_cache"], plan["weights"]
     spare = plan["available_bytes"] - plan["process_rss_bytes"] - w["mapped_bytes"] \
-        - kv["swap_bytes"] - plan["reserve_bytes"]
+        - kv["swap_bytes"] - kv.get("ram_tier_bytes", 0) - plan["reserve_bytes"]
     raise InsufficientMemoryError(
         f"not enough memory: the model's weights ({_gib(w['bytes'])}) plus the requested KV "
         f"cache ({_gib(kv['bytes'])}, {kv['num_blocks']} blocks of {kv['block_size']} tokens in "
-        f"{kv['dtype']}) and swap space ({_gib(kv['swap_bytes'])}) need about "
+        f"{kv['dtype']}), swap space ({_gib(kv['swap_bytes'])}) and the RAM tier "
+        f"({_gib(kv.get('ram_tier_bytes', 0))}) need about "
         f"{_gib(plan['planned_peak_bytes'])}, but only {_gib(plan['available_bytes'])} are "
         f"available to this process. Ask for a smaller KV cache (--kv-cache-memory / "
         f"--num-kv-blocks; about {_gib(max(spare, 0))} would fit), --kv-cache-dtype float16, "
@@ -212,7 +213,7 @@ def log_memory_plan(plan: dict) -> None:
                  "%d dense; fused decode layers %s", lin["native"], lin["mixed"],
                  lin["reference"], f" (segments by type: {ref})" if ref else "", lin["dense"],
                  "on" if plan.get("fused_decode") else "off")
-    log.info("KV cache: %s in %s (%d blocks of %d tokens), swap %s; planned peak %s of %s "
-             "available", _gib(kv["bytes"]), kv["dtype"], kv["num_blocks"], kv["block_size"],
-             _gib(kv["swap_bytes"]), _gib(plan["planned_peak_bytes"]),
-             _gib(plan["available_bytes"]))
+    log.info("KV cache: %s in %s (%d blocks of %d tokens), swap %s, RAM tier %s; planned "
+             "peak %s of %s available", _gib(kv["bytes"]), kv["dtype"], kv["num_blocks"],
+             kv["block_size"], _gib(kv["swap_bytes"]), _gib(kv.get("ram_tier_bytes", 0)),
+             _gib(plan["planned_peak_bytes"]), _gib(plan["available_bytes"]))

@@ -9,10 +9,12 @@ Megatron's split (what vLLM and SGLang do), over torch.distributed's default gro
   llama's Q/K un-permutation, which only reorders rows inside a head, stays a row gather.
 - row parallel (input dimension K split): o and down. Each encoded row is a sequence of
   blocks, so a K slice is the same byte range of every row (`KShardRef`: a [rows, K/N]
-  weight still in the file's encoding, copied once into the rank's memory). When K/N is not
-  a multiple of the type's block size (Q4_K's 256 with a 128-wide slice) that tensor's slice
-  is dequantised to float32 instead (`DequantShardRef`, logged by name): only that slice,
-  1/N of the float matrix. Each rank's partial product is summed with an all-reduce.
+  weight still in the file's encoding, copied once into the rank's memory). Each rank's
+  partial product is summed across the ranks in rank order (`ordered_all_reduce`), so the
+  sum does not depend on the step's size. When K/N is not a multiple of the type's block
+  size (Q4_K's 256 with a 128-wide slice) that tensor is split by output rows instead (a
+  byte range of the file) and its input gathered (`RowParallelLinear`): each rank computes
+  its rows with the whole K, in the file's encoding, as one process does.
 - vocabulary parallel: the embedding and the LM head keep rows [r*ceil(V/N), ...) of the
   vocabulary. An embedding lookup of an id outside the slice gives zeros and the all-reduce
   adds the one rank that has it (exact); the LM head's slices of the logits are gathered on
@@ -24,6 +26,17 @@ the Linear / Embedding subclasses below, so the native kernels, packing and the 
 tiles run on the slices unchanged. The fused one-call decode path (`kernels.DecodeLayers`)
 runs every layer in C and cannot all-reduce between o and down, so under TP the per-op path
 is used for every step (`prepare_model` turns it off).
+
+Numerics against one process: each rank's slices compute the same dot products as the whole
+matrices, except o and down, whose K sums are split into N partial sums added after; and
+the activation quantisation of the int8 kernels is per 32 / 256 elements of K, which a
+block-aligned K slice keeps. So TP = N differs from TP = 1 by summation order, unless a
+kernel's choice depends on K: the int8 GEMM's row thresholds do (kernels/qdot8.c
+`iterserve_act8_gemm8_takes`, K > 4096 for down_proj), so a rank's down_proj over K / N may
+run the float kernels where one process runs int8 (or the reverse) for the same step. On a
+two-layer Q4_0 model with FFN 8192 and 9-13-token prompts, first-token logprobs of TP = 2
+differed from one process by 3.4e-3 under the default kernels and by 4.3e-6 with float
+activations: the mode switch, amplified by depth, is the 1.7B shape's 0.06.
 """
 
 from __future__ import annotations
@@ -39,9 +52,14 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import ModelConfig
+from iterserve.model.default_model import default_model_path
+from iterserve.model.gguf import open_gguf
+from iterserve.model.gguf_loader import read_gguf_config
+from iterserve.model.hf_loader import read_hf_config
 from iterserve.model.layers import Embedding, Linear
-from iterserve.model.weights import F32, FLOAT_TYPES, TensorRef, decode_rows, tile_rows, type_name
+from iterserve.model.weights import FLOAT_TYPES, TensorRef, type_name
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +130,17 @@ class Shard:
             how = next((h for pat, h in _SPLITS if pat.match(short)), None)
             if how is None:
                 out[name] = ref
-            elif how == "k":
+            elif how == "k" and k_splits(ref, n):
                 out[name] = k_shard(ref, r, n)
+            elif how == "k":
+                # K / N is not whole blocks (Q4_K's 256 at K/2 = 128): split the output rows
+                # instead, in the file's encoding; RowParallelLinear gathers its input
+                rows = ref.shape[0] // n
+                log.info("tensor parallel: %s is %s (%d-weight blocks), whose K slice at "
+                         "N = %d is not whole blocks: split by output rows (input gathered)",
+                         name, type_name(ref.ggml_type),
+                         GGML_QUANT_SIZES[GGMLQuantizationType(ref.ggml_type)][0], n)
+                out[name] = row_shard(ref, rows * r, rows * (r + 1))
             else:
                 total = rows_of[how[5:]]
                 if how == "rows:vocab":
@@ -137,9 +164,10 @@ class Shard:
                                                 self.rank, self.world)
             for layer in model.layers:
                 a, mlp = layer.self_attn, layer.mlp
-                a.o_proj = RowParallelLinear(a.o_proj.in_features, a.o_proj.out_features)
+                a.o_proj = RowParallelLinear(a.o_proj.in_features, a.o_proj.out_features,
+                                             self.world)
                 mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features,
-                                                  mlp.down_proj.out_features)
+                                                  mlp.down_proj.out_features, self.world)
         # DecodeLayers runs o and down of every layer inside one C call: no all-reduce fits.
         model.use_fused_decode = types.MethodType(_no_fused_decode, model)
         model.tensor_parallel = self
@@ -151,15 +179,12 @@ def check_model(path: str | None, world: int) -> None:
     any rank process starts (load_model reports a path that is neither kind of model)."""
     from pathlib import Path
 
-    from iterserve.model.hf_loader import read_hf_config
     if path is None:
-        from iterserve.model.default_model import default_model_path
         path = default_model_path()
     p = Path(path).expanduser()
     if p.is_dir():
         hf = read_hf_config(p)
     elif p.is_file() and p.suffix.lower() == ".gguf":
-        from iterserve.model.gguf_loader import open_gguf, read_gguf_config
         hf = read_gguf_config(open_gguf(p))
     else:
         return
@@ -196,9 +221,16 @@ def row_shard(ref: TensorRef, r0: int, r1: int) -> TensorRef:
     return sub.with_row_perm(perm - r0)
 
 
+def k_splits(ref: TensorRef, world: int) -> bool:
+    """Whether a rank's K slice of `ref` is whole blocks of its type (then it stays encoded
+    and row parallel; else the tensor is split by output rows instead, `Shard.refs`)."""
+    block, _ = GGML_QUANT_SIZES[GGMLQuantizationType(ref.ggml_type)]
+    return ref.k % world == 0 and (ref.k // world) % block == 0
+
+
 def k_shard(ref: TensorRef, rank: int, world: int) -> TensorRef:
     """Columns [rank*K/N, (rank+1)*K/N) of every row: a byte range of each encoded row
-    (KShardRef), or that slice dequantised when K/N is not whole blocks (DequantShardRef)."""
+    (KShardRef). The slice must be whole blocks (`k_splits`)."""
     k = ref.k
     if k % world:
         raise ModelLoadError(f"{ref.name}: inner dimension {k} is not divisible by "
@@ -207,12 +239,8 @@ def k_shard(ref: TensorRef, rank: int, world: int) -> TensorRef:
     k0 = rank * part
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ref.ggml_type)]
     if part % block:
-        log.warning("tensor parallel: %s is %s (%d-weight blocks) and a rank's slice of its "
-                    "inner dimension is %d weights: that slice is dequantised to float32",
-                    ref.name, type_name(ref.ggml_type), block, part)
-        return DequantShardRef(ref.name, F32, (ref.rows, part), ref.path, ref.offset,
-                               ref.rows * part * 4, ref.mapping, ref.row_perm, source=ref,
-                               k0=k0)
+        raise ModelLoadError(f"{ref.name}: a rank's slice of its inner dimension ({part}) is "
+                             f"not whole {type_name(ref.ggml_type)} blocks of {block}")
     b0, b1 = k0 // block * size, (k0 + part) // block * size
     return KShardRef(ref.name, ref.ggml_type, (ref.rows, part), ref.path, ref.offset,
                      ref.rows * (b1 - b0), ref.mapping, ref.row_perm, source=ref, b0=b0, b1=b1)
@@ -239,32 +267,6 @@ class KShardRef(TensorRef):
         out.view(self.rows, self.row_bytes).copy_(self.view())
 
 
-@dataclass(eq=False)
-class DequantShardRef(TensorRef):
-    """Columns [k0, k0 + shape[1]) of `source` widened to float32 (an F32 tensor), decoded
-    a bounded tile of rows at a time."""
-
-    source: TensorRef | None = None
-    k0: int = 0
-
-    def view(self) -> torch.Tensor:
-        src, (n, part) = self.source, self.shape
-        rows = src.mapping.view(src.rows, src.row_bytes)
-        out = torch.empty(n, part, dtype=torch.float32)
-        step = tile_rows(src.k)
-        for r in range(0, n, step):
-            e = min(n, r + step)
-            tile = decode_rows(src.ggml_type, rows[r:e].contiguous(), src.k,
-                               torch.empty(e - r, src.k))
-            out[r:e] = tile[:, self.k0:self.k0 + part]
-        if src.row_perm is not None:
-            out = out[torch.from_numpy(np.asarray(src.row_perm))]
-        return out.view(torch.uint8)
-
-    def read_into(self, out: torch.Tensor) -> None:
-        out.view(self.rows, self.row_bytes).copy_(self.view())
-
-
 # --- modules that communicate --------------------------------------------------------------
 
 def _dist():
@@ -272,16 +274,66 @@ def _dist():
     return dist
 
 
+def ordered_all_reduce(y: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's `y`, added in rank order (((y0 + y1) + y2) + ...), the same
+    bits on every rank and for every element whatever the tensor's size.
+
+    Why not a plain all_reduce beyond two ranks: gloo's ring splits the tensor into chunks by
+    its size and sums each chunk starting at a different rank, so an element's order (and its
+    rounding) changed with the step's row count, and a sequence's logits with the batch.
+    With two ranks every order is y0 + y1 (addition commutes exactly), so the one-call
+    all_reduce is kept there."""
+    dist = _dist()
+    world = dist.get_world_size()
+    if world <= 2:
+        dist.all_reduce(y)
+        return y
+    parts = [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(parts, y)
+    out = parts[0]
+    for p in parts[1:]:
+        out.add_(p)
+    return out
+
+
+def _all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` side by side along the last dimension, in rank order."""
+    dist = _dist()
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
+
+
 class RowParallelLinear(Linear):
-    """A Linear over a K slice: every rank's partial product is summed by an all-reduce
-    (o_proj, down_proj; no bias in the Llama family)."""
+    """o_proj / down_proj under TP (no bias in the Llama family). Over a K slice (whole
+    blocks): every rank's partial product is summed across the ranks in rank order
+    (`ordered_all_reduce`). Over a slice of output rows (a type whose K slice is not whole
+    blocks, `Shard.refs`): the ranks' inputs are gathered into the whole K (the heads / FFN
+    rows in rank order, as one process has them), each rank computes its rows with the whole
+    K, exactly as one process does, and the outputs are gathered. The second form replaced
+    dequantising such a slice to float32, which ran the float kernels where one process runs
+    int8 ones (a logprob gap of int8's size, not of summation order)."""
+
+    def __init__(self, in_features: int, out_features: int, world: int = 1) -> None:
+        super().__init__(in_features, out_features)
+        self.world, self.gathered = world, False
+
+    def set_weight(self, w) -> None:
+        shape = tuple(w.shape)
+        if self.world > 1 and shape == (self.out_features // self.world,
+                                        self.in_features * self.world):
+            self.gathered = True
+            self.out_features, self.in_features = shape
+        super().set_weight(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gathered:
+            return _all_gather_last(super().forward(_all_gather_last(x)))
         y = super().forward(x)
         if not y.is_contiguous():
             y = y.contiguous()
-        _dist().all_reduce(y)
-        return y
+        return ordered_all_reduce(y)
 
 
 class VocabParallelEmbedding(Embedding):

@@ -20,21 +20,31 @@ vocabulary), in vLLM's order:
    as an exponential race needs) keeps seeded rows cheap, and the draw is exact.
 
 Seeds: a request with `seed` gets its uniform from a torch.Generator seeded by a hash of
-(seed, number of output tokens so far). Its tokens therefore repeat whatever else is in the
-batch, whatever row it sits in, and even after preemption and recompute (bit-for-bit up to
-float rounding that could only matter when a uniform lands within ~1e-7 of a CDF step); the
-sampler keeps no per-request state. Unseeded rows share one generator (`Sampler(seed=...)`
-fixes it for tests).
+(seed, number of output tokens so far). A request without one gets its uniform from a hash
+of (the sampler's salt, its request id, number of output tokens so far) (splitmix64, no
+generator object: a torch.Generator costs ~18 us a row here). Either way a row's draws are
+its own: they repeat whatever else is in the batch, whatever row it sits in, and after
+preemption by recompute or swap; the sampler keeps no per-request state. The salt is random
+per Sampler unless `Sampler(seed=...)` fixes it (tests). A row object without a request id
+(`req_id` / `request_id`) draws from one shared generator instead.
+
+Batch invariance: every step above is row-wise and each row's arithmetic depends only on its
+own logits and parameters: top-k / top-p work on each row's own candidate width (rows are
+grouped by width, never widened to another row's), greedy ties go to the lowest token id
+(numpy's first maximum), and top logprobs list equal values by token id.
 """
 
 from __future__ import annotations
 
+import os
+import zlib
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from iterserve.core.scheduler_output import SampleResult, SamplingRow
+from iterserve.model.logits_processors import apply_logits_processors
 
 GREEDY_TEMPERATURE = 1e-5   # at or below this, sampling is argmax (as vLLM's _SAMPLING_EPS)
 _MASK64 = (1 << 64) - 1
@@ -64,6 +74,22 @@ def _row_seed(seed: int, step: int) -> int:
     return z ^ (z >> 31)
 
 
+def _row_id(row) -> str | None:
+    rid = getattr(row, "req_id", None)
+    return rid if rid is not None else getattr(row, "request_id", None)
+
+
+def _id_hash(rid: str) -> int:
+    """A stable 64-bit hash of a request id (Python's str hash is salted per process)."""
+    b = rid.encode()
+    return zlib.crc32(b) | (zlib.adler32(b) << 32)
+
+
+def _unit(z: int) -> float:
+    """The top 24 bits of z as a float32-exact uniform in [0, 1), as torch.rand draws."""
+    return (z >> 40) * (1.0 / (1 << 24))
+
+
 class Sampler:
     """`sampler(logits [N, V] float32, rows) -> [SampleResult] * N`.
 
@@ -75,6 +101,8 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        # mixes into every unseeded request's draws (module docstring)
+        self._salt = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         g = self._generators.get(device)
@@ -124,9 +152,24 @@ class Sampler:
         return self._with_logprobs(raw_logprobs, tokens, token_list, params)
 
     def _uniforms(self, requests: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-        """One U[0, 1) per row; a seeded row's comes from its own (seed, step) generator."""
+        """One U[0, 1) per row: a seeded row's from its own (seed, step) generator, an unseeded
+        row's from (salt, request id, step); rows without an id share one generator."""
         u = torch.empty(len(requests), device=device)
-        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
+        unseeded = []
+        own: dict[int, float] = {}
+        for i, r in enumerate(requests):
+            if r.sampling_params.seed is not None:
+                continue
+            rid = _row_id(r)
+            if rid is None:
+                unseeded.append(i)
+            else:
+                key = _row_seed(self._salt & _MASK64, _id_hash(rid))
+                own[i] = _unit(_row_seed(key, len(r.output_token_ids)))
+        if own:
+            idx = list(own)
+            u[torch.tensor(idx, device=device)] = torch.tensor([own[i] for i in idx],
+                                                              dtype=u.dtype, device=device)
         if unseeded:
             draws = torch.rand(len(unseeded), device=device,
                                generator=self._shared_generator(device))
@@ -173,36 +216,70 @@ class Sampler:
             if not truncate:
                 drawn = draw(sub.softmax(dim=-1), None, min_ps, sub_uniforms)
             else:
-                probs, ids, exact = truncated_candidates(sub, sub_params)
-                drawn = draw(probs, ids, min_ps, sub_uniforms)
-                if not all(exact):   # nucleus wider than the prefiltered head: sort those rows
-                    redo = torch.tensor([j for j, ok in enumerate(exact) if not ok], device=device)
-                    probs, ids, _ = truncated_candidates(
-                        sub[redo], [sub_params[j] for j in redo.tolist()], width=vocab)
-                    drawn[redo] = draw(probs, ids, [min_ps[j] for j in redo.tolist()],
-                                       sub_uniforms[redo])
+                drawn = self._truncated_draw(sub, sub_params, min_ps, sub_uniforms)
             if whole:
                 return drawn
             tokens[idx] = drawn
         return tokens
 
     @staticmethod
+    def _truncated_draw(logits: torch.Tensor, params, min_ps: list[float],
+                        uniforms: torch.Tensor) -> torch.Tensor:
+        """Top-k / top-p rows, in groups of one candidate width each (a row's own, see
+        `row_width`), so a row's probabilities never depend on the other rows' parameters."""
+        vocab = logits.shape[1]
+        device = logits.device
+        drawn = torch.empty(logits.shape[0], dtype=torch.long, device=device)
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault(row_width(p, vocab), []).append(i)
+        for width, rows in groups.items():
+            idx = torch.tensor(rows, device=device)
+            sub, sub_params = logits[idx], [params[i] for i in rows]
+            sub_min_ps, sub_u = [min_ps[i] for i in rows], uniforms[idx]
+            probs, ids, exact = truncated_candidates(sub, sub_params, width=width)
+            got = draw(probs, ids, sub_min_ps, sub_u)
+            if not all(exact):   # nucleus wider than the prefiltered head: sort those rows
+                redo = torch.tensor([j for j, ok in enumerate(exact) if not ok], device=device)
+                probs, ids, _ = truncated_candidates(
+                    sub[redo], [sub_params[j] for j in redo.tolist()], width=vocab)
+                got[redo] = draw(probs, ids, [sub_min_ps[j] for j in redo.tolist()],
+                                 sub_u[redo])
+            drawn[idx] = got
+        return drawn
+
+    @staticmethod
     def _with_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
                        params) -> list[SampleResult]:
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        vocab = raw_logprobs.shape[1]
         k_max = max((p.logprobs or 0) for p in params)
         top_vals = top_ids = None
         if k_max > 0:
-            k_max = min(k_max, raw_logprobs.shape[1])
-            top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1)   # sorted, best first
+            # one more than asked, to see a tie at the boundary
+            width = min(k_max + 1, vocab)
+            top_vals, top_ids = raw_logprobs.topk(width, dim=-1)   # sorted, best first
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         out = []
         for i, (p, t) in enumerate(zip(params, token_list)):
             if p.logprobs is None:
                 out.append(SampleResult(t))
                 continue
-            k = min(p.logprobs, raw_logprobs.shape[1])
-            top = list(zip(top_ids[i][:k], top_vals[i][:k])) if k > 0 else []
+            k = min(p.logprobs, vocab)
+            top = []
+            if k > 0:
+                vals, ids = top_vals[i], top_ids[i]
+                if k < len(vals) and vals[k] == vals[k - 1]:
+                    # a tie across the boundary: which of the equal values topk kept depends
+                    # on its width (the batch's largest k), so take them all by token id
+                    edge = vals[k - 1]
+                    row = raw_logprobs[i]
+                    tied = torch.nonzero(row == edge).flatten().tolist()
+                    above = [(tid, v) for tid, v in zip(ids, vals) if v > edge]
+                    top = above + [(tid, edge) for tid in sorted(tied)][:k - len(above)]
+                else:
+                    top = list(zip(ids[:k], vals[:k]))
+                top.sort(key=lambda e: (-e[1], e[0]))   # equal values by token id
             out.append(SampleResult(t, logprob=chosen[i], top_logprobs=top))
         return out
 
@@ -212,7 +289,9 @@ def _padded_ids(lists: list[list[int]], device: torch.device) -> tuple[torch.Ten
 
     Each row is padded with its own first id (0 for an empty row), so a scatter of a value
     computed from the gathered logit writes that id's one correct value more than once and
-    no other id is touched.
+    no other id is touched. (The padding must get the penalised value too: a scatter's
+    duplicate writes land in no defined order, and a pad that wrote the unpenalised value
+    would win or lose with the batch's widest row.) The mask says which entries are real.
     """
     width = max(len(x) for x in lists)
     rows = [x + [x[0] if x else 0] * (width - len(x)) for x in lists]
@@ -225,8 +304,6 @@ def _apply_processors(logits: torch.Tensor, requests: Sequence[SamplingRow], par
     """logit_bias, allowed_token_ids, bad_words and min_tokens (model/logits_processors), in
     place, batched over the rows that use them; after the raw logprobs, before penalties
     (vLLM's order)."""
-    from iterserve.model.logits_processors import apply_logits_processors
-
     outputs = [r.output_token_ids for r in requests]
     apply_logits_processors(
         logits,
@@ -258,7 +335,8 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> to
         vals = logits.gather(1, ids)
         rep = column([p.repetition_penalty for p in params])
         penalised = torch.where(vals > 0, vals / rep, vals * rep)
-        logits.scatter_(1, ids, torch.where(valid, penalised, vals))
+        # every entry of a non-empty row is one of its seen ids (pads repeat the first)
+        logits.scatter_(1, ids, torch.where(valid[:, :1], penalised, vals))
     freq = [p.frequency_penalty for p in params]
     pres = [p.presence_penalty for p in params]
     outputs = [r.output_token_ids for r in requests]
@@ -269,11 +347,17 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> to
             logits.scatter_add_(1, ids, step)
         if any(pres):   # once per distinct id: duplicates write the same value
             vals = logits.gather(1, ids)
-            logits.scatter_(1, ids, torch.where(valid, vals - column(pres), vals))
+            logits.scatter_(1, ids, torch.where(valid[:, :1], vals - column(pres), vals))
     return logits
 
 
 PREFILTER = 1024   # head of the sorted vocabulary tried before a full sort for top-p
+
+
+def row_width(p, vocab: int) -> int:
+    """The candidate width of a top-k / top-p row: its top_k, else the PREFILTER head."""
+    k = p.top_k if 0 < p.top_k < vocab else 0
+    return k if k else min(vocab, PREFILTER)
 
 
 def truncated_candidates(logits: torch.Tensor, params, width: int | None = None

@@ -22,15 +22,12 @@ from typing import Any, Iterable, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _RustTokenizer
 
-from iterserve.model.chat_template import ChatTemplateError, render_chat_template
+from iterserve.errors import GGUFLoadError, TokenizerLoadError
+from iterserve.model.chat_template import render_chat_template
 
-__all__ = ["Tokenizer", "TokenizerLoadError", "ChatTemplateError"]
+__all__ = ["Tokenizer"]
 
 log = logging.getLogger(__name__)
-
-
-class TokenizerLoadError(ValueError):
-    """The tokenizer files or GGUF metadata are missing or describe something we cannot build."""
 
 
 # llama.cpp's split regexes per `tokenizer.ggml.pre` (src/llama-vocab.cpp). Each is applied in
@@ -134,7 +131,7 @@ class Tokenizer:
         if path.lower().endswith(".gguf"):
             # The loader's own parser, metadata only: gguf-py's GGUFReader also parses every
             # tensor's info into numpy views (3.0-3.3 s on a 1.7B or 8B file vs 0.15 s).
-            from iterserve.model.gguf_loader import GGUFLoadError, open_gguf
+            from iterserve.model.gguf import open_gguf  # torch (weights.map_file): .gguf only
             try:
                 header = open_gguf(path, tensors=False)
             except GGUFLoadError as exc:
@@ -193,7 +190,7 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, reader) -> "Tokenizer":
         """Rebuild the tokenizer llama.cpp would run from a GGUF's metadata (`fields`, as
-        gguf_loader.open_gguf or gguf-py's `GGUFReader` give them)."""
+        model/gguf.py's open_gguf or gguf-py's `GGUFReader` give them)."""
         kind = _gguf_value(reader, "tokenizer.ggml.model")
         tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
         if kind is None or tokens is None:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.model.config import ModelConfig, ModelLoadError
+from iterserve.errors import ModelLoadError
+from iterserve.model.config import ModelConfig
 from iterserve.model.weights import (FLOAT_TYPES, SUPPORTED_TYPES, EncodedWeight, TensorRef,
                                      _adjacent, type_name)
 

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from iterserve.model import kernels
+
 F32, F16, BF16 = (int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
                   int(GGMLQuantizationType.BF16))
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
@@ -183,10 +185,6 @@ def map_file(path: str) -> np.ndarray:
 
 def _native():
     """The kernels module when its GGUF-native API is there, else None."""
-    try:
-        from iterserve.model import kernels
-    except ImportError:    # pragma: no cover
-        return None
     if not hasattr(kernels, "supports_dequant") or not kernels.available():
         return None
     return kernels

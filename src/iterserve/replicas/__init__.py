@@ -9,6 +9,6 @@
 Importing this package does not import Ray; `start_pool` does (and says how to install it).
 """
 
-from iterserve.replicas.launch import RayNotInstalledError, close_pool, require_ray, start_pool
+from iterserve.replicas.launch import close_pool, require_ray, start_pool
 
-__all__ = ["start_pool", "close_pool", "require_ray", "RayNotInstalledError"]
+__all__ = ["start_pool", "close_pool", "require_ray"]

@@ -27,6 +27,10 @@ import os
 import threading
 from typing import Any, AsyncIterator
 
+from iterserve import envs
+from iterserve.engine.async_engine import AsyncEngine
+from iterserve.errors import QueueFullError, ReplicaDiedError
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,12 +65,10 @@ class EngineReplica:
         if threads:
             # OMP_NUM_THREADS also comes through the runtime env (before torch is imported);
             # set_num_threads covers a process that imported torch already.
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            envs.export("OMP_NUM_THREADS", threads)
             import torch
             torch.set_num_threads(threads)
         from ray import serve
-
-        from iterserve.engine.async_engine import AsyncEngine
 
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -103,7 +105,6 @@ class EngineReplica:
         """Accept the request (raising its validation error), yield ("accepted", replica id,
         prompt ids), then every RequestOutput. `target_replica` / `exclude_replicas` are
         read by the request router only."""
-        from iterserve.core.scheduler import QueueFullError
 
         try:
             stream = await self.engine.generate(prompt_token_ids, params,
@@ -126,8 +127,6 @@ class EngineReplica:
         """A per-replica call routed here because its target is gone fails, rather than
         answer with another replica's numbers."""
         if target_replica is not None and target_replica != self.replica_id:
-            from iterserve.replicas.pool import ReplicaDiedError
-
             raise ReplicaDiedError(f"replica {target_replica} is gone (answered by "
                                    f"{self.replica_id})")
 

@@ -20,14 +20,15 @@ import os
 import uuid
 from typing import Any
 
+from iterserve.errors import RayNotInstalledError
+from iterserve.replicas.deployment import EngineReplica
+from iterserve.replicas.pool import ReplicaPool
+
+
 logger = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 128 << 20
 ROUTING_STATS_PERIOD_S = 0.2
-
-
-class RayNotInstalledError(RuntimeError):
-    pass
 
 
 def require_ray() -> None:
@@ -67,9 +68,6 @@ def start_pool(engine_args: Any, *, ray_address: str | None = None,
     require_ray()
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-
-    from iterserve.replicas.deployment import EngineReplica
-    from iterserve.replicas.pool import ReplicaPool
 
     parallel = engine_args.create_parallel_config()
     n = parallel.data_parallel_size
@@ -117,7 +115,7 @@ def close_pool(pool: Any, *, shutdown_ray: bool | None = None) -> None:
     import ray
     from ray import serve
 
-    from iterserve.replicas.request_router import ROUTERS
+    from iterserve.replicas.request_router import ROUTERS  # ray: Serve's router base class
 
     ROUTERS.pop(pool.router_key, None)
     try:

@@ -28,22 +28,15 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from iterserve.core.request import SamplingParams
+from iterserve.core.scheduler import SchedulerStats
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import (EmptyPromptError, EngineDeadError, PromptTooLongError,
-                                     ServerError)
+from iterserve.errors import (EmptyPromptError, EngineDeadError, PromptTooLongError,
+                              QueueFullError, ReplicaDiedError)
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaDiedError(ServerError):
-    """A replica died (or became unreachable) while serving the request: a 503, and mid-stream
-    an SSE error chunk. The other replicas keep serving; Ray Serve restarts this one."""
-
-    status_code = 503
-    error_type = "service_unavailable"
 
 
 class _DriverView:
@@ -111,6 +104,7 @@ class ReplicaPool(AsyncEngine):
         self._served_by: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._poll_task: asyncio.Task | None = None
         self._replica_loggers: dict[str, Any] = {}
+        self._per_replica: list[Callable[[str, str], Any]] = []   # add_stat_logger's factories
         self._last: dict[str, dict[str, Any]] = {}     # replica id -> last scheduler_stats
         self.num_retries_queue_full = 0
         self.num_replica_failures = 0
@@ -118,7 +112,7 @@ class ReplicaPool(AsyncEngine):
     # --- replicas ---------------------------------------------------------------------------
     @property
     def router(self) -> Any:
-        from iterserve.replicas.request_router import ROUTERS
+        from iterserve.replicas.request_router import ROUTERS  # ray: Serve's router class
         return ROUTERS.get(self.router_key)
 
     def replica_ids(self) -> list[str]:
@@ -172,31 +166,25 @@ class ReplicaPool(AsyncEngine):
                 logger.debug("polling the replicas failed", exc_info=True)
             await asyncio.sleep(self.poll_interval)
 
-    def add_stat_logger(self, stat_logger: Any) -> None:
-        """The server's logger gets every replica's step stats (the sums); when it is a
-        PrometheusStatLogger, each replica also gets its own series with a `replica` label."""
+    def add_stat_logger(self, stat_logger: Any, *,
+                        per_replica: Callable[[str, str], Any] | None = None) -> None:
+        """The server's logger gets every replica's step stats (the sums); with a
+        `per_replica(model_name, replica)` factory (the server's PrometheusStatLogger
+        gives one), each replica also gets its own series, from the first factory given."""
         self.engine.stat_loggers.append(stat_logger)
+        if per_replica is not None:
+            self._per_replica.append(per_replica)
 
     def _replica_logger(self, replica: str) -> Any | None:
-        from iterserve.server.metrics import PrometheusStatLogger
-
         if replica in self._replica_loggers:
             return self._replica_loggers[replica]
-        logger_ = None
-        for prom in self.engine.stat_loggers:
-            if isinstance(prom, PrometheusStatLogger):
-                logger_ = PrometheusStatLogger(self.model_name,
-                                               extra_labels={"replica": replica})
-                prom.extra_registries.append(logger_.registry)
-                break
+        logger_ = self._per_replica[0](self.model_name, replica) if self._per_replica else None
         self._replica_loggers[replica] = logger_
         return logger_
 
     async def scheduler_stats(self) -> Any:
         """The replicas' SchedulerStats summed (KV usage over all their blocks, the prefix-
         cache hit rate over all their lookups); feeds the step stats to the loggers."""
-        from iterserve.core.scheduler import SchedulerStats
-
         got = await self._each("scheduler_stats")
         for rid, res in got.items():
             per = self._replica_logger(rid)
@@ -286,7 +274,6 @@ class ReplicaPool(AsyncEngine):
                        request_id: str | None = None, **kw: Any) -> AsyncIterator[Any]:
         """As AsyncEngine.generate: validation errors (from the tokenizer here, or from the
         replica's engine) raise before the first output; leaving the stream aborts."""
-        from iterserve.core.scheduler import QueueFullError
 
         if not self._accepting or self._closed:
             raise EngineDeadError("the server is shutting down")

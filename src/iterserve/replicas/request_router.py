@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional
 from ray.serve.request_router import (FIFOMixin, PendingRequest, ReplicaID, RequestRouter,
                                       RunningReplica)
 
+from iterserve.core.router import ReplicaLoad, Router
+
 logger = logging.getLogger(__name__)
 
 ROUTERS: Dict[str, "IterserveRequestRouter"] = {}
@@ -35,7 +37,6 @@ ROUTERS: Dict[str, "IterserveRequestRouter"] = {}
 
 def make_router(policy: str, *, block_size: int, cache_capacity_blocks: int | None,
                 seed: int) -> Any:
-    from iterserve.core.router import Router
     return Router(policy, block_size=block_size, cache_capacity_blocks=cache_capacity_blocks,
                   seed=seed)
 
@@ -43,8 +44,6 @@ def make_router(policy: str, *, block_size: int, cache_capacity_blocks: int | No
 def replica_load(replica_id: str, stats: dict[str, Any], in_flight: int) -> Any:
     """A ReplicaLoad from a replica's routing stats, with at least `in_flight` requests
     (those this router sent that have not completed) counted as running or waiting."""
-    from iterserve.core.router import ReplicaLoad
-
     running = int(stats.get("num_running", 0))
     waiting = int(stats.get("num_waiting", 0))
     if in_flight > running + waiting:

@@ -8,6 +8,7 @@ flight, so SIGINT/SIGTERM under uvicorn never leaves a request hanging.
 Routes:
   POST /v1/completions, POST /v1/chat/completions    (SSE when "stream": true)
   POST /v1/responses                                 OpenAI's Responses API, stateless
+  POST /v1/messages, /v1/messages/count_tokens       Anthropic's Messages API (serving_messages)
   POST /tokenize, POST /detokenize                   vLLM's bodies (prompt or chat messages)
   GET  /v1/models (with `root`), /version, /health, /ping (GET or POST), /metrics
   GET  /v1/requests/{id}/trace                       lifecycle events of one request
@@ -20,7 +21,8 @@ streaming and of disconnect detection):
                            client sees the answer and the connection stays usable) and
                            answered 413 with an OpenAI body, before any parsing
   APIKeyMiddleware         with `api_key`, every route but /health, /ping and the static lab
-                           page (/lab, /lab/static/...) needs `Authorization: Bearer <key>`;
+                           page (/lab, /lab/static/...) needs `Authorization: Bearer <key>`
+                           (or `x-api-key: <key>`, Anthropic's header);
                            /metrics too with `metrics_require_auth`; 401s carry
                            `WWW-Authenticate: Bearer`
   CatchAllMiddleware       (server/errors.py) a server fault is a 500 with an OpenAI body
@@ -37,9 +39,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from iterserve.core.config import ServerConfig, default_of
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import TokenIdOutOfRangeError
-from iterserve.server.errors import APIError, error_response, install_exception_handlers
+from iterserve.errors import TokenIdOutOfRangeError
+from iterserve.server.errors import (APIError, error_response, install_exception_handlers,
+                                     to_api_error)
 from iterserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from iterserve.server.openapi import install_openapi
 from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -47,13 +51,14 @@ from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        TokenizeCompletionRequest)
 from iterserve.server.serving_chat import create_chat_completion, render_request
 from iterserve.server.serving_config import ServingConfig
+from iterserve.server.serving_messages import install_messages_api
 from iterserve.server.serving_responses import ResponsesRequest, create_response
-from iterserve.server.serving_common import check_model, to_api_error
+from iterserve.server.serving_common import ServedModel, check_model
 from iterserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+DEFAULT_MAX_REQUEST_BODY_BYTES = default_of(ServerConfig, "max_request_body_bytes")   # the knob's
 """4 MiB: a max_model_len-sized prompt as token-id JSON (131,072 ids ~ 1 MB) or as text
 (~0.5 MB) fits with room for a batch of prompts; the outside test's 10 MB prompt does not."""
 
@@ -86,6 +91,7 @@ class APIKeyMiddleware:
     def __init__(self, app: Any, api_key: str, metrics_require_auth: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()             # `x-api-key: <key>`, as Anthropic's clients send
         self.open_paths = _OPEN_PATHS + (() if metrics_require_auth else ("/metrics",))
 
     def needs_key(self, path: str) -> bool:
@@ -93,10 +99,11 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.needs_key(scope.get("path", "")):
-            got = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            headers = dict(scope.get("headers") or [])
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 resp = error_response(401, "invalid or missing API key (send "
-                                      "'Authorization: Bearer <key>')",
+                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                                       type="authentication_error", code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
@@ -152,17 +159,20 @@ class BodySizeLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = None,
+def create_app(engine: AsyncEngine | None, *,
+               served_model_name: str | list[str] | None = None,
                api_key: str | None = None, shutdown_drain_timeout: float = 0.0,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                metrics_require_auth: bool = False, model_root: str | None = None,
                serving_config: ServingConfig | None = None) -> FastAPI:
     serving_config = serving_config or ServingConfig()         # --chat-template, tool flags
     model_name = served_model_name or (engine.model_name if engine is not None else None)
+    if model_name is not None:            # --served-model-name a b: "a", answering to both
+        model_name = ServedModel(model_name)
     prom: PrometheusStatLogger | None = None
     if engine is not None:
         prom = PrometheusStatLogger(model_name)
-        engine.add_stat_logger(prom)
+        engine.add_stat_logger(prom, per_replica=prom.for_replica)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -240,9 +250,10 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
     async def models() -> dict[str, Any]:
         data = []
         if engine is not None:
-            data.append({"id": model_name, "object": "model", "created": 0,
-                         "owned_by": "iterserve", "root": model_root or model_name,
-                         "parent": None, "max_model_len": engine.max_model_len})
+            data += [{"id": name, "object": "model", "created": 0,
+                      "owned_by": "iterserve", "root": model_root or model_name,
+                      "parent": None, "max_model_len": engine.max_model_len}
+                     for name in model_name.names]
         return {"object": "list", "data": data}
 
     @app.get("/version")
@@ -274,6 +285,8 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
             prom.set_gauges(num_running=s.num_running, num_waiting=s.num_waiting,
                             num_swapped=s.num_swapped, kv_cache_usage=s.kv_usage,
                             num_free_blocks=s.num_free_blocks)
+            if engine.engine.scheduler.slo is not None:      # read on the engine thread
+                prom.set_slo(await engine.run_in_engine(engine.engine.scheduler.slo.stats))
         except Exception:                   # a dead engine still gets its counters read
             logger.debug("could not refresh gauges", exc_info=True)
         return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)
@@ -293,9 +306,11 @@ def create_app(engine: AsyncEngine | None, *, served_model_name: str | None = No
     async def engine_stats() -> dict[str, Any]:
         return await require_engine().stats()
 
+    install_messages_api(app, require_engine, model_name, serving_config)   # outermost
     lab = _lab_router()
     if lab is not None:
         app.include_router(lab)
     install_openapi(app, max_model_len=engine.max_model_len if engine is not None else None,
-                    api_key=bool(api_key), max_request_body_bytes=max_request_body_bytes)
+                    api_key=bool(api_key), max_request_body_bytes=max_request_body_bytes,
+                    max_logprobs=getattr(engine, "max_logprobs", None))
     return app

@@ -3,101 +3,64 @@
 With no --model it serves the bundled default model on 127.0.0.1:8000 (`make serve`).
 uvicorn handles SIGINT/SIGTERM: it stops accepting connections, gives in-flight responses
 `--shutdown-timeout` seconds to finish, then cancels them (which aborts their requests),
-and the app's lifespan shuts the engine down.
+and the app's lifespan shuts the engine down. Every flag is a knob of core/config.py (the
+server's and the OpenAI frontend's configs, then EngineArgs's), generated from there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
+import yaml
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20      # = server.app.DEFAULT_MAX_REQUEST_BODY_BYTES
+from iterserve import envs
+from iterserve.core.config import (
+    SERVER_CONFIGS, FrontendConfig, ServerConfig, add_config_arguments, config_from,
+    knob_notices)
+from iterserve.engine import omp_policy
+from iterserve.engine.args import EngineArgs
+from iterserve.engine.async_engine import AsyncEngine
+from iterserve.engine.metrics import LoggingStatLogger
+from iterserve.errors import ConfigError, RayNotInstalledError
+from iterserve.replicas import close_pool, start_pool
+from iterserve.server import http_options
+from iterserve.server.serving_config import (ServingConfig, load_chat_template,
+                                             load_generation_defaults)
+from iterserve.server.serving_tools import ToolServerConfig
 
+logger = logging.getLogger("iterserve.serve")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from iterserve.engine.args import EngineArgs
-
+    """`iterserve serve`: every flag comes from the knob schema (core/config.py): the
+    server's and the OpenAI frontend's configs, then EngineArgs's."""
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (completions, chat, "
-                    "SSE streaming, /metrics, request traces, the /lab page).")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on every route but /health, "
-                        "/ping and the lab page")
-    g.add_argument("--metrics-require-auth", action="store_true",
-                   help="with --api-key, /metrics needs the key too (off: Prometheus "
-                        "scrapers usually send none)")
-    g.add_argument("--max-request-body-bytes", type=int,
-                   default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                   help="larger bodies get 413 (default %(default)s = 4 MiB)")
-    g.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds in-flight requests may run on after SIGINT/SIGTERM; then "
-                        "they end with finish_reason 'abort' and the process exits within "
-                        "about one more second")
-    g.add_argument("--debug-check-consistency", action="store_true",
-                   help="check the scheduler's books after every step (they are always "
-                        "checked when the engine goes idle)")
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    add_openai_cli_args(p)
+                    "SSE streaming, /metrics, request traces, the /lab page).",
+        epilog=ENVIRONMENT_EPILOG)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="read flags from a YAML file, as vLLM does: each key is a flag's name "
+                        "(max-model-len: 4096, enable-prefix-caching: true); flags on the "
+                        "command line win")
+    add_config_arguments(p, SERVER_CONFIGS)
     EngineArgs.add_cli_args(p)
-    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="with --data-parallel-size > 1: join this Ray cluster ('auto', "
-                        "'HOST:PORT') instead of starting a local one")
     p.set_defaults(func=run)
 
 
-def add_openai_cli_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's spellings of the frontend flags (server/serving_config.py says what each does),
-    so a pasted `vllm serve MODEL ...` command line works."""
-    from iterserve.tools import TOOL_PARSERS
+def _environment_epilog() -> str:
+    return ("environment variables (" + ", ".join(envs.VARIABLES) + "): what each does is "
+            "in README.md, section 'Environment variables' (or run `python -m iterserve.envs`)")
 
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
-    g = p.add_argument_group("OpenAI frontend (vLLM's flags)")
-    g.add_argument("--chat-template", default=None, metavar="FILE|STRING",
-                   help="a Jinja chat template (a file, or the template itself) used instead "
-                        "of the model's")
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a request's own chat_template (off: such requests get a 400; "
-                        "a template is a program the server runs)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide when to call tools (tool_choice "auto"); needs '
-                        "--tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, "
-                        "SmolLM3), llama3_json (Llama 3.x), mistral; also the format forced "
-                        'for tool_choice "required" / named (default hermes)')
-    from iterserve.reasoning import REASONING_PARSERS
-    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                   help="split the model's thinking into message.reasoning_content: "
-                        "deepseek_r1 (output starts thinking, up to </think>), qwen3 "
-                        "(<think>...</think> when the output opens with it), openai_gptoss "
-                        "(gpt-oss's analysis channel); structured outputs and forced tool "
-                        "calls then apply to the answer only")
-    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
-                   help="auto (default): the model's generation_config.json supplies default "
-                        "temperature / top_p / top_k / min_p / repetition_penalty / max_tokens "
-                        "for requests that leave them unset; vllm: ignore it; DIR: read "
-                        "DIR/generation_config.json")
-    g.add_argument("--uvicorn-log-level", default=None,
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's own log level (default: --log-level)")
-    logs = g.add_mutually_exclusive_group()
-    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
-                      default=False, help="log each request's prompt and sampling params")
-    logs.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
-                      help="do not log requests (the default, as in current vLLM)")
-    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
-                   help="with --enable-log-requests: at most N prompt characters and token ids "
-                        "per logged request (default: all)")
+
+ENVIRONMENT_EPILOG = _environment_epilog()
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
@@ -109,73 +72,183 @@ def resolve_model_args(args: argparse.Namespace) -> None:
             raise ValueError(f"the model is given twice: positional {tag!r} and --model "
                              f"{args.model!r}")
         args.model = tag
-    if getattr(args, "max_log_len", None) is not None and args.max_log_len < 0:
-        raise ValueError("--max-log-len must be at least 0")
 
 
 def serving_config_from_args(args: argparse.Namespace, model: str | None):
-    from iterserve.server.serving_config import (
-        ServingConfig, load_chat_template, load_generation_defaults)
-    from iterserve.server.serving_tools import ToolServerConfig
-
+    f = config_from(FrontendConfig, vars(args))
     return ServingConfig(
-        chat_template=load_chat_template(args.chat_template),
-        trust_request_chat_template=args.trust_request_chat_template,
-        tools=ToolServerConfig(enable_auto_tool_choice=args.enable_auto_tool_choice,
-                               tool_call_parser=args.tool_call_parser),
-        sampling_defaults=load_generation_defaults(args.generation_config, model),
-        reasoning_parser=getattr(args, "reasoning_parser", None),
-        log_requests=args.log_requests, max_log_len=args.max_log_len)
+        chat_template=load_chat_template(f.chat_template),
+        trust_request_chat_template=f.trust_request_chat_template,
+        tools=ToolServerConfig(enable_auto_tool_choice=f.enable_auto_tool_choice,
+                               tool_call_parser=f.tool_call_parser),
+        sampling_defaults=load_generation_defaults(f.generation_config, model,
+                                                   f.override_generation_config),
+        log_requests=f.enable_log_requests, max_log_len=f.max_log_len,
+        content_format=f.chat_template_content_format,
+        default_chat_template_kwargs=f.default_chat_template_kwargs or {},
+        response_role=f.response_role,
+        exclude_tools_when_tool_choice_none=f.exclude_tools_when_tool_choice_none,
+        prompt_tokens_details=f.enable_prompt_tokens_details,
+        force_include_usage=f.enable_force_include_usage,
+        reasoning_parser=f.reasoning_parser)
+
+
+def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--config FILE` (vLLM's): the YAML file's keys become flags placed before the
+    command line's own, so a flag given on the command line wins. A key is a flag's name
+    (dashes or underscores); true is the flag itself, false its --no- form, a list one
+    value per item (`served-model-name: [a, b]`), a mapping its JSON (`pooler-config:
+    {pooling_type: MEAN}`). `model` is the positional MODEL when the command line has none."""
+    path = None
+    rest: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a == "--config":
+            path = next(it, None)
+            if path is None:
+                raise ValueError("--config needs a FILE")
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if path is None:
+        return argv
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: must be a YAML mapping of flag names to values")
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    out: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag in ("--model", "--model-tag"):
+            if not _has_positional_model(rest, actions) and "--model" not in rest:
+                out += ["--model", str(value)]
+            continue                                  # the command line's model wins
+        if flag == "--config":
+            raise ValueError(f"--config {path}: a config file cannot name another one")
+        action = actions.get(flag)
+        if action is None:
+            raise ValueError(f"--config {path}: unknown option {key!r} (no flag {flag})")
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                out.append("--no-" + flag[2:])
+            elif not isinstance(action, argparse._StoreFalseAction):
+                raise ValueError(f"--config {path}: {key} takes a value, not false")
+        elif value is None:
+            continue
+        elif getattr(action.type, "__name__", "") == "JSON":
+            out += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            if isinstance(action, argparse._AppendAction):
+                for v in value:
+                    out += [flag, str(v)]
+            elif action.nargs in ("+", "*"):
+                out += [flag, *map(str, value)]
+            else:
+                raise ValueError(f"--config {path}: {key} takes one value, not a list")
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out + rest
+
+
+def _has_positional_model(argv: list[str], actions: dict[str, argparse.Action]) -> bool:
+    """Whether the command line (after `serve`) names MODEL itself."""
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.startswith("-"):
+            action = actions.get(a.split("=", 1)[0])
+            skip = "=" not in a and action is not None and action.nargs != 0 \
+                and not isinstance(action, (argparse.BooleanOptionalAction,
+                                            argparse._StoreTrueAction,
+                                            argparse._StoreFalseAction))
+            continue
+        return True
+    return False
+
+
+@dataclass
+class Launch:
+    """A serve command line checked before anything loads: every refused flag has failed
+    (ConfigError naming it), and `notices` are the start-up lines for flags accepted without
+    effect here."""
+
+    engine_args: EngineArgs
+    server: ServerConfig
+    serving_config: ServingConfig
+    notices: list[str]
+
+
+def prepare_launch(args: argparse.Namespace) -> Launch:
+    resolve_model_args(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    server = config_from(ServerConfig, vars(args))
+    frontend = config_from(FrontendConfig, vars(args))
+    serving_config = serving_config_from_args(args, engine_args.model)
+    load = engine_args.create_load_config()     # a refused flag fails before the model loads
+    engine_args.create_scheduler_config()
+    engine_args.create_parallel_config()
+    notices = knob_notices(server, frontend, engine_args) + load.structured_outputs_notices()
+    return Launch(engine_args, server, serving_config, notices)
 
 
 def build_app(args: argparse.Namespace):
-    from iterserve.engine.args import EngineArgs
-    from iterserve.engine.async_engine import AsyncEngine
+    # fastapi: for `serve` only (`iterserve --help` builds every subcommand's parser)
     from iterserve.server.app import create_app
 
-    resolve_model_args(args)
-    engine_args = EngineArgs.from_cli_args(args)
-    serving_config = serving_config_from_args(args, engine_args.model)
-    if args.max_request_body_bytes < 1:
-        raise ValueError("--max-request-body-bytes must be at least 1")
-    if args.metrics_require_auth and not args.api_key:
-        raise ValueError("--metrics-require-auth needs --api-key")
+    launch = prepare_launch(args)
+    engine_args, server = launch.engine_args, launch.server
+    for line in launch.notices:
+        logger.warning(line)
     if engine_args.data_parallel_size > 1:          # replicas on Ray Serve (replicas/)
-        from iterserve.replicas import start_pool
-        engine = start_pool(engine_args, ray_address=getattr(args, "ray_address", None),
-                            debug_check_consistency=args.debug_check_consistency)
+        engine = start_pool(engine_args, ray_address=engine_args.ray_address,
+                            debug_check_consistency=server.debug_check_consistency)
     else:
         engine = AsyncEngine.from_engine_args(
-            engine_args, debug_check_consistency=args.debug_check_consistency)
-    return create_app(engine, served_model_name=engine_args.served_model_name,
-                      api_key=args.api_key, metrics_require_auth=args.metrics_require_auth,
-                      max_request_body_bytes=args.max_request_body_bytes,
-                      model_root=engine_args.model, serving_config=serving_config), engine
+            engine_args, debug_check_consistency=server.debug_check_consistency)
+    # the stats line is INFO: below that level there is nothing to write, so no logger
+    if not engine_args.disable_log_stats and logging.getLogger("iterserve.stats") \
+            .isEnabledFor(logging.INFO):
+        engine.add_stat_logger(LoggingStatLogger())
+    app = create_app(engine, served_model_name=engine_args.served_model_names or None,
+                     api_key=server.api_key, metrics_require_auth=server.metrics_require_auth,
+                     max_request_body_bytes=server.max_request_body_bytes,
+                     model_root=engine_args.model, serving_config=launch.serving_config)
+    http_options.install(app, server)
+    return app, engine
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from iterserve.core.config import ConfigError
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from iterserve.engine import omp_policy        # before anything loads torch (libgomp)
-    omp_policy.apply(getattr(args, "omp_wait_policy", "env"))
-    from iterserve.replicas.launch import RayNotInstalledError
-
+    omp_policy.apply(getattr(args, "omp_wait_policy", "env"))   # before torch loads libgomp
     try:
         app, engine = build_app(args)
     except (ConfigError, ValueError, FileNotFoundError, RayNotInstalledError) as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
-    print(f"iterserve: serving {engine.model_name!r} on http://{args.host}:{args.port} "
+    server_config = config_from(ServerConfig, vars(args))
+    print(f"iterserve: serving {engine.model_name!r} on {http_options.address(server_config)} "
           f"(max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
     # After the drain (DrainingServer) every stream ends within a step or two; uvicorn's own
     # graceful wait only covers responses still being written.
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level or args.log_level,
-                            timeout_graceful_shutdown=0.5)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level,
+                            timeout_graceful_shutdown=0.5,
+                            **http_options.uvicorn_options(server_config))
     server = DrainingServer(config, engine, drain_timeout=args.shutdown_timeout)
 
     # uvicorn re-raises the signal that stopped it once it is done; by then the shutdown
@@ -194,7 +267,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         if getattr(engine, "app_name", None):          # a replica pool: stop its replicas
-            from iterserve.replicas import close_pool
             close_pool(engine)
     # Everything is shut down (streams ended, engine stopped, aborts flushed). Interpreter
     # teardown with torch loaded took ~0.9 s more, which would break the promise that the

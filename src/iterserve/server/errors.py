@@ -31,6 +31,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from iterserve.errors import IterserveError
+
+
 logger = logging.getLogger(__name__)
 
 # The error "type" OpenAI uses for each status family.
@@ -180,9 +183,21 @@ async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> J
                           headers=getattr(exc, "headers", None))
 
 
-async def _on_iterserve_error(request: Request, exc: Exception) -> JSONResponse:
-    from iterserve.server.serving_common import to_api_error
+def to_api_error(exc: BaseException) -> APIError | None:
+    """The HTTP answer for an exception (None: not one of ours, a bug, so a 500).
 
+    An IterserveError carries its whole answer (iterserve/errors.py): status, type, code,
+    param, message and Retry-After. A bare ValueError is *not* assumed to be the client's
+    fault."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, IterserveError):
+        return APIError(exc.status_code, exc.http_message(), type=exc.error_type,
+                        param=exc.param, code=exc.code, headers=exc.http_headers() or None)
+    return None
+
+
+async def _on_iterserve_error(request: Request, exc: Exception) -> JSONResponse:
     err = to_api_error(exc)
     if err is None:
         raise exc
@@ -224,13 +239,8 @@ class CatchAllMiddleware:
 
 def install_exception_handlers(app: FastAPI) -> None:
     """Make every error the app can produce an OpenAI-style body (400 for bad input)."""
-    from iterserve.core.request import SamplingParamsError
-    from iterserve.core.scheduler import QueueFullError
-    from iterserve.engine.errors import IterserveError
-
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
-    for cls in (IterserveError, SamplingParamsError, QueueFullError):
-        app.add_exception_handler(cls, _on_iterserve_error)
+    app.add_exception_handler(IterserveError, _on_iterserve_error)
     app.add_middleware(CatchAllMiddleware)

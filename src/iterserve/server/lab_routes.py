@@ -23,7 +23,10 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from iterserve.lab.api import OPTION_DEFAULTS, LabOptionsError, run_lab
+from iterserve.errors import LabOptionsError
+from iterserve.lab.api import OPTION_DEFAULTS, run_lab
+from iterserve.lab.cluster import run_cluster_lab
+from iterserve.lab.options import presets_json
 from iterserve.server.errors import error_response
 
 router = APIRouter(tags=["lab"])
@@ -190,8 +193,6 @@ async def lab_cluster(request: Request) -> Response:
     """The cluster lab (N replicas behind the server's router) with the JSON body as
     options: `run_cluster_lab`'s result. Same body rules and error shape as /v1/lab/run;
     `cost_model` may also be the name of a shipped cost model (never a file path)."""
-    from iterserve.lab.cluster import run_cluster_lab
-
     return await _run_options(request, run_cluster_lab, _cluster_work_bound_error)
 
 
@@ -199,6 +200,4 @@ async def lab_cluster(request: Request) -> Response:
 async def lab_presets() -> dict[str, Any]:
     """The lab's named option sets (lab/options.py PRESETS): the page fills its form from
     them; `POST /v1/lab/run` takes {"preset": name, ...overrides}."""
-    from iterserve.lab.options import presets_json
-
     return presets_json()

@@ -69,8 +69,30 @@ class PrometheusStatLogger:
                              _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first admission.", _LATENCY_BUCKETS)
+        # The slo policy's admission (refreshed when /metrics is read): how far its TTFT
+        # forecasts were from the actual TTFTs, and how many requests it refused.
+        self._forecast_error = Gauge(
+            "iterserve:slo_ttft_forecast_error_seconds",
+            "Actual minus forecast TTFT of the last admitted requests (slo policy), by quantile.",
+            ["model_name", *extra, "quantile"], registry=r)
+        self.slo_forecast_factor = gauge(
+            "slo_ttft_forecast_factor", "Scale the slo policy applies to its TTFT forecasts "
+            "(a high quantile of recent actual / forecast).")
+        self.slo_refused = gauge("slo_requests_refused",
+                                 "Requests the slo policy refused (429) since start.")
         self._success = Counter("iterserve:request_success", "Finished requests by reason.",
                                 ["model_name", *extra, "finished_reason"], registry=r)
+        # Speculative decoding (vLLM's names; zero while it is off).
+        self.spec_num_drafts = counter("spec_decode_num_drafts",
+                                       "Verifications of speculative drafts.")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                             "Draft tokens verified.")
+        self.spec_num_accepted = counter("spec_decode_num_accepted_tokens",
+                                         "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            "iterserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 first).",
+            ["model_name", *extra, "position"], registry=r)
         self._model_name = model_name
         self._extra_values = list(extra.values())
 
@@ -92,6 +114,15 @@ class PrometheusStatLogger:
                 self.queue_time.observe(m.queue_time)
         for reason in stats.finish_reasons:
             self._success.labels(self._model_name, *self._extra_values, reason).inc()
+        spec = stats.spec_decoding
+        if spec is not None and spec.num_drafts:
+            self.spec_num_drafts.inc(spec.num_drafts)
+            self.spec_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_num_accepted.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                if n:
+                    self._spec_per_pos.labels(self._model_name, *self._extra_values,
+                                              str(pos)).inc(n)
         self.set_gauges(num_running=stats.num_running, num_waiting=stats.num_waiting,
                         num_swapped=stats.num_swapped, kv_cache_usage=stats.kv_cache_usage)
 
@@ -103,6 +134,25 @@ class PrometheusStatLogger:
         self.kv_cache_usage_perc.set(kv_cache_usage)
         if num_free_blocks is not None:
             self.num_free_blocks.set(num_free_blocks)
+
+    def for_replica(self, model_name: str, replica: str) -> "PrometheusStatLogger":
+        """A logger of one replica's own series (label replica=<id>), rendered with this
+        one's: the ReplicaPool's stat-logger factory (see `add_stat_logger`)."""
+        child = PrometheusStatLogger(model_name, extra_labels={"replica": replica})
+        self.extra_registries.append(child.registry)
+        return child
+
+    def set_slo(self, slo: dict) -> None:
+        """From the engine's stats()["slo"] (core/slo_policy.py `SloPolicy.stats`)."""
+        fc = slo.get("ttft_forecast") or {}
+        for q in ("p50", "p90", "p99"):
+            v = fc.get(f"error_{q}_s")
+            if v is not None:
+                self._forecast_error.labels(self._model_name, *self._extra_values,
+                                            str(int(q[1:]) / 100)).set(v)
+        if fc.get("factor") is not None:
+            self.slo_forecast_factor.set(fc["factor"])
+        self.slo_refused.set(slo.get("refused", 0))
 
     def render(self) -> bytes:
         if not self.extra_registries:

@@ -6,7 +6,8 @@ post-processed once: 422 becomes 400 (`ErrorResponse`), POST routes document 413
 limit), 404 (an unknown model) and 503 (busy / shutting down), every route but the open ones
 documents 401 when an API key is set, and max_tokens / max_completion_tokens get this app's
 maximum (max_model_len - 1: the smallest prompt has one token; prompt + max_tokens <=
-max_model_len is stated in the field's description and checked after tokenising). Every
+max_model_len is stated in the field's description and checked after tokenising), and the
+logprobs fields the server's --max-logprobs. Every
 other limit comes from the pydantic constraints in server/protocol.py.
 """
 
@@ -43,7 +44,7 @@ def _set_int_maximum(prop: dict[str, Any], maximum: int) -> None:
 
 
 def install_openapi(app: FastAPI, *, max_model_len: int | None, api_key: bool,
-                    max_request_body_bytes: int) -> None:
+                    max_request_body_bytes: int, max_logprobs: int | None = None) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
@@ -70,11 +71,18 @@ def install_openapi(app: FastAPI, *, max_model_len: int | None, api_key: bool,
         schemas.pop("ValidationError", None)
         schemas["ErrorResponse"] = ERROR_SCHEMA
         if max_model_len is not None:
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest"):
                 props = schemas.get(name, {}).get("properties", {})
                 for field in ("max_tokens", "max_completion_tokens"):
                     if field in props:
                         _set_int_maximum(props[field], max(1, max_model_len - 1))
+        if max_logprobs is not None:            # --max-logprobs (the engine checks it)
+            for name, fields in (("CompletionRequest", ("logprobs", "prompt_logprobs")),
+                                 ("ChatCompletionRequest", ("top_logprobs", "prompt_logprobs"))):
+                props = schemas.get(name, {}).get("properties", {})
+                for field in fields:
+                    if field in props:
+                        _set_int_maximum(props[field], max_logprobs)
         app.openapi_schema = schema
         return schema
 

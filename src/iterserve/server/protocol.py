@@ -2,7 +2,7 @@
 
 Why constraints and not checks in the handlers: `/openapi.json` is generated from these
 models, so the published schema states every limit (n <= 128, the stop list's size, the seed's
-range, logprobs <= 20, no NaN or infinity, ...) and a request valid by the schema is served.
+range, logprobs <= --max-logprobs, no NaN or infinity, ...) and a request valid by the schema is served.
 What the schema cannot say statically, max_tokens <= max_model_len - 1, is added
 to the published schema per app (server/openapi.py); prompt tokens + max_tokens <=
 max_model_len is checked by the engine once the prompt is tokenised.
@@ -53,8 +53,10 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from iterserve.core.request import MAX_SLO_MS, SamplingParams
+from iterserve.structured import StructuredOutputsParams
 
-MAX_LOGPROBS = 20       # OpenAI allows up to 20 top logprobs
+MAX_LOGPROBS = 20       # OpenAI's limit, and --max-logprobs' default (server/openapi.py
+                        # states the app's own; the engine checks it)
 MAX_N = 128             # OpenAI's cap on n
 MAX_STOP = 16           # stop strings per request
 MAX_STOP_LEN = 1024     # characters per stop string
@@ -202,7 +204,7 @@ class _SamplingFields(_Model):
     length_penalty: Annotated[
         float | None, _not_implemented("length_penalty", lambda v: v == 1.0, "only 1.0")] = None
     prompt_logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="vLLM: the top k logprobs (and the actual "
+        None, ge=0, le=MAX_TOKEN_ID, description="vLLM: the top k logprobs (and the actual "
         "token's) of every prompt token; the prefix cache is not used for such a request")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=MAX_TOKEN_ID, description="keep only the prompt's last k tokens (-1: "
@@ -296,8 +298,6 @@ class _SamplingFields(_Model):
     def structured_outputs_params(self):
         """The one structured-output constraint the request asks for, or None (raises
         StructuredOutputsError naming the field: a 400)."""
-        from iterserve.structured import StructuredOutputsParams
-
         return StructuredOutputsParams.from_request(
             response_format=self.response_format, structured_outputs=self.structured_outputs,
             guided_json=self.guided_json, guided_regex=self.guided_regex,
@@ -314,7 +314,7 @@ PromptField = (NonEmptyText
 class CompletionRequest(_SamplingFields):
     prompt: PromptField = Field(description="a string, a list of strings, a list of token ids "
                                             "or a list of token-id lists")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
     echo: bool | None = Field(False, description="prefix each choice's text with its prompt "
                                                  "(with logprobs: the prompt's tokens too)")
     suffix: Annotated[Text | None, _not_implemented("suffix", _falsy, "only empty")] = None
@@ -446,8 +446,15 @@ class ChatMessage(_Model):
             content = "".join(part.text for part in content)
         return content or ""
 
-    def to_template_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+    def to_template_dict(self, content_format: str = "string") -> dict[str, Any]:
+        """The message as the chat template reads it; `content_format` "openai"
+        (--chat-template-content-format) gives the content as OpenAI's list of text parts."""
+        content: Any = self.text()
+        if content_format == "openai":
+            parts = self.content if isinstance(self.content, list) else \
+                [] if self.content is None else [TextPart(type="text", text=self.content)]
+            content = [{"type": "text", "text": p.text} for p in parts]
+        d: dict[str, Any] = {"role": self.role, "content": content}
         if self.name:
             d["name"] = self.name
         if self.tool_call_id:
@@ -515,7 +522,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description=_sum_rule())
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
     echo: bool | None = Field(False, description="prefix the reply with the last message's "
                                                  "content when that message is the "
                                                  "assistant's (vLLM)")

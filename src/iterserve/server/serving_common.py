@@ -16,7 +16,6 @@ request has no body generator yet while it waits, so `collect_final` polls
 from __future__ import annotations
 
 import asyncio
-import math
 import json
 import time
 import uuid
@@ -25,12 +24,10 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from iterserve.core.request import SamplingParamsError
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import (EngineDeadError, IterserveError, ServerError,
-                                     UnknownModelError, UnsupportedParameterError)
 from iterserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from iterserve.server.errors import APIError, error_body
+from iterserve.errors import EngineDeadError, UnknownModelError, UnsupportedParameterError
+from iterserve.server.errors import APIError, error_body, to_api_error
 
 DISCONNECT_POLL_S = 0.25
 
@@ -41,46 +38,6 @@ def new_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
-
-
-def to_api_error(exc: BaseException) -> APIError | None:
-    """The HTTP answer for an exception (None: not one of ours, a bug, so a 500).
-
-    One rule (engine/errors.py): an IterserveError carries its own status and type; the
-    core's SamplingParamsError is a 400 and its QueueFullError a 503 with Retry-After. A bare
-    ValueError is *not* assumed to be the client's fault."""
-    from iterserve.core.scheduler import QueueFullError
-    from iterserve.model.chat_template import ChatTemplateError
-
-    from iterserve.core.slo_policy import SLOUnattainableError
-    from iterserve.model.logits_processors import LogitsParamError
-    from iterserve.structured import StructuredOutputsError
-
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, SLOUnattainableError):
-        # Refused early because its TTFT target cannot be met. With a retry-after
-        # estimate it is a 429 (come back later); without one (the prompt alone prefills too
-        # slowly) retrying cannot help, so it is the request's own 400.
-        if exc.retry_after_s is None:
-            return APIError(400, str(exc), param="ttft_slo_ms", code="slo_unattainable")
-        return APIError(429, str(exc), type="rate_limit_exceeded", code="slo_unattainable",
-                        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
-    if isinstance(exc, (StructuredOutputsError, LogitsParamError)):
-        return APIError(400, str(exc), param=getattr(exc, "param", None))
-    if isinstance(exc, QueueFullError):
-        return APIError(503, f"the server is busy: {exc}", type="service_unavailable",
-                        headers={"Retry-After": "1"})
-    if isinstance(exc, IterserveError):
-        param = exc.param or ("messages" if isinstance(exc, ChatTemplateError) else None)
-        message = str(exc)
-        if isinstance(exc, ServerError) and not isinstance(exc, EngineDeadError):
-            message = f"internal server error: {type(exc).__name__}: {exc}"
-        return APIError(exc.status_code, message, type=exc.error_type, param=param,
-                        code=exc.code)
-    if isinstance(exc, SamplingParamsError):
-        return APIError(400, str(exc), param=exc.param)
-    return None
 
 
 def check_priority(priority: int | None, engine: AsyncEngine) -> int:
@@ -94,10 +51,26 @@ def check_priority(priority: int | None, engine: AsyncEngine) -> int:
     return priority
 
 
+class ServedModel(str):
+    """The served model's name as every endpoint passes it around: the first of
+    --served-model-name's names (what responses carry), answering to all of them in a
+    request's `model` (check_model) and listed by /v1/models."""
+
+    names: tuple[str, ...]
+
+    def __new__(cls, names: "str | list[str] | tuple[str, ...]") -> "ServedModel":
+        names = (names,) if isinstance(names, str) else tuple(names)
+        self = super().__new__(cls, names[0])
+        self.names = names
+        return self
+
+
 def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
+    names = getattr(served, "names", (served,))
+    if requested is not None and requested not in names:
+        also = f" (also {', '.join(map(repr, names[1:]))})" if len(names) > 1 else ""
         raise UnknownModelError(f"the model {requested!r} does not exist; this server "
-                                f"serves {served!r}", "model")
+                                f"serves {str(served)!r}{also}", "model")
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -109,9 +82,15 @@ def sse_error(message: str, type: str = "internal_error") -> str:
     return sse(error_body(message, type=type))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; with `cached_tokens` (--enable-prompt-tokens-details) also
+    prompt_tokens_details.cached_tokens, the prompt tokens served from the prefix cache."""
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
 
 
 async def merge_streams(streams: Sequence[AsyncIterator[RequestOutput]]
@@ -349,8 +328,11 @@ class ChoiceFormat:
     def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, co: CompletionOutput | None) -> dict[str, Any]:
-        """A streamed choice without finish_reason; `co` None: an empty one."""
+    def delta_choice(self, index: int, co: CompletionOutput | None
+                     ) -> dict[str, Any] | None:
+        """A streamed choice without finish_reason; `co` None: an empty one. None: nothing
+        to send for this step (chat while a tool call's tag is being written); never None for
+        a choice's finishing step, which carries its finish_reason."""
         raise NotImplementedError
 
     def finish_reason(self, index: int, co: CompletionOutput) -> str | None:
@@ -361,12 +343,18 @@ class ChoiceFormat:
 
 async def respond(*, request_id: str, served_model: str, streams: list[Any], n: int,
                   fmt: ChoiceFormat, stream: bool, include_usage: bool, raw: Request,
-                  continuous_usage: bool = False):
+                  continuous_usage: bool = False, tokens_details: bool = False):
     """The response of a completions or chat request: JSON, or SSE when `stream`.
     Prompt i's sequence j is choice `i * n + j` (OpenAI's indexes). `continuous_usage`
     (vLLM's stream_options.continuous_usage_stats) puts the usage so far into every chunk:
-    its prompt's tokens and the tokens its choice has generated, as vLLM counts them."""
+    its prompt's tokens and the tokens its choice has generated, as vLLM counts them.
+    `tokens_details` (--enable-prompt-tokens-details): the final usage carries
+    prompt_tokens_details.cached_tokens."""
     created = now_s()
+    cached: dict[int, int] = {}
+
+    def cached_tokens() -> int | None:
+        return sum(cached.values()) if tokens_details else None
 
     def base(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": request_id, "object": obj, "created": created, "model": served_model,
@@ -382,6 +370,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
             if msg:
                 raise APIError(500, msg, type="internal_error")
             prompt_tokens += out.num_prompt_tokens
+            cached[i] = out.num_cached_tokens or 0
             fmt.see_output(i, out)
             for co in out.outputs:
                 completion_tokens += len(co.token_ids)
@@ -392,7 +381,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         choices.sort(key=lambda c: c["index"])
         resp = base(fmt.object_final, choices)
         resp.update(fmt.response_fields())
-        resp["usage"] = usage(prompt_tokens, completion_tokens)
+        resp["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens())
         return JSONResponse(resp)
 
     num_choices = len(streams) * n
@@ -418,6 +407,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
         try:
             async for i, out in merge_streams(streams):
                 prompt_tokens[i] = out.num_prompt_tokens
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens or 0)
                 fmt.see_output(i, out)
                 for co in out.outputs:
                     if not (co.delta_token_ids or co.delta_text or co.finished_in_this_step):
@@ -426,6 +416,8 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                     completion_tokens += len(co.delta_token_ids)
                     choice_tokens[idx] = choice_tokens.get(idx, 0) + len(co.delta_token_ids)
                     choice = fmt.delta_choice(idx, co)
+                    if choice is None:          # nothing certain yet (never when finishing)
+                        continue
                     choice["finish_reason"] = fmt.finish_reason(idx, co) \
                         if co.finished_in_this_step else None
                     if co.finished_in_this_step:
@@ -443,7 +435,7 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                 yield chunk([choice])
         if include_usage:
             c = base(fmt.object_chunk, [])
-            c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+            c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens, cached_tokens())
             yield sse(c)
 
     return sse_response(events(), streams, request_id)

@@ -21,11 +21,12 @@ from fastapi import Request
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import CompletionOutput
+from iterserve.server.errors import to_api_error
 from iterserve.server.protocol import CompletionRequest
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_common import (
     ChoiceFormat, check_model, check_priority, completion_logprobs, echo_completion_logprobs,
-    new_id, prompt_logprobs_json, respond, start_streams, to_api_error)
+    new_id, prompt_logprobs_json, respond, start_streams)
 
 
 class CompletionFormat(ChoiceFormat):
@@ -136,5 +137,7 @@ async def create_completion(body: CompletionRequest, raw: Request, engine: Async
                            echo_logprobs=body.logprobs if body.echo else None)
     return await respond(request_id=request_id, served_model=served_model, streams=streams,
                          n=params.n, fmt=fmt, stream=bool(body.stream),
-                         include_usage=body.include_usage, raw=raw,
-                         continuous_usage=body.continuous_usage)
+                         include_usage=body.include_usage or (
+                             bool(body.stream) and config.force_include_usage),
+                         raw=raw, continuous_usage=body.continuous_usage,
+                         tokens_details=config.prompt_tokens_details)

@@ -13,6 +13,19 @@ in one frozen object that `create_app` hands to every endpoint.
 - `log_requests` / `max_log_len` (`--enable-log-requests` / `--disable-log-requests`,
   `--max-log-len`): one INFO line per request with its prompt (cut to max_log_len characters
   and token ids) and sampling params, as vLLM's RequestLogger writes it.
+- `content_format` (`--chat-template-content-format auto|string|openai`): a message's
+  content reaches the template as its text, or as OpenAI's list of text parts; auto reads
+  the template (model/chat_template.py `detect_content_format`).
+- `default_chat_template_kwargs` (`--default-chat-template-kwargs JSON`): template variables
+  under every request's own `chat_template_kwargs`.
+- `response_role` (`--response-role`): the role chat replies carry when the prompt ends with
+  the generation prompt (else the last message's role, as vLLM).
+- `exclude_tools_when_tool_choice_none`: tool_choice "none" hides the tools from the template.
+- `prompt_tokens_details` (`--enable-prompt-tokens-details`): usage carries
+  `prompt_tokens_details.cached_tokens`; `force_include_usage`
+  (`--enable-force-include-usage`): every stream ends with its usage chunk.
+- `--override-generation-config JSON` is merged over the generation config's values into
+  `sampling_defaults` (`load_generation_defaults`), with --generation-config vllm too.
 """
 
 from __future__ import annotations
@@ -42,6 +55,18 @@ class ServingConfig:
     log_requests: bool = False
     max_log_len: int | None = None
     reasoning_parser: str | None = None      # --reasoning-parser (iterserve.reasoning)
+    content_format: str = "auto"
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    response_role: str = "assistant"
+    exclude_tools_when_tool_choice_none: bool = False
+    prompt_tokens_details: bool = False
+    force_include_usage: bool = False
+
+    def content_format_for(self, template: str | None) -> str:
+        """"string" or "openai" for a template (None: the model's has no source here)."""
+        if self.content_format != "auto":
+            return self.content_format
+        return detect_content_format(template) if template else "string"
 
     def log_request(self, request_id: str, prompt: Any, prompt_ids: Any, params: Any) -> None:
         if not self.log_requests:
@@ -53,6 +78,29 @@ class ServingConfig:
             prompt_ids = list(prompt_ids)[:n]
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
                     request_id, prompt, params, prompt_ids)
+
+
+def detect_content_format(template: str) -> str:
+    """vLLM's --chat-template-content-format auto: "openai" when the template loops over a
+    message's content (`{% for part in message['content'] %}`: it expects OpenAI's list of
+    parts), else "string"."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:
+            it = it.node
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) \
+                and it.arg.value == "content":
+            return "openai"
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return "openai"
+    return "string"
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -69,10 +117,30 @@ def load_chat_template(value: str | None) -> str | None:
                      "(a template contains '{{' or '{%')")
 
 
-def load_generation_defaults(value: str, model: str | None) -> dict[str, Any]:
-    """The sampling defaults `--generation-config` names: "auto" reads the model
-    directory's generation_config.json (none for a GGUF file or the bundled model's
-    absence of one), "vllm" none, a directory its generation_config.json."""
+def load_generation_defaults(value: str, model: str | None,
+                             override: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The sampling defaults `--generation-config` names, with `override`
+    (`--override-generation-config`, the same keys as generation_config.json) on top."""
+    out = _generation_config_defaults(value, model)
+    if override:
+        unknown = sorted(set(override) - set(GENERATION_CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(f"--override-generation-config: {', '.join(unknown)} not "
+                             f"supported (keys: {', '.join(GENERATION_CONFIG_FIELDS)})")
+        for src, v in override.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"--override-generation-config: {src} must be a number, "
+                                 f"got {v!r}")
+            out[GENERATION_CONFIG_FIELDS[src]] = v
+        logging.getLogger(__name__).info(
+            "default sampling parameters with --override-generation-config: %s", out)
+    return out
+
+
+def _generation_config_defaults(value: str, model: str | None) -> dict[str, Any]:
+    """"auto" reads the model directory's generation_config.json (none for a GGUF file or
+    the bundled model's absence of one), "vllm" none, a directory its
+    generation_config.json."""
     if value == "vllm":
         return {}
     if value == "auto":

@@ -25,19 +25,18 @@ from typing import Annotated, Any, AsyncIterator, Literal, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, Tag
 
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.engine.errors import EngineDeadError
+from iterserve.errors import EngineDeadError
 from iterserve.server.errors import APIError
 from iterserve.server.protocol import (
     MAX_TOOLS, ChatCompletionRequest, FunctionName, INT64_MAX, NonEmptyText, Text, _Model,
     _not_implemented, _nothing, _falsy)
-from iterserve.server.serving_chat import start_chat
-from iterserve.server.serving_common import (
-    close_streams, collect_final, error_finish_message, merge_streams)
+from iterserve.server.serving_chat import (
+    as_chat_request, chat_deltas, final_chat, start_chat)
+from iterserve.server.serving_common import close_streams
 from iterserve.server.serving_config import ServingConfig
-from iterserve.server.serving_tools import StreamedToolCalls, message_with_tools
 
 
 def _hex_id(prefix: str) -> str:
@@ -200,13 +199,7 @@ class ResponsesRequest(_Model):
                 if fmt.strict is not None:
                     spec["strict"] = fmt.strict
                 body["response_format"] = {"type": "json_schema", "json_schema": spec}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            raise APIError(400, f"input: {err.get('msg')} (as chat: {where})",
-                           param="input") from None
+        return as_chat_request(body, "input")
 
 
 # --- the response --------------------------------------------------------------------------
@@ -270,15 +263,10 @@ async def create_response(body: ResponsesRequest, raw: Request, engine: AsyncEng
                                _hex_id("resp"))
     shell = _Shell(body, served_model, started.request_id)
     if not body.stream:
-        finals = await collect_final(started.streams, raw)
-        if finals is None:
+        done = await final_chat(started, raw)
+        if done is None:
             return JSONResponse({}, status_code=499)      # the client is gone
-        (out,) = finals
-        msg = error_finish_message(out)
-        if msg:
-            raise APIError(500, msg, type="internal_error")
-        co = out.outputs[0]
-        message, _ = message_with_tools(started.plan, co.text)
+        out, co, message = done.out, done.co, done.message
         output = []
         if message.get("content"):
             output.append(_message_item(_hex_id("msg"), message["content"]))
@@ -294,8 +282,6 @@ async def create_response(body: ResponsesRequest, raw: Request, engine: AsyncEng
 
 
 def _stream(shell: _Shell, started) -> StreamingResponse:
-    plan = started.plan
-    tools = StreamedToolCalls(plan) if plan.parses else None
     seq = 0
 
     def event(kind: str, **data: Any) -> str:
@@ -374,22 +360,13 @@ def _stream(shell: _Shell, started) -> StreamingResponse:
         prompt_tokens = cached = completion_tokens = 0
         finish = None
         try:
-            async for _, out in merge_streams(started.streams):
-                prompt_tokens = out.num_prompt_tokens
-                cached = out.num_cached_tokens or 0
-                for co in out.outputs:
-                    completion_tokens += len(co.delta_token_ids)
-                    if tools is not None:
-                        delta = tools.delta(co.delta_text, co.finished_in_this_step)
-                    else:
-                        delta = {"content": co.delta_text} if co.delta_text else {}
-                    for ev in on_delta(delta):
-                        yield ev
-                    if co.finished_in_this_step:
-                        finish = co.finish_reason
-                msg = error_finish_message(out) if out.finished else None
-                if msg:
-                    raise APIError(500, msg, type="internal_error")
+            async for step in chat_deltas(started):
+                prompt_tokens = step.num_prompt_tokens
+                cached = step.num_cached_tokens
+                completion_tokens = step.completion_tokens
+                for ev in on_delta(step.delta):
+                    yield ev
+                finish = step.finish_reason or finish
         except (APIError, EngineDeadError, Exception) as e:     # noqa: BLE001 - reported
             for ev in close():
                 yield ev

@@ -15,10 +15,18 @@ this module is the server's policy around them, as vLLM's serving_chat has it:
   function's `parameters` schema; the same parser reads it back.
 - `parallel_tool_calls` false: "required" forces exactly one call, "auto" keeps the first.
 
-`finish_reason` is "tool_calls" when "auto" or "required" produced calls and the model
-stopped by itself (a call cut by max_tokens keeps "length"); a named choice keeps "stop", as
-OpenAI answers. Streaming sends OpenAI's deltas: the call's index, id, type and name once
-the name is complete, then fragments of the arguments' JSON text (`ToolCallStream`).
+- the forcing grammar closes the call list (at most `MAX_PARALLEL_CALLS` calls) and the
+  arguments object (no keys the schema does not declare unless it allows them; OpenAI's
+  strict mode with `strict: true`): iterserve.tools.choice / iterserve.tools.schema.
+
+A reply holds only calls a client can parse: a call max_tokens cut in half is left out, the
+completed ones are returned, with finish_reason "length". `finish_reason` is "tool_calls"
+when "auto" or "required" produced calls and the model stopped by itself; a named choice
+keeps "stop", as OpenAI answers. Streaming sends OpenAI's deltas: the call's index, id, type
+and name once the name is complete, then fragments of the arguments' JSON text
+(`ToolCallStream`); while the parser cannot yet tell what the text is (the `<tool_call>` tag
+being written) no chunk is sent. A streamed call's fragments are sent as they are written,
+so a call cut by max_tokens ends a stream unfinished, with finish_reason "length".
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.core.request import SamplingParams
-from iterserve.engine.errors import InvalidRequestError
+from iterserve.errors import InvalidRequestError
 from iterserve.tools import ToolCallStream, get_tool_parser
 from iterserve.tools.plan import NO_TOOLS, ToolPlan, plan_tool_choice
 from iterserve.tools.types import DeltaMessage
@@ -73,13 +81,19 @@ def plan_tools(body: Any, config: ToolServerConfig, tokenizer: Any,
     return plan, plan.sampling_params(params)
 
 
-def message_with_tools(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:
-    """The non-streamed `message` for `text` under `plan`, and whether tools were called."""
-    ex = plan.extract(text)
-    if ex is None or not ex.tool_calls:
+def message_with_tools(plan: ToolPlan, text: str, cut: bool = False
+                       ) -> tuple[dict[str, Any], bool]:
+    """The non-streamed `message` for `text` under `plan` (`cut`: finish_reason "length"),
+    and whether tools were called. Only calls a client can parse are returned
+    (ToolPlan.apply): a call max_tokens cut is left out, and so is its text (the content is
+    what surrounds the calls)."""
+    ex = plan.extract(text, cut)
+    if ex is None or not (ex.tool_calls or ex.dropped):
         return {"role": "assistant", "content": text}, False
-    return {"role": "assistant", "content": ex.content,
-            "tool_calls": [c.to_openai() for c in ex.tool_calls]}, True
+    message: dict[str, Any] = {"role": "assistant", "content": ex.content}
+    if ex.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in ex.tool_calls]
+    return message, bool(ex.tool_calls)
 
 
 class StreamedToolCalls:
@@ -93,10 +107,12 @@ class StreamedToolCalls:
     def called(self) -> bool:
         return self.stream.tools_called
 
-    def delta(self, text: str, final: bool) -> dict[str, Any]:
+    def delta(self, text: str, final: bool, cut: bool = False) -> dict[str, Any]:
+        """`final`: the output ends here; `cut`: max_tokens ended it (what is undecided then
+        is not sent as content)."""
         msgs = self.stream.feed(text) if text else []
         if final:
-            msgs += self.stream.finish()
+            msgs += self.stream.finish(cut)
         return _merge(msgs, self.plan.parallel)
 
 

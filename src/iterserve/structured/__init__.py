@@ -5,17 +5,16 @@
 so importing this package costs nothing for a process that never constrains a request.
 """
 
-from iterserve.structured.params import KINDS, StructuredOutputsError, StructuredOutputsParams
+from iterserve.structured.params import KINDS, StructuredOutputsParams
 
 _LAZY = {
     "StructuredOutputCompiler": "backend", "CompiledGrammar": "backend",
-    "GrammarMatcher": "backend", "GrammarCompileError": "backend",
-    "GrammarCompileTimeout": "backend", "build_ll_tokenizer": "backend",
+    "GrammarMatcher": "backend", "build_ll_tokenizer": "backend",
     "allocate_bitmask": "bitmask", "fill_bitmasks": "bitmask", "apply_bitmask": "bitmask",
     "GrammarBitmask": "bitmask",
 }
 
-__all__ = ["KINDS", "StructuredOutputsError", "StructuredOutputsParams", *_LAZY]
+__all__ = ["KINDS", "StructuredOutputsParams", *_LAZY]
 
 
 def __getattr__(name: str):

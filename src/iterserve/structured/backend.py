@@ -47,7 +47,9 @@ import llguidance
 import numpy as np
 import torch
 
-from iterserve.structured.params import StructuredOutputsError, StructuredOutputsParams
+from iterserve.errors import GrammarCompileError, GrammarCompileTimeout
+from iterserve.structured.bitmask import allocate_bitmask
+from iterserve.structured.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +58,6 @@ DEFAULT_COMPILE_TIMEOUT = 5.0     # seconds a request may wait for its grammar
 # which lets a weak model spend its whole budget on spaces; pretty-printed JSON a few levels
 # deep needs a newline and well under 20 indent characters.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
-
-
-class GrammarCompileError(StructuredOutputsError):
-    """The constraint is not a grammar the engine can use (bad schema, regex, EBNF...)."""
-
-
-class GrammarCompileTimeout(GrammarCompileError):
-    """Compiling the constraint took longer than the compiler's `compile_timeout`."""
 
 
 def build_ll_tokenizer(tokenizer: Any, vocab_size: int | None = None,
@@ -254,7 +248,6 @@ class StructuredOutputCompiler:
         return (self.vocab_size + 31) // 32
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        from iterserve.structured.bitmask import allocate_bitmask
         return allocate_bitmask(num_rows, self.vocab_size)
 
     # --- compile ------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from iterserve.structured.params import verify_row_id
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -135,14 +137,19 @@ class GrammarBitmask:
     failed: dict[str, str] = dataclasses.field(default_factory=dict)   # seq id -> error
 
     @classmethod
-    def fill(cls, matchers: Mapping[str, object], *, isolate: bool = False
-             ) -> "GrammarBitmask | None":
+    def fill(cls, matchers: Mapping[str, object], *, isolate: bool = False,
+             drafts: Mapping[str, Sequence[int]] | None = None) -> "GrammarBitmask | None":
         """Masks for `{seq_id: GrammarMatcher}` (None when there is none to fill).
 
         `isolate`: a matcher that fails leaves its row all-allowed and is named in `failed`
-        (the caller ends that sequence) instead of failing the whole fill."""
+        (the caller ends that sequence) instead of failing the whole fill. `drafts`: the
+        speculative drafts a sequence verifies this step; it gets one more row per draft,
+        keyed `verify_row_id(seq_id, j)`: the mask after its first j drafts (the matcher
+        takes them and gives them back)."""
         if not matchers:
             return None
+        if drafts:
+            return cls._fill_with_drafts(matchers, drafts, isolate)
         ids = list(matchers)
         if not isolate:
             bitmask = fill_bitmasks([matchers[i] for i in ids])
@@ -157,8 +164,42 @@ class GrammarBitmask:
                 failed[sid] = f"{type(e).__name__}: {e}"
         return cls(bitmask, {sid: r for r, sid in enumerate(ids)}, failed)
 
+    @classmethod
+    def _fill_with_drafts(cls, matchers: Mapping[str, object],
+                          drafts: Mapping[str, Sequence[int]], isolate: bool
+                          ) -> "GrammarBitmask":
+        keys: list = []
+        for sid in matchers:
+            keys.append(sid)
+            keys.extend(verify_row_id(sid, j) for j in range(1, len(drafts.get(sid, ())) + 1))
+        bitmask = allocate_bitmask(len(keys), next(iter(matchers.values())).grammar.vocab_size)
+        row_of = {key: r for r, key in enumerate(keys)}
+        failed: dict[str, str] = {}
+        for sid, m in matchers.items():
+            r = row_of[sid]
+            d = drafts.get(sid, ())
+            taken = 0
+            try:
+                m.fill_bitmask(bitmask, r)
+                for j, t in enumerate(d, 1):
+                    if taken == j - 1 and m.accept(t):
+                        taken += 1
+                        m.fill_bitmask(bitmask, r + j)
+                    else:          # never sampled past a refused draft: any mask will do
+                        bitmask[r + j].copy_(bitmask[r + j - 1])
+            except Exception as e:             # noqa: BLE001 - reported per sequence
+                if not isolate:
+                    raise
+                bitmask[r:r + len(d) + 1].fill_(-1)
+                failed[sid] = f"{type(e).__name__}: {e}"
+            finally:
+                if taken:
+                    m.rollback(taken)
+        return cls(bitmask, row_of, failed)
+
     def apply(self, logits: torch.Tensor, seq_ids: Sequence[str]) -> torch.Tensor:
-        """`seq_ids[i]` is the sequence of logits row i; rows without a mask are untouched."""
+        """`seq_ids[i]` is the sequence of logits row i (or a verification row's id,
+        `verify_row_id`); rows without a mask are untouched."""
         rows, mask_rows = [], []
         for i, sid in enumerate(seq_ids):
             r = self.row_of.get(sid)

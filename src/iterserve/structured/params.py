@@ -25,15 +25,11 @@ import json as _json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from iterserve.errors import StructuredOutputsError
+
+
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-class StructuredOutputsError(ValueError):
-    """A structured-output spec the server must refuse (HTTP 400); `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True, eq=True)
@@ -241,3 +237,10 @@ class StructuredOutputsParams:
                 f"only one structured-output constraint may be given; got {', '.join(names)}",
                 names[1])
         return sources[0][1] if sources else None
+
+
+def verify_row_id(req_id: str, position: int) -> str | tuple[str, int]:
+    """The id of row `position` of a request's verification, for per-row data keyed by
+    sequence (a grammar bitmask's rows): the request id itself for position 0 (the row a
+    step without drafts would sample), (request id, position) after it."""
+    return req_id if position == 0 else (req_id, position)

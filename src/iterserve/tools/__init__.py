@@ -2,7 +2,7 @@
 harmony, as vLLM names them), stream them as OpenAI deltas, and force them with structured outputs for
 `tool_choice` "required" or a named function (`tool_choice_constraint`). Torch-free."""
 
-from iterserve.tools.choice import ToolChoiceError, tool_choice_constraint
+from iterserve.tools.choice import tool_choice_constraint
 from iterserve.tools.parsers import (
     TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolCallStream,
     ToolParser, get_tool_parser)
@@ -12,7 +12,7 @@ from iterserve.tools import harmony  # noqa: E402,F401  (registers the "openai" 
 
 __all__ = [
     "TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
-    "ToolCallStream", "ToolParser", "get_tool_parser", "ToolChoiceError",
+    "ToolCallStream", "ToolParser", "get_tool_parser",
     "tool_choice_constraint", "DeltaMessage", "DeltaToolCall", "ExtractedToolCalls",
     "ToolCall", "make_tool_call_id",
 ]

@@ -11,8 +11,14 @@ use, so the same parser then reads the calls back:
   when the tokenizer has it)
 
 The call object is a JSON schema (an anyOf over the tools, "name" a const, the arguments
-the tool's `parameters`) embedded in an llguidance Lark grammar (`%json`), written with
-", " and ": " separators and no other whitespace, as the chat templates show the format.
+the tool's `parameters` closed to the keys it declares, tools/schema.py) embedded in an
+llguidance Lark grammar (`%json`), written with ", " and ": " separators and no other
+whitespace, as the chat templates show the format.
+
+The call list is closed: at most `max_calls` calls (MAX_PARALLEL_CALLS by default, one
+without parallel calls), after which the grammar allows only the end of the output, so a
+model that would keep adding calls stops instead of running into max_tokens with a call cut
+in half. (A call max_tokens still cuts is left out of the reply: tools/plan.py.)
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from iterserve.structured.params import StructuredOutputsError, StructuredOutputsParams
+from iterserve.errors import ToolChoiceError
+from iterserve.structured.params import StructuredOutputsParams
+from iterserve.tools.schema import closed_schema
 
 
-class ToolChoiceError(StructuredOutputsError):
-    """`tools` / `tool_choice` the server must refuse (400); `param` names the field."""
-
+MAX_PARALLEL_CALLS = 8
+"""Calls one forced reply may hold: more than parallel tool use asks of a model in practice
+(a few independent look-ups), few enough that a model that never chooses to stop ends its
+list within a few hundred tokens."""
 
 _ARGS_KEY = {"hermes": "arguments", "llama3_json": "parameters", "mistral": "arguments"}
 _FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -60,7 +69,9 @@ def normalize_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
 
 def _call_schema(functions: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
     options = [{"type": "object",
-                "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
+                "properties": {"name": {"const": f["name"]},
+                               args_key: closed_schema(f["parameters"],
+                                                       strict=f.get("strict") is True)},
                 "required": ["name", args_key], "additionalProperties": False}
                for f in functions]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
@@ -69,9 +80,11 @@ def _call_schema(functions: list[dict[str, Any]], args_key: str) -> dict[str, An
 
 def tool_choice_constraint(tools: Sequence[Any] | None, tool_choice: Any,
                            parser: str = "hermes", *, parallel_tool_calls: bool = True,
-                           tokenizer: Any = None) -> StructuredOutputsParams | None:
+                           tokenizer: Any = None, max_calls: int = MAX_PARALLEL_CALLS
+                           ) -> StructuredOutputsParams | None:
     """The constraint that forces `tool_choice`, or None when nothing is forced ("auto",
-    "none", or no choice). `tokenizer` lets the mistral format name its special token."""
+    "none", or no choice). `tokenizer` lets the mistral format name its special token;
+    `max_calls` bounds the calls of "required" with parallel calls."""
     tool_choice = _as_dict(tool_choice)
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
@@ -96,14 +109,23 @@ def tool_choice_constraint(tools: Sequence[Any] | None, tool_choice: Any,
     else:
         raise ToolChoiceError("tool_choice must be 'none', 'auto', 'required' or "
                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if max_calls < 1:
+        raise ValueError(f"max_calls must be at least 1, got {max_calls}")
     schema = json.dumps(_call_schema(chosen, _ARGS_KEY[parser]), ensure_ascii=False)
+
+    def more(sep: str, item: str) -> str:
+        """The calls after the first: none, or up to max_calls - 1 more."""
+        if not many or max_calls == 1:
+            return ""
+        return f' ({sep} {item}){{0,{max_calls - 1}}}'
+
     if parser == "hermes":
-        body = 'start: call' + (' ("\\n" call)*' if many else '') + '\n' \
+        body = 'start: call' + more('"\\n"', "call") + '\n' \
                'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
     elif parser == "llama3_json":
-        body = 'start: body' + (' ("; " body)*' if many else '') + '\n'
+        body = 'start: body' + more('"; "', "body") + '\n'
     else:
         tid = tokenizer.token_to_id("[TOOL_CALLS]") if tokenizer is not None else None
         tag = f"<[{tid}]>" if tid is not None else '"[TOOL_CALLS]"'
-        body = f'start: {tag} "[" body' + (' (", " body)*' if many else '') + ' "]"\n'
+        body = f'start: {tag} "[" body' + more('", "', "body") + ' "]"\n'
     return StructuredOutputsParams(grammar=body + f"body: %json {schema}\n", source="tool_choice")

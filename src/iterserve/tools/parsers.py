@@ -16,7 +16,8 @@ and a call is dropped (the model writes "Let me check.\n<tool_call>..."); an out
 calls and only whitespace besides has content None; an output without calls is returned as
 it is. A call is recognised once its JSON object has a complete "name"; a tag or object that
 turns out not to be a call stays in the content. A call cut off mid-arguments (max_tokens)
-is still reported, with the arguments as far as they got (the finish reason says "length").
+is still reported, with the arguments as far as they got and `complete` false, so a stream
+and `extract` agree; the server's policy (tools/plan.py) leaves such a call out of a reply.
 
 The formats:
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/3, Hermes,
@@ -119,13 +120,26 @@ class ToolParser:
                 pieces.append(t)
         return pieces, calls
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        pieces, calls = self.items(text, final=True)
-        if not calls:
-            return ExtractedToolCalls(text if text else None, [])
-        content = "".join(pieces) or None
-        return ExtractedToolCalls(content, [ToolCall(self.id_factory(), c.name, c.arguments)
-                                            for c in calls])
+    def reply(self, text: str, final: bool, cut: bool = False) -> tuple[str, list[_Call]]:
+        """(the content, the calls) of `text` so far, or at its end with `final`. A `cut`
+        output (max_tokens ended it) keeps out what was still undecided when it stopped (a
+        `<tool_call>` tag, a call whose name never arrived): it was not text the model meant
+        to show, and not a call either."""
+        if cut:
+            pieces, calls = self.items(text, final=False)
+            content = "".join(pieces)
+            if not calls and content == text.rstrip():
+                content = text                # nothing was held back
+            return content, calls
+        pieces, calls = self.items(text, final)
+        return ("".join(pieces) if (calls or not final) else text), calls
+
+    def extract(self, text: str, cut: bool = False) -> ExtractedToolCalls:
+        content, calls = self.reply(text, True, cut)
+        left_out = int(not calls and content != text)     # a cut output's undecided tail
+        return ExtractedToolCalls(content or None, [
+            ToolCall(self.id_factory(), c.name, c.arguments, c.complete) for c in calls],
+            left_out)
 
     def stream(self) -> "ToolCallStream":
         return ToolCallStream(self)
@@ -147,8 +161,9 @@ class ToolCallStream:
         self.text += delta
         return self._emit(final=False)
 
-    def finish(self) -> list[DeltaMessage]:
-        return self._emit(final=True)
+    def finish(self, cut: bool = False) -> list[DeltaMessage]:
+        """The end of the output (`cut`: max_tokens ended it; see ToolParser.reply)."""
+        return self._emit(final=True, cut=cut)
 
     @property
     def tools_called(self) -> bool:
@@ -158,10 +173,9 @@ class ToolCallStream:
     def content(self) -> str | None:
         return self._content or None
 
-    def _emit(self, final: bool) -> list[DeltaMessage]:
-        pieces, calls = self.parser.items(self.text, final)
+    def _emit(self, final: bool, cut: bool = False) -> list[DeltaMessage]:
+        content, calls = self.parser.reply(self.text, final, cut)
         out: list[DeltaMessage] = []
-        content = "".join(pieces) if (calls or not final) else self.text
         # Content only grows (the scanner holds back anything undecided); the check keeps a
         # stream consistent even if a parser ever revised itself.
         if len(content) > len(self._content) and content.startswith(self._content):
@@ -183,6 +197,7 @@ class ToolCallStream:
                     deltas[0].arguments = frag
                 else:
                     deltas.append(DeltaToolCall(i, arguments=frag))
+            self.tool_calls[i].complete = call.complete
             if deltas:
                 out.append(DeltaMessage(tool_calls=deltas))
         return out

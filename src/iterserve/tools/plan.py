@@ -12,10 +12,12 @@ back. The callers keep only their policy: the server refuses "auto" without
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from iterserve.tools.choice import ToolChoiceError, tool_choice_constraint
+from iterserve.errors import ToolChoiceError
+from iterserve.tools.choice import tool_choice_constraint
 from iterserve.tools.parsers import ToolParser, get_tool_parser
 from iterserve.tools.types import ExtractedToolCalls
 
@@ -40,14 +42,20 @@ class ToolPlan:
         return get_tool_parser(self.parser_name)
 
     def apply(self, ex: ExtractedToolCalls) -> ExtractedToolCalls:
-        """parallel_tool_calls false: the first call only."""
-        if not self.parallel and len(ex.tool_calls) > 1:
-            return ExtractedToolCalls(ex.content, ex.tool_calls[:1])
-        return ex
+        """The calls a client can parse: a call whose JSON the output ended inside (cut by
+        max_tokens) or whose arguments are not a JSON object is left out (the finish reason
+        says "length" for a cut); with parallel_tool_calls false, the first call only."""
+        calls = [c for c in ex.tool_calls if c.complete and _json_object(c.arguments)]
+        if not self.parallel:
+            calls = calls[:1]
+        if len(calls) == len(ex.tool_calls):
+            return ex
+        return ExtractedToolCalls(ex.content, calls, ex.dropped + len(ex.tool_calls) - len(calls))
 
-    def extract(self, text: str) -> ExtractedToolCalls | None:
-        """The calls (and the remaining content) in a finished output; None: not parsed."""
-        return self.apply(self.parser().extract(text)) if self.parses else None
+    def extract(self, text: str, cut: bool = False) -> ExtractedToolCalls | None:
+        """The calls (and the remaining content) in a finished output (`cut`: max_tokens
+        ended it); None: not parsed."""
+        return self.apply(self.parser().extract(text, cut)) if self.parses else None
 
     def finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         """OpenAI's: "tool_calls" when "auto" / "required" called and the model stopped by
@@ -72,6 +80,13 @@ class ToolPlan:
         if self.parses and self.parser().needs_special_tokens and params.skip_special_tokens:
             changes["skip_special_tokens"] = False
         return dataclasses.replace(params, **changes) if changes else params
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 NO_TOOLS = ToolPlan("none", None, True)

@@ -17,11 +17,14 @@ def make_tool_call_id() -> str:
 
 @dataclass(slots=True)
 class ToolCall:
-    """One function call the model made; `arguments` is the JSON text of its arguments."""
+    """One function call the model made; `arguments` is the JSON text of its arguments.
+    `complete` is false for a call whose JSON the output ended inside (cut by max_tokens):
+    its arguments are not valid JSON, so the server does not return it (ToolPlan.apply)."""
 
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function",
@@ -30,10 +33,13 @@ class ToolCall:
 
 @dataclass(slots=True)
 class ExtractedToolCalls:
-    """A finished output split into the text that is not a call and the calls."""
+    """A finished output split into the text that is not a call and the calls.
+    `dropped` counts the calls left out (incomplete, or past parallel_tool_calls false): the
+    output held calls even when `tool_calls` is empty, so its text is not plain content."""
 
     content: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    dropped: int = 0
 
     @property
     def tools_called(self) -> bool:

@@ -22,17 +22,14 @@
  * - decode (M <= BF16_PANEL_ROWS - 1 activation rows): tiles of R <= 8 rows times C weight
  *   rows at a time (C = 8 at 1 row ... 3 at 8, so R*C >= 8 independent accumulator chains
  *   hide the instruction's latency): per 32 elements, C weight loads, R activation loads and
- *   R*C vdpbf16ps; threads split the weight rows. Two variants (iterserve_bf16_variant):
- *   "streamed" (default since session 15, decode_stream below: whole weight rows, the next
- *   group of rows prefetched, every row tile per group of weight rows) and "chunked"
- *   (session 14's decode_bf16: K split into L1-sized strips of the activations). A decode
- *   step at batch 8 on the 1.7B model read its weights at 19.3 GB/s (0.48 of the measured
- *   bandwidth, quiet profile) with "chunked"; same process, alternating, loaded machine:
- *   "streamed" 1.3-1.8x at 8 rows, 1.1-1.2x at 3-4 (one thread), equal at 1-2 (the hardware
- *   prefetcher already follows whole rows there); end to end (bench_bf16.py --e2e
- *   --variants) 1.31x and 1.45x at batch 8, 0.98x at batch 3 (medians of 3, noisy). `mix`
- *   at 8 slots is 94% decode steps (bench_bf16.py --mix-split), 60% of them at 1-3 rows,
- *   so batch 8 gains only part of it.
+ *   R*C vdpbf16ps; threads split the weight rows. Each weight row is read once from start to
+ *   end (decode_stream below), the next group of rows prefetched, every row tile per group
+ *   of weight rows: K split into L1-sized strips of the activations instead ran a batch-8
+ *   step of the 1.7B model at 19.3 GB/s (0.48 of the measured bandwidth, quiet profile), the
+ *   whole rows 1.3-1.8x faster at 8 rows, 1.1-1.2x at 3-4 (one thread), equal at 1-2 (the
+ *   hardware prefetcher already follows whole rows there); end to end 1.31x and 1.45x at
+ *   batch 8. `mix` at 8 slots is 94% decode steps (bench_bf16.py --mix-split), 60% of them
+ *   at 1-3 rows.
  * - panel (prefill, large batches): BLIS-style like prefill.c, but a "packed" panel is just
  *   the weight's own bf16 pairs transposed: bp[k/2][48] 32-bit lanes = (w[c][k], w[c][k+1])
  *   for 48 weight rows c, by 16x16 transposes of 32-bit words (no conversion at all for
@@ -41,9 +38,9 @@
  *   per k pair 3 weight loads, one broadcast of the activation pair and 3 vdpbf16ps per row.
  *   Tile shapes, same process, alternating, one thread, 512 rows of 2048x2048 / 2048x8192,
  *   loaded machine (GFLOP/s): 12x32 110 / 104, 8x48 123 / 114, 6x64 125 / 103; torch's own
- *   bf16 matmul (oneDNN) 133 / 130 in the same run (bf16 output; see the report of issue 13:
+ *   bf16 matmul (oneDNN) 133 / 130 in the same run (bf16 output;
  *   kept ours for float32 outputs, one entry point for the fused and per-module paths and
- *   no per-shape oneDNN primitives). Session 15, bench_bf16.py, one thread, loaded: torch
+ *   no per-shape oneDNN primitives). bench_bf16.py, one thread, loaded: torch
  *   (x.bfloat16() @ W^T, then .float()) over ours in time 0.96-1.09 at 128 rows and
  *   0.98 / 0.98 / 0.86 at 512 rows (qo / gate_up / down): equal but for `down` at 512 rows
  *   (torch 1.16x), and `mix`'s prefill steps are ~6% of its time with chunks of <= ~200 rows,
@@ -67,27 +64,20 @@
 #define BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16")))
 #define BF16_INLINE static inline __attribute__((always_inline)) BF16
 
-/* From this many rows on the panel kernel runs (measured: benchmarks/bench_bf16.py rows). */
-#ifndef BF16_PANEL_ROWS
-#define BF16_PANEL_ROWS 16
-#endif
-/* F16 weights (f16 GGUFs) in the auto mode: from F16_DOT_ROWS rows on (0: never) each weight
- * is widened (F16C) and rounded to bf16 (in the panel packer: once per call, shared by all
- * rows), then dotted like BF16. The cost is 3 of f16's 10 mantissa bits per weight (relative
- * 2^-9, the size of the activation rounding; auto already accepts int8 activations, ~0.5%
- * per output, for the K-quants). Measured, same process, alternating, loaded machine:
+/* F16 weights (f16 GGUFs) in the auto mode (dispatch.c's F16_DOT_ROWS): each weight is
+ * widened (F16C) and rounded to bf16 in the panel packer (once per call, shared by all rows),
+ * then dotted like BF16. The cost is 3 of f16's 10 mantissa bits per weight (relative 2^-9,
+ * the size of the activation rounding). Measured, same process, alternating, loaded machine:
  * bench_bf16.py --types F16 (one thread, F16C float path / bf16 dot): 0.74x at 1 row, 0.80-
- * 2.54x at 8 rows by shape (2048x8192 slower), 1.98x at 128 rows; end to end (bench_bf16.py
- * --e2e on the 1.7B F16 GGUF, batch 8, 2 threads, decode kernel at 8 rows) auto / float
- * 0.78x in 2 of 2 repeats, while the same A/B on the hf-bf16 directory gave 1.54x. In the
- * decode kernel the 3 conversion instructions per 32 weights are paid once per tile of <= 8
- * rows and compete with the dot products; in the panel GEMM they are paid once per call.
- * Hence F16_DOT_ROWS = BF16_PANEL_ROWS: decode steps keep the exact F16C kernels, prefill
- * chunks and large batches take the bf16 panel GEMM. `float` keeps F16C everywhere. (Since
- * session 16 F16 decode steps below that run f16dot.c's streamed exact-float32 kernel.) */
-#ifndef F16_DOT_ROWS
-#define F16_DOT_ROWS BF16_PANEL_ROWS
-#endif
+ * 2.54x at 8 rows by shape (2048x8192 slower), 1.98x at 128 rows; end to end (1.7B F16 GGUF,
+ * batch 8, 2 threads, decode kernel at 8 rows) auto / float 0.78x, while the same A/B on the
+ * bf16 directory gave 1.54x: in the decode kernel the 3 conversion instructions per 32
+ * weights are paid once per tile of <= 8 rows and compete with the dot products, in the panel
+ * GEMM once per call. So F16 decode steps take f16dot.c's exact kernels and only prefill
+ * chunks and large batches take the bf16 panel. */
+
+/* From this many rows on the panel kernel runs (benchmarks/bench_bf16.py rows; dispatch.c). */
+#define BF16_PANEL_ROWS 16
 
 #ifndef NP
 #define NP 48                  /* weight rows per panel (a multiple of 16) */
@@ -100,27 +90,6 @@
 #define MR 8                   /* activation rows per micro-tile (MR * NB <= 24, MR <= 12) */
 #endif
 #define MB_MAX 256             /* activation rows per row block (prefill.c's reasoning) */
-/* decode: K is split into chunks of X_TILE bytes of bf16 activations once a row tile's
- * activations exceed X_WHOLE (qgemm.c's kchunks rule: unsplit reads of weights streamed from
- * DRAM beat L1-sized x tiles up to ~64 KB) */
-#define X_WHOLE (64 * 1024)
-#define X_TILE (24 * 1024)
-#define COLS_CHUNK 64          /* decode: weight rows per chunk (row tiles reuse them in L2) */
-
-static int bf16_isa = -1;      /* -1 not chosen yet; 0 off; 1 avx512bf16 */
-
-int64_t iterserve_bf16_isa(int64_t want) {
-    const int have = (iterserve_cpu_features() >> 7) & 1;
-    if (want == -1 && bf16_isa >= 0) return bf16_isa;
-    bf16_isa = want == 0 ? 0 : have;
-    return bf16_isa;
-}
-
-int iterserve_bf16_takes(int64_t type, int64_t M) {
-    if (M < 1 || iterserve_set_act_mode(-1) != 2) return 0;
-    if (!(type == GGML_BF16 || (F16_DOT_ROWS && type == GGML_F16 && M >= F16_DOT_ROWS))) return 0;
-    return iterserve_bf16_isa(-1) == 1;
-}
 
 /* --- activations rounded to bf16, once per call --------------------------------------- */
 static __thread void *xb_buf = NULL;
@@ -180,82 +149,9 @@ BF16_INLINE __m512bh wload(int type, const uint8_t *row, int64_t j) {
     return (__m512bh)_mm512_loadu_si512((const void *)(row + 2 * j));
 }
 
-/* --- decode: R activation rows x C weight rows ---------------------------------------- */
-BF16_INLINE void tile_rc(int R, int C, int type, const uint16_t *xb, int64_t ldb, int64_t j0,
-                         int64_t j1, const uint8_t *w, int64_t row_stride, float *y, int64_t ldy) {
-    __m512 acc[24];
-    for (int i = 0; i < R * C; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = j0; j < j1; j += 32) {
-        __m512bh wv[8];
-        for (int c = 0; c < C; c++) wv[c] = wload(type, w + c * row_stride, j);
-        for (int r = 0; r < R; r++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + r * ldb + j));
-            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], xv, wv[c]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            const float v = _mm512_reduce_add_ps(acc[r * C + c]);
-            y[r * ldy + c] = j0 > 0 ? y[r * ldy + c] + v : v;
-        }
-}
-
-/* weight rows per tile for R activation rows: R*C chains, C + 1 + R*C <= 32 registers */
-#define COLS_FOR(R) ((R) == 1 ? 8 : (R) == 2 ? 6 : (R) <= 6 ? 4 : 3)
-
-#define TILE_R(R, TYPE)                                                                     \
-    case R: {                                                                               \
-        int64_t c = c0;                                                                     \
-        for (; c + COLS_FOR(R) <= c1; c += COLS_FOR(R))                                     \
-            tile_rc(R, COLS_FOR(R), TYPE, xt, ldb, j0, j1, w + c * row_stride, row_stride, yt + c, ldy); \
-        for (; c < c1; c++) tile_rc(R, 1, TYPE, xt, ldb, j0, j1, w + c * row_stride, row_stride, yt + c, ldy); \
-        break;                                                                              \
-    }
-
-BF16_INLINE void decode_cols(int type, int R, const uint16_t *xt, int64_t ldb, int64_t j0, int64_t j1, const uint8_t *w,
-                             int64_t row_stride, int64_t c0, int64_t c1, float *yt, int64_t ldy) {
-    switch (R) {
-    TILE_R(8, type) TILE_R(7, type) TILE_R(6, type) TILE_R(5, type)
-    TILE_R(4, type) TILE_R(3, type) TILE_R(2, type) default: TILE_R(1, type)
-    }
-}
-
-static BF16 void decode_bf16(int type, const uint8_t *w, int64_t N, int64_t row_stride,
-                             int64_t K, const uint16_t *xb, int64_t ldb, int64_t M, float *y,
-                             int64_t ldy, int nthreads, int kchunks) {
-    if (N < 64 * nthreads) nthreads = 1;
-    const int64_t ntiles = (M + 7) / 8;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        /* split on multiples of 8 weight rows so every thread runs whole tiles */
-        const int64_t g = (N + 7) / 8;
-        const int64_t n0 = g * t / T * 8, n1e = g * (t + 1) / T * 8, n1 = n1e < N ? n1e : N;
-        for (int64_t c0 = n0; c0 < n1; c0 += COLS_CHUNK) {
-            const int64_t c1 = c0 + COLS_CHUNK < n1 ? c0 + COLS_CHUNK : n1;
-            for (int64_t tile = 0; tile < ntiles; tile++) {
-                const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
-                const uint16_t *xt = xb + r0 * ldb;
-                float *yt = y + r0 * ldy;
-                const int R = (int)(r1 - r0);
-                /* K chunks whose x tile fits L1 next to the weight rows (X_TILE) */
-                const int64_t xbytes = (int64_t)R * K * 2;
-                const int64_t nk = kchunks && xbytes > X_WHOLE ? (xbytes + X_TILE - 1) / X_TILE : 1;
-                for (int64_t kq = 0; kq < nk; kq++) {
-                    const int64_t j0 = K / 32 * kq / nk * 32, j1 = K / 32 * (kq + 1) / nk * 32;
-                    if (type == GGML_F16) decode_cols(GGML_F16, R, xt, ldb, j0, j1, w, row_stride, c0, c1, yt, ldy);
-                    else decode_cols(GGML_BF16, R, xt, ldb, j0, j1, w, row_stride, c0, c1, yt, ldy);
-                }
-            }
-        }
-    }
-}
-
 /* --- decode, streamed: R activation rows x C weight rows, whole rows, next tile prefetched ---
- * What the kernel above left on the table (session 15, quiet profile of a batch-8 step of the
- * 1.7B bf16 model: every BF16 GEMM at 19.3 GB/s, 0.48 of the measured bandwidth): its K
- * chunks cut each weight row into strips of ~2.7 KB, read 64 rows apart, which the hardware
- * prefetchers do not follow, so each strip starts with DRAM misses. This one reads each weight
+ * K chunks would cut each weight row into strips of ~2.7 KB, read 64 rows apart, which the
+ * hardware prefetchers do not follow, so each strip would start with DRAM misses. This reads each weight
  * row once from start to end and, while it multiplies rows c..c+C-1 at element j, prefetches
  * element j of the next C rows (one software prefetch per weight load, one tile ahead: the
  * lead is a tile's run time, ~0.2-0.5 us, longer than a DRAM miss). All row tiles of a
@@ -266,9 +162,7 @@ static BF16 void decode_bf16(int type, const uint8_t *w, int64_t N, int64_t row_
 #ifndef PF_MIN_R
 #define PF_MIN_R 3
 #endif
-/* [sum(a), sum(b), sum(c), sum(d)] of four float32 vectors (AVX-512F shuffles only). The
- * additions run in a different order from _mm512_reduce_add_ps, so results may differ from the
- * other decode kernel's in the last bit (both are float32 sums of the same exact products). */
+/* [sum(a), sum(b), sum(c), sum(d)] of four float32 vectors (AVX-512F shuffles only). */
 #ifndef HSUM4
 #define HSUM4 1
 #endif
@@ -484,27 +378,11 @@ static BF16 int panel_bf16(int type, const uint8_t *w, int64_t N, int64_t row_st
     return err;
 }
 
-/* The decode kernel of the auto path: 0 streamed (decode_stream), 1 the session-14 kernel with
- * K chunks (decode_bf16), kept for same-process A/B runs; ITERSERVE_BF16_DECODE=chunked
- * chooses it at start. */
-static int decode_variant = -1;
-
-int64_t iterserve_bf16_variant(int64_t want) {
-    if (want == 0 || want == 1) decode_variant = (int)want;
-    if (decode_variant < 0) {
-        const char *e = getenv("ITERSERVE_BF16_DECODE");
-        decode_variant = e && strcmp(e, "chunked") == 0;
-    }
-    return decode_variant;
-}
-
-/* path 0: by row count (BF16_PANEL_ROWS), the decode kernel iterserve_bf16_variant says; 1: the
- * session-14 decode kernel (K chunks); 2: the panel kernel; 3: the session-14 decode kernel
- * without K chunks (benchmarks); 4: the streamed decode kernel. */
-int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
-                        int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
-                        float *y, int64_t ldy, int nthreads) {
-    if ((type != GGML_BF16 && type != GGML_F16) || k % 32 || iterserve_bf16_isa(-1) != 1)
+/* path 0: by row count (BF16_PANEL_ROWS); 1: the decode kernel; 2: the panel kernel. */
+int iterserve_k_bf16(int64_t path, int64_t type, const uint8_t *w, int64_t n,
+                     int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                     float *y, int64_t ldy, int nthreads) {
+    if ((type != GGML_BF16 && type != GGML_F16) || k % 32 || !iterserve_st.bf16)
         return ITERSERVE_ETYPE;
     if (M < 1 || n < 1) return ITERSERVE_OK;
     if (nthreads < 1) nthreads = 1;
@@ -521,9 +399,6 @@ int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
     uint16_t *xb = xb_scratch((size_t)M * (size_t)ldb);
     if (!xb) return ITERSERVE_ENOMEM;
     round_rows(x, M, ldx, k, xb, ldb, nthreads);
-    if (path == 4 || (path == 0 && iterserve_bf16_variant(-1) == 0))
-        decode_stream((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads);
-    else
-        decode_bf16((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads, path != 3);
+    decode_stream((int)type, w, n, row_stride, k, xb, ldb, M, y, ldy, nthreads);
     return ITERSERVE_OK;
 }

@@ -1,11 +1,11 @@
 /* Streamed decode kernels for F16 weights (f16 GGUFs, fp16 checkpoints): y[M, n] = x . W^T
- * for decode steps of 1..F16_STREAM_ROWS activation rows, exact float32 arithmetic.
+ * for decode steps of 1..16 activation rows (dispatch.c), exact float32 arithmetic.
  *
- * Why: F16 decode steps ran qgemm.c's register kernel at 1-2 rows (F16 as 32-element pseudo-
- * blocks, K chunks of the activations) and prefill.c's float32 panel GEMM from 3 rows (every
- * weight panel converted and packed into a scratch, then re-read): a batch-8 step of the 1.7B
- * F16 GGUF took ~240 ms while bf16dot.c's streamed kernel made the same step of the bf16
- * checkpoint in ~124 ms. This is bf16dot.c's streamed design (session 15) for F16: each
+ * Why: qgemm.c's register kernel at 1-2 rows (F16 as 32-element pseudo-blocks, K chunks of
+ * the activations) and prefill.c's float32 panel GEMM from 3 rows (every weight panel
+ * converted and packed into a scratch, then re-read) made a batch-8 step of the 1.7B F16
+ * GGUF take ~240 ms while bf16dot.c's streamed kernel made the same step of the bf16
+ * checkpoint in ~124 ms. This is bf16dot.c's streamed design for F16: each
  * weight row is read once from start to end, no packing, no K chunks; while a tile multiplies
  * weight rows c..c+C-1 it prefetches the same elements of the next C rows; all row tiles of a
  * call (tiles of <= 8 activation rows) run on one group of C weight rows before the next, so
@@ -22,13 +22,10 @@
  * only run on CPUs that have it, while these need only AVX-512F (or AVX2 + FMA + F16C), i.e.
  * every CPU the kernels run on; and the product is exact, not bf16-rounded.
  *
- * Dispatch: iterserve_qgemm hands F16 calls of 1..F16_STREAM_ROWS rows here (iterserve_f16_takes)
- * before any other path, so the per-module path and the fused decode layers (decode_layers.c,
- * which call iterserve_qgemm) run the same code and stay bit-identical. The ISA follows
- * iterserve_gemm_isa (tests force AVX2 on an AVX-512 CPU). ITERSERVE_F16_DECODE=s15 (or
- * iterserve_f16_variant(1)) restores session 15's F16 decode paths for A/B runs. Prefill (M >
- * F16_STREAM_ROWS, kernels.gemm) is untouched: prefill.c / bf16dot.c's panel GEMMs.
- * Measurements: see F16_STREAM_ROWS below.
+ * Dispatch: dispatch.c hands F16 calls of 1..16 rows here, so the per-module path and the fused
+ * decode layers (decode_layers.c, which call iterserve_qgemm) run the same code and stay
+ * bit-identical. The ISA follows iterserve_st.wide (tests force AVX2 on an AVX-512 CPU).
+ * Prefill (kernels.gemm) takes prefill.c / bf16dot.c's panel GEMMs.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -44,48 +41,27 @@
 #define A512_INLINE static inline __attribute__((always_inline)) A512
 #define A2_INLINE static inline __attribute__((always_inline))
 
-/* Up to this many activation rows F16 decode calls take the streamed kernels. Measured
+/* Against the register kernel (1-2 rows) and the float32 panel (from 3 rows) it replaced
  * (bench_bf16.py --types F16 --shapes qo gate down, same process, alternating, medians of 7,
- * loaded shared 2-core machine; benchmarks/results/f16-kernels-t{1,2}.json), `qgemm` now over
- * session 15's (auto mode) in time, qo 2048x2048 / gate 8192x2048 / down 2048x8192:
- * - 1-2 rows: 0.82-0.91 / 0.99-1.11 / 0.93-1.16 (session 15: the AVX-512 register kernel; qo,
- *   8 MB, is partly cache-resident in a loop; row512 above);
+ * loaded shared 2-core machine; benchmarks/results/f16-kernels-t{1,2}.json), time ratio qo
+ * 2048x2048 / gate 8192x2048 / down 2048x8192:
+ * - 1-2 rows: 0.82-0.91 / 0.99-1.11 / 0.93-1.16 (qo, 8 MB, is partly cache-resident);
  * - 4 rows: 1.71-2.39 / 2.29-2.30 / 1.31-1.45; 8 rows: 1.19-1.49 / 1.51-1.56 / 1.55-1.65;
- *   12 rows: 1.14-1.36 / 1.29-1.39 / 1.63-1.70 (session 15: prefill.c's float32 panel);
- * - 16 rows, forced, against bf16dot.c's bf16 panel (session 15's auto path from 16 rows):
- *   0.87-1.00 / 0.95-1.13 / 1.27-1.31, so auto keeps 16+ on that panel (iterserve_f16_takes);
- *   against prefill.c's float32 panel (float mode) 1.07 / 1.12 / 1.27-1.46 at 16, 0.87 / 0.96
- *   / 0.96-1.05 at 24: hence 16.
- * End to end (bench_bf16.py --e2e 1.7B F16 GGUF --f16-variants, 2 threads, 16 steps, medians
- * of 3, loaded): 2.26x at batch 8 (6.8 -> 15.4 tok/s), 1.73x at batch 3, 1.27x at batch 1.
- * The batch-8 tile (8 x 3 weight rows, 24 FMAs per 3 weight loads) is bound by FMA
- * throughput, ~16 GB/s of f16 weights per core; bf16dot.c's vdpbf16ps does twice the products
- * per instruction, but rounds both sides to bf16. AVX2 ("stream2") is measured on this CPU by
- * forcing it: level with AVX-512 at 1-4 rows, about half from 8. */
-#ifndef F16_STREAM_ROWS
-#define F16_STREAM_ROWS 16
-#endif
+ *   12 rows: 1.14-1.36 / 1.29-1.39 / 1.63-1.70;
+ * - 16 rows against bf16dot.c's bf16 panel 0.87-1.00 / 0.95-1.13 / 1.27-1.31, against the
+ *   float32 panel 1.07 / 1.12 / 1.27-1.46 at 16, 0.87 / 0.96 / 0.96-1.05 at 24: hence up to
+ *   16 rows (dispatch.c).
+ * End to end (1.7B F16 GGUF, 2 threads, 16 steps, medians of 3, loaded): 2.26x at batch 8
+ * (6.8 -> 15.4 tok/s), 1.73x at batch 3, 1.27x at batch 1. The batch-8 tile (8 x 3 weight
+ * rows, 24 FMAs per 3 weight loads) is bound by FMA throughput, ~16 GB/s of f16 weights per
+ * core; bf16dot.c's vdpbf16ps does twice the products per instruction, but rounds both
+ * sides to bf16. AVX2 is measured on this CPU by forcing it: level with AVX-512 at 1-4 rows,
+ * about half from 8. */
 /* from this many rows per tile on, the next group's weights are prefetched (bf16dot.c's
  * PF_MIN_R: at 1-2 rows the hardware prefetcher keeps up with whole rows) */
 #ifndef F16_PF_MIN_R
 #define F16_PF_MIN_R 3
 #endif
-
-static int f16_variant = -1;        /* 0 streamed (default), 1 session 15's paths */
-
-int64_t iterserve_f16_variant(int64_t want) {
-    if (want == 0 || want == 1) f16_variant = (int)want;
-    if (f16_variant < 0) {
-        const char *e = getenv("ITERSERVE_F16_DECODE");
-        f16_variant = e && strcmp(e, "s15") == 0;
-    }
-    return f16_variant;
-}
-
-int iterserve_f16_takes(int64_t type, int64_t M) {
-    return type == GGML_F16 && M >= 1 && M <= F16_STREAM_ROWS && iterserve_f16_variant(-1) == 0
-        && !iterserve_bf16_takes(type, M);
-}
 
 /* --- activations: copied once per call into rows 64 bytes more than a multiple of K apart ---
  * (rows K * 4 bytes apart, K a multiple of 1,024, all fall into the same L1 sets) */
@@ -178,7 +154,6 @@ A512_INLINE void row512(int R, const float *x, int64_t ldx, int64_t K, const uin
 /* C weight rows per group for tiles of up to R rows: R*C accumulators + C weights + 1 x <= 32
  * zmm, R*C >= 8 chains (FMA latency 4 x 2 per cycle). A table so a benchmark harness compiled
  * with this file can vary it. */
-static int row_kernel = 1;
 static int cols512[9] = {8, 8, 8, 6, 4, 4, 4, 3, 3};
 
 /* --- AVX2 + F16C: 8 elements per step, 16 ymm: R*C accumulators + 1 weight + 1 x ---------- */
@@ -242,7 +217,7 @@ static A512 void stream512_t(const uint8_t *w, int64_t n0, int64_t n1, int64_t N
                              int64_t ldy) {
     const int64_t ntiles = (M + 7) / 8, Rmax = (M + ntiles - 1) / ntiles;
     int64_t c = n0;
-    if (M <= 2 && row_kernel) {
+    if (M <= 2) {
         for (; c < n1; c++)
             if (M == 1) row512(1, x, ldx, K, w + c * rs, y + c, ldy);
             else row512(2, x, ldx, K, w + c * rs, y + c, ldy);
@@ -275,14 +250,14 @@ static void stream256_t(const uint8_t *w, int64_t n0, int64_t n1, int64_t N, int
 }
 #undef CAP
 
-/* path 0: streamed kernel, ISA by iterserve_gemm_isa; 1: the AVX2 one; 2: the AVX-512 one
- * (benchmarks and tests; returns ITERSERVE_ETYPE where the CPU lacks it). */
-int iterserve_f16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
-                       int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
-                       float *y, int64_t ldy, int nthreads) {
+/* isa 0: the ISA of iterserve_st.wide; 1: the AVX2 kernels; 2: the AVX-512 ones (benchmarks
+ * and tests; returns ITERSERVE_ETYPE where the CPU lacks it). */
+int iterserve_k_f16(int64_t isa, int64_t type, const uint8_t *w, int64_t n,
+                    int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                    float *y, int64_t ldy, int nthreads) {
     if (type != GGML_F16 || k < 1) return ITERSERVE_ETYPE;
-    const int have512 = (iterserve_cpu_features() >> 3) & 1;
-    const int wide = path == 2 ? 1 : path == 1 ? 0 : iterserve_gemm_isa(-1) == 2;
+    const int have512 = (iterserve_st.features & ITERSERVE_F_AVX512F) != 0;
+    const int wide = isa == 2 ? 1 : isa == 1 ? 0 : iterserve_st.wide == 2;
     if (wide && !have512) return ITERSERVE_ETYPE;
     if (M < 1 || n < 1) return ITERSERVE_OK;
     if (nthreads < 1) nthreads = 1;

@@ -2,9 +2,9 @@
  *
  * Why one header: the prototypes used to be written three times (in each .c file, again in
  * decode_layers.c, and as ctypes argtypes and Structure copies in Python), and nothing
- * checked that the copies agreed. Every kernel source includes this file; kernels/__init__.py
- * declares the same functions once (`_ARGTYPES`) and the same structs once (`Segment`,
- * `Linear`, `Layer`), and refuses to use a library whose `iterserve_abi()` (struct sizes and
+ * checked that the copies agreed. Every kernel source includes this file; kernels/_abi.py
+ * declares the same functions once (`ARGTYPES`) and the same structs once (`Segment`,
+ * `Linear`, `Layer`, `Config`), and refuses to use a library whose `iterserve_abi()` (struct sizes and
  * field offsets, the ABI version, the block sizes of every type) differs from what ctypes
  * computes. Python callers go through one checked wrapper per kernel (dtype, contiguity,
  * shapes, strides -> ValueError); no raw pointer reaches these functions unchecked.
@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 3
+#define ITERSERVE_ABI_VERSION 5
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -58,122 +58,62 @@ typedef struct {
     iterserve_linear qkv, o, gate_up, down;
 } iterserve_layer;
 
-/* --- ABI self-description (kernels/__init__.py compares it with ctypes) ----------------- */
+/* --- the one configuration (config.c) --------------------------------------------------- */
+/* What Python sets once (kernels.configure), before any kernel runs. */
+enum { ITERSERVE_ACT_FLOAT = 0, ITERSERVE_ACT_INT8 = 1, ITERSERVE_ACT_AUTO = 2 };
+enum { ITERSERVE_ISA_BEST = 0, ITERSERVE_ISA_AVX2 = 1, ITERSERVE_ISA_AVX512 = 2 };
+typedef struct {
+    int64_t activations;        /* ITERSERVE_ACT_*: how the linear kernels treat activations */
+    int64_t isa;                /* ITERSERVE_ISA_*: the widest vector ISA the kernels may use */
+    int64_t batch_invariant;    /* 1: one arithmetic per output whatever the row count (dispatch.c) */
+} iterserve_config;
+/* CPU feature bits (iterserve_cpu_features) */
+enum { ITERSERVE_F_AVX2 = 1 << 0, ITERSERVE_F_FMA = 1 << 1, ITERSERVE_F_F16C = 1 << 2,
+       ITERSERVE_F_AVX512F = 1 << 3, ITERSERVE_F_AVX512BW = 1 << 4,
+       ITERSERVE_F_AVX512VL = 1 << 5, ITERSERVE_F_AVX512VNNI = 1 << 6,
+       ITERSERVE_F_AVX512BF16 = 1 << 7, ITERSERVE_F_AVXVNNI = 1 << 8,
+       ITERSERVE_F_AVX512VBMI = 1 << 9 };
+/* Resolves the configuration against the CPU into iterserve_st (below). */
+void iterserve_configure(const iterserve_config *cfg);
+/* The resolved state as int64s (activations, features, wide, int8, vbmi, bf16, invariant);
+ * returns 7. */
+int64_t iterserve_config_state(int64_t *out, int64_t cap);
+/* CPU features as run-time detected bits (ITERSERVE_F_*: cpuid + OS state). */
+int64_t iterserve_cpu_features(void);
+
+/* --- ABI self-description (kernels/_abi.py compares it with ctypes) --------------------- */
 /* Writes up to cap int64s: version, sizeof + offsets of the structs, then per type id
  * 0..GGML_TYPE_LIMIT-1 (block elements, block bytes, qgemm?, dequant?); returns the count. */
 int64_t iterserve_abi(int64_t *out, int64_t cap);
-/* CPU features as run-time detected bits (bit 0 avx2, 1 fma, 2 f16c, 3 avx512f, 4 avx512bw,
- * 5 avx512vl, 6 avx512vnni, 7 avx512bf16, 8 avxvnni). */
-int64_t iterserve_cpu_features(void);
 
-/* --- GEMM and dequantisation over GGUF blocks (qgemm.c, dequant.c) ----------------------- */
+/* --- the linear layer's product over GGUF blocks (dispatch.c: the one routing table) ----- */
 /* y[m][col] = sum_j x[m][j] * W[col][j] for the n rows of W (one segment), m < M; y row m at
- * y + m * ldy (the caller offsets y by the segment's first output column). From a per-type
- * row count on (qgemm.c's panel_rows, measured per type) it runs iterserve_gemm. */
+ * y + m * ldy (the caller offsets y by the segment's first output column). dispatch.c's table
+ * chooses the kernel by (type, rows, activation mode). */
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads);
-/* The same product for many rows of x (prefill, large batches; prefill.c): weight panels
- * decoded into an L1 scratch, then a register-blocked float32 GEMM. Any type `dequant`
- * decodes; k a multiple of the type's block (of 32 for the float types). Returns
- * ITERSERVE_OK, ITERSERVE_ETYPE (type or k not accepted) or ITERSERVE_ENOMEM. */
+/* The same product for prefill chunks and large batches, for every type dequant.c decodes
+ * (k a multiple of the type's block, of 32 for the float types). Returns ITERSERVE_OK,
+ * ITERSERVE_ETYPE (type or k not accepted) or ITERSERVE_ENOMEM. */
 int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
-/* The instruction set iterserve_gemm and iterserve_qgemm's register kernels use:
- * want 1 = AVX2, 2 = AVX-512F, -1 = only report it, anything else (or more than the CPU
- * has) = the best the CPU has; returns the one now in use. */
-int64_t iterserve_gemm_isa(int64_t want);
-/* One path of iterserve_qgemm's float mode, for tests and benchmarks (kquant): path 1 = the
- * register kernel of the type for the ISA in use at any row count (no hand-over to the panel
- * GEMM), 2 = the generic decode-into-L1 kernel, 3 = the panel GEMM, else iterserve_qgemm. */
-void iterserve_qgemm_path(int64_t path, int64_t type, const uint8_t *w, int64_t n,
-                          int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
-                          float *y, int64_t ldy, int nthreads);
+/* One kernel of the table, for tests and benchmarks: ITERSERVE_K_* below (ITERSERVE_K_AUTO:
+ * the table's choice). Returns ITERSERVE_ETYPE where that kernel does not take the call. */
+enum { ITERSERVE_K_AUTO = 0, ITERSERVE_K_REGISTERS = 1, ITERSERVE_K_GENERIC = 2,
+       ITERSERVE_K_PANEL = 3, ITERSERVE_K_ACT8 = 4, ITERSERVE_K_GEMM8 = 5, ITERSERVE_K_BF16 = 6,
+       ITERSERVE_K_F16 = 7, ITERSERVE_K_DEC8 = 8 };
+int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int64_t n,
+                            int64_t row_stride, int64_t k, const float *x, int64_t M,
+                            int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* The kernel the table chooses for a call (an ITERSERVE_K_* value). */
+int64_t iterserve_route(int64_t type, int64_t M, int64_t k);
+/* Whether the int8 kernels cover the type (qdot8.c) and the int8 GEMM does (prefill8.c). */
+int iterserve_can_act8(int64_t type);
+int iterserve_can_gemm8(int64_t type);
 /* out[r][0..k) = W[r] as float32, exactly as gguf-py's dequantize, for r < n. */
 void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
                        int64_t k, float *out, int64_t ldo, int nthreads);
-
-/* --- 8-bit activations, integer dot products (qdot8.c) ----------------------------------- */
-/* The same product as iterserve_qgemm with x quantised to int8 once per call (Q8_0 blocks of
- * 32 for Q4_0 / Q8_0, Q8_K blocks of 256 for Q4_K / Q6_K) and integer dot products (AVX2
- * maddubs/madd or AVX-512 VNNI). Not bit-identical with the float path (activation rounding).
- * Returns ITERSERVE_OK, ITERSERVE_ETYPE (type without an int8 kernel, or k not whole blocks)
- * or ITERSERVE_ENOMEM. */
-int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
-                         int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
-                         int64_t ldy, int nthreads);
-/* Instruction set of the int8 kernels: want 1 = AVX2, 2 = AVX-512 F/BW/VL/VNNI, -1 = only
- * report, anything else (or more than the CPU has) = the best; returns the one in use. */
-int64_t iterserve_act8_isa(int64_t want);
-/* Which AVX-512 kernels the 32-element types take: 0 = the 4-block VBMI kernels (default where
- * the CPU has VBMI), 1 = the two-block pair kernels (A/B); another value only reports. */
-int64_t iterserve_act8_variant(int64_t v);
-/* K-quant decode kernels' K chunk per row tile (A/B): 0 = 32 KB, Q6_K 64 KB (default),
- * 1 = session 14's 16 KB, 2 = no chunks, 3..1024 = that many KB; others only report. */
-int64_t iterserve_act8_kq_variant(int64_t v);
-/* Row count from which auto runs K-quant decode steps on iterserve_gemm8: 0 = the measured
- * per-type rows (default), v > 0 = from v rows (33: never; A/B); v < 0 only reports. */
-int64_t iterserve_act8_kq_gemm_rows(int64_t v);
-/* The same for the 32-element types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0): 0 = the measured rows
- * (default), v > 0 = from v rows (33: never, session 15's path; A/B); v < 0 only reports. */
-int64_t iterserve_act8_q32_gemm_rows(int64_t v);
-/* Most rows per AVX-512 K-quant decode tile where K <= 4096: 6 (default), 4 (session 14) ..
- * 8 (A/B); another value only reports. */
-int64_t iterserve_act8_kq_tile(int64_t v);
-/* K-quant decode kernels: 0 = one decode per super-block for all rows of the step (default,
- * session 16), 1 = session 15's row tiles (A/B); 101..112 = rows per tile of the former
- * (A/B); another value only reports. Returns 0 or 1. */
-int64_t iterserve_act8_kq_decode(int64_t v);
-/* Activation mode of iterserve_qgemm: 0 float (qgemm.c's kernels), 1 int8 (qdot8.c for the
- * types it has, up to 32 rows), 2 auto (int8 up to the measured per-type row counts in
- * qdot8.c); another value only reports. Returns the mode. */
-int64_t iterserve_set_act_mode(int64_t mode);
-/* internal: whether the int8 mode takes a call of this type and row count */
-int iterserve_can_act8(int64_t type);
-int iterserve_act8_takes(int64_t type, int64_t M);
-int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k);
-
-/* --- prefill / large-batch GEMM with 8-bit activations (prefill8.c) --------------------- */
-/* iterserve_gemm's product with x quantised to int8 once per call (blocks of 32) and the
- * weight panels decoded to int8 codes + per-block scales: AVX-512 VNNI vpdpbusd, or AVX2
- * maddubs (not Q8_0 there). Types: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K. Returns
- * ITERSERVE_OK, ITERSERVE_ETYPE (type / ISA / k not accepted) or ITERSERVE_ENOMEM. */
-int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
-                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
-/* Panel decode of the 32-element types in iterserve_gemm8: 0 = 8 blocks of a row at a time
- * with prefetch (default), 1 = one block at a time (session 15; A/B); others only report. */
-int64_t iterserve_gemm8_pack_variant(int64_t v);
-int iterserve_can_gemm8(int64_t type);
-/* internal: whether iterserve_gemm hands a call of this type and row count to
- * iterserve_gemm8 under the activation mode (iterserve_set_act_mode) */
-int iterserve_gemm8_takes(int64_t type, int64_t M);
-/* --- bf16 dot products for BF16 (F16) weights (bf16dot.c, AVX-512 BF16) ------------------ */
-/* The same product as iterserve_qgemm with x rounded to bf16 once per call and vdpbf16ps
- * (float32 accumulators): path 0 by row count, 1 the decode kernel, 2 the panel GEMM.
- * Returns ITERSERVE_ETYPE (not BF16/F16, k % 32, or no avx512bf16 in use) or ENOMEM. */
-int iterserve_bf16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
-                        int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
-                        float *y, int64_t ldy, int nthreads);
-/* 0 = off, 1 = avx512bf16 (if the CPU has it); -1 only reports, anything else = the best. */
-int64_t iterserve_bf16_isa(int64_t want);
-/* The decode kernel (below BF16_PANEL_ROWS rows) of path 0: 0 streamed (default), 1 the
- * session-14 kernel with K chunks (A/B runs); -1 only reports. */
-int64_t iterserve_bf16_variant(int64_t want);
-/* internal: whether iterserve_qgemm / iterserve_gemm hand this call to iterserve_bf16_gemm */
-int iterserve_bf16_takes(int64_t type, int64_t M);
-
-/* --- streamed decode kernels for F16 weights (f16dot.c, AVX-512F or AVX2 + F16C) ---------- */
-/* The same product as iterserve_qgemm for F16 weights, exact float32 (weights widened with
- * vcvtph2ps, float32 FMAs): path 0 the ISA of iterserve_gemm_isa, 1 AVX2, 2 AVX-512F (tests,
- * benchmarks). Any k >= 1. Returns ITERSERVE_ETYPE (not F16, or an ISA the CPU lacks) or ENOMEM. */
-int iterserve_f16_gemm(int64_t path, int64_t type, const uint8_t *w, int64_t n,
-                       int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
-                       float *y, int64_t ldy, int nthreads);
-/* F16 decode steps: 0 the streamed kernels (default), 1 session 15's paths (qgemm.c register
- * kernel / prefill.c panel; ITERSERVE_F16_DECODE=s15 at start); -1 only reports. */
-int64_t iterserve_f16_variant(int64_t want);
-/* internal: whether iterserve_qgemm hands this call to iterserve_f16_gemm */
-int iterserve_f16_takes(int64_t type, int64_t M);
 
 /* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
 void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);
@@ -202,7 +142,11 @@ int iterserve_decode_layers(const iterserve_layer *layers, int nlayers, float *c
                             const int32_t *tables, int max_blocks, const int32_t *lens,
                             int window, int bs, float scale, int nthreads);
 
-/* --- the same two over a KV pool of float32 or f16 rows (bench, issue 13) --------------- */
+/* Opt-in phase timers of iterserve_decode_layers (benchmarks/profile_decode.py): acc of at
+ * least the returned number of doubles, NULL off (the default). */
+int iterserve_decode_profile(double *acc);
+
+/* --- the same two over a KV pool of float32 or f16 rows (bench) ------------------------- */
 /* kv_type: ITERSERVE_KV_F32 or ITERSERVE_KV_F16 (IEEE half, written with round-to-nearest-
  * even like torch's .to(float16)); any other value returns ITERSERVE_ETYPE. */
 enum { ITERSERVE_KV_F32 = 0, ITERSERVE_KV_F16 = 1 };
@@ -234,6 +178,46 @@ int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void 
                                int window, int bs, float scale, int nthreads, int kv_type);
 
 /* --- internal, shared between the kernel sources ---------------------------------------- */
+/* The resolved configuration every kernel reads (config.c). activations: ITERSERVE_ACT_*;
+ * wide: 2 = AVX-512F for the float kernels, else AVX2; int8: 2 = AVX-512 F/BW/VL/VNNI for the
+ * int8 kernels, else AVX2; vbmi: int8 == 2 and AVX-512 VBMI; bf16: AVX-512 BF16 usable. */
+typedef struct {
+    int activations, wide, int8, vbmi, bf16, invariant;
+    int64_t features;
+} iterserve_state;
+extern iterserve_state iterserve_st;
+
+/* The leaf kernels dispatch.c routes to; each computes iterserve_qgemm's product.
+ * qgemm.c: the float register kernels of the ISA in use, any row count (tiles of 8). */
+void iterserve_k_registers(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                           int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                           int64_t ldy, int nthreads);
+/* prefill.c: the float32 panel GEMM (any type dequant.c decodes). */
+int iterserve_k_panel(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                      int nthreads);
+/* qdot8.c: int8 activations, integer dot products, decode row counts. Not bit-identical
+ * with the float path (activation rounding). ETYPE: no int8 kernel for the type, or k not
+ * whole blocks. */
+int iterserve_k_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* prefill8.c: int8 activations, panel GEMM (not Q8_0 on AVX2: ETYPE). */
+int iterserve_k_gemm8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                      int nthreads);
+/* prefill8.c: the int8 GEMM's arithmetic at decode row counts (column tiles, no panel). */
+int iterserve_k_dec8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* bf16dot.c: activations rounded to bf16, vdpbf16ps (BF16 / F16 weights, avx512bf16 only);
+ * path 0 by row count, 1 the decode kernel, 2 the panel GEMM. */
+int iterserve_k_bf16(int64_t path, int64_t type, const uint8_t *w, int64_t n,
+                     int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                     float *y, int64_t ldy, int nthreads);
+/* f16dot.c: streamed exact float32 kernels for F16 weights; isa 0 the state's, 1 AVX2,
+ * 2 AVX-512F (ETYPE where the CPU lacks it). */
+int iterserve_k_f16(int64_t isa, int64_t type, const uint8_t *w, int64_t n,
+                    int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
+                    float *y, int64_t ldy, int nthreads);
 /* Block geometry of a ggml type (0 if unknown) and whether dequant.c decodes it. */
 int iterserve_block_elems(int64_t type);
 int iterserve_block_bytes(int64_t type);

@@ -5,9 +5,8 @@
  * rows, which is right when a step is bound by the weight bytes it streams, but a prefill
  * chunk of 64-512 rows is bound by arithmetic: there the decode kernels are several times
  * slower than a float GEMM. Dequantising 4 MB tiles of the weight to float32 and running
- * oneDNN on them (the reference path) costs a pass over memory per call and made prefill
- * slower than the prepacked float32 copy it replaced (issue 12's memory fix, issue 17's
- * regression). This kernel is a BLIS-style GEMM whose packing step *is* the dequantisation:
+ * oneDNN on them (the reference path) costs a pass over memory per call and is slower than
+ * a prepacked float32 copy, which would double the resident weights. This kernel is a BLIS-style GEMM whose packing step *is* the dequantisation:
  *
  *   for each panel of NP = 32 weight rows (threads split the panels):
  *     for each K chunk of KC elements (whole blocks, ~256 elements):
@@ -21,29 +20,28 @@
  * The decode work per weight is paid once per call and shared by all M rows (at M = 64 it
  * is ~1/10 of the FMAs). The micro-kernel is MR = 12 rows x 32 columns of zmm accumulators
  * (24 of the 32 registers) with AVX-512F, or 6 rows x 16 columns of ymm (12 of 16) with AVX2
- * on CPUs without it; chosen at run time (iterserve_gemm_isa). x and y are plain float32
+ * on CPUs without it; chosen at run time (iterserve_st.wide). x and y are plain float32
  * with their own row strides, so the segments of a fused weight write side by side.
  * Measured (benchmarks/bench_qgemm.py prefill, one thread, CPU time, same process,
  * alternating, on a loaded 2-core AVX-512 EPYC; benchmarks/results/speed-prefill-gemm.json):
- * on the bundled model's Q4_1 shapes at M = 64-512 it is 1.1-1.9x the reference tiles it
- * replaced and 0.86-1.28x oneDNN over a prepacked float32 copy (old main; median ~0.97x: the
- * micro-kernel runs at oneDNN's rate, ~200-220 GFLOP/s here, and the panel decode costs
- * 3-14%); Q4_0 on 1.7B shapes 0.93-1.01x of the prepacked copy. The K-quants and Q5_0 / Q5_1
- * are decoded by blocks512.h's register decoders (pack512_u: no call per block, Q4_K's
- * nibbles through a per-sub-block table) and activation rows are processed in blocks of at
- * most 256 (MB_MAX, below): same process, alternating, one thread, 1.7B shapes, 64 / 256 / 512
- * rows, loaded machine (benchmarks/results/kquant-prefill-ab-t1.json, bench_qgemm.py ab
- * --function gemm): Q4_K 1.36-1.64x / 1.11-1.22x / 1.09-1.10x the previous panel GEMM and
- * 1.01-1.07x / 0.95-0.97x / 0.86-0.93x oneDNN over a prepacked float32 copy (the previous
- * one: 0.62-0.79x / 0.79-0.87x / 0.78-0.85x in the same run); Q6_K 1.09-1.11x / 0.99-1.05x /
- * 1.00-1.07x the previous, 0.95-1.10x / 0.88-0.98x / 0.89-0.95x prepacked. What is left at
+ * on the bundled model's Q4_1 shapes at M = 64-512 it is 1.1-1.9x the reference tiles and
+ * 0.86-1.28x oneDNN over a prepacked float32 copy (median ~0.97x: the micro-kernel runs at
+ * oneDNN's rate, ~200-220 GFLOP/s here, and the panel decode costs 3-14%); Q4_0 on 1.7B
+ * shapes 0.93-1.01x of the prepacked copy. The K-quants and Q5_0 / Q5_1 are decoded by
+ * blocks512.h's register decoders (pack512_u: no call per block, Q4_K's nibbles through a
+ * per-sub-block table) and activation rows are processed in blocks of at most 256 (MB_MAX,
+ * below): 1.7B shapes, 64 / 256 / 512 rows (benchmarks/results/kquant-prefill-ab-t1.json,
+ * bench_qgemm.py ab --function gemm), Q4_K 1.01-1.07x / 0.95-0.97x / 0.86-0.93x oneDNN over a
+ * prepacked float32 copy (a call per block decode with unblocked rows: 0.62-0.79x /
+ * 0.79-0.87x / 0.78-0.85x in the same run); Q6_K 0.95-1.10x / 0.88-0.98x / 0.89-0.95x
+ * prepacked. What is left at
  * 256-512 rows is the decode + 16x16 transpose of each panel (~350 us per pass over a
  * 2048x2048 Q4_K weight) on top of a micro-kernel that runs at oneDNN's rate.
  * Results equal a float32 GEMM over gguf-py's dequantised weights up to summation order
  * (k in order within a chunk, chunks added in order). Every type dequant.c decodes is
  * accepted; the float types (F32 / F16 / BF16) are 32-element pseudo-blocks, so they need
  * k % 32 == 0, and an fp32/bf16 checkpoint needs no prepacked copy of its weights either.
- * Under --kernel-activations int8 / auto, iterserve_gemm hands the types prefill8.c covers
+ * Under --kernel-activations int8 / auto, dispatch.c sends the types prefill8.c covers
  * (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K) to its int8-activation GEMM
  * (2-3.5x this one's speed at 64-512 rows); this file stays the float reference.
  */
@@ -70,15 +68,6 @@
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512bw")))
 #include "blocks512.h"
 #include "transpose.h"
-
-static int isa_in_use = 0;    /* 0: not chosen yet; 1: AVX2; 2: AVX-512F */
-
-int64_t iterserve_gemm_isa(int64_t want) {
-    if (want == -1 && isa_in_use) return isa_in_use;          /* a query */
-    const int have = (iterserve_cpu_features() >> 3) & 1 ? 2 : 1;
-    isa_in_use = want >= 1 && want <= have ? (int)want : have;
-    return isa_in_use;
-}
 
 /* Decode the panel's rows [p0, p0 + rows) (rows <= NP) over blocks [b0, b0 + nb) into
  * bp[nb * QB][NP], K-major; rows past `rows` are zero. Block column by block column, so
@@ -347,22 +336,14 @@ static void rows256(int64_t M, const float *x, int64_t ldx, const float *bp, int
     }
 }
 
-int iterserve_gemm(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
-                   const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads) {
+int iterserve_k_panel(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                      int nthreads) {
     int QB, BB;
     const iterserve_decode_fn fn = iterserve_block_decoder(type, &QB, &BB);
     if (!fn || K % QB) return ITERSERVE_ETYPE;
     if (M < 1 || N < 1) return ITERSERVE_OK;
-    /* 8-bit activations and integer dot products (prefill8.c) where the mode says so */
-    if (iterserve_gemm8_takes(type, M)
-        && iterserve_gemm8(type, w, N, row_stride, K, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-        return ITERSERVE_OK;
-    /* bf16 dot products (bf16dot.c) for BF16 weights in the auto mode on avx512bf16 CPUs */
-    if (iterserve_bf16_takes(type, M)
-        && iterserve_bf16_gemm(0, type, w, N, row_stride, K, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-        return ITERSERVE_OK;
-    if (!isa_in_use) iterserve_gemm_isa(0);
-    const int wide = isa_in_use == 2;
+    const int wide = iterserve_st.wide == 2;
     const int nbk = (int)(K / QB);
     int bpc = KC_TARGET / QB;                         /* blocks per K chunk */
     if (bpc < 1) bpc = 1;

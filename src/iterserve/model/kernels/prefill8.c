@@ -4,7 +4,7 @@
  *
  * Why: prefill.c's float panel GEMM runs its register-blocked FMA micro-kernel at ~360
  * GFLOP/s on this 2-core AVX-512 EPYC, close to the fp32 FMA peak, and llama.cpp still
- * prefilled 512 tokens 1.1-1.25x faster on the same GGUF files (issue 13): it quantises the
+ * prefilled 512 tokens 1.1-1.25x faster on the same GGUF files: it quantises the
  * activations to 8 bits and multiplies bytes. AVX-512 VNNI's `vpdpbusd` does 64 byte
  * multiply-adds per instruction where an fp32 FMA does 16. This file is that GEMM for
  * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K:
@@ -31,9 +31,8 @@
  *
  * ISA: AVX-512 F/BW/VL/VNNI (MR8 = 6 rows x 32 columns) where the CPU has it, else AVX2
  * (`vpmaddubsw` + `vpmaddwd`, 4 rows x 16 columns; not Q8_0, whose byte products would
- * saturate vpmaddubsw's int16 pair sums); iterserve_act8_isa chooses for both int8 files.
- * prefill.c's iterserve_gemm dispatches here under the activation mode (iterserve_gemm8_takes,
- * with the measurements). */
+ * saturate vpmaddubsw's int16 pair sums); iterserve_st.int8 chooses for both int8 files.
+ * dispatch.c sends calls here under the activation mode (with the measurements). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -100,26 +99,13 @@ static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> lo nibbles
 
 /* Q4_K / Q5_K's 6-bit scale and min of sub-block j (gguf-py's get_scale_min) */
 /* All 8 scales (bytes 0-7) and 8 mins (bytes 8-15) of a Q4_K / Q5_K super-block from its 12
- * packed bytes (llama.cpp's utmp shuffle; what kscale8 gives one at a time). Vectorising
- * these and Q6_K's scale conversion cut the K-quant panel decode, most of this GEMM's time at
- * decode row counts (qdot8.c hands K-quant steps of 8-32 rows here); pack_s14 keeps the
- * scalar code for A/B (qdot8.c kq_variant 1, bench_int8.py --kq-gemm8). */
-static int pack_s14 = 0;
-
+ * packed bytes (llama.cpp's utmp shuffle). Vectorising these and Q6_K's scale conversion cut
+ * the K-quant panel decode, most of this GEMM's time at decode row counts: the GEMM
+ * 1.10-1.36x for Q4_K, 1.02-1.07x for Q6_K (kq-gemm8-scales.json). */
 static inline __m128i kscale8_all(const uint8_t *s12) {
     uint32_t u[4];
     q4k_scales(s12, u);
     return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
-}
-
-static inline void kscale8(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
 }
 
 /* One type block of one weight row -> its signed codes (qb8 bytes, in element order), the
@@ -177,14 +163,7 @@ static inline __attribute__((always_inline)) void decode8(int type, const uint8_
             _mm256_storeu_si256((__m256i *)(codes + 64 * j), lo);
             _mm256_storeu_si256((__m256i *)(codes + 64 * j + 32), hi);
         }
-        if (pack_s14) {
-            for (int j = 0; j < 8; j++) {
-                int sc, mn;
-                kscale8(b + 4, j, &sc, &mn);
-                scale[j] = d * (float)sc;
-                mins[j] = dmin * (float)mn;
-            }
-        } else {             /* the same values, 8 at a time (kscale8_all) */
+        {
             const __m128i v = kscale8_all(b + 4);
             _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d),
                                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
@@ -214,9 +193,7 @@ static inline __attribute__((always_inline)) void decode8(int type, const uint8_
                 _mm256_storeu_si256((__m256i *)(codes + 128 * h + 32 * c),
                                     _mm256_sub_epi8(_mm256_or_si256(lo[c], hb[c]), off));
         }
-        if (pack_s14) {
-            for (int j = 0; j < 16; j++) scale[j] = d * (float)(int8_t)b[192 + j];
-        } else {
+        {
             const __m128i v = _mm_loadu_si128((const __m128i *)(b + 192));
             const __m256 dd = _mm256_set1_ps(d);
             _mm256_storeu_ps(scale, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
@@ -315,21 +292,15 @@ static int panel_alloc(int64_t K, int G, panel8 *p) {
  * whole 256s): each row's 144-272 bytes in a row are one short stream instead of 18-34 bytes
  * per row and block, the next group is prefetched, and the transposes and scale copies run
  * as for one 256-element super-block. Decode steps of 13-32 rows spend most of this GEMM's
- * time here (qdot8.c Q32_GEMM8_ROWS_*); pack_q32_s15 = 1 keeps the one-block loop (A/B,
- * iterserve_gemm8_pack_variant, bench_int8.py --gemm8-pack). */
-static int pack_q32_s15 = 0;
-
-int64_t iterserve_gemm8_pack_variant(int64_t v) {
-    if (v == 0 || v == 1) pack_q32_s15 = (int)v;
-    return pack_q32_s15;
-}
+ * time here (dispatch.c); against one block at a time the GEMM ran 1.15-1.94x at 8-32 rows
+ * (bench_int8.py, benchmarks/results/q4-gemm8-pack.json). */
 
 static inline __attribute__((always_inline)) void pack8(
         int type, const uint8_t *w, int64_t row_stride, int64_t p0, int rows, int64_t K,
         int8_t *tmp, panel8 *p) {
     const int QB = qb8(type), BB = bb8(type), G = g8(type), SB = QB / G;
     const int64_t nbk = K / QB;
-    const int GB = QB == 32 && nbk % 8 == 0 && !pack_q32_s15 ? 8 : 1;   /* blocks per step */
+    const int GB = QB == 32 && nbk % 8 == 0 ? 8 : 1;   /* blocks per step */
     const int QE = QB * GB, SE = SB * GB;
     float sc[NP8][16], mn[NP8][16];
     memset(tmp + (size_t)rows * QE, 0, (size_t)(NP8 - rows) * QE);
@@ -556,13 +527,13 @@ static void pack8_256(int type, const uint8_t *w, int64_t row_stride, int64_t p0
     }
 }
 
-int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
-                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads) {
+int iterserve_k_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                      int nthreads) {
     if (!iterserve_can_gemm8(type) || K <= 0 || K % qb8((int)type)) return ITERSERVE_ETYPE;
     if (M < 1 || N < 1) return ITERSERVE_OK;
-    const int wide = iterserve_act8_isa(-1) == 2;
+    const int wide = iterserve_st.int8 == 2;
     if (!wide && type == GGML_Q8_0) return ITERSERVE_ETYPE;     /* vpmaddubsw would saturate */
-    pack_s14 = iterserve_act8_kq_variant(-1) == 1;
     const int64_t nb = K / 32;
     const size_t need = (size_t)(M * K) + 2 * (size_t)(M * nb) * sizeof(float) + 128;
     if (need > xbuf_size) {
@@ -609,20 +580,145 @@ int iterserve_gemm8(int64_t type, const uint8_t *w, int64_t N, int64_t row_strid
     return err;
 }
 
-/* ---- the mode iterserve_gemm dispatches on -------------------------------------------------- */
-/* "float" (act mode 0): never (prefill.c's float panel GEMM, the numerical reference);
- * "int8" (1): every type above at any row count; "auto" (2): from 33 rows (what layers.py
- * sends to the prefill GEMM; 9-32 rows of the 32-element types stay with the decode kernels'
- * measured rule, qdot8.c / qgemm.c's panel_rows). Measured (one thread, CPU time, same
- * process, alternating, 2-core AVX-512 EPYC under load ~9; bench_prefill.py --gemm,
- * benchmarks/results/i8gemm-prefill-gemm-t1.json): float time / int8 time on the 1.7B
- * shapes at 64 / 512 rows, AVX-512 VNNI 2.1-2.5x / 2.7-3.1x (Q4_K, Q6_K, Q4_0; the int8
- * micro-kernel ~520-610 GOP/s per core, the panel decode ~5% of a 512-row call); the AVX2
- * variants of both kernels on the same CPU 1.4-1.6x / 1.3-1.6x (not measured on an AVX2-only
- * CPU). So auto takes it on both ISAs (Q8_0 only with VNNI: iterserve_gemm8 refuses it on
- * AVX2 and iterserve_gemm keeps the float path). */
-int iterserve_gemm8_takes(int64_t type, int64_t M) {
-    const int64_t mode = iterserve_set_act_mode(-1);
-    if (mode == 0 || !iterserve_can_gemm8(type)) return 0;
-    return mode == 1 || M > 32;
+/* ---- decode row counts: column tiles in the GEMM's arithmetic ------------------------------
+ * Why: a sequence's logits must not depend on what else its step holds. The int8
+ * GEMM above computes every output y[m][n] as one chain over the scale blocks of K, in order:
+ *     acc = fma(float(I_b), fl(scale_b * dx_b), acc)   [then acc -= min_b * xs_b]
+ * with I_b the exact integer dot of the block's codes and quantised activations, and the
+ * activations quantised per row and per 32 elements (quantise_rows), so nothing depends on
+ * M, the tile or the ISA. The decode kernels of earlier designs kept 8-16 float lanes per
+ * output (partial sums across K) and so rounded differently: a row's result changed with
+ * the kernel its step's row count chose. This kernel does the GEMM's arithmetic for any row
+ * count without its panel transpose (which only pays from ~12 rows): 8 weight rows (output
+ * columns) at a time, each type block decoded once per tile (decode8, the GEMM's decoder);
+ * per activation row and 32 elements the 8 columns' integer partial sums (vpmaddubsw on
+ * |code| and sign(x, code), vpmaddwd) are reduced with 6 vphaddd and 2 lane permutes into
+ * one vector whose lane c is column c's exact block sum, and the float chain runs with lanes
+ * = columns, as in the GEMM's micro-kernel. |code| <= 128 and |x| <= 127 keep the int16 pair
+ * sums below 32768 for every type, Q8_0 included (the GEMM's unsigned-activation form
+ * would saturate there on AVX2). AVX2 only: its lanes hold columns, so the AVX-512 GEMM and
+ * this kernel agree bit for bit on any CPU. */
+static inline __attribute__((always_inline)) __m256i dec8_sum8(const __m256i *v) {
+    const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i p = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q, p, 0x20), _mm256_permute2x128_si256(q, p, 0x31));
+}
+
+static inline __attribute__((always_inline)) void dec8_tile(
+        int type, const uint8_t *w, int64_t row_stride, int64_t c0, int nc, const xq8 *a,
+        float *acc, int8_t *codes, int8_t *acodes, float *y, int64_t ldy) {
+    const int QB = qb8(type), BB = bb8(type), G = g8(type), SB = QB / G, MIN = has_min8(type);
+    const int64_t K = a->K, M = a->M, nbk = K / QB, nb32 = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1), x80 = _mm256_set1_epi8((char)0x80);
+    float sc[8][16], mn[8][16];
+    float scv[16][8] __attribute__((aligned(32))), mnv[16][8] __attribute__((aligned(32)));
+    (void)acodes;
+    memset(sc, 0, sizeof sc);
+    memset(mn, 0, sizeof mn);
+    memset(codes, 0, (size_t)8 * QB);
+    for (int64_t i = 0; i < M * 8; i++) acc[i] = 0.f;
+    for (int64_t b = 0; b < nbk; b++) {
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *blk = w + (c0 + c) * row_stride + b * BB;
+            if (b + 1 < nbk) _mm_prefetch((const char *)blk + 4 * BB, _MM_HINT_T0);
+            decode8(type, blk, codes + c * QB, sc[c], mn[c]);
+        }
+        /* scales and mins with lanes = columns: 8x8 transposes of the decoded [column][block] */
+        for (int j = 0; j < SB; j += 8) {
+            tr8x8(&sc[0][j], 16, &scv[j][0], 8);
+            if (MIN) tr8x8(&mn[0][j], 16, &mnv[j][0], 8);
+        }
+        if (SB == 1)
+            for (int c = 0; c < 8; c++) scv[0][c] = sc[c][0], mnv[0][c] = mn[c][0];
+        for (int64_t r = 0; r < M; r++) {
+            const uint8_t *xr = a->xu + r * K + b * QB;
+            const float *dxr = a->dx + r * nb32 + b * (QB / 32), *xsr = a->xs + r * nb32 + b * (QB / 32);
+            __m256 fa = _mm256_loadu_ps(acc + 8 * r);
+            for (int u = 0; u < QB / 32; u++) {                /* 32 elements: 1 or 2 blocks */
+                const __m256i xq = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xr + 32 * u)), x80);
+                __m256i v[8];
+                for (int c = 0; c < 8; c++) {
+                    const __m256i cw = _mm256_loadu_si256((const __m256i *)(codes + c * QB + 32 * u));
+                    v[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(cw),
+                                                                  _mm256_sign_epi8(xq, cw)), ones);
+                }
+                const __m256 d = _mm256_set1_ps(dxr[u]);
+                if (G == 32) {
+                    const __m256i I = dec8_sum8(v);
+                    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(_mm256_load_ps(scv[u]), d), fa);
+                    if (MIN) fa = _mm256_fnmadd_ps(_mm256_load_ps(mnv[u]), _mm256_set1_ps(xsr[u]), fa);
+                } else {                                       /* Q6_K: two blocks of 16 */
+                    const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                    const __m256i p = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+                    const __m256i I0 = _mm256_permute2x128_si256(q, p, 0x20);
+                    const __m256i I1 = _mm256_permute2x128_si256(q, p, 0x31);
+                    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I0), _mm256_mul_ps(_mm256_load_ps(scv[2 * u]), d), fa);
+                    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I1), _mm256_mul_ps(_mm256_load_ps(scv[2 * u + 1]), d), fa);
+                }
+            }
+            _mm256_storeu_ps(acc + 8 * r, fa);
+        }
+    }
+    for (int64_t r = 0; r < M; r++) memcpy(y + r * ldy + c0, acc + 8 * r, sizeof(float) * (size_t)nc);
+}
+
+static __thread uint8_t *dbuf;
+static __thread size_t dbuf_size;
+
+int iterserve_k_dec8(int64_t type, const uint8_t *w, int64_t N, int64_t row_stride, int64_t K,
+                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                     int nthreads) {
+    if (!iterserve_can_gemm8(type) || K <= 0 || K % qb8((int)type)) return ITERSERVE_ETYPE;
+    if (M < 1 || N < 1) return ITERSERVE_OK;
+    const int wide = iterserve_st.int8 == 2;
+    const int64_t nb = K / 32;
+    const size_t need = (size_t)(M * K) + 2 * (size_t)(M * nb) * sizeof(float) + 128;
+    if (need > xbuf_size) {
+        free(xbuf);
+        xbuf = aligned_alloc(64, (need + 63) / 64 * 64);
+        xbuf_size = xbuf ? need : 0;
+        if (!xbuf) return ITERSERVE_ENOMEM;
+    }
+    xq8 a = {M, K, xbuf, (float *)(xbuf + (M * K + 63) / 64 * 64), NULL};
+    a.xs = a.dx + M * nb;
+    const int64_t ntiles = (N + 7) / 8;
+    if (nthreads < 1) nthreads = 1;
+    if (N < 64 * nthreads) nthreads = 1;
+    int err = ITERSERVE_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t r0 = M * t / T, r1 = M * (t + 1) / T;
+        if (wide) quantise_rows512(x, ldx, r0, r1, &a);
+        else quantise_rows(x, ldx, r0, r1, &a);
+        const size_t mine = (size_t)M * 8 * sizeof(float) + 2 * 8 * 256 + 64;
+        if (mine > dbuf_size) {
+            free(dbuf);
+            dbuf = aligned_alloc(64, (mine + 63) / 64 * 64);
+            dbuf_size = dbuf ? mine : 0;
+        }
+        if (!dbuf) {
+#pragma omp atomic write
+            err = ITERSERVE_ENOMEM;
+        }
+#pragma omp barrier
+        if (!err) {
+            float *acc = (float *)dbuf;
+            int8_t *codes = (int8_t *)(dbuf + (size_t)M * 8 * sizeof(float));
+            int8_t *acodes = codes + 8 * 256;
+            const int64_t q0 = ntiles * t / T, q1 = ntiles * (t + 1) / T;
+            for (int64_t q = q0; q < q1; q++) {
+                const int64_t c0 = 8 * q;
+                const int nc = N - c0 < 8 ? (int)(N - c0) : 8;
+                switch (type) {
+#define D8(TY) case TY: dec8_tile(TY, w, row_stride, c0, nc, &a, acc, codes, acodes, y, ldy); break;
+                D8(GGML_Q4_0) D8(GGML_Q4_1) D8(GGML_Q5_0) D8(GGML_Q5_1) D8(GGML_Q8_0)
+                D8(GGML_Q4_K) D8(GGML_Q5_K)
+                default: dec8_tile(GGML_Q6_K, w, row_stride, c0, nc, &a, acc, codes, acodes, y, ldy);
+#undef D8
+                }
+            }
+        }
+    }
+    return err;
 }

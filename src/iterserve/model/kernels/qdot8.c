@@ -29,23 +29,15 @@
  * per-module path both call iterserve_qgemm, which dispatches here under the same mode, so
  * those two stay bit-identical to each other.
  *
- * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_act8_isa), else AVX2. Threads
- * split the n output columns as in qgemm.c; rows go in tiles of up to 4 (balanced; AVX-512
- * K-quants up to 6 where K <= 4096: kq_tile), K in
- * chunks whose quantised activations stay near L1 (K-quants: kq_chunk, measured). Since
- * session 16 the K-quants take dotkv_vnni / dotkw_avx2 (one decode of a super-block for all
- * rows of the call, tiles of up to 12; AVX-512 on vpdpbusd with lanes of 16-element groups;
- * a software prefetch 2 columns ahead; one Q4_K / Q5_K row on AVX-512: dotk1_vnni, session
- * 17), session 15's tiles kept for A/B (kq_decode). Activations are quantised in vector code
- * (qblocks512 / qblocks256, the same values as the scalar rounding). Decode steps of many
- * rows (K-quants and the 32-element types, rows by type and K) go to prefill8.c's GEMM
- * (iterserve_act8_gemm8_takes, the end).
- *
- * Measurements and the default mode (iterserve_set_act_mode: auto = int8 for K-quants up to 32
- * rows, for Q4_0 / Q4_1 / Q5_0 / Q5_1 up to 32 where the 4-block VBMI kernels run, else and
- * for Q8_0 up to 8) are at the bottom of this file: 1.9-4.6x faster
- * than the AVX-512 float kernels for Q4_K / Q6_K at 1-16 rows, 1.1-1.9x for Q4_0 / Q8_0 at
- * 1-8 rows (one thread, CPU time).
+ * ISA: AVX-512 F/BW/VL/VNNI where the CPU has it (iterserve_st.int8), else AVX2. Threads
+ * split the n output columns as in qgemm.c; the 32-element types go in row tiles of up to 4
+ * (balanced), K in chunks whose quantised activations stay near L1. The K-quants take
+ * dotkv_vnni / dotkw_avx2 (one decode of a super-block for all rows of the call, tiles of up
+ * to 12; AVX-512 on vpdpbusd with lanes of 16-element groups; a software prefetch 2 columns
+ * ahead), one Q4_K / Q5_K row on AVX-512 dotk1_vnni. Activations are quantised in vector code
+ * (qblocks512 / qblocks256, the same values as the scalar rounding). Which rows come here at
+ * all is dispatch.c's table (with the measurements: 1.7-4.6x the float kernels for the
+ * K-quants at 1-32 rows).
  */
 #include <cpuid.h>
 #include <immintrin.h>
@@ -62,7 +54,6 @@
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 #define COL_CHUNK 64
 #define ROW_TILE 4
-#define KQ_TILE 8        /* the AVX-512 K-quant kernels' largest row tile (kq_tile: 6) */
 #define A_TILE_BYTES (16 * 1024)     /* quantised activation bytes per row tile per K chunk */
 
 /* ---- quantised activations ------------------------------------------------------------ */
@@ -83,8 +74,6 @@ static __thread void *abuf;
 static __thread size_t abuf_size;
 
 static void *scratch(size_t bytes) { return scratch_grow(&abuf, &abuf_size, bytes); }
-
-static int isa8 = 0;            /* 0: not chosen; 1: AVX2; 2: AVX-512 VNNI (iterserve_act8_isa) */
 
 /* nb blocks of B (a multiple of 32) floats: d[b] = max|x| / 127 and q = x . (127 / max|x|)
  * rounded to nearest even, vectorised. The scalar loop (nearbyintf and fmaxf per element) cost
@@ -142,7 +131,7 @@ static void *tscratch(size_t bytes) { return scratch_grow(&tbuf, &tbuf_size, byt
 
 /* qblocks for one row of K floats (d: K / B floats) */
 static void qrow(const float *x, int64_t K, int B, int8_t *q, float *d) {
-    if (isa8 == 2) qblocks512(x, K / B, B, q, d);
+    if (iterserve_st.int8 == 2) qblocks512(x, K / B, B, q, d);
     else qblocks256(x, K / B, B, q, d);
 }
 
@@ -213,7 +202,7 @@ static int quantise256(const float *x, int64_t M, int64_t ldx, int64_t K, act8 *
     return ITERSERVE_OK;
 }
 
-/* ---- helpers ---------------------------------------------------------------------------- */
+/* ---- reductions ---------------------------------------------------------------------------- */
 static inline float hsum8f(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -312,94 +301,6 @@ static inline __m256i pair16_mask(int i) {
     return _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi);
 }
 
-/* K-quants over super-blocks [b0, b1) */
-static inline __attribute__((always_inline)) void dotk_avx2(
-        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
-        const uint8_t *wrow, float *out) {
-    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
-    const int64_t K = a->K, nb = K / 256;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[ROW_TILE];
-    __m128 accm[ROW_TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *blk = wrow + b * bb;
-        __m256i isum[ROW_TILE];
-        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-        float d, cm;                               /* super-block scale; the min/offset term's */
-        __m128i mterm[ROW_TILE];
-        if (type == GGML_Q4_K || type == GGML_Q5_K) {
-            uint32_t u[4];
-            q4k_scales(blk + 4, u);
-            d = f16(blk), cm = -f16(blk + 2);
-            const int qo = type == GGML_Q5_K ? 48 : 16;
-            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
-                                                 : _mm256_setzero_si256();
-            const __m256i one = _mm256_set1_epi8(1);
-            const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-            const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
-            const __m128i mins = _mm256_extracti128_si256(ms, 1);
-            for (int r = 0; r < R; r++)
-                mterm[r] = _mm_madd_epi16(mins, _mm_loadu_si128(
-                    (const __m128i *)(a->bs32 + ((r0 + r) * nb + b) * 8)));
-            for (int p = 0; p < 4; p++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
-                __m256i wl = _mm256_and_si256(raw, m4);
-                __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                if (type == GGML_Q5_K) {          /* bits 2p, 2p+1 of qh: 16 */
-                    wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4));
-                    wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4));
-                }
-                const __m256i sl = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p));
-                const __m256i sh = _mm256_shuffle_epi8(sc, bcast16_mask(2 * p + 1));
-                for (int r = 0; r < R; r++) {
-                    const int8_t *xq = a->q + (r0 + r) * K + 256 * b + 64 * p;
-                    const __m256i xl = _mm256_loadu_si256((const __m256i *)xq);
-                    const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, xl), sl));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, xh), sh));
-                }
-            }
-        } else {                                   /* Q6_K: codes 0..63, offset 32 */
-            d = f16(blk + 208), cm = -32.f * d;
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            for (int r = 0; r < R; r++) {
-                const __m256i t = _mm256_madd_epi16(sc16, _mm256_loadu_si256(
-                    (const __m256i *)(a->bs16 + ((r0 + r) * nb + b) * 16)));
-                mterm[r] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            }
-            const __m256i sclo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc16));
-            const __m256i schi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc16, 1));
-            for (int h = 0; h < 2; h++) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                for (int g = 0; g < 4; g++) {
-                    const __m256i lo = g < 2 ? _mm256_and_si256(g == 0 ? l0 : l1, m4)
-                        : _mm256_and_si256(_mm256_srli_epi16(g == 2 ? l0 : l1, 4), m4);
-                    const __m256i hi = _mm256_and_si256(
-                        g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
-                        : g == 2 ? qh : _mm256_srli_epi16(qh, 2), m30);
-                    const __m256i w = _mm256_or_si256(lo, hi);
-                    const int j = 4 * h + g;               /* sub-block: scales 2j, 2j+1 */
-                    const __m256i s = _mm256_shuffle_epi8(j < 4 ? sclo : schi, pair16_mask(j % 4));
-                    for (int r = 0; r < R; r++) {
-                        const __m256i x = _mm256_loadu_si256(
-                            (const __m256i *)(a->q + (r0 + r) * K + 256 * b + 32 * j));
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s));
-                    }
-                }
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            const float dx = a->dx[(r0 + r) * nb + b];
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            accm[r] = _mm_fmadd_ps(_mm_set1_ps(cm * dx), _mm_cvtepi32_ps(mterm[r]), accm[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8f(acc[r]) + hsum4f(accm[r]);
-}
-
 /* ---- AVX-512 VNNI kernels ---------------------------------------------------------------- */
 static inline VNNI float hsum16f(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -475,98 +376,7 @@ static inline __attribute__((always_inline)) VNNI void dot32_vnni(
     for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]) + hsum8f(acc1[r]);
 }
 
-static inline __attribute__((always_inline)) VNNI void dotk_vnni(
-        int R, int type, const act8 *a, int64_t r0, int64_t b0, int64_t b1,
-        const uint8_t *wrow, float *out) {
-    const int bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
-    const int64_t K = a->K, nb = K / 256;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
-                                          17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
-                                          2, 1, 0);
-    __m512 acc[KQ_TILE];
-    __m128 accm[KQ_TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm_setzero_ps();
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *blk = wrow + b * bb;
-        __m512i w[4], s[4];
-        float d, cm;
-        __m128i mterm[KQ_TILE];
-        if (type == GGML_Q4_K || type == GGML_Q5_K) {
-            uint32_t u[4];
-            q4k_scales(blk + 4, u);
-            d = f16(blk), cm = -f16(blk + 2);
-            const int qo = type == GGML_Q5_K ? 48 : 16;
-            const __m256i qh = type == GGML_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
-                                                 : _mm256_setzero_si256();
-            const __m256i one = _mm256_set1_epi8(1);
-            const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-            const __m512i sc = _mm512_castsi256_si512(ms);
-            const __m128i mins = _mm256_extracti128_si256(ms, 1);
-            for (int r = 0; r < R; r++)
-                mterm[r] = _mm_madd_epi16(mins, _mm_loadu_si128(
-                    (const __m128i *)(a->bs32 + ((r0 + r) * nb + b) * 8)));
-            for (int p = 0; p < 4; p++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qo + 32 * p));
-                w[p] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
-                                                           _mm256_srli_epi16(raw, 4), 1), m4);
-                if (type == GGML_Q5_K) {
-                    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4);
-                    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
-                    w[p] = _mm512_or_si512(w[p], _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
-                }
-                /* int16 lanes 0-15 <- scale 2p, 16-31 <- scale 2p+1 */
-                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(2 * p)),
-                                                                 _mm512_srli_epi16(iota, 4)), sc);
-            }
-        } else {                                   /* Q6_K */
-            d = f16(blk + 208), cm = -32.f * d;
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            for (int r = 0; r < R; r++) {
-                const __m256i t = _mm256_madd_epi16(sc16, _mm256_loadu_si256(
-                    (const __m256i *)(a->bs16 + ((r0 + r) * nb + b) * 16)));
-                mterm[r] = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            }
-            const __m512i sc = _mm512_castsi256_si512(sc16);
-            for (int p = 0; p < 4; p++) {          /* sub-blocks 2p, 2p+1: elements 64p.. */
-                const int h = p / 2, g = 2 * (p % 2);
-                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
-                const __m512i lo = _mm512_and_si512(g ? _mm512_srli_epi16(l, 4) : l, m4);
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                /* bits 2g..2g+1 of qh to bits 4-5 for sub-block 2p, 2g+2.. for 2p+1 */
-                const __m256i h0 = g ? qh : _mm256_slli_epi16(qh, 4);
-                const __m256i h1 = g ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2);
-                const __m512i hi = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), m30);
-                w[p] = _mm512_or_si512(lo, hi);
-                /* int16 lane i <- scale 4p + i / 8 */
-                s[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * p)),
-                                                                 _mm512_srli_epi16(iota, 3)), sc);
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            const int8_t *xq = a->q + (r0 + r) * K + 256 * b;
-            __m512i isum = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++)
-                isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(
-                    w[p], _mm512_loadu_si512((const void *)(xq + 64 * p))), s[p]);
-            const float dx = a->dx[(r0 + r) * nb + b];
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(isum), acc[r]);
-            accm[r] = _mm_fmadd_ps(_mm_set1_ps(cm * dx), _mm_cvtepi32_ps(mterm[r]), accm[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]) + hsum4f(accm[r]);
-}
-
 /* ---- the driver ---------------------------------------------------------------------------- */
-
-int64_t iterserve_act8_isa(int64_t want) {
-    if (want == -1 && isa8) return isa8;
-    const int64_t f = iterserve_cpu_features();
-    const int have = ((f >> 3) & 1) && ((f >> 4) & 1) && ((f >> 5) & 1) && ((f >> 6) & 1) ? 2 : 1;
-    isa8 = want >= 1 && want <= have ? (int)want : have;
-    return isa8;
-}
 
 int iterserve_can_act8(int64_t type) {
     return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1
@@ -586,71 +396,26 @@ static inline int is_kq(int64_t type) {
     default: CALL(1, FN, TYPE); break;                                                    \
     }
 
-/* K chunks of the K-quant row tiles (kq_variant; A/B: benchmarks/bench_int8.py --kq-variants).
- * A K chunk keeps the row tile's quantised activations (292 bytes per super-block and row) in
- * L1, but it breaks the weight stream into pieces of a row: column c's chunk is followed by
- * column c + 1's, a row_stride away. Session 14's 16 KB per tile cut the down GEMM (K = 8192)
- * into 2-3 chunks from 2 rows on, and it ran at a third of the gate/up GEMM's bytes/s there
- * (kq-crossover-t1.json). Measured (one thread, CPU time, weights cold, same process,
- * alternating, 7 repeats, load ~5; kq-variants-down.json), 16 KB time / this time, down GEMM
- * 2048x8192 at 2 3 4 5 6 8 12 rows:
+/* K chunks of the K-quant decode kernels: a chunk keeps a row tile's quantised activations
+ * (292 bytes per super-block and row) near L1, but breaks the weight stream into pieces of a
+ * row (column c's chunk is followed by column c + 1's, a row_stride away). Measured on the
+ * down GEMM (2048x8192, one thread, CPU time, weights cold, same process, alternating;
+ * kq-variants-down.json), 16 KB time / this time at 2 3 4 5 6 8 12 rows:
  *   Q4_K  32 KB: 2.34 1.31 1.12 1.47 1.03 1.06 1.12   64 KB: 2.34 1.22 0.95 1.42 1.04 0.98 0.98
  *   Q6_K  32 KB: 3.27 2.33 1.01 2.26 1.70 0.91 1.01   64 KB: 3.50 2.36 1.33 2.25 1.83 1.29 1.15
- * (a software prefetch of the next columns' chunk measured 1.0x: not kept). Hence 32 KB for
- * Q4_K / Q5_K and 64 KB (one chunk up to K = 14336 at 4 rows) for Q6_K. Variants: 0 that
- * (default), 1 session 14's 16 KB, 2 no K chunks, v >= 3 v KB. */
-static int kq_variant = 0;
-
-int64_t iterserve_act8_kq_variant(int64_t v) {
-    if (v >= 0 && v <= 1024) kq_variant = (int)v;
-    return kq_variant;
-}
-
-static inline int64_t kq_chunk(int type, int64_t R, int64_t per_block, int64_t nb) {
-    if (kq_variant == 2) return nb;
-    const int64_t bytes = kq_variant == 0 ? (type == GGML_Q6_K ? 64 : 32) * 1024
-                        : kq_variant == 1 ? A_TILE_BYTES : kq_variant * 1024;
+ * Hence 32 KB for Q4_K / Q5_K and 64 KB (one chunk up to K = 14336 at 4 rows) for Q6_K. */
+static inline int64_t kq_chunk(int type, int64_t R, int64_t per_block) {
+    const int64_t bytes = (type == GGML_Q6_K ? 64 : 32) * 1024;
     const int64_t kc = bytes / (R * per_block);
     return kc < 2 ? 2 : kc;
 }
-
-/* Rows per AVX-512 K-quant tile (kq_tile, A/B via iterserve_act8_kq_tile): a super-block's
- * weights are decoded once per tile, so larger tiles decode less often. Measured (one
- * thread, CPU time, weights cold, same process, alternating, medians of 7, load ~10;
- * kq-tile-k2048.json, kq-tile8.json), time with 4-row tiles / with up to 6 | up to 8, K = 2048
- * (qo and gate_up, Q4_K and Q6_K):
- *   5 rows 1.28-1.38 | 1.31-1.37   6: 1.17-1.23 | 1.19-1.23   7-8: 0.98-1.05 | 0.70-1.04
- *   11-12: 1.01-1.14 | 1.03-1.12   16: 1.08-1.11 | 0.94-1.00
- * (a full 8-row tile spills: 8 accumulators + 8 min terms + 4 codes + 4 scales + the
- * temporaries are more than the 32 zmm), and at K = 8192 (down) larger tiles lost, 0.52-0.90
- * for Q6_K at 5-16 rows (their activations outgrow L1). Hence up to 6 rows for K <= 4096,
- * 4 above; the AVX2 kernels keep 4 (16 ymm). */
-static int kq_tile = 6;
-
-int64_t iterserve_act8_kq_tile(int64_t v) {
-    if (v >= 4 && v <= KQ_TILE) kq_tile = (int)v;
-    return kq_tile;
-}
-
-#define TILE8(FN, TYPE)                                                                   \
-    switch (R) {                                                                          \
-    case 8: CALL(8, FN, TYPE); break;                                                     \
-    case 7: CALL(7, FN, TYPE); break;                                                     \
-    case 6: CALL(6, FN, TYPE); break;                                                     \
-    case 5: CALL(5, FN, TYPE); break;                                                     \
-    case 4: CALL(4, FN, TYPE); break;                                                     \
-    case 3: CALL(3, FN, TYPE); break;                                                     \
-    case 2: CALL(2, FN, TYPE); break;                                                     \
-    default: CALL(1, FN, TYPE); break;                                                    \
-    }
 
 static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int64_t row_stride,
                      float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
     const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
-    const int kq = is_kq(type);
-    const int64_t be = kq ? 256 : 32, nb = a.K / be;
-    const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;   /* activation bytes */
+    const int64_t nb = a.K / 32;
+    const int64_t per_block = 32 + 32 + 32;                            /* activation bytes */
 #pragma omp parallel num_threads(nthreads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -660,7 +425,7 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = kq ? kq_chunk(type, R, per_block, nb) : A_TILE_BYTES / (R * per_block);
+                int64_t kc = A_TILE_BYTES / (R * per_block);
                 if (kc < 1) kc = 1;
                 const int64_t nk = (nb + kc - 1) / kc;
                 for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
@@ -673,10 +438,7 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
                         case GGML_Q4_1: TILE(dot32_avx2, GGML_Q4_1) break;
                         case GGML_Q5_0: TILE(dot32_avx2, GGML_Q5_0) break;
                         case GGML_Q5_1: TILE(dot32_avx2, GGML_Q5_1) break;
-                        case GGML_Q8_0: TILE(dot32_avx2, GGML_Q8_0) break;
-                        case GGML_Q4_K: TILE(dotk_avx2, GGML_Q4_K) break;
-                        case GGML_Q5_K: TILE(dotk_avx2, GGML_Q5_K) break;
-                        default: TILE(dotk_avx2, GGML_Q6_K) break;
+                        default: TILE(dot32_avx2, GGML_Q8_0) break;
                         }
                         for (int r = 0; r < R; r++) {
                             float *yy = y + (r0 + r) * ldy + c;
@@ -692,11 +454,9 @@ static void run_avx2(int type, const act8 *ap, const uint8_t *w, int64_t n, int6
 static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
                           int64_t row_stride, float *y, int64_t ldy, int nthreads) {
     const act8 a = *ap;
-    const int kq = is_kq(type);
-    const int64_t tmax = kq && a.K <= 4096 ? kq_tile : ROW_TILE;
-    const int64_t M = a.M, ntiles = (M + tmax - 1) / tmax;
-    const int64_t be = kq ? 256 : 32, nb = a.K / be;
-    const int64_t per_block = kq ? 256 + 2 * 16 + 4 : 32 + 32 + 32;
+    const int64_t M = a.M, ntiles = (M + ROW_TILE - 1) / ROW_TILE;
+    const int64_t nb = a.K / 32;
+    const int64_t per_block = 32 + 32 + 32;
 #pragma omp parallel num_threads(nthreads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -706,28 +466,23 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = kq ? kq_chunk(type, R, per_block, nb) : A_TILE_BYTES / (R * per_block);
+                int64_t kc = A_TILE_BYTES / (R * per_block);
                 if (kc < 2) kc = 2;
-                if (!kq) kc &= ~(int64_t)1;          /* pairs of blocks per zmm */
+                kc &= ~(int64_t)1;                   /* pairs of blocks per zmm */
                 const int64_t nk = (nb + kc - 1) / kc;
                 for (int64_t kchunk = 0; kchunk < nk; kchunk++) {
                     int64_t b0 = nb * kchunk / nk, b1 = nb * (kchunk + 1) / nk;
-                    if (!kq) {                         /* even chunk starts */
-                        b0 &= ~(int64_t)1;
-                        if (kchunk + 1 < nk) b1 &= ~(int64_t)1;
-                    }
+                    b0 &= ~(int64_t)1;                 /* even chunk starts */
+                    if (kchunk + 1 < nk) b1 &= ~(int64_t)1;
                     for (int64_t c = c0; c < c1; c++) {
                         const uint8_t *wn = w + c * row_stride;
-                        float o[KQ_TILE] = {0};
+                        float o[ROW_TILE] = {0};
                         switch (type) {
                         case GGML_Q4_0: TILE(dot32_vnni, GGML_Q4_0) break;
                         case GGML_Q4_1: TILE(dot32_vnni, GGML_Q4_1) break;
                         case GGML_Q5_0: TILE(dot32_vnni, GGML_Q5_0) break;
                         case GGML_Q5_1: TILE(dot32_vnni, GGML_Q5_1) break;
-                        case GGML_Q8_0: TILE(dot32_vnni, GGML_Q8_0) break;
-                        case GGML_Q4_K: TILE8(dotk_vnni, GGML_Q4_K) break;
-                        case GGML_Q5_K: TILE8(dotk_vnni, GGML_Q5_K) break;
-                        default: TILE8(dotk_vnni, GGML_Q6_K) break;
+                        default: TILE(dot32_vnni, GGML_Q8_0) break;
                         }
                         for (int r = 0; r < R; r++) {
                             float *yy = y + (r0 + r) * ldy + c;
@@ -741,15 +496,12 @@ static VNNI void run_vnni(int type, const act8 *ap, const uint8_t *w, int64_t n,
 }
 
 
-/* ---- K-quant decode, all rows of a step over one decode of the weights (session 16) ------
- * The kernels above decode a super-block once per row tile (4 rows on AVX2, up to 6 on
- * AVX-512 where K <= 4096) and then, per row, spend ~19 instructions per super-block on top
- * of the 8 integer ones (maddubs + dpwssd per 64 weights): the min / offset term in a
- * register of its own, its scale d_min * d_x and the weights' d * d_x formed in scalar code
- * and broadcast per row, two converts and two FMAs into two accumulators. At 8 rows that is
- * two decodes and 8 x 19: the quiet batch-8 profile ran Q4_K at 9.1 GB/s against ~40.
- * dotkw_avx2 (AVX2) keeps their integer scheme but decodes a super-block once for all rows
- * of the call (tiles of up to kqw_tile = 12): the decoded super-block (8 code + 8 scale ymm)
+/* ---- K-quant decode, all rows of a step over one decode of the weights -------------------
+ * Decoding a super-block once per row tile of 4-6 rows and then spending ~19 instructions per
+ * super-block and row on top of the 8 integer ones (the min / offset term in a register of
+ * its own, d_min * d_x and d * d_x formed in scalar code and broadcast per row, two converts
+ * and two FMAs) ran Q4_K at 9.1 GB/s of ~40 in a quiet batch-8 profile. dotkw_avx2 (AVX2)
+ * decodes a super-block once for all rows of the call (tiles of up to KQW_TILE): the decoded super-block (8 code + 8 scale ymm)
  * goes to a stack scratch (L1) and the rows run over it 4 at a time (a code vector loaded
  * once per 4 rows); per row one accumulator and one tail, v = d . float(isum) [+ -d_min .
  * float(mins term)], acc += v . d_x, with d, d_min broadcast once per super-block; and
@@ -857,8 +609,8 @@ static inline __attribute__((always_inline)) void dotkw_avx2(
     for (int r = 0; r < R; r++) out[r] = hsum8f(acc[r]);
 }
 
-/* ---- AVX-512 VNNI K-quant decode on vpdpbusd, lanes = 16-element groups (session 16) ------
- * The kernels above spend two multiply-class instructions per 64 weights and row (vpmaddubsw,
+/* ---- AVX-512 VNNI K-quant decode on vpdpbusd, lanes = 16-element groups ------------------
+ * A row-tile kernel on vpmaddubsw + vpdpwssd spends two multiply-class instructions per 64 weights and row (vpmaddubsw,
  * then vpdpwssd with the sub-block scales), and at 4-12 rows that is what they are bound by:
  * Q4_K 2048x2048 at 8 rows took ~60 cycles per super-block and column, ~7.5 per row, the
  * throughput of 8 such instructions. Here a super-block is seen as 16 groups of 16 elements
@@ -874,8 +626,8 @@ static inline __attribute__((always_inline)) void dotkw_avx2(
  *   - per row: 4 vpdpbusd accumulate the whole super-block with no scale in between (a lane
  *     stays in one group), then one convert, acc += (float(isum) . d_x) . dsc + xs . off:
  *     4 multiply-class integer instructions and 8 in all, against 8 and ~14.
- * Tiles of up to kqw_tile (12) rows over one decode: 12 accumulators + 4 codes + 2 scale
- * vectors fit the 32 zmm. Measured: see kq_decode below. */
+ * Tiles of up to KQW_TILE (12) rows over one decode: 12 accumulators + 4 codes + 2 scale
+ * vectors fit the 32 zmm. Measured: see KQ_PF below. */
 static const int8_t kqv_group[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
 /* Q8_K-style quantisation as quantise256 (same rounding, same dx), in the lane order above,
@@ -995,8 +747,8 @@ static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
     for (int r = 0; r < R; r++) out[r] = hsum16f(acc[r]);
 }
 
-/* ---- AVX-512 VNNI, one Q4_K / Q5_K row (session 17) --------------------------------------
- * Batch-1 decode of a Q4_K_M model is ~75% Q4_K GEMMs, and session 15's dotk_vnni ran them at
+/* ---- AVX-512 VNNI, one Q4_K / Q5_K row ---------------------------------------------------
+ * Batch-1 decode of a Q4_K_M model is ~75% Q4_K GEMMs, and a row-tile kernel ran them at
  * ~20 GB/s per thread hot and cold alike (bench_kq_decode.py --rows 1: bound by instructions,
  * while one thread can read ~34 GB/s and two ~40), so two threads read ~30 of the ~40 GB/s.
  * This kernel does the same integer arithmetic (codes x int8 activations in vpmaddubsw, the
@@ -1009,8 +761,8 @@ static inline __attribute__((always_inline)) VNNI void dotkv_vnni(
  *   - the 12 packed scale bytes are decoded in SSE registers (two vpshufb, shifts, masks:
  *     q4k_scales_v) instead of scalar code and four GPR-to-vector inserts;
  *   - d and d_min are converted together (one vcvtph2ps) and times d_x in one multiply.
- * Same rounding as quantise256, so the result equals dotk_vnni's up to float summation order.
- * Measured: see kq_decode below. */
+ * Same rounding as quantise256, so the result equals dotkv_vnni's up to float summation order.
+ * Measured: see KQ_PF below. */
 static const uint8_t kq1_src[8] = {0, 2, 1, 3, 4, 6, 5, 7};   /* quantised chunk i <- x chunk */
 
 static int quantise256p(const float *x, int64_t M, int64_t ldx, int64_t K, act8 *a) {
@@ -1105,59 +857,21 @@ static VNNI void run_kq1_vnni(int type, const act8 *ap, const uint8_t *w, int64_
     }
 }
 
-/* Which K-quant decode kernels run (iterserve_act8_kq_decode; A/B: ITERSERVE_KQ_DECODE=s15,
- * benchmarks/bench_kq_decode.py): 0 dotkv_vnni / dotkw_avx2 above (default), 1 session 15's
- * (dotk_vnni / dotk_avx2 in row tiles of kq_tile / 4).
- * Measured (bench_kq_decode.py --cold 96 --clock cpu: one thread, CPU time, weights streamed
- * from memory, same process, alternating, medians of 7, under load ~6-9 from four other
- * engineers; results/kq-decode-t1.json), session 15 time / this time, AVX-512:
- *   rows               1     2     4     6     8     12
- *   Q4_K qo 2048^2   0.89  1.04  1.07  1.17  1.41  1.31
- *        gate_up     0.91  0.98  1.02  1.19  1.23  1.22
- *        down        0.95  1.58  1.54  1.80  1.61  1.38
- *   Q5_K qo          0.98  0.96  1.02  1.18  1.28  1.42
- *        gate_up     0.95  0.97  1.05  1.22  1.28  1.39
- *        down        0.95  1.01  1.60  1.83  1.63  1.11
- *   Q6_K qo          1.03  1.07  1.13  1.25  1.29  1.24
- *        gate_up     1.03  1.03  1.20  1.54  1.32  1.50
- *        down        1.02  1.34  2.50  1.06  2.21  1.17
- * Hence these kernels from 2 rows, and for one row Q6_K (the LM head); one Q4_K / Q5_K row
- * stayed on dotk_vnni (its decode is shorter: no transpose, no float scale vectors) and since
- * session 17 runs dotk1_vnni (above; kq_decode 301 or ITERSERVE_KQ_DECODE=s15 restore
- * dotk_vnni). Its measurements (bench_kq_decode.py --rows 1 --cold 96, medians of 5, quiet,
- * s15 time / this time, results/kq-decode-s17-1row.json): Q4_K qo / gate_up / down 1.14 /
- * 1.28 / 1.06 on one thread, 1.05 / 1.05 / 1.07 on two (35-36 GB/s of ~40 on gate_up and
- * down); Q5_K 1.09 / 1.25 / 1.15 on one thread; hot in L2 (a C loop) 4.6 ns a super-block
- * against 6.6. End to end, batch-1 1.7B Q4_K_M (run_models.py b1, same run, repeats 3):
- * 32.7 tok/s against 26.6 for session 15's K-quant kernels, 0.86 of the bandwidth bound. AVX2
- * (forced here; results/kq-decode-t1-avx2.json, medians of 5), rows 1 4 8 12: Q4_K qo 1.00
- * 1.02 0.98 1.01, down 0.98 1.23 1.01 0.88; Q6_K qo 1.01 0.98 0.99 1.16, down 1.01 1.79 1.44
- * 1.32: equal at K = 2048 (AVX2 has no vpdpbusd; its per-row work is the same), faster on
- * down: dotkw_avx2 everywhere (no AVX2-only CPU measured).
- * The software prefetch (kq_pf: the same super-block 2 columns on, i.e. the next-but-one
- * column's K chunk) is what made the one-tile kernels pay with weights from memory: without
- * it dotkv_vnni at 8 rows ran 0.64-0.79x session 15 cold though 1.2-1.3x hot (the hardware
- * prefetcher did not keep up once a super-block carried 8 rows of work). Same-process A/B,
- * cold, one thread, medians of 11, us, no prefetch | 1 | 2 | 4 columns ahead: Q6_K qo 8 rows
- * 540 358 303 302, Q4_K qo 8 rows 423 315 279 279, Q6_K down 8 rows 3758 1529 1596 1690,
- * 4 rows 2218 - 845 -, 1 row 538 - 465 -; Q4_K qo 1 row 122 133 127 126 (hence 2).
- * Against the int8 prefill GEMM (bench_int8.py --crossover, results/kq-crossover-s16.json),
- * these kernels' time / GEMM time at 8 12 13 16 rows: Q4_K gate_up 0.59 0.71 0.94 0.90, down
- * 0.62 0.89 0.84 1.05; Q6_K gate_up 0.46 0.59 0.72 0.72, down 0.51 1.12 1.34 0.81: session
- * 15's hand-over rows handed over too early, down_proj (from 8 rows) most, so they were
- * re-measured against these kernels (KQ_GEMM8_ROWS_* below; session 15's kept as KQ15_*). */
-static int kq_decode = 0;
-static int kqw_tile = KQW_TILE;       /* rows per dotkw tile (A/B: 4..12) */
-static int kq_pf = 2;                 /* software prefetch, columns ahead (0: none) */
-static int kq1_variant = 0;           /* one Q4_K / Q5_K row on AVX-512: 0 dotk1_vnni, 1 dotk_vnni */
-
-int64_t iterserve_act8_kq_decode(int64_t v) {
-    if (v == 0 || v == 1) kq_decode = (int)v;
-    else if (v >= 100 + 1 && v <= 100 + KQW_TILE) kqw_tile = (int)(v - 100);
-    else if (v >= 200 && v <= 216) kq_pf = (int)(v - 200);
-    else if (v == 300 || v == 301) kq1_variant = (int)(v - 300);
-    return kq_decode;
-}
+/* One decode of a super-block for all rows of a call (dotkv_vnni / dotkw_avx2) against one
+ * decode per row tile of 4-6 rows (bench_kq_decode.py --cold 96 --clock cpu: one thread, CPU
+ * time, weights streamed from memory, same process, alternating, medians of 7, under load;
+ * results/kq-decode-t1.json), per-tile time / this time on AVX-512 at 1 2 4 6 8 12 rows:
+ * Q4_K qo 2048^2 0.89 1.04 1.07 1.17 1.41 1.31, down 0.95 1.58 1.54 1.80 1.61 1.38; Q6_K qo
+ * 1.03 1.07 1.13 1.25 1.29 1.24, down 1.02 1.34 2.50 1.06 2.21 1.17. Hence these kernels from
+ * 2 rows and for one Q6_K row (the LM head); one Q4_K / Q5_K row on AVX-512 runs dotk1_vnni
+ * (1.05-1.28x the per-tile kernel at one row, one-row runs: 35-36 GB/s of
+ * ~40 on two threads). On AVX2 (forced; results/kq-decode-t1-avx2.json) level at K = 2048
+ * and 1.2-1.8x on down. The software prefetch (the same super-block KQ_PF columns on) is what
+ * makes the one-decode kernels pay with weights from memory: without it dotkv_vnni at 8 rows
+ * ran 0.64-0.79x the per-tile kernel cold (1.2-1.3x hot); cold, one thread, medians of 11, us,
+ * no prefetch | 1 | 2 | 4 columns ahead: Q6_K qo 8 rows 540 358 303 302, Q4_K qo 8 rows 423
+ * 315 279 279, Q6_K down 8 rows 3758 1529 1596 1690; Q4_K qo 1 row 122 133 127 126. */
+#define KQ_PF 2
 
 #define CALLW(R, FN, TYPE) FN(R, TYPE, &a, r0, b0, b1, wn, pf, o)
 #define TILEW(FN, TYPE)                                                                   \
@@ -1177,13 +891,13 @@ int64_t iterserve_act8_kq_decode(int64_t v) {
     }
 
 /* The column loop of the dotkw kernels: as run_vnni / run_avx2 (threads split the columns,
- * K chunks sized by kq_chunk for the tile's rows), with one tile of up to kqw_tile rows. */
+ * K chunks sized by kq_chunk for the tile's rows), with one tile of up to KQW_TILE rows. */
 #define KQW_RUN(NAME, ATTR, FN)                                                           \
 static ATTR void NAME(int type, const act8 *ap, const uint8_t *w, int64_t n,              \
                       int64_t row_stride, float *y, int64_t ldy, int nthreads) {          \
     const act8 a = *ap;                                                                   \
-    const int64_t M = a.M, ntiles = (M + kqw_tile - 1) / kqw_tile, nb = a.K / 256;        \
-    const int64_t pf = kq_pf * row_stride;                                                \
+    const int64_t M = a.M, ntiles = (M + KQW_TILE - 1) / KQW_TILE, nb = a.K / 256;        \
+    const int64_t pf = KQ_PF * row_stride;                                                \
     _Pragma("omp parallel num_threads(nthreads)")                                         \
     {                                                                                     \
         const int t = omp_get_thread_num(), T = omp_get_num_threads();                    \
@@ -1193,7 +907,7 @@ static ATTR void NAME(int type, const act8 *ap, const uint8_t *w, int64_t n,    
             for (int64_t tile = 0; tile < ntiles; tile++) {                               \
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;       \
                 const int R = (int)(r1 - r0);                                             \
-                const int64_t kc = kq_chunk(type, R, 256 + 2 * 16 + 4, nb);               \
+                const int64_t kc = kq_chunk(type, R, 256 + 2 * 16 + 4);                   \
                 const int64_t nk = (nb + kc - 1) / kc;                                    \
                 for (int64_t kchunk = 0; kchunk < nk; kchunk++) {                         \
                     const int64_t b0 = nb * kchunk / nk, b1 = nb * (kchunk + 1) / nk;     \
@@ -1219,7 +933,7 @@ KQW_RUN(run_kqw_vnni, VNNI, dotkv_vnni)
 KQW_RUN(run_kqw_avx2, , dotkw_avx2)
 
 
-/* ---- AVX-512 VNNI, 32-element nibble types in groups of 4 blocks (the default) ------------
+/* ---- AVX-512 VNNI, 32-element nibble types in groups of 4 blocks (VBMI CPUs) -------------
  * The pair kernel above converts two f16 scales per pair of blocks in scalar code, builds the
  * scale vector with inserts, reads three activation arrays and spends ~22 instructions per 36
  * weight bytes: at batch 1 it ran Q4_0 at ~0.43 of the memory-bandwidth bound. Here four
@@ -1537,278 +1251,46 @@ static VBMI void run_vbmi(int type, const act8 *ap, const uint8_t *w, int64_t n,
     }
 }
 
-/* 0: the 4-block kernels above where the CPU has AVX-512 VBMI (the default); 1: the pair
- * kernels (dot32_vnni), kept for same-process A/B (benchmarks/bench_int8.py --variants). */
-static int vnni_variant = 0;
-static int has_vbmi = -1;
-
-int64_t iterserve_act8_variant(int64_t v) {
-    if (v == 0 || v == 1) vnni_variant = (int)v;
-    return vnni_variant;
-}
-
-static int cpu_vbmi(void) {
-    if (has_vbmi < 0) {
-        unsigned a, b, c, d;
-        has_vbmi = ((iterserve_cpu_features() >> 3) & 1) && __get_cpuid_count(7, 0, &a, &b, &c, &d)
-                   && ((c >> 1) & 1);
-    }
-    return has_vbmi;
-}
-
-int iterserve_qgemm_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
-                         int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
-                         int64_t ldy, int nthreads) {
+int iterserve_k_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads) {
     if (!iterserve_can_act8(type)) return ITERSERVE_ETYPE;
     const int kq = is_kq(type);
     if (k <= 0 || k % (kq ? 256 : 32)) return ITERSERVE_ETYPE;
     if (M < 1 || n < 1) return ITERSERVE_OK;
-    if (!isa8) iterserve_act8_isa(0);
+    const int wide = iterserve_st.int8 == 2;
     act8 a;
     int rc;
-    if (!kq && isa8 == 2 && vnni_variant == 0 && cpu_vbmi()) {
+    if (nthreads < 1) nthreads = 1;
+    if (n < 64 * nthreads) nthreads = 1;
+    if (!kq && iterserve_st.vbmi) {              /* the 4-block kernels */
         if (type == GGML_Q8_0)
             rc = quantise32(x, M, ldx, k, 7, &a);
         else
             rc = quantise32g(x, M, ldx, k, type == GGML_Q4_0 ? 8 : type == GGML_Q5_0 ? 16 : 0,
                              has_min((int)type), &a);
         if (rc) return rc;
-        if (nthreads < 1) nthreads = 1;
-        if (n < 64 * nthreads) nthreads = 1;
         run_vbmi((int)type, &a, w, n, row_stride, y, ldy, nthreads);
         return ITERSERVE_OK;
     }
-    /* the dotkv / dotkw kernels, except one Q4_K / Q5_K row on AVX-512 (see kq_decode) */
-    const int kq1 = kq && isa8 == 2 && M == 1 && type != GGML_Q6_K;
-    const int kqw = kq && kq_decode == 0 && !kq1;
-    if (kq1 && kq_decode == 0 && kq1_variant == 0) {
+    if (kq && wide && M == 1 && type != GGML_Q6_K) {      /* one Q4_K / Q5_K row */
         rc = quantise256p(x, M, ldx, k, &a);
         if (rc) return rc;
-        if (nthreads < 1) nthreads = 1;
-        if (n < 64 * nthreads) nthreads = 1;
         run_kq1_vnni((int)type, &a, w, n, row_stride, y, nthreads);
         return ITERSERVE_OK;
     }
-    if (kqw && isa8 == 2)
-        rc = quantise256v(x, M, ldx, k, &a);
-    else if (kq)
-        rc = quantise256(x, M, ldx, k, &a);
-    else     /* g4 offsets: Q4_0 8, Q5_0 16; Q8_0 128 under VNNI (w + 128), none under AVX2's
-              * sign trick; Q4_1 / Q5_1: the sums for their min term */
-        rc = quantise32(x, M, ldx, k, type == GGML_Q4_0 ? 3 : type == GGML_Q5_0 ? 4
-                        : type == GGML_Q8_0 ? (isa8 == 2 ? 7 : -1) : SUMS, &a);
-    if (rc) return rc;
-    if (nthreads < 1) nthreads = 1;
-    if (n < 64 * nthreads) nthreads = 1;
-    if (kqw) {                                   /* session 16's kernels */
-        if (isa8 == 2)
-            run_kqw_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
-        else
-            run_kqw_avx2((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+    if (kq) {
+        rc = wide ? quantise256v(x, M, ldx, k, &a) : quantise256(x, M, ldx, k, &a);
+        if (rc) return rc;
+        if (wide) run_kqw_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+        else run_kqw_avx2((int)type, &a, w, n, row_stride, y, ldy, nthreads);
         return ITERSERVE_OK;
     }
-    if (isa8 == 2)
-        run_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
-    else
-        run_avx2((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+    /* g4 offsets: Q4_0 8, Q5_0 16; Q8_0 128 under VNNI (w + 128), none under AVX2's sign
+     * trick; Q4_1 / Q5_1: the sums for their min term */
+    rc = quantise32(x, M, ldx, k, type == GGML_Q4_0 ? 3 : type == GGML_Q5_0 ? 4
+                    : type == GGML_Q8_0 ? (wide ? 7 : -1) : SUMS, &a);
+    if (rc) return rc;
+    if (wide) run_vnni((int)type, &a, w, n, row_stride, y, ldy, nthreads);
+    else run_avx2((int)type, &a, w, n, row_stride, y, ldy, nthreads);
     return ITERSERVE_OK;
-}
-
-/* ---- the mode iterserve_qgemm dispatches on ----------------------------------------------- */
-/* Measured (benchmarks/bench_int8.py --clock cpu: same process, float and int8 alternating,
- * 5 repeats, medians of this process's CPU time, one thread; AVX-512 VNNI CPU under load
- * ~15-20 from other processes; benchmarks/results/int8-qgemm-cpu1.json), float time / int8
- * time on the SmolLM2-1.7B shapes 2048x2048 | 8192x2048. Float is qgemm.c after h2-kquant's
- * AVX-512 K-quant register kernels (against the AVX2 ones before them: 4-8x at 1-8 rows):
- *            1 row       2         4         8         16        32
- *   Q4_K   2.1 | 2.2  1.9 | 2.1  2.1 | 2.7  2.0 | 2.8  2.0 | 2.7  1.7 | 1.8
- *   Q6_K   2.8 | 2.8  2.5 | 2.8  4.3 | 4.6  2.5 | 2.7  1.8 | 1.9  1.3 | 1.3
- *   Q4_0   1.7 | 1.9  1.5 | 1.6  1.3 | 1.1  1.4 | 1.6  0.9 | 0.9
- *   Q8_0   1.3 | 1.1  1.2 | 1.2  1.4 | 1.2  1.4 | 1.3  0.8 | 0.9
- * (wall clock over the full grid with 2048x8192 and 49152x2048 too, one and two threads:
- * int8-qgemm.json, too noisy at two threads under that load to read more than the sign).
- * End to end, SmolLM2-1.7B-shaped Q4_K_M, batch-1 greedy decode, 2 threads, wall clock at
- * load ~20: 0.47 -> 0.61 tok/s (1.30x; int8-decode-1.7b-Q4_K_M-b1.json).
- * K-quant float kernels expand every weight to float; int8's per-row work is a few byte ops
- * per 64 weights. For the 32-element types the float kernels are AVX-512 FMAs over cheap
- * blocks, so int8 only saves the weight expansion and costs more per row (a conversion and
- * a scale per block and row): it wins up to 8 rows and loses from 16, where the float path
- * hands over to the panel GEMM.
- * Hence "auto" (the engine's default, --kernel-activations auto): int8 for the K-quants up
- * to 32 rows (all decode row counts, layers.QUANT_MAX_ROWS), for Q4_0 / Q4_1 / Q5_0 / Q5_1 /
- * Q8_0 up to 8; "int8": every int8 type up to 32 rows; "float": never.
- * Session 14, the 4-block VBMI kernels (dot32g_vnni / dot8_vnni; bench_int8.py --cold 96:
- * weights cycled through 96 MB so they come from memory, one thread, CPU time, load ~11,
- * benchmarks/results/q32-int8-float.json), float time / int8 time, gate_up | down:
- *            1 row       8           16          32
- *   Q4_0   1.8 | 7.0  4.6 | 3.0  2.2 | 1.7  1.8 | 1.7
- *   Q4_1   1.7 | 6.7  3.8 | 2.2  2.0 | 1.5  1.7 | 1.5
- *   Q5_0   2.4 | 3.8  2.7 | 1.4  1.9 | 1.5  1.4 | 1.2
- *   Q5_1   2.1 | 3.5  3.2 | 1.6  1.9 | 1.3  1.5 | 1.3
- *   Q8_0   0.9 | 2.2  2.2 | 1.3  1.2 | 1.0  1.1 | 0.9
- * so auto takes int8 up to 32 rows for the nibble types where those kernels run (AVX-512
- * VBMI), Q8_0 stays at 8 (it is memory-bound either way, and even from 16 rows). */
-static int act_mode = 0;        /* 0 float (qgemm.c), 1 int8, 2 auto (the measured limits) */
-
-int64_t iterserve_set_act_mode(int64_t mode) {
-    if (mode >= 0 && mode <= 2) act_mode = (int)mode;
-    return act_mode;
-}
-
-#define ACT8_MAX_ROWS 32
-/* from these row counts auto runs a K-quant decode step on prefill8.c's GEMM (see the end);
- * K > 4096 (down_proj): the decode kernels' activation tile no longer fits L1. Session 16's
- * dotkv / dotkw kernels moved them up (quiet, same process, alternating, CPU time, weights
- * cold: bench_int8.py --crossover --sides decode,gemm8, results/kq-crossover-s16-quiet*.json),
- * decode time / GEMM time, 1 | 2 threads:
- *            qo 2048x2048          gate_up 8192x2048     down 2048x8192
- *   Q4_K  16: 1.01 | 1.21    16: 0.94 | 0.92, 20: 1.01 | 1.12    12: 0.92 | 1.11, 14: 0.94 | 1.02, 16: 1.09 | 1.30
- *   Q5_K  16: 1.09 | 1.32    16: 0.93 | 1.04                     12: 0.98 | 1.52, 14: 0.97 | 1.04, 16: 1.10 | 1.22
- *   Q6_K  20: 0.90 | 0.91, 24: 1.04 | 1.05   24: 0.91 | 0.95     10: 0.93 | 1.00, 11: 1.02 | 1.14 (16: 0.87 | 0.95)
- * AVX2 forced (2 threads, -avx2.json) crosses at about the same rows (Q4_K down 12: 0.96,
- * 16: 1.14; Q6_K qo 16: 0.99, 20: 1.10; Q6_K down 12: 1.36). Session 15's kernels
- * (ITERSERVE_KQ_DECODE=s15) keep session 15's rows (KQ15_*), so an A/B compares paths. */
-#define KQ_GEMM8_ROWS_Q4_K 17
-#define KQ_GEMM8_ROWS_Q5_K 16
-#define KQ_GEMM8_ROWS_Q6_K 24
-#define KQ_GEMM8_ROWS_LONG_Q4_K 14
-#define KQ_GEMM8_ROWS_LONG_Q5_K 14
-#define KQ_GEMM8_ROWS_LONG_Q6_K 11
-#define KQ15_GEMM8_ROWS_Q4_K 13
-#define KQ15_GEMM8_ROWS_Q5_K 13
-#define KQ15_GEMM8_ROWS_Q6_K 16
-#define KQ15_GEMM8_ROWS_LONG_Q4_K 8
-#define KQ15_GEMM8_ROWS_LONG_Q5_K 12
-#define KQ15_GEMM8_ROWS_LONG_Q6_K 8
-
-int iterserve_act8_takes(int64_t type, int64_t M) {
-    if (act_mode == 0 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
-    if (act_mode == 1 || is_kq(type)) return 1;
-    if (!isa8) iterserve_act8_isa(0);
-    const int groups = isa8 == 2 && vnni_variant == 0 && cpu_vbmi() && type != GGML_Q8_0;
-    return M <= (groups ? 32 : 8);
-}
-
-/* ---- decode steps of many rows on the int8 prefill GEMM (K-quants, auto mode) -------------
- * The decode kernels above decode a super-block's weights once per row tile of 4 and run the
- * per-row work (maddubs + dpwssd per 64 weights, the min / offset term, two FMAs) per row, so
- * their time grows by about the 1-row time per 4 rows; prefill8.c's GEMM decodes a panel of
- * 32 weight rows once per call (~4x the decode kernels' 1-row time) and then runs a 6x32
- * vpdpbusd tile per 6 rows. Measured (bench_int8.py --crossover: same process, alternating,
- * one thread, CPU time, weights cold, medians of 5, load ~5; kq-crossover-t1-chunks.json),
- * decode time / GEMM time on the 1.7B shapes qo 2048x2048 | gate_up 8192x2048 | down
- * 2048x8192 (after the K-chunk change above):
- *            8 rows           12               13               16               32
- *   Q4_K  0.67 0.60 0.88  0.93 0.86 1.03  0.97 0.91 1.18  1.13 1.04 1.20  1.67 1.63 1.64
- *   Q5_K  0.74 0.71 0.95  1.04 0.91 1.23  1.14 1.03 1.40  1.27 1.21 1.31  1.90 1.79 1.90
- *   Q6_K  0.61 0.61 1.15  0.84 0.81 1.33  0.90 0.87 1.21  1.07 0.99 1.22  1.61 1.61 1.77
- * (GEMM weight GB/s at 32 rows 2.8-3.8 vs the decode kernels' 1.7-2.3). After the vector
- * K-quant scale decode in prefill8.c's panels (its GEMM 1.10-1.36x for Q4_K, 1.02-1.07x for
- * Q6_K: kq-gemm8-scales.json) and the 6-row tiles here, Q4_K again (kq-crossover-t1-q4k-pack
- * .json): 8 rows 0.78 0.76 1.07, 12: 0.98 0.92 1.30, 13: 1.03 1.00 1.46, 16: 1.16 1.13 1.46.
- * Hence KQ_GEMM8_ROWS_*: Q4_K and Q5_K from 13 rows, Q6_K from 16, and for K > 4096
- * (down_proj, where a 4-row tile's activations, 37 KB at K = 8192, outgrow L1) Q4_K from 8,
- * Q5_K from 12 (measured before the scale change), Q6_K from 8. The AVX2 kernels of both
- * (forced on this CPU: kq-crossover-t1-avx2.json; no AVX2-only CPU measured), gate_up |
- * down: Q4_K 8 rows 0.80 | 1.06, 13: 1.01 | 1.48, 16: 1.14 | 1.44; Q6_K 8: 0.66 | 1.25,
- * 13: 1.01 | 1.33, 16: 1.03 | 1.49: the same rows serve both ISAs. From
- * there auto hands the call to iterserve_gemm8 (its activations in blocks of 32: less
- * rounding, tested in test_prefill_kernel.py); a decode step's row count is the same for
- * the fused decode layers and the per-module path, so both stay bit-identical. */
-static int kq_gemm8_rows = 0;   /* 0: the measured rows below; v > 0: from v rows (A/B) */
-
-/* ---- the same hand-over for the 32-element types (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0) ------
- * Their decode kernels (the 4-block VBMI ones up to 32 rows, else 8; Q8_0 8) run the per-row
- * work for every block and row tile too, and past 8 rows without VBMI (and Q8_0 always) auto
- * fell back to the float path. prefill8.c's GEMM decodes each panel of 32 weight rows once
- * (8 blocks of a row at a time since session 16: that GEMM 1.15-1.94x faster at 8-32 rows,
- * bench_int8.py --gemm8-pack, benchmarks/results/q4-gemm8-pack.json). Measured with that
- * panel decode (bench_int8.py --crossover --cold 96 --clock cpu: same process, alternating
- * decode / GEMM / auto as before, medians of 5, weights cold, 2-core AVX-512 EPYC under load
- * ~5; results/q4-crossover-t1.json, -t1-low, -t2), decode-kernel time / GEMM time on the
- * 1.7B shapes qo 2048x2048 | gate_up 8192x2048 | down 2048x8192, one thread:
- *            4 rows           8                12
- *   Q4_0  0.46 0.41 0.72  0.74 0.69 1.03  1.16 0.91 1.23
- *   Q4_1  0.47 0.54 0.83  0.77 0.94 1.18  1.03 1.13 1.37
- *   Q5_0  0.45 0.40 0.83  0.76 0.78 1.13  0.97 0.91 1.40
- *   Q5_1  0.54 0.50 0.99  0.86 0.82 1.36  1.16 1.07 1.61
- *   Q8_0  1.14 1.70 1.77  1.50 1.46 1.97  1.87 1.66 2.82
- *            14               16               32
- *   Q4_0  1.29 0.97 1.33  1.41 1.03 1.68  1.55 1.41 1.70
- *   Q4_1  1.13 1.26 1.47  1.22 1.33 1.80  2.08 1.47 1.84
- *   Q5_0  1.10 1.06 1.59  1.36 1.09 1.54  1.71 1.85 2.00
- *   Q5_1  1.34 1.20 1.81  1.39 1.29 1.74  1.83 1.88 2.09
- *   Q8_0  1.86 1.81 2.76  2.04 2.17 3.29  2.56 2.39 3.78
- * Q8_0 against the float path auto ran before at 9-32 rows: 3.3-3.8x at 10-14 rows, 2.4-3.4x
- * at 16-32; down at 6 rows: Q4_0 1.11, Q4_1 1.26, Q5_0 1.25, Q5_1 1.42. Two threads (CPU
- * time, the same shape of table) moved gate_up's switch up: Q4_0 / Q4_1 at 12 rows 0.91 /
- * 0.90, at 16 1.11 / 1.13. So K <= 4096 (qkv, o, gate_up: 4 of a layer's 5 calls) hands over
- * from 14 rows (Q5_1 12), K > 4096 (down_proj) from 8 (Q4_1 / Q5_0 / Q5_1 6), Q8_0 from 4.
- * Without the VBMI kernels the decode kernels stop at 8 rows and the float kernels follow;
- * with both int8 files and the float kernels forced to AVX2 on this CPU
- * (q4-crossover-avx2.json), (float or decode) time / GEMM time, qo / gate_up at 9 | 12 | 16
- * rows: Q4_0 0.98 / 0.92 | 0.95 / 1.06 | 1.21 / 1.09, Q5_1 1.21 / 1.07 | 1.21 / 1.09 | 1.48 /
- * 1.27, down 1.1-1.6 from 8 rows: so there from 12 rows at the latest (_NOGROUPS; an AVX-512
- * CPU without VBMI not measured). Q8_0 has no AVX2 GEMM: iterserve_gemm8 refuses it and
- * iterserve_qgemm goes on to the decode kernels or the float path. */
-#define Q32_GEMM8_ROWS_Q4_0 14
-#define Q32_GEMM8_ROWS_Q4_1 14
-#define Q32_GEMM8_ROWS_Q5_0 14
-#define Q32_GEMM8_ROWS_Q5_1 12
-#define Q32_GEMM8_ROWS_Q8_0 4
-#define Q32_GEMM8_ROWS_LONG_Q4_0 8
-#define Q32_GEMM8_ROWS_LONG_Q4_1 6
-#define Q32_GEMM8_ROWS_LONG_Q5_0 6
-#define Q32_GEMM8_ROWS_LONG_Q5_1 6
-#define Q32_GEMM8_ROWS_LONG_Q8_0 4
-#define Q32_GEMM8_ROWS_NOGROUPS 12     /* without the VBMI kernels: at the latest from here */
-/* Q8_0 where K is not a multiple of 256 (prefill8.c's grouped panel decode needs 8 blocks a
- * row; the bundled 135M model's tied LM head, 49152 x 576): the one-block panel decode makes
- * the GEMM lose up to 12 rows (integrator, quiet, 2 threads, results/q32-q8_0-head135-quiet
- * .json: decode / GEMM 0.33 at 4 rows, 0.80 at 8, 1.02 at 12, 1.40 at 16; at K = 2048 1.67
- * at 4). From 4 rows it cost the bundled model's `mix` @8 20% (279.9 vs 348.9 tok/s). */
-#define Q32_GEMM8_ROWS_Q8_0_RAGGED 12
-static int q32_gemm8_rows = 0;  /* 0: the measured rows above; v > 0: from v rows (A/B) */
-
-int64_t iterserve_act8_q32_gemm_rows(int64_t v) {
-    if (v >= 0) q32_gemm8_rows = (int)v;
-    return q32_gemm8_rows;
-}
-
-static int q32_gemm8_takes(int64_t type, int64_t M, int64_t k) {
-    if (q32_gemm8_rows) return M >= q32_gemm8_rows;
-    if (!isa8) iterserve_act8_isa(0);
-    const int groups = isa8 == 2 && vnni_variant == 0 && cpu_vbmi() && type != GGML_Q8_0;
-    const int lng = k > 4096;
-    int from;
-    switch (type) {
-    case GGML_Q4_0: from = lng ? Q32_GEMM8_ROWS_LONG_Q4_0 : Q32_GEMM8_ROWS_Q4_0; break;
-    case GGML_Q4_1: from = lng ? Q32_GEMM8_ROWS_LONG_Q4_1 : Q32_GEMM8_ROWS_Q4_1; break;
-    case GGML_Q5_0: from = lng ? Q32_GEMM8_ROWS_LONG_Q5_0 : Q32_GEMM8_ROWS_Q5_0; break;
-    case GGML_Q5_1: from = lng ? Q32_GEMM8_ROWS_LONG_Q5_1 : Q32_GEMM8_ROWS_Q5_1; break;
-    default: from = k % 256 ? Q32_GEMM8_ROWS_Q8_0_RAGGED
-                            : lng ? Q32_GEMM8_ROWS_LONG_Q8_0 : Q32_GEMM8_ROWS_Q8_0; break;
-    }
-    if (!groups && from > Q32_GEMM8_ROWS_NOGROUPS) from = Q32_GEMM8_ROWS_NOGROUPS;
-    return M >= from;
-}
-
-int64_t iterserve_act8_kq_gemm_rows(int64_t v) {
-    if (v >= 0) kq_gemm8_rows = (int)v;
-    return kq_gemm8_rows;
-}
-
-int iterserve_act8_gemm8_takes(int64_t type, int64_t M, int64_t k) {
-    if (act_mode != 2 || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
-    if (!is_kq(type)) return q32_gemm8_takes(type, M, k);
-    if (kq_gemm8_rows) return M >= kq_gemm8_rows;
-    const int lng = k > 4096;
-    if (kq_decode == 1)   /* session 15's kernels: session 15's rows */
-        return M >= (type == GGML_Q4_K ? (lng ? KQ15_GEMM8_ROWS_LONG_Q4_K : KQ15_GEMM8_ROWS_Q4_K)
-                     : type == GGML_Q5_K ? (lng ? KQ15_GEMM8_ROWS_LONG_Q5_K : KQ15_GEMM8_ROWS_Q5_K)
-                     : (lng ? KQ15_GEMM8_ROWS_LONG_Q6_K : KQ15_GEMM8_ROWS_Q6_K));
-    const int from = type == GGML_Q4_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q4_K : KQ_GEMM8_ROWS_Q4_K)
-                   : type == GGML_Q5_K ? (lng ? KQ_GEMM8_ROWS_LONG_Q5_K : KQ_GEMM8_ROWS_Q5_K)
-                   : (lng ? KQ_GEMM8_ROWS_LONG_Q6_K : KQ_GEMM8_ROWS_Q6_K);
-    return M >= from;
 }

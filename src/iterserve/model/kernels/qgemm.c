@@ -12,7 +12,7 @@
  *
  * Register kernels (each block expanded in registers, no store): with AVX2 for Q4_0, Q4_1,
  * Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16 and F32; with AVX-512, where the CPU has it
- * (iterserve_gemm_isa), Q4_0 / Q4_1 / Q8_0 in qgemm32_512 (1.4-1.7x the AVX2 kernel on the
+ * (iterserve_st.wide), Q4_0 / Q4_1 / Q8_0 in qgemm32_512 (1.4-1.7x the AVX2 kernel on the
  * bundled model's shapes) and every other of these types in qgemm_u512 (blocks512.h's
  * decoders). Same process, alternating, one thread, 1.7B shapes, loaded machine
  * (benchmarks/results/kquant-step1-t1.json, bench_qgemm.py paths): AVX-512 over AVX2 for
@@ -20,26 +20,24 @@
  * register kernel (Q2_K, Q3_K, IQ4_NL, IQ4_XS) run iterserve_qgemm_generic (each block
  * decoded into an L1 buffer by the same code as `dequant`, then dotted with the rows): 1.1-1.8x
  * faster than dequantise + F.linear on a 2048x2048 weight, 1.5-2.5x slower than a register
- * kernel. From panel_rows() rows on (per type, measured) the panel GEMM of prefill.c runs.
- * iterserve_qgemm as a decode step calls it, against 9482085 (the session-12 kernels), same
- * process, alternating, one thread, 1.7B shapes, 1-16 rows, loaded machine
- * (benchmarks/results/kquant-decode-ab-t1.json, bench_qgemm.py ab): Q4_K 1.7-5.0x, Q6_K
- * 1.2-3.9x, Q5_K 2.1-5.6x, Q5_0 1.2-4.1x, Q5_1 1.5-5.1x; F16 / BF16 1.7-4.4x at 1 row and
- * level (0.95-1.10x) from 4 rows, where both run the panel GEMM.
+ * kernel. From a measured row count per type (dispatch.c) the panel GEMM of prefill.c runs.
+ * Against kernels with scalar scale conversion (same process, alternating, one thread, 1.7B
+ * shapes, 1-16 rows, loaded machine; benchmarks/results/kquant-decode-ab-t1.json): Q4_K
+ * 1.7-5.0x, Q6_K 1.2-3.9x, Q5_K 2.1-5.6x, Q5_0 1.2-4.1x, Q5_1 1.5-5.1x; F16 / BF16 1.7-4.4x
+ * at 1 row.
  *
  * The f16 scales are converted per block with F16C, straight from the block (vcvtph2ps from
- * memory). On the bundled model's Q4_1 shapes the kernel is 0-11% (typically ~5%) slower than
- * the old split layout (scales pre-widened to float32 in separate arrays) in same-process
- * single-thread A/Bs on a loaded machine (benchmarks/bench_qgemm.py layout): at these small
- * shapes the loop is bound by instruction throughput and the conversion adds ~2 instructions
- * per block; the layout reads 17% fewer bytes (Q4_1: 20 vs 24 per block) and needs no copy of
- * the file's weights, which is what issue 12 is about.
+ * memory). On the bundled model's Q4_1 shapes that is 0-11% (typically ~5%) slower than
+ * scales pre-widened to float32 in separate arrays (same-process single-thread A/Bs on a
+ * loaded machine, benchmarks/bench_qgemm.py layout): at these small shapes the loop is bound
+ * by instruction throughput and the conversion adds ~2 instructions per block; the in-block
+ * layout reads 17% fewer bytes (Q4_1: 20 vs 24 per block) and needs no copy of the file's
+ * weights.
  *
  * Threads split the n columns; compiled with -mavx2 -mfma -mf16c, and with -ffp-contract=off
- * so the dequantisation is not fused into an FMA. Activations stay float32 (not quantised to
- * 8 bits for integer dot products, as llama.cpp does with VNNI): results equal a float32 GEMM
- * over gguf-py's dequantised weights up to summation order, which the tests and the fused
- * decode path's bit-identity rely on. An int8/VNNI variant was not measured yet (issue 13).
+ * so the dequantisation is not fused into an FMA. Activations stay float32: results equal a
+ * float32 GEMM over gguf-py's dequantised weights up to summation order. The int8-activation
+ * kernels are qdot8.c and prefill8.c.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -255,7 +253,7 @@ static void qgemm32(int type, const uint8_t *w, int64_t N, int64_t row_stride, i
 }
 
 
-/* --- AVX-512 variants of Q4_0 / Q4_1 / Q8_0 (chosen at run time, iterserve_gemm_isa) ------ */
+/* --- AVX-512 variants of Q4_0 / Q4_1 / Q8_0 (chosen at run time, iterserve_st.wide) ------ */
 /* Why: at decode batches the 32-wide kernels above are bound by instruction throughput, not
  * by the bytes they stream (batch-8 steps went from 12.1 to 12.9 ms in the fused layers when
  * the f16 scales moved into the blocks). One zmm holds half a block, so a block is 2 FMAs
@@ -644,39 +642,12 @@ int iterserve_can_qgemm(int64_t type) {
                                             || type == GGML_F32));
 }
 
-/* From how many rows on iterserve_qgemm hands the product to the prefill GEMM (prefill.c),
- * whose per-call decode of the weight is shared by all rows, per type. Register kernel (the
- * AVX-512 one) against the panel GEMM, one thread (CPU time), same process, alternating, on a
- * loaded 2-core AVX-512 EPYC, weights 2048x2048, 8192x2048 and 2048x8192 at 1, 2, 4, 8, 12,
- * 16, 24, 32 rows (benchmarks/results/kquant-panel-rows-t1.json; register time / panel time):
- * - Q4_K: 0.37-0.69 at 1 row, 0.79-0.90 at 4, 1.12-1.35 at 8 -> 8;
- * - Q5_K: 0.44-0.80 at 1, 0.78-0.95 at 4, 1.00-1.18 at 8 -> 8;
- * - Q6_K: 0.42-0.86 at 1, 0.58-1.26 at 2, 0.63-1.84 at 4 (1.25-1.84 on the two larger) -> 4;
- * - Q5_0: 0.39 at 1, 0.60 at 4, 1.03-1.71 at 8 -> 8; Q5_1: 0.54-1.15 at 4, 0.69-1.16 at 8 -> 8;
- * - F16 / BF16 / F32: 0.16-0.61 at 1 row, 0.19-1.03 at 2, 1.03-1.43 at 4 -> 3 (the float
- *   panels are cheap to pack, and the register kernels stream 2-4 bytes per weight);
- * - Q4_0 / Q4_1 / Q8_0 (session 12, AVX-512 register kernels): level at 12-16 rows, the panel
- *   GEMM 1.2-1.4x faster at 24-32 -> 16;
- * - Q2_K, Q3_K, IQ4_*: the generic block kernel, level at 1 row, slower from 2 -> 2.
- * The same table serves AVX2-only CPUs (not measured there). The fused decode layers
- * (decode_layers.c) call iterserve_qgemm too, so both paths take the same kernel and stay
- * bit-identical. */
-static int64_t panel_rows(int64_t type) {
-    switch (type) {
-    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q8_0: return 16;
-    case GGML_Q4_K: case GGML_Q5_K: case GGML_Q5_0: case GGML_Q5_1: return 8;
-    case GGML_Q6_K: return 4;
-    case GGML_F32: case GGML_F16: case GGML_BF16: return 3;
-    default: return 2;
-    }
-}
-
-/* The register kernel of the type for the ISA in use (iterserve_gemm_isa), else the generic
+/* The register kernel of the type for the ISA in use (iterserve_st.wide), else the generic
  * block kernel; any row count (tiles of 8). */
-static void qgemm_registers(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
-                            int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
-                            int64_t ldy, int nthreads) {
-    const int wide = iterserve_gemm_isa(-1) == 2;
+void iterserve_k_registers(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                           int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                           int64_t ldy, int nthreads) {
+    const int wide = iterserve_st.wide == 2;
     if (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0) {
         if (wide) qgemm32_512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
         else qgemm32((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
@@ -690,43 +661,4 @@ static void qgemm_registers(int64_t type, const uint8_t *w, int64_t n, int64_t r
         qgemm_k((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     else
         iterserve_qgemm_generic(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
-}
-
-void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
-                     const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
-                     int nthreads) {
-    /* int8 activations (qdot8.c) when that mode is on and takes this type and row count;
-     * decode steps of many rows on the int8 prefill GEMM (prefill8.c) first, where qdot8.c's
-     * iterserve_act8_gemm8_takes measured it faster (also past the decode kernels' rows) */
-    if (iterserve_act8_gemm8_takes(type, M, k)
-        && iterserve_gemm8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-        return;
-    if (iterserve_act8_takes(type, M)
-        && iterserve_qgemm_act8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-        return;
-    /* bf16 dot products (bf16dot.c) for BF16 weights in the auto mode on avx512bf16 CPUs */
-    if (iterserve_bf16_takes(type, M)
-        && iterserve_bf16_gemm(0, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-        return;
-    /* F16 decode steps on the streamed kernels (f16dot.c), exact float32, every mode (not
-     * where the bf16 panel above took the call) */
-    if (iterserve_f16_takes(type, M)
-        && iterserve_f16_gemm(0, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-        return;
-    if (M < 1 || n < 1) return;
-    if (M >= panel_rows(type)
-        && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads) == ITERSERVE_OK)
-        return;
-    qgemm_registers(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
-}
-
-void iterserve_qgemm_path(int64_t path, int64_t type, const uint8_t *w, int64_t n,
-                          int64_t row_stride, int64_t k, const float *x, int64_t M, int64_t ldx,
-                          float *y, int64_t ldy, int nthreads) {
-    if (M < 1 || n < 1) return;
-    if (path == 1) qgemm_registers(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
-    else if (path == 2) iterserve_qgemm_generic(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
-    else if (path == 3 && iterserve_gemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads)
-             == ITERSERVE_OK) return;
-    else iterserve_qgemm(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
 }

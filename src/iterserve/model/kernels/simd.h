@@ -1,4 +1,4 @@
-/* AVX2 helpers shared by the kernels in this folder. */
+/* AVX2 routines shared by the kernels in this folder. */
 #ifndef ITERSERVE_SIMD_H
 #define ITERSERVE_SIMD_H
 #include <immintrin.h>

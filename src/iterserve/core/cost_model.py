@@ -1,5 +1,8 @@
 """How long one simulated step takes, so the lab can report seconds as well as steps.
 
+It sits in core because the scheduler's slo policy seeds its online step-time model from it
+(core/step_time.py); the lab prices its simulated steps with it.
+
 The lab counts in scheduler steps; a cost model turns each step's batch into seconds. The
 model is linear in what a forward pass costs on a GPU or CPU, plus the engine's own time
 around it:
@@ -54,7 +57,7 @@ increasing, seconds of either sign.
 `format`, `version`, `description` and `source` are optional; missing coefficients are 0
 (`idle_step_s` defaults to `c0`), so a version-1 file (no `c_attn`, no overhead) or a
 version-2 file (no corrections) loads and
-means what it meant. The shipped default (lab/data/default_cost_model.json) is
+means what it meant. The shipped default (core/data/default_cost_model.json) is
 an order-of-magnitude guess for a 7B fp16 model on one A100-class GPU; fitting it to the real
 model runner is `iterserve lab calibrate`'s job, which writes this format.
 """
@@ -68,15 +71,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from iterserve.core.step_time import MIN_LINEAR_SHARE, token_correction
+from iterserve.core.step_time import COEFFICIENTS, MIN_LINEAR_SHARE, token_correction
+from iterserve.errors import CostModelError
 
 FORMAT = "iterserve-lab-cost-model"
 VERSION = 3
 VERSIONS = (1, 2, 3)         # readable; version 1 files lack c_attn and the overhead terms,
                              # versions 1 and 2 the token corrections
-# The model runner's coefficients (what `lab calibrate` fits to ModelRunner.execute) ...
-COEFFICIENTS = ("c0", "c_tok", "c_seq", "c_kv", "c_prefill_tok", "c_attn")
-# ... and the serving loop around it (fitted to a short run of the real engine).
+# The model runner's coefficients are step_time's COEFFICIENTS (what `lab calibrate` fits to
+# ModelRunner.execute); the serving loop around the runner adds these (fitted to a short run
+# of the real engine).
 OVERHEADS = ("overhead_s", "overhead_seq_s")
 _META_KEYS = ("format", "version", "description", "source")
 CORRECTIONS = "token_corrections"
@@ -99,10 +103,6 @@ def check_corrections(value: Any) -> tuple[tuple[int, float], ...]:
                                  f"got {item[0]} after {out[-1][0]}")
         out.append((int(item[0]), float(item[1])))
     return tuple(out)
-
-
-class CostModelError(ValueError):
-    """A cost-model file or dict that cannot be used; the message names the key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,8 @@ class CostModel:
         batch)."""
         if not self.token_corrections:
             return self
-        from iterserve.lab.calibrate import GridPoint, fit_coefficients
+        # numpy (core/fit.py) only to refit: the scheduler and the lab never load it
+        from iterserve.core.fit import GridPoint, fit_coefficients
 
         shapes = [GridPoint(d, kv) for d in (1, 2, 4, 8, 16, 32) for kv in (64, 256, 1024)]
         shapes += [GridPoint(prefill_tokens=p, prefill_chunks=1, prefill_context=c)
@@ -216,9 +217,16 @@ class CostModel:
 
 
 def shipped_cost_models() -> list[str]:
-    """Names of the cost models shipped in lab/data (file names without `.json`)."""
-    return sorted(p.name[:-5] for p in resources.files("iterserve.lab").joinpath("data").iterdir()
+    """Names of the cost models shipped in core/data (file names without `.json`)."""
+    return sorted(p.name[:-5] for p in resources.files("iterserve.core").joinpath("data").iterdir()
                   if p.name.endswith(".json"))
+
+
+def shipped_cost_model(name: str) -> CostModel:
+    """A shipped cost model by name (see `shipped_cost_models`), never a path."""
+    text = resources.files("iterserve.core").joinpath(f"data/{name}.json").read_text(
+        encoding="utf-8")
+    return CostModel.from_dict(json.loads(text))
 
 
 def load_cost_model(path: str | Path) -> CostModel:
@@ -227,9 +235,7 @@ def load_cost_model(path: str | Path) -> CostModel:
     p = Path(path)
     name = str(path)
     if not p.exists() and "/" not in name and name in shipped_cost_models():
-        text = resources.files("iterserve.lab").joinpath(f"data/{name}.json").read_text(
-            encoding="utf-8")
-        return CostModel.from_dict(json.loads(text))
+        return shipped_cost_model(name)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
@@ -250,6 +256,4 @@ def load_cost_model(path: str | Path) -> CostModel:
 
 def default_cost_model() -> CostModel:
     """The shipped default (see the module docstring for what it stands for)."""
-    text = resources.files("iterserve.lab").joinpath("data/default_cost_model.json").read_text(
-        encoding="utf-8")
-    return CostModel.from_dict(json.loads(text))
+    return shipped_cost_model("default_cost_model")
