@@ -96,3 +96,38 @@ def test_no_window_pools_with_swap_space_or_prefix_caching(tmp_path):
                              **kw)
         assert runner.window_blocks is None
         assert all(k.shape[0] == 64 for k in runner.kv_cache.k)
+
+
+def test_prefix_cache_and_kv_tiers_keep_every_layer_and_the_window_pool_tokens(tmp_path):
+    """With prefix caching, a RAM tier and a disk tier, a sliding-window model's layers
+    all keep a request's whole KV (a cached block must serve the sliding layers too, and a
+    tier copies a block's every layer): the window pools are off, and a prompt served warm
+    from the disk tier by a restarted engine gives the tokens of the window-pool engine
+    (no cache), which follows HF's logits (the test above)."""
+    from iterserve import LLM, SamplingParams
+
+    d = make_tiny_model_dir(tmp_path / "m", "gemma3_text")
+    kw = dict(max_model_len=256, block_size=BS, kernel_activations="float",
+              num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=2)
+    greedy_params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 400 for i in range(70)]}
+               for j in range(2)]
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy_params,
+                                                              use_tqdm=False)]
+
+    windowed = LLM(str(d), enable_prefix_caching=False, **kw)
+    assert windowed.engine.stats()["memory"]["kv_cache"].get("layer_groups")
+    want = tokens(windowed)
+    windowed.engine.shutdown()
+    tiers = tmp_path / "kv"
+    first = LLM(str(d), kv_offload_dir=str(tiers), **kw)
+    assert "layer_groups" not in first.engine.stats()["memory"]["kv_cache"]
+    assert tokens(first) == want
+    first.engine.shutdown()
+    second = LLM(str(d), kv_offload_dir=str(tiers), **kw)
+    outs = second.generate(prompts, greedy_params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.num_cached_tokens >= 64 for o in outs)
+    second.engine.shutdown()
