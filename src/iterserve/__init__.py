@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "iterserve.engine.llm",
     "SamplingParams": "iterserve.core.request",
+    "PoolingParams": "iterserve.core.request",
     "StructuredOutputsParams": "iterserve.structured.params",
     "RequestOutput": "iterserve.engine.outputs",
     "CompletionOutput": "iterserve.engine.outputs",

@@ -70,6 +70,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("OMP_NUM_THREADS", "str", None,
            "OpenMP threads of the process; read by libgomp when torch loads it; each data-"
            "parallel replica gets --threads-per-replica", "libgomp; replicas/"),
+    EnvVar("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "str", None,
+           "Ray's single-node switch: iterserve sets it to 0 when it starts a local Ray "
+           "cluster (-dp N without --ray-address), so every Ray server binds 127.0.0.1; "
+           "read by Ray and by its processes", "ray; replicas/"),
 )}
 
 

@@ -14,6 +14,8 @@ HTTP answer, not the Python base class.
     │   ├── StructuredOutputsError            a structured-output spec
     │   │   ├── GrammarCompileError           not a grammar the engine can use
     │   │   │   └── GrammarCompileTimeout     it did not compile in time
+    │   │   ├── ConstraintTooComplexError     over a documented limit, or beyond the grammar
+    │   │   │                                 engine's own limits while it generates
     │   │   └── ToolChoiceError               `tools` / `tool_choice`
     │   ├── ChatTemplateError                 the conversation cannot be rendered
     │   ├── ConfigError                       a knob with a value that cannot work
@@ -29,6 +31,7 @@ HTTP answer, not the Python base class.
     │   ├── KernelsUnavailable                a C-kernel wrapper called without the kernels
     │   ├── SimulationError                   the scheduler broke a lab invariant (a bug)
     │   ├── RayNotInstalledError              --data-parallel-size without Ray Serve
+    │   ├── RayExposedError                   a local Ray cluster listening beyond loopback
     │   ├── DefaultModelMissing               the bundled model is not installed
     │   └── ModelLoadError (also a ValueError)   the model cannot be loaded
     │       ├── UnsupportedModelError         an architecture iterserve does not implement
@@ -151,6 +154,13 @@ class UnsupportedParameterError(InvalidRequestError):
     code = "unsupported_parameter"
 
 
+class WrongRunnerError(InvalidRequestError):
+    """The request needs what this server's model is not served as: an embedding request
+    to a text-generation server, or a completion to an embedding (pooling) server."""
+
+    code = "model_not_supported"
+
+
 class UnknownModelError(InvalidRequestError):
     """The request names a model this server does not serve (HTTP 404)."""
 
@@ -183,6 +193,14 @@ class GrammarCompileError(StructuredOutputsError):
 
 class GrammarCompileTimeout(GrammarCompileError):
     """Compiling the constraint took longer than the compiler's `compile_timeout`."""
+
+
+class ConstraintTooComplexError(StructuredOutputsError):
+    """A constraint too complex to honour: over a documented limit (structured/limits.py,
+    checked before compiling) or, mid-generation, beyond the grammar engine's own limits at
+    that length (its sequence ends with finish_reason "error"; the answer is this 400)."""
+
+    code = "constraint_too_complex"
 
 
 class ToolChoiceError(StructuredOutputsError):
@@ -258,11 +276,17 @@ class EngineDeadError(ServerError):
 
 
 class ReplicaDiedError(ServerError):
-    """A replica died (or became unreachable) while serving the request: a 503, and mid-stream
-    an SSE error chunk. The other replicas keep serving; Ray Serve restarts this one."""
+    """A replica died (or became unreachable) while serving the request: a 503 with
+    Retry-After (another replica, or this one restarted by Ray Serve, serves a retry), and
+    mid-stream finish_reason "error" then an error event with the same body."""
 
     status_code = 503
     error_type = "service_unavailable"
+    code = "replica_unavailable"
+    retry_after_s = 1
+
+    def http_message(self) -> str:
+        return str(self)
 
 
 class NoHealthyReplicaError(ServerError):
@@ -296,6 +320,11 @@ class SimulationError(ServerError):
 
 class RayNotInstalledError(ServerError):
     """--data-parallel-size > 1 needs Ray Serve, which is not installed."""
+
+
+class RayExposedError(ServerError):
+    """A local Ray cluster that would listen beyond 127.0.0.1 (anyone reaching it could run
+    code on the machine): serving is refused."""
 
 
 class DefaultModelMissing(ServerError, FileNotFoundError):

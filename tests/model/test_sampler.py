@@ -94,6 +94,13 @@ def test_top_p_restricts_support_to_the_smallest_nucleus():
     assert support == set(order[:nucleus_size].tolist())
 
 
+def test_a_top_p_that_is_zero_in_float32_keeps_the_best_token():
+    # 5e-324 is a valid JSON float > 0 that float32 rounds to 0: the nucleus is the best
+    # token, never empty (an empty one sampled an arbitrary, possibly masked-out, token).
+    support, row = _support(200, top_p=5e-324)
+    assert support == {int(row.argmax())}
+
+
 def test_min_p_drops_tokens_below_the_fraction_of_the_best():
     support, row = _support(3000, min_p=0.2)
     probs = row.softmax(-1)

@@ -78,3 +78,54 @@ def test_serve_dp2_with_a_missing_model_is_refused_quickly():
     assert proc.returncode == 2, err[-2000:]
     assert "no model at '/nonexistent/model'" in err
     assert time.monotonic() - t0 < 60
+
+
+def test_serve_dp2_listens_on_loopback_only(tiny_model_dir):
+    """`serve -dp 2` without --ray-address starts its own Ray cluster: every socket that the
+    server process and the processes it started (GCS, raylet, agents, the replicas' workers)
+    listen on is a loopback one, and there is no dashboard. Before, Ray's servers listened on
+    0.0.0.0, ::, and the machine's own address."""
+    from iterserve.replicas.launch import is_loopback, listening_sockets
+
+    port = free_port()
+    proc = cli("--model", str(tiny_model_dir), "--port", str(port), "--num-kv-blocks", "64",
+               "--max-model-len", "128", "-dp", "2", "--threads-per-replica", "1",
+               "--log-level", "warning")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        sockets = listening_sockets(proc.pid)
+        names = {name for *_, name in sockets}
+        # Ray's own servers are there (the check is not vacuous) ...
+        assert "gcs_server" in names and "raylet" in names, sockets
+        assert len({pid for _, _, pid, _ in sockets}) >= 4, sockets
+        # ... and every one of them, the HTTP port included, is on loopback.
+        exposed = [s for s in sockets if not is_loopback(s[0])]
+        assert not exposed, exposed
+        assert port in {p for _, p, _, _ in sockets}
+        assert 8265 not in {p for _, p, _, _ in sockets}          # Ray's dashboard: off
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def test_loopback_check_reads_addresses():
+    from iterserve.replicas.launch import is_loopback
+
+    for a in ("127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"):
+        assert is_loopback(a), a
+    for a in ("0.0.0.0", "::", "192.0.2.2", "10.0.0.1", "::ffff:10.0.0.1", "fe80::1%eth0", ""):
+        assert not is_loopback(a), a

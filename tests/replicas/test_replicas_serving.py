@@ -184,9 +184,12 @@ def test_data_parallel_flag_needs_ray(monkeypatch):
 
 
 def test_a_replica_killed_mid_run_fails_its_requests_cleanly(pool_server):
-    """ray.kill one replica while 8 streams run on both: every stream ends (finished, or an
-    SSE error chunk then [DONE]) within the timeout, never a hang; the endpoint keeps
-    serving at once, and Ray Serve brings the replica back."""
+    """ray.kill one replica while 8 streams and 4 non-streamed requests run on both: every
+    stream ends within the timeout, never a hang: finished, or (on the victim) a chunk with
+    finish_reason "error", an error event in the one shape (type service_unavailable, code
+    replica_unavailable), then [DONE]; a non-streamed request on the victim is a 503 with
+    Retry-After and that body. The endpoint keeps serving at once, and Ray Serve brings the
+    replica back."""
     import json
     import threading
 
@@ -196,12 +199,14 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly(pool_server):
     names = pool.router.replica_actor_names()
     assert len(names) == 2
     results: list[tuple[str, int]] = []
+    errors: list[dict] = []
+    plain: list[httpx.Response | str] = []
     started = threading.Barrier(9)
 
     def one(i: int) -> None:
         body = {"model": "tiny-llama", "prompt": f"fault {i}", "max_tokens": 200,
                 "ignore_eos": True, "stream": True}
-        outcome, n = "none", 0
+        outcome, n, done_last = "none", 0, False
         try:
             with httpx.stream("POST", pool_server.v1 + "/completions", json=body,
                               timeout=60) as r:
@@ -213,11 +218,13 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly(pool_server):
                         if not line.startswith("data: "):
                             continue
                         if line == "data: [DONE]":
+                            done_last = True
                             outcome = outcome if outcome != "none" else "done-unfinished"
                             break
                         ev = json.loads(line[6:])
                         if "error" in ev:
-                            outcome = "error"
+                            assert outcome == "error", "the choice ends before the error event"
+                            errors.append(ev["error"])
                             continue
                         n += 1
                         if n == 2:
@@ -225,10 +232,19 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly(pool_server):
                         if ev["choices"] and ev["choices"][0].get("finish_reason"):
                             outcome = ev["choices"][0]["finish_reason"]
         except Exception as e:      # a reset connection or a hang (timeout) fails the test
-            outcome = f"exception {type(e).__name__}"
-        results.append((outcome, n))
+            outcome = f"exception {type(e).__name__}: {e}"
+        results.append((outcome if done_last else f"no [DONE] after {outcome}", n))
+
+    def not_streamed(i: int) -> None:
+        try:
+            plain.append(httpx.post(pool_server.v1 + "/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": f"plain {i}", "max_tokens": 200,
+                "ignore_eos": True}))
+        except Exception as e:
+            plain.append(f"exception {type(e).__name__}")
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    threads += [threading.Thread(target=not_streamed, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     started.wait(timeout=30)                 # every stream has its first tokens
@@ -240,6 +256,17 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly(pool_server):
     outcomes = [o for o, _ in results]
     assert all(o in ("length", "error") for o in outcomes), results
     assert "error" in outcomes and "length" in outcomes, results    # both replicas had some
+    assert len(errors) == outcomes.count("error")
+    for err in errors:
+        assert err["type"] == "service_unavailable" and err["code"] == "replica_unavailable"
+        assert "internal server error" not in err["message"]
+    for r in plain:
+        assert not isinstance(r, str), plain
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert r.headers.get("retry-after") == "1"
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable" and err["code"] == "replica_unavailable"
     # Serving at once, on the survivor (or the restarted one).
     c = client(pool_server)
     for _ in range(4):

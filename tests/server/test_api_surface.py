@@ -363,3 +363,24 @@ def test_min_tokens_and_include_stop_str_in_output_over_http(client, server):
     held = client.completions.create(stop=[stop], extra_body={**body, "min_tokens": 4},
                                      **kw).choices[0]
     assert held.text.startswith("".join(toks[:4])), (held.text, toks)
+
+
+def test_a_reasoning_item_an_empty_tokenize_prompt_and_ping(client, server):
+    """A previous response's reasoning item sent back is accepted (the templates render no
+    past reasoning); /tokenize refuses the empty prompt completions refuses; /ping says its
+    (empty) body is text."""
+    r = client.responses.create(model=server.model, max_output_tokens=2, input=[
+        {"type": "reasoning", "id": "rs_1", "summary": [
+            {"type": "summary_text", "text": "thinking"}]},
+        {"role": "user", "content": "Hi"}])
+    assert r.status == "completed" or r.output, r
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=server.model, max_output_tokens=2, input=[
+            {"type": "reasoning", "id": "rs_1", "summary": []}])
+    assert "reasoning" in e.value.body["message"]
+    bad = httpx.post(server.base_url + "/tokenize", json={"prompt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server.model, prompt="", max_tokens=1)
+    ping = httpx.get(server.base_url + "/ping")
+    assert ping.status_code == 200 and ping.headers["content-type"].startswith("text/plain")

@@ -281,7 +281,8 @@ def test_openapi_says_400_and_states_the_limits(server):
     assert bound(cmpl["logprobs"], "maximum") == 20
     assert bound(chat["top_logprobs"], "maximum") == 20
     assert bound(cmpl["seed"], "maximum") == pytest.approx(2**63 - 1)     # JSON: a float
-    assert bound(cmpl["priority"], "maximum") == 2**31 - 1
+    # fcfs schedules no priorities: the schema offers only the neutral value
+    assert cmpl["priority"]["enum"] == [0, None]
     stop_list = [b for b in cmpl["stop"]["anyOf"] if b.get("type") == "array"][0]
     assert stop_list["maxItems"] == 16
     assert schemas["CompletionRequest"]["additionalProperties"] is False

@@ -254,10 +254,16 @@ def test_compiled_grammars_are_cached(tiny_tok):
 
 
 def _huge_schema(n):
-    return {"type": "object", "properties": {f"field_{i}": {"type": "string",
-                                                            "pattern": f"[a-z]{{{i % 7 + 1}}}x"}
-                                             for i in range(n)},
-            "required": [f"field_{i}" for i in range(n)]}
+    """n string fields with patterns, in objects of at most 1,000 properties (the limit)."""
+    def obj(lo, hi):
+        return {"type": "object",
+                "properties": {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1}}}x"}
+                               for i in range(lo, hi)},
+                "required": [f"field_{i}" for i in range(lo, hi)]}
+    if n <= 1000:
+        return obj(0, n)
+    parts = {f"part_{j}": obj(j, min(n, j + 1000)) for j in range(0, n, 1000)}
+    return {"type": "object", "properties": parts, "required": list(parts)}
 
 
 def test_compile_timeout_is_reported_and_the_result_cached_later(tiny_tok):

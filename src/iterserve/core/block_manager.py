@@ -226,11 +226,15 @@ class BlockManager:
         return hits
 
     def _max_hit_blocks(self, request: Request) -> int:
-        """How many leading blocks a cache may serve: 0 without prefix caching or for a
-        prompt that needs its prompt logprobs (cached blocks have no logits: as vLLM)."""
+        """How many leading blocks a cache may serve: 0 without prefix caching, for a
+        prompt that needs its prompt logprobs (cached blocks have no logits: as vLLM) or
+        for a pooling request whose pooler reads every row's hidden state."""
         if not self.enable_prefix_caching:
             return 0
         if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            return 0
+        pp = request.pooling_params
+        if pp is not None and pp.reads_every_row:    # mean / CLS pooling: every row computed
             return 0
         return (request.num_tokens - 1) // self.block_size
 

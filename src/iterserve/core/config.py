@@ -186,17 +186,30 @@ class LoadConfig:
     seed: int = knob(0, "torch seed for unseeded sampling", int)
     # --- what the model is served as (vLLM's --runner / --convert / --task) ---------------
     runner: str = knob(
-        "auto", "vLLM: what the model is served as; generate (text generation, the "
-        "completions and chat endpoints) is what iterserve serves (auto: generate); pooling "
-        "(embedding models) is refused", str, choices=("auto", "generate", "pooling", "draft"))
+        "auto", "what the model is served as (vLLM's): generate (text generation: the "
+        "completions, chat, responses and messages endpoints) or pooling (an embedding "
+        "model: /v1/embeddings, /v1/score, /rerank); auto: pooling for a checkpoint whose "
+        "architecture is a bare *Model (e.g. Qwen3Model), else generate", str,
+        choices=("auto", "generate", "pooling", "draft"))
     convert: str = knob(
-        "auto", "vLLM: what a pooling runner makes of the model; only auto / none (the model "
-        "as it is) here", str,
+        "auto", "vLLM: what a pooling runner makes of the model; embed serves a decoder as an "
+        "embedding model (pooling as its sentence-transformers config says, else the last "
+        "token normalised); auto / none: the model as it is", str,
         choices=("auto", "none", "embed", "classify", "reward", "mm_encoder_only"))
     task: str | None = knob(
-        None, "vLLM's older spelling of --runner / --convert: only generate here", str,
+        None, "vLLM's older spelling of --runner / --convert: generate, or embed / embedding "
+        "(--runner pooling --convert embed)", str,
         nullable=True, choices=("auto", "generate", "embed", "embedding", "classify", "score",
                                 "reward", "transcription", "draft"))
+    pooler_config: dict | None = knob(
+        None, "with --runner pooling, how to pool, as JSON (vLLM's keys): pooling_type "
+        "(LAST, MEAN, CLS, MAX, MEAN_SQRT_LEN), normalize (true / false); overrides the "
+        "checkpoint's sentence-transformers config", dict, nullable=True,
+        parse=json_arg(dict), metavar="JSON")
+    hf_overrides: dict | None = knob(
+        None, "keys set over the model's config.json before it is read, as JSON (vLLM's; e.g. "
+        "'{\"is_matryoshka\": true}' for an embedding model trained for truncated dimensions)",
+        dict, nullable=True, parse=json_arg(dict), metavar="JSON")
     # --- vLLM load flags: honoured where they mean something here, else said why -----------
     tokenizer_mode: str = knob(
         "auto", "auto / hf: the model's tokenizer.json through HF's `tokenizers` (iterserve's "
@@ -261,23 +274,47 @@ class LoadConfig:
         return self
 
     def _check_model_kind(self) -> None:
-        """Only text generation is served: a pooling / embedding / classification model is
-        refused before anything loads, saying so."""
+        """Text generation and embedding (pooling) models are served: a classification,
+        reward or draft model is refused before anything loads, saying so."""
         if self.runner == "draft" or self.task == "draft":
             raise ConfigError("--runner draft: a draft model serves speculative decoding, "
                               "which is not implemented yet; iterserve serves the model "
                               "itself (--runner generate)", "runner")
-        pooling = (self.runner == "pooling" or self.convert not in ("auto", "none")
-                   or self.task not in (None, "auto", "generate"))
-        if pooling:
-            flag = ("--runner pooling" if self.runner == "pooling" else
-                    f"--convert {self.convert}" if self.convert not in ("auto", "none") else
-                    f"--task {self.task}")
+        other = (f"--convert {self.convert}" if self.convert in ("classify", "reward",
+                                                                  "mm_encoder_only") else
+                 f"--task {self.task}" if self.task in ("classify", "score", "reward",
+                                                        "transcription") else None)
+        if other is not None:
             raise ConfigError(
-                f"{flag}: embedding, classification and reward models are not served yet "
-                "(no pooling runner, no /v1/embeddings); iterserve serves text-generation "
-                "models (--runner generate)", "task" if flag.startswith("--task") else
-                "runner" if flag.startswith("--runner") else "convert")
+                f"{other}: classification, reward and transcription models are not served "
+                "yet (no classifier head); iterserve serves text generation (--runner "
+                "generate) and embeddings (--runner pooling / --convert embed)",
+                "task" if other.startswith("--task") else "convert")
+        if self.runner == "generate" and (self.convert == "embed"
+                                          or self.task in ("embed", "embedding")):
+            raise ConfigError("--runner generate with --convert embed / --task embed: an "
+                              "embedding model is served by the pooling runner (--runner "
+                              "pooling)", "runner")
+        if self.pooler_config is not None:
+            unknown = sorted(set(self.pooler_config) - {"pooling_type", "normalize"})
+            if unknown:
+                raise ConfigError(f"--pooler-config: unknown or unsupported key(s) "
+                                  f"{', '.join(unknown)} (served here: pooling_type, "
+                                  "normalize)", "pooler_config")
+
+    def pooling(self, architectures: Iterable[str] = ()) -> bool:
+        """Whether the model is served as an embedding model: --runner pooling, --convert
+        embed or --task embed; under auto, a checkpoint whose architectures are bare
+        `*Model`s (a base model without an LM head, as sentence-transformers saves it),
+        vLLM's rule."""
+        if self.runner == "pooling" or self.convert == "embed" \
+                or self.task in ("embed", "embedding"):
+            return True
+        if self.runner == "generate" or self.task == "generate":
+            return False
+        archs = list(architectures)
+        return bool(archs) and all(a.endswith("Model") and not a.endswith("LMHeadModel")
+                                   for a in archs)
 
     def _check_load_flags(self) -> None:
         if self.tokenizer_mode not in ("auto", "hf"):

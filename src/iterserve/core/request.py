@@ -198,6 +198,38 @@ class SamplingParams:
 MAX_SLO_MS = 3_600_000.0    # an hour: a latency target beyond that is no target
 
 
+@dataclass(slots=True)
+class PoolingParams:
+    """What a pooling request (an embedding) asks for; vLLM's PoolingParams.
+
+    A pooling request is computed like a prompt and never samples: when its last prompt
+    token is computed the executor pools the hidden states into one vector and the
+    scheduler finishes it (its KV blocks freed). `dimensions` keeps the first that many
+    values (Matryoshka truncation; the engine checks the model supports it), `normalize`
+    overrides the model's pooling config (None: as the checkpoint says).
+    `reads_every_row` is filled by the engine from the model's pooler: mean or CLS pooling
+    reads rows a prefix-cache hit would not compute, so such a request takes no hits."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    reads_every_row: bool = field(default=False, repr=False)
+
+    def validate(self) -> "PoolingParams":
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise SamplingParamsError(f"dimensions must be a positive integer, got {d!r}",
+                                      "dimensions")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise SamplingParamsError("normalize must be true or false", "normalize")
+        return self
+
+
+# What a pooling request's Request carries as its sampling params: one "output" position,
+# so the scheduler's length and block arithmetic (prompt + max_tokens - 1 computed tokens)
+# counts exactly its prompt.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
 _FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type in ("float", float))
 
 
@@ -235,6 +267,7 @@ class Request:
         "deadline", "queue_deadline", "eos_token_id", "first_token_time", "first_scheduled_time",
         "finished_time", "token_times", "user_data", "ttft_slo_ms", "tpot_slo_ms",
         "spec_token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+        "pooling_params",
     )
 
     def __init__(
@@ -251,6 +284,7 @@ class Request:
         user_data: Any = None,
         ttft_slo_ms: float | None = None,
         tpot_slo_ms: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must have at least one token")
@@ -259,6 +293,11 @@ class Request:
         self.output_token_ids: list[int] = []
         # prompt + outputs, kept as one list so "tokens to compute" is a slice of it.
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A pooling request (PoolingParams) computes its prompt and ends there, sampling
+        # nothing; its sampling params are POOLING_SAMPLING.
+        self.pooling_params = pooling_params
+        if pooling_params is not None:
+            sampling_params = POOLING_SAMPLING
         self.sampling_params = sampling_params or SamplingParams()
         self.priority = priority
         self.arrival_time = arrival_time

@@ -239,13 +239,18 @@ class Scheduler:
         request.sampling_params.validate()
         self.policy.check_request(request)
         n = request.num_prompt_tokens
-        if n >= cfg.max_model_len:
+        pooling = request.pooling_params is not None
+        if n > cfg.max_model_len or (n == cfg.max_model_len and not pooling):
             self._reject(request, now, "prompt_too_long")
             raise ValueError(
                 f"request {rid!r}: the prompt has {n} tokens but max_model_len is "
-                f"{cfg.max_model_len}; it must be shorter to leave room for an output token")
-        # The last sampled token is never computed, so a request holds at most len - 1 tokens.
-        final_len = min(n + request.sampling_params.max_tokens, cfg.max_model_len)
+                f"{cfg.max_model_len}" + ("" if pooling else
+                                          "; it must be shorter to leave room for an output "
+                                          "token"))
+        # The last sampled token is never computed, so a request holds at most len - 1 tokens;
+        # a pooling request computes its whole prompt and no more.
+        final_len = n + 1 if pooling else \
+            min(n + request.sampling_params.max_tokens, cfg.max_model_len)
         bm = self.block_manager
         blocks = bm.num_blocks_for(final_len - 1)
         if blocks > bm.num_blocks:
@@ -714,7 +719,8 @@ class Scheduler:
     @staticmethod
     def _new_data(req: Request, block_ids: tuple[int, ...]) -> NewRequestData:
         return NewRequestData(req.request_id, list(req.prompt_token_ids), req.sampling_params,
-                              block_ids, req.num_computed_tokens, list(req.output_token_ids))
+                              block_ids, req.num_computed_tokens, list(req.output_token_ids),
+                              req.pooling_params)
 
     def _preempt(self, victim: Request, idx: int, st: _Step) -> int:
         """Evict running[idx] (== victim); returns the tokens it had been given this step."""
@@ -792,6 +798,14 @@ class Scheduler:
             all_tokens = req.all_token_ids
             if computed < len(all_tokens):
                 continue                    # a prefill chunk that did not reach the end
+            if req.pooling_params is not None:
+                # Pooled: its prompt is computed and nothing is sampled (the executor's
+                # vector goes to the engine, not here); it ends now, its blocks freed.
+                del requests[rid]
+                bm.free(req)
+                self._finish(req, FinishReason.STOP, now)
+                finished.append(req)
+                continue
             token = sampled.get(rid)
             if token is None:
                 raise ValueError(

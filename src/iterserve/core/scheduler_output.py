@@ -42,7 +42,10 @@ ranks, replicas) and receive it as a message.
   each row); the executor applies it to those sequences' logits before sampling.
 
 One SampleResult per sampling request comes back through `Scheduler.update_from_output`
-(its token ids: `token_ids`, one, or several after a verification).
+(its token ids: `token_ids`, one, or several after a verification). A pooling request
+(`NewRequestData.pooling_params`) samples nothing: the step that computes its last prompt
+token returns a `PoolingOutput` for it (the pooled vector, for the engine), and the
+scheduler finishes it there.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from iterserve.core.request import SamplingParams
+from iterserve.core.request import PoolingParams, SamplingParams
 from iterserve.structured.params import verify_row_id  # noqa: F401 (the executors read it here)
 
 
@@ -64,6 +67,8 @@ class NewRequestData:
     block_ids: tuple[int, ...]        # the whole device block table
     num_computed_tokens: int          # where this step's tokens start (prefix-cache hits)
     output_token_ids: list[int] = field(default_factory=list)   # resumed: outputs so far
+    # A pooling request (core.request.PoolingParams): computed, pooled, never sampled.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -209,3 +214,12 @@ class SampleResult:
         if not self.verified:
             return [self.token_id]
         return [self.token_id, *(r.token_id for r in self.verified)]
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's result: its pooled vector (an executor's float32 array; the core
+    only carries it) and how many prompt tokens it pooled."""
+
+    data: Any
+    num_tokens: int = 0

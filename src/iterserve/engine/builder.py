@@ -42,6 +42,7 @@ class EngineParts:
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     clock: Callable[[], float]
+    pooler_config: Any = None        # model.pooler.PoolerConfig: served as an embedder
 
 
 def kv_cache_config(args: Any, loaded: Any, max_model_len: int | None = None) -> CacheConfig:
@@ -146,9 +147,14 @@ def build_engine_parts(args: Any) -> EngineParts:
             "`iterserve serve --data-parallel-size N` (Ray Serve); an in-process engine "
             "(LLM, iterserve generate) is one replica", "data_parallel_size")
     if parallel.tensor_parallel_size > 1:
+        if load.runner == "pooling" or load.pooling():
+            raise ConfigError("--runner pooling does not run with tensor parallel yet",
+                              "tensor_parallel_size")
         return _build_tensor_parallel(args)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device,
-                        kv_cache_dtype=args.kv_cache_dtype, tokenizer=args.tokenizer)
+                        kv_cache_dtype=args.kv_cache_dtype, tokenizer=args.tokenizer,
+                        hf_overrides=load.hf_overrides, pooling=load.pooling)
+    pooler = _pooler(loaded, load)
     cfg = loaded.config
     sched_cfg = args.create_scheduler_config(cfg.max_position_embeddings)
     cache_cfg = kv_cache_config(args, loaded, sched_cfg.max_model_len)
@@ -160,7 +166,7 @@ def build_engine_parts(args: Any) -> EngineParts:
                              num_tier_blocks=cache_cfg.num_ram_tier_blocks,
                              kv_offload_dir=args.kv_offload_dir if tiers else None,
                              kv_setting_key=kv_setting_key(args, loaded)
-                             if args.kv_offload_dir else None,
+                             if args.kv_offload_dir else None, pooler=pooler,
                              # sliding-window layers hold only their window (chunked prefill)
                              max_tokens_per_step=sched_cfg.max_num_batched_tokens
                              if sched_cfg.enable_chunked_prefill else None,
@@ -169,9 +175,30 @@ def build_engine_parts(args: Any) -> EngineParts:
                              speculative=sched_cfg.speculative_config is not None)
     _configure_speculation(runner, sched_cfg, args.seed)
     parts = _parts(args, loaded, runner, sched_cfg, cache_cfg)
+    parts.pooler_config = pooler.config if pooler is not None else None
     if tiers:
         _connect_tiers(parts.scheduler.block_manager, runner, args)
     return parts
+
+
+def _pooler(loaded: Any, load: Any) -> Any:
+    """--runner pooling: the model's Pooler (model/pooler.py), from its sentence-transformers
+    config and --pooler-config; None for a generation model."""
+    if not loaded.pooling:
+        if load.pooler_config is not None:
+            raise ConfigError("--pooler-config needs an embedding model (--runner pooling "
+                              "or --convert embed)", "pooler_config")
+        return None
+    if loaded.config.model_type == "gpt2":
+        raise ConfigError("--runner pooling serves the llama-family decoders (llama, "
+                          "mistral, qwen2, qwen3) here, not gpt2", "runner")
+    from iterserve.model.pooler import Pooler, read_pooler_config  # torch: as above
+    cfg = read_pooler_config(loaded.path, loaded.hf_config, loaded.config.hidden_size,
+                             load.pooler_config)
+    logger.info("served as an embedding model: %s pooling, %s, %d dimensions%s (from %s)",
+                cfg.pooling_type, "normalised" if cfg.normalize else "not normalised",
+                cfg.hidden_size, ", Matryoshka" if cfg.is_matryoshka else "", cfg.source)
+    return Pooler(cfg)
 
 
 def _connect_tiers(bm: Any, runner: Any, args: Any) -> None:

@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from iterserve.core.request import Request, SamplingParams
+from iterserve.core.request import PoolingParams, Request, SamplingParams
 from iterserve.errors import (EmptyPromptError, InvalidRequestError, LogitsParamError,
-                              MaxTokensTooLargeError, PromptTooLongError, TokenIdOutOfRangeError)
+                              MaxTokensTooLargeError, PromptTooLongError, TokenIdOutOfRangeError,
+                              WrongRunnerError)
 
 
 @dataclass(eq=False)
@@ -45,6 +46,7 @@ class ProcessedRequest:
     arrival_wall_time: float
     requests: list[Request]          # one per sequence, by index, with per-sequence params
     grammar: Any = None              # structured.backend.CompiledGrammar, when constrained
+    pooling_params: PoolingParams | None = None   # a pooling request (an embedding)
 
 
 class InputProcessor:
@@ -57,8 +59,12 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
                  eos_token_ids: Iterable[int] = (),
                  clock: Callable[[], float] = time.monotonic, max_logprobs: int = -1,
-                 structured_outputs_config: dict[str, Any] | None = None) -> None:
+                 structured_outputs_config: dict[str, Any] | None = None,
+                 pooler_config: Any = None) -> None:
         self.tokenizer = tokenizer
+        # Served as an embedding model (model.pooler.PoolerConfig): every request is a
+        # pooling request; None: every request generates.
+        self.pooler_config = pooler_config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
@@ -144,7 +150,16 @@ class InputProcessor:
                 params: SamplingParams | None = None, *, priority: int = 0,
                 arrival_time: float | None = None, timeout: float | None = None,
                 prompt_text: str | None = None) -> ProcessedRequest:
-        """Validate and tokenise; the scheduler requests of all n sequences."""
+        """Validate and tokenise; the scheduler requests of all n sequences (one for a
+        pooling request)."""
+        if isinstance(params, PoolingParams) or (params is None and self.pooler_config):
+            return self.process_pooling(request_id, prompt, params or PoolingParams(),
+                                        priority=priority, arrival_time=arrival_time,
+                                        timeout=timeout, prompt_text=prompt_text)
+        if self.pooler_config is not None:
+            raise WrongRunnerError(
+                "this model is served as an embedding model (--runner pooling): it answers "
+                "/v1/embeddings, /v1/score and /rerank, and generates no text", "model")
         params = params or SamplingParams()
         self.check_request_id(request_id)
         self.check_params(params)
@@ -165,6 +180,39 @@ class InputProcessor:
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else prompt_text,
                                 prompt_ids, params, priority, now, time.time(), requests,
                                 grammar)
+
+    def process_pooling(self, request_id: str, prompt: str | Sequence[int],
+                        params: PoolingParams, *, priority: int = 0,
+                        arrival_time: float | None = None, timeout: float | None = None,
+                        prompt_text: str | None = None) -> ProcessedRequest:
+        """A pooling request: its prompt (at most max_model_len tokens: nothing is generated
+        after it) and `dimensions` checked against the model's pooler."""
+        cfg = self.pooler_config
+        if cfg is None:
+            raise WrongRunnerError(
+                "this model is served for text generation: embeddings need a server started "
+                "with --runner pooling (or --convert embed) on an embedding model", "model")
+        self.check_request_id(request_id)
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError("a pooling request takes PoolingParams", "params")
+        params.validate()
+        cfg.check_dimensions(params.dimensions)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        prompt_ids = self.tokenize_prompt(prompt)
+        if len(prompt_ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"the input has {len(prompt_ids)} tokens, but this model's maximum context "
+                f"length is {self.max_model_len} tokens", "input")
+        if params.reads_every_row != cfg.reads_every_row:
+            params = dataclasses.replace(params, reads_every_row=cfg.reads_every_row)
+        now = self.clock() if arrival_time is None else arrival_time
+        deadline = now + timeout if timeout is not None else None
+        req = Request(request_id, prompt_ids, priority=priority, arrival_time=now,
+                      deadline=deadline, user_data=request_id, pooling_params=params)
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else prompt_text,
+                                prompt_ids, req.sampling_params, priority, now, time.time(),
+                                [req], pooling_params=params)
 
     def resolve_constraints(self, params: SamplingParams) -> tuple[SamplingParams, Any]:
         """(params with the derived constraint data filled in, compiled grammar or None).

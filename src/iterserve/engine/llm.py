@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from iterserve.core.request import SamplingParams
+from iterserve.core.request import PoolingParams, SamplingParams
 from iterserve.engine.args import EngineArgs
 from iterserve.engine.chat_tools import (parse_tool_calls, plan_offline_tools, template_messages,
                                          tool_params)
@@ -152,6 +152,35 @@ class LLM:
         if plan is not None:
             parse_tool_calls(plan, outputs)
         return outputs
+
+    def embed(self, prompts: PromptArg | Sequence[PromptArg],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True
+              ) -> list[RequestOutput]:
+        """vLLM's LLM.embed for a model served as an embedding model (`LLM(model,
+        runner="pooling")`): one RequestOutput per prompt, in order, its vector in
+        `.embedding` (float32 numpy). Batched like generate; bad prompts raise first."""
+        params = pooling_params or PoolingParams()
+        prompt_list = parse_prompts(prompts)
+        ids = []
+        for i, p in enumerate(prompt_list):
+            try:
+                ids.append(self.engine.tokenize_prompt(p.value))
+            except InvalidRequestError as e:
+                if len(prompt_list) > 1:
+                    e.args = (f"prompt {i}: {e}",)
+                raise
+        rids: list[str] = []
+        try:
+            for p, x in zip(prompt_list, ids):
+                rid = f"offline-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, x, params, prompt_text=p.text)
+                rids.append(rid)
+        except BaseException:
+            for rid in rids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(rids, use_tqdm)
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's LLM.beam_search: not implemented here (the server's use_beam_search is a

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from iterserve.core.request import FinishReason, SamplingParams
+from iterserve.core.request import FinishReason, PoolingParams, SamplingParams
 from iterserve.core.scheduler import SchedulerStats
 from iterserve.core.scheduler_output import SampleResult, SchedulerOutput
 from iterserve.engine.builder import build_engine_parts
@@ -60,6 +60,7 @@ class LLMEngine:
         detokenizer_factory: Callable[..., Any] | None = None,
         max_logprobs: int = -1,
         structured_outputs_config: dict[str, Any] | None = None,
+        pooler_config: Any = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -68,7 +69,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             tokenizer, vocab_size=vocab_size, max_model_len=max_model_len,
             eos_token_ids=eos_token_ids, clock=clock, max_logprobs=max_logprobs,
-            structured_outputs_config=structured_outputs_config)
+            structured_outputs_config=structured_outputs_config, pooler_config=pooler_config)
         self.output_processor = OutputProcessor(tokenizer, clock=clock,
                                                 detokenizer_factory=detokenizer_factory)
         self.tracer = Tracer(model_name=model_name, clock=clock,
@@ -97,7 +98,8 @@ class LLMEngine:
                      max_finished_requests=args.max_finished_requests,
                      step_history_len=args.step_history_len, stat_loggers=stat_loggers,
                      max_logprobs=args.max_logprobs,
-                     structured_outputs_config=args.structured_outputs_config)
+                     structured_outputs_config=args.structured_outputs_config,
+                     pooler_config=p.pooler_config)
         engine.loaded_model = p.loaded_model
         engine.cache_config = p.cache_config
         engine.scheduler_config = p.scheduler_config
@@ -124,6 +126,12 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.input_processor.vocab_size
+
+    @property
+    def pooler_config(self) -> Any:
+        """How the model pools (model.pooler.PoolerConfig) when it is served as an
+        embedding model (--runner pooling); None for text generation."""
+        return self.input_processor.pooler_config
 
     @property
     def structured_compiler(self) -> Any:
@@ -158,7 +166,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -217,11 +225,14 @@ class LLMEngine:
         if self.output_processor.has_constrained and sched_out.num_scheduled_tokens:
             sched_out.grammar_bitmask = self._grammar_bitmask(sched_out)
         results = self._execute(sched_out)
+        self._sit_out(sched_out)
         if self._take_tier_feedback is not None:  # failed tier reads / writes, their costs
             feedback = self._take_tier_feedback()
             if feedback is not None:
                 self._tier_bm.apply_tier_feedback(feedback)
         sampled = self.output_processor.live_tokens(results)
+        if self.input_processor.pooler_config is not None:   # pooling requests' vectors
+            self.output_processor.process_pooled(results, stats)
         # Always called, even for an empty or failed step: it advances the step counter, and
         # skips the chunks of requests ended above.
         finished = self.scheduler.update_from_output(sched_out, sampled)
@@ -253,6 +264,20 @@ class LLMEngine:
                     if self.output_processor.is_constrained(rid)]
             self._end_in_scheduler(self.output_processor.fail(rids, f"grammar error: {e}"))
             return None
+
+    @staticmethod
+    def _sit_out(sched_out: SchedulerOutput) -> None:
+        """Constrained sequences whose grammar mask was not ready in time sampled nothing
+        (structured/masks.py): their last scheduled token counts as not computed, so the
+        scheduler schedules it again (its KV is rewritten with the same values) instead of
+        expecting a sampled token. The one hook into the scheduler's books, kept here."""
+        deferred = getattr(sched_out.grammar_bitmask, "deferred", None)
+        if not deferred:
+            return
+        counts = sched_out.num_scheduled_tokens
+        for rid in deferred:
+            if counts.get(rid, 0) > 0:
+                counts[rid] -= 1
 
     def _execute(self, sched_out: SchedulerOutput) -> dict[str, SampleResult]:
         """The executor's tokens; on failure, the step's sequences end with "error" (in the

@@ -29,12 +29,13 @@ import logging
 from typing import Any, Callable, Iterable, Mapping
 
 from iterserve.core.request import FinishReason
-from iterserve.core.scheduler_output import SampleResult
+from iterserve.core.scheduler_output import PoolingOutput, SampleResult
 from iterserve.engine.input_processor import ProcessedRequest
 from iterserve.engine.metrics import RequestMetrics, StepStats, merge_metrics
 from iterserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from iterserve.engine.request_state import RequestState, SequenceState
 from iterserve.engine.tracing import count_token
+from iterserve.errors import ConstraintTooComplexError
 from iterserve.model.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ logger = logging.getLogger(__name__)
 # is how many output tokens to keep (a stop inside the tokens a verification appended).
 ToEnd = list[tuple]
 
-OVERLAP_BITMASK_FILL = True    # measured by benchmarks/bench_constrained_overhead.py
+OVERLAP_BITMASK_FILL = True    # measured by benchmarks/bench_constrained_overhead.py and
+                               # benchmarks/bench_constrained_stall.py
 
 
 class OutputProcessor:
@@ -58,17 +60,20 @@ class OutputProcessor:
         self._seqs: dict[str, tuple[RequestState, SequenceState]] = {}    # by scheduler id
         self._changed: dict[str, RequestState] = {}      # requests with something to emit
         self._matchers: dict[str, Any] = {}              # scheduler id -> GrammarMatcher (live)
-        # Fill the step's grammar masks on a worker thread, overlapped with the forward pass
-        # (structured.bitmask.PendingGrammarBitmask); False: fill them before execute().
+        # Compute each sequence's next mask on a worker thread as soon as its matcher has
+        # its state, overlapped with the rest of the step and the next forward pass; a
+        # sequence whose mask is late sits that step out (structured/masks.py). False: fill
+        # the masks before execute().
         self.overlap_bitmask_fill = OVERLAP_BITMASK_FILL
-        self._fill_pool: Any = None
+        self._mask_filler: Any = None
         self._pending_mask: Any = None
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, req: ProcessedRequest) -> RequestState:
         """The text state of a validated request (one detokenizer per sequence)."""
         state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params,
-                             req.priority, req.arrival_time, req.arrival_wall_time)
+                             req.priority, req.arrival_time, req.arrival_wall_time,
+                             pooling=req.pooling_params is not None)
         for i, r in enumerate(req.requests):
             sp = r.sampling_params
             kw = {"min_tokens": sp.min_tokens} if sp.min_tokens and sp.stop else {}
@@ -83,7 +88,23 @@ class OutputProcessor:
             self._seqs[seq.request.request_id] = (state, seq)
             if seq.matcher is not None:
                 self._matchers[seq.request.request_id] = seq.matcher
+                self._prefetch(seq.request.request_id, seq.matcher)
         return state
+
+    def _filler(self) -> Any:
+        if self._mask_filler is None:
+            from iterserve.structured.masks import MaskFiller
+            self._mask_filler = MaskFiller()
+        return self._mask_filler
+
+    def _prefetch(self, rid: str, matcher: Any) -> None:
+        if self.overlap_bitmask_fill:
+            self._filler().prefetch(rid, matcher)
+
+    def _forget(self, rid: str) -> None:
+        self._matchers.pop(rid, None)
+        if self._mask_filler is not None:
+            self._mask_filler.forget(rid)
 
     @property
     def has_constrained(self) -> bool:
@@ -110,19 +131,22 @@ class OutputProcessor:
                 sampling[rid] = matchers[rid]
         if not sampling:
             return None
-        # torch: only for a step with constrained requests
-        from iterserve.structured.bitmask import GrammarBitmask, PendingGrammarBitmask
         spec = sched_out.scheduled_spec_decode_tokens
         drafts = {rid: spec[rid] for rid in sampling if rid in spec} if spec else None
         if not self.overlap_bitmask_fill:
+            from iterserve.structured.bitmask import GrammarBitmask
             return GrammarBitmask.fill(sampling, drafts=drafts)
-        if self._fill_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        # Filled while the forward pass runs; a matcher that fails there is named in the
-        # result and its sequence ended when its token comes back (process_tokens).
-        self._pending_mask = PendingGrammarBitmask(
-            self._fill_pool.submit(GrammarBitmask.fill, sampling, isolate=True, drafts=drafts))
+        if drafts:
+            # A step verifying drafts: its masks depend on the drafts, so the whole step is
+            # filled at once on the mask worker (after any mask computing ahead there) and
+            # waited for; a sequence with drafts cannot sit out one token of several.
+            self._pending_mask = self._filler().step_with_drafts(sampling, drafts)
+            return self._pending_mask
+        # Masks computed ahead (structured/masks.py); a matcher that fails there is named in
+        # the result and its sequence ended when its token comes back (process_tokens); one
+        # whose mask is late is `deferred` and sits the step out (the engine's sit_out).
+        self._pending_mask = self._filler().step(
+            sampling, num_scheduled=len(sched_out.num_scheduled_tokens))
         return self._pending_mask
 
     def draft_limits(self) -> dict[str, int]:
@@ -136,6 +160,8 @@ class OutputProcessor:
             drafts = req.spec_token_ids
             if not drafts:
                 continue
+            if self._mask_filler is not None:
+                self._mask_filler.settle(rid)    # its mask job reads the matcher
             n = m.accept_tokens(drafts)
             if n:
                 m.rollback(n)
@@ -149,7 +175,7 @@ class OutputProcessor:
         if state is not None:
             for seq in state.seqs:
                 self._seqs.pop(seq.request.request_id, None)
-                self._matchers.pop(seq.request.request_id, None)
+                self._forget(seq.request.request_id)
             self._changed.pop(request_id, None)
 
     def has_request(self, request_id: str) -> bool:
@@ -176,10 +202,30 @@ class OutputProcessor:
     # --- a step's results ----------------------------------------------------------------
     def live_tokens(self, results: Mapping[str, SampleResult]) -> dict[str, int | list[int]]:
         """The sampled token of each sequence still live here (others' are dropped); for a
-        sequence that verified drafts, its tokens (SampleResult.token_ids)."""
+        sequence that verified drafts, its tokens (SampleResult.token_ids). Pooling
+        requests' vectors are not tokens: `process_pooled` takes them."""
         seqs = self._seqs
         return {rid: (r.token_ids if r.verified else r.token_id) for rid, r in results.items()
-                if rid in seqs and not seqs[rid][1].finished}
+                if rid in seqs and not seqs[rid][1].finished
+                and not isinstance(r, PoolingOutput)}
+
+    def process_pooled(self, results: Mapping[str, Any], stats: StepStats) -> None:
+        """Keep each live pooling request's vector for its final output (the scheduler
+        finishes the request in the same step; its prompt counts in the step's stats)."""
+        for rid, r in results.items():
+            if not isinstance(r, PoolingOutput):
+                continue
+            entry = self._seqs.get(rid)
+            if entry is None or entry[1].finished:
+                continue
+            state = entry[0]
+            state.embedding = r.data
+            if not state.counted_prompt:
+                state.counted_prompt = True
+                stats.num_prompt_tokens += len(state.prompt_token_ids)
+            req = entry[1].request
+            if req.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = req.num_cached_tokens
 
     def end_by_scheduler(self, request_ids: Iterable[str], default: FinishReason) -> None:
         """Sequences the scheduler ended, by scheduler id: outside a forward pass (abort,
@@ -200,8 +246,9 @@ class OutputProcessor:
             self._flush_text(state, seq)
             self._mark(state, seq)
 
-    def fail(self, rids: Iterable[str], message: str) -> ToEnd:
-        """End sequences with finish reason "error" (executor failure, broken state)."""
+    def fail(self, rids: Iterable[str], message: str, code: str | None = None) -> ToEnd:
+        """End sequences with finish reason "error" (executor failure, broken state; `code`
+        when it is the request's own fault, e.g. "constraint_too_complex")."""
         to_end: ToEnd = []
         for rid in rids:
             entry = self._seqs.get(rid)
@@ -209,7 +256,8 @@ class OutputProcessor:
                 continue
             state, seq = entry
             state.end(seq, FinishReason.ERROR)
-            state.error = state.error or message
+            if state.error is None:
+                state.error, state.error_code = message, code
             self._mark(state, seq)
             to_end.append((rid, FinishReason.ERROR))
         return to_end
@@ -229,15 +277,20 @@ class OutputProcessor:
         for rid, token_id in sampled.items():
             state, seq = self._seqs[rid]
             if rid in failed:                    # its mask could not be computed this step
-                to_end += self.fail([rid], f"grammar error: {failed[rid]}")
+                to_end += self._fail_grammar(rid, seq, failed[rid])
                 continue
             res = results[rid]
             try:
+                ending = len(to_end)
                 if isinstance(token_id, int):
                     if self._process_token(state, seq, token_id, res, stats):
                         to_end.append((rid, FinishReason.STOP))
                 else:
                     self._process_verified(state, seq, token_id, res, stats, to_end)
+                if seq.matcher is not None and not seq.finished and len(to_end) == ending:
+                    self._prefetch(rid, seq.matcher)     # its next mask, from now on
+            except ConstraintTooComplexError as e:
+                to_end += self.fail([rid], str(e), e.code)
             except Exception as e:
                 logger.exception("request %s failed while handling its token", rid)
                 to_end += self.fail([rid], f"{type(e).__name__}: {e}")
@@ -276,6 +329,12 @@ class OutputProcessor:
             seq.logprobs.append(lp)
             seq.delta_logprobs.append(lp)
         if seq.matcher is not None and not seq.matcher.accept(token_id):
+            limit = seq.matcher.engine_error()
+            if limit is not None:
+                # The mask allowed the token, but taking it overran the grammar engine's
+                # own limits (an Earley row, the lexer's expressions): the constraint is too
+                # complex at this length, the request's fault, not the server's.
+                raise ConstraintTooComplexError(self._overrun_message(state, seq, limit))
             # The step's mask allowed only tokens the grammar takes: a token it refuses
             # means the mask was not applied (a broken executor), so the output is invalid.
             raise RuntimeError(f"sampled token {token_id} violates the request's "
@@ -298,6 +357,22 @@ class OutputProcessor:
             self._flush_text(state, seq)
             return True
         return False
+
+    def _fail_grammar(self, rid: str, seq: SequenceState, error: str) -> ToEnd:
+        limit = seq.matcher.engine_error() if seq.matcher is not None else None
+        if limit is not None:
+            state = self._seqs[rid][0]
+            return self.fail([rid], self._overrun_message(state, seq, limit),
+                             ConstraintTooComplexError.code)
+        return self.fail([rid], f"grammar error: {error}")
+
+    @staticmethod
+    def _overrun_message(state: RequestState, seq: SequenceState, error: str) -> str:
+        so = getattr(state.params, "structured_outputs", None)
+        where = (getattr(so, "source", None) or f"structured_outputs.{seq.matcher.grammar.kind}")
+        return (f"{where}: after {seq.matcher.num_tokens} tokens the constraint exceeded the "
+                f"grammar engine's limits ({error}); simplify it (a right-recursive rule "
+                "grows with the output: make it left-recursive)")
 
     def _prompt_logprobs(self, entries) -> list:
         """The runner's (token, logprob, rank, top-k) entries in vLLM's shape: None for the
@@ -330,7 +405,7 @@ class OutputProcessor:
 
     def _mark(self, state: RequestState, seq: SequenceState) -> None:
         if seq.finished and seq.matcher is not None:
-            self._matchers.pop(seq.request.request_id, None)
+            self._forget(seq.request.request_id)
         state.mark(seq)
         self._changed[state.request_id] = state
 
@@ -365,7 +440,8 @@ class OutputProcessor:
             seqs = sorted(state.changed, key=lambda s: s.index)
         else:
             seqs = state.changed
-        outs = [self._completion(seq, seq.index in just_finished) for seq in seqs]
+        outs = [] if state.pooling else \
+            [self._completion(seq, seq.index in just_finished) for seq in seqs]
         if finished and state.params.num_sequences > state.params.n:
             outs = self._best_of(outs, state.params)
         for seq in state.changed:
@@ -375,8 +451,10 @@ class OutputProcessor:
         metrics = merge_metrics([s.metrics for s in state.seqs]) if finished else None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              finished=finished, metrics=metrics, error=state.error,
+                             error_code=state.error_code,
                              num_cached_tokens=state.num_cached_tokens,
-                             prompt_logprobs=state.prompt_logprobs)
+                             prompt_logprobs=state.prompt_logprobs,
+                             embedding=state.embedding if finished else None)
 
     @staticmethod
     def _completion(seq: SequenceState, just_finished: bool) -> CompletionOutput:
@@ -410,4 +488,4 @@ class OutputProcessor:
         self.requests.pop(state.request_id, None)
         for seq in state.seqs:
             self._seqs.pop(seq.request.request_id, None)
-            self._matchers.pop(seq.request.request_id, None)
+            self._forget(seq.request.request_id)

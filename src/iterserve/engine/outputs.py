@@ -12,6 +12,7 @@ step's outputs cost what changed in it, not n per request (vLLM streams n > 1 th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from iterserve.engine.metrics import RequestMetrics
 
@@ -77,11 +78,17 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None   # on the final output
     error: str | None = None        # set when a sequence ended with finish_reason "error"
+    # None: a server fault; "constraint_too_complex": the request's own constraint reached
+    # the grammar engine's limits mid-generation (the server answers it as a 400)
+    error_code: str | None = None
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache (most of any sequence)
     # vLLM's prompt_logprobs, when asked for (SamplingParams.prompt_logprobs = k): one entry
     # per prompt token, None for the first (nothing predicts it), else {token id: Logprob}
     # with the prompt's actual token and the top k. Set from the first sampled token on.
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request (PoolingParams): its vector, a float32 numpy array (vLLM's
+    # PoolingRequestOutput.outputs.data), on the final output; `outputs` is then empty.
+    embedding: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

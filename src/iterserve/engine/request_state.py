@@ -65,10 +65,13 @@ class RequestState:
     arrival_wall_time: float         # time.time(), for traces
     seqs: list[SequenceState] = field(default_factory=list)
     error: str | None = None
+    error_code: str | None = None    # the error's class for the HTTP answer (None: a fault)
     counted_prompt: bool = False     # its prompt tokens went into a StepStats
     num_finished: int = 0            # sequences with a finish reason (kept, not counted: n may be large)
     num_cached_tokens: int = 0       # prompt tokens any of its sequences got from the prefix cache
     prompt_logprobs: Any = None      # outputs.PromptLogprobs, once the runner has sent them
+    pooling: bool = False            # a pooling request: no text, one vector
+    embedding: Any = None            # its vector (core.scheduler_output.PoolingOutput.data)
     changed: list[SequenceState] = field(default_factory=list)   # since the last output
 
     @property

@@ -80,7 +80,8 @@ def _load_shard(args: Any, rank: int, world: int):
     kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
     return load_model(args.model, dtype=args.dtype, device=_rank_device(args.device, rank),
                       kv_cache_dtype=args.kv_cache_dtype, shard=Shard(rank, world),
-                      tokenizer=getattr(args, "tokenizer", None))
+                      tokenizer=getattr(args, "tokenizer", None),
+                      hf_overrides=getattr(args, "hf_overrides", None))
 
 
 def _make_runner(loaded, cache: tuple[int, int, int]):

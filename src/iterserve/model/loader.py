@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -46,6 +47,8 @@ class LoadedModel:
     path: str | None = None
     file_bytes: int = 0          # bytes of the weight files (what the memory plan maps)
     refs: dict = field(default_factory=dict, repr=False)
+    hf_config: dict = field(default_factory=dict, repr=False)   # config.json (+ overrides)
+    pooling: bool = False        # served as an embedding model (--runner pooling)
 
 
 @dataclass
@@ -86,7 +89,8 @@ def _checkpoint_float_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
 
 def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "cpu",
                kv_cache_dtype: str = "auto", shard=None,
-               tokenizer: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, hf_overrides: dict | None = None,
+               pooling: Any = False) -> LoadedModel:
     """Load a model for serving.
 
     path None -> the bundled default GGUF; a directory -> HF layout; a *.gguf file -> GGUF.
@@ -96,6 +100,10 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
     `shard` (model.parallel.Shard): load only this tensor-parallel rank's slice.
     `tokenizer` (vLLM's --tokenizer): a tokenizer directory / tokenizer.json / .gguf used
     instead of the model's own (checked against the model's vocabulary size).
+    `hf_overrides` (vLLM's --hf-overrides): keys set over config.json before it is read.
+    `pooling`: served as an embedding model (a bool, or a function of config.json's
+    architectures: LoadConfig.pooling); such a checkpoint may lack an LM head (a base
+    model as sentence-transformers saves it), which pooling never uses.
     """
     explicit = parse_dtype(dtype)            # None for "auto"
     kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
@@ -131,7 +139,15 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
         compute = torch.float32
     else:
         compute = _checkpoint_float_dtype(refs)
+    if hf_overrides:
+        hf_config = {**hf_config, **hf_overrides}
+    if callable(pooling):
+        pooling = pooling(hf_config.get("architectures") or ())
+    pooling = bool(pooling)
     config = ModelConfig.from_hf(hf_config, compute)
+    if pooling and not config.tie_word_embeddings and "lm_head.weight" not in refs:
+        # No LM head to load: the head shares the embedding table, never called.
+        config.tie_word_embeddings = True
     config.kv_cache_dtype = kv_dtype or compute
     if tokenizer is not None:                # --tokenizer (api's hunk)
         with phase("tokenizer"):
@@ -145,7 +161,8 @@ def load_model(path: str | None = None, *, dtype: str = "auto", device: str = "c
         model = build_model(config, refs, dev, cast=explicit,
                             prepare=None if shard is None else shard.prepare_model)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name,
-                       path=str(p), file_bytes=file_bytes, refs=refs)
+                       path=str(p), file_bytes=file_bytes, refs=refs, hf_config=hf_config,
+                       pooling=pooling)
 
 
 def build_model(config: ModelConfig, refs: dict[str, TensorRef],

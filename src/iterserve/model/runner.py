@@ -40,13 +40,15 @@ from typing import Callable, Sequence
 import torch
 
 from iterserve.core.request import SamplingParams
-from iterserve.core.scheduler_output import SampleResult, SchedulerOutput, verify_row_id
+from iterserve.core.scheduler_output import (PoolingOutput, SampleResult, SchedulerOutput,
+                                             verify_row_id)
 from iterserve.model import kernels
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.kv_tier_store import DiskStore, KVTierStore
 from iterserve.model.memory import check_memory_plan, compute_paths, log_memory_plan, plan_memory
+from iterserve.model.pooler import Pooler, PoolState
 from iterserve.model.prompt_logprobs import chunk_prompt_logprobs
 from iterserve.model.rejection_sampler import verify
 from iterserve.model.sampler import Sampler
@@ -58,10 +60,10 @@ class RequestState:
     """The runner's copy of one request (a SamplingRow for the sampler)."""
 
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "token_ids",
-                 "sampling_params", "block_ids", "prompt_lps")
+                 "sampling_params", "block_ids", "prompt_lps", "pooling_params", "pool")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                 sampling_params: SamplingParams, block_ids) -> None:
+                 sampling_params: SamplingParams, block_ids, pooling_params=None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids = list(output_token_ids)
@@ -72,6 +74,9 @@ class RequestState:
         # until the first sample; None when not asked for or already sent (a resumed request).
         self.prompt_lps = [] if sampling_params.prompt_logprobs is not None \
             and not output_token_ids else None
+        # A pooling request (model/pooler.py): what its pooler kept of the chunks so far.
+        self.pooling_params = pooling_params
+        self.pool = PoolState() if pooling_params is not None else None
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -148,7 +153,7 @@ class ModelRunner:
                  quant_kernels: bool | str = "default",
                  native_kernels: bool | str = "default",
                  num_tier_blocks: int = 0, kv_offload_dir: str | None = None,
-                 kv_setting_key: str | None = None,
+                 kv_setting_key: str | None = None, pooler: Pooler | None = None,
                  max_tokens_per_step: int | None = None, max_num_seqs: int | None = None,
                  prefix_caching: bool = False, speculative: bool = False) -> None:
         """`max_tokens_per_step` (the scheduler's token budget with chunked prefill) turns on
@@ -156,6 +161,9 @@ class ModelRunner:
         prefix caching, KV tiers or speculative decoding, those layers hold only their
         window's blocks."""
         self.loaded = loaded
+        # --runner pooling: pooling requests' vectors (model/pooler.py); None: generate only.
+        self.pooler = pooler
+        self._pooled: dict[str, PoolingOutput] = {}
         self.model = loaded.model
         self.config: ModelConfig = loaded.config
         self.device = next(self.model.parameters()).device
@@ -257,6 +265,9 @@ class ModelRunner:
             if st is not None:
                 del st.block_ids[keep:]
         for d in output.scheduled_new_reqs:
+            if d.pooling_params is not None and self.pooler is None:
+                raise ValueError(f"request {d.req_id!r} asks for pooling, which this runner "
+                                 "was not built for (--runner pooling)")
             if wb is not None:
                 if not d.num_computed_tokens:
                     wb.release(d.req_id)       # a request starting over starts its window too
@@ -265,7 +276,7 @@ class ModelRunner:
                                      f"{d.num_computed_tokens} but its sliding-window layers "
                                      "hold no blocks (prefix caching keeps full tables)")
             states[d.req_id] = RequestState(d.req_id, d.prompt_token_ids, d.output_token_ids,
-                                            d.sampling_params, d.block_ids)
+                                            d.sampling_params, d.block_ids, d.pooling_params)
         for d in output.scheduled_cached_reqs:
             st = states.get(d.req_id)
             if st is None:
@@ -279,12 +290,21 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         t0 = time.perf_counter()
         logits, sampling, drafts = self._run(output)
+        pooled, self._pooled = self._pooled, {}
         if not sampling:
             self._tier_report.timed(t0, output)
-            return {}
+            return pooled
         if output.grammar_bitmask is not None:     # structured outputs: forbidden ids -> -inf
             with torch.inference_mode():           # the logits are inference tensors
                 output.grammar_bitmask.apply(logits, self._row_ids(sampling, drafts))
+                deferred = getattr(output.grammar_bitmask, "deferred", None)
+                if deferred and not drafts:   # masks not ready: these sample nothing (masks.py)
+                    keep = [i for i, st in enumerate(sampling) if st.req_id not in deferred]
+                    if not keep:
+                        self._tier_report.timed(t0, output)
+                        return {}
+                    logits = logits[keep]
+                    sampling = [sampling[i] for i in keep]
         if drafts:
             results = verify(self.sampler, logits, sampling, drafts, self.synthetic)
         else:
@@ -297,7 +317,10 @@ class ModelRunner:
             if st.prompt_lps is not None:          # prompt_logprobs go with the first token
                 res.prompt_logprobs, st.prompt_lps = st.prompt_lps, None
         self._tier_report.timed(t0, output)
-        return {st.req_id: res for st, res in zip(sampling, results)}
+        out = {st.req_id: res for st, res in zip(sampling, results)}
+        if pooled:
+            out.update(pooled)
+        return out
 
     def take_kv_feedback(self):
         """The KV tiers' report on the steps since the last call (core KVTierFeedback), or
@@ -425,8 +448,10 @@ class ModelRunner:
             st, start, n = chunks[i]
             if st.prompt_lps is not None:
                 self._prompt_logprobs(st, start, n, hidden, last_row[i] - n + 1)
+            if st.pool is not None:                # pooling: the chunk's rows to its pooler
+                self._pool(st, start, n, hidden, last_row[i] - n + 1)
         sample_idx = [i for i, (st, start, n) in enumerate(chunks)
-                      if start + n >= len(st.token_ids)]
+                      if start + n >= len(st.token_ids) and st.pool is None]
         if not sample_idx:
             return torch.empty(0, self.config.vocab_size), [], {}
         rows = []
@@ -457,6 +482,17 @@ class ModelRunner:
                 start, n = first * bs, n + start - first * bs
             out.append((st, start, n))
         return out
+
+    def _pool(self, st: RequestState, start: int, n: int, hidden: torch.Tensor,
+              first_row: int) -> None:
+        """Feed a pooling request's chunk to the pooler; at its last token, its vector (the
+        request then ends in the scheduler, which frees its blocks)."""
+        pooler = self.pooler
+        pooler.add(st.pool, hidden[first_row:first_row + n], start)
+        if start + n >= len(st.token_ids):
+            pp = st.pooling_params
+            vec = pooler.finish(st.pool, pp.dimensions, pp.normalize)
+            self._pooled[st.req_id] = PoolingOutput(vec.numpy(), len(st.token_ids))
 
     def _prompt_logprobs(self, st: RequestState, start: int, n: int, hidden: torch.Tensor,
                          first_row: int) -> None:

@@ -396,7 +396,8 @@ def truncated_candidates(logits: torch.Tensor, params, width: int | None = None
         exact = [True] * n
     if bool((top_p < 1.0).any()):
         mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p, 0.0)   # the best token is always kept
+        # The best token is always kept, even for a top_p that is 0 in float32 (5e-324).
+        probs = probs.masked_fill((mass_before >= top_p) & (pos > 0), 0.0)
     return probs, ids, exact
 
 

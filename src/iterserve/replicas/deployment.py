@@ -57,11 +57,47 @@ class StepStatsBuffer:
         return items
 
 
+def bind_serve_grpc_to_loopback() -> bool:
+    """In a single-node cluster (replicas/launch.py), the replica's inter-deployment gRPC
+    server listens on 127.0.0.1 rather than on every interface.
+
+    Why here: Ray Serve's replica adds that server's port as "[::]:0", whatever the node's
+    IP (ray 2.60, serve/_private/replica.py), after the deployment's constructor has run and
+    by a name looked up in its module; so the constructor swaps that name for one that maps
+    an all-interfaces host to loopback. Only under launch.py's single-node switch: on a
+    cluster the user formed (--ray-address) Serve's own binding stands. True when applied.
+    If a Ray release moves the call, launch.check_loopback still refuses an exposed port."""
+    from iterserve.replicas.launch import SINGLE_NODE_ENV
+
+    if envs.get(SINGLE_NODE_ENV) != "0":
+        return False
+    try:
+        from ray.serve._private import replica as serve_replica
+    except ImportError:
+        return False
+    inner = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if inner is None:
+        return False
+    if getattr(inner, "loopback_only", False):
+        return True
+
+    def add_port_on_loopback(server: Any, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        if host in ("[::]", "0.0.0.0", "", "[::0]"):
+            address = f"127.0.0.1:{port}"
+        return inner(server, address)
+
+    add_port_on_loopback.loopback_only = True       # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = add_port_on_loopback
+    return True
+
+
 class EngineReplica:
     """The deployment class (wrapped by `serve.deployment` in replicas/pool.py)."""
 
     def __init__(self, engine_args: Any, threads: int | None = None,
                  debug_check_consistency: bool = False) -> None:
+        bind_serve_grpc_to_loopback()
         if threads:
             # OMP_NUM_THREADS also comes through the runtime env (before torch is imported);
             # set_num_threads covers a process that imported torch already.
@@ -80,6 +116,9 @@ class EngineReplica:
             debug_check_consistency=debug_check_consistency)
         self.step_stats = StepStatsBuffer()
         self.engine.add_stat_logger(self.step_stats)
+        # The loop starts with the first request; the grammar compiler is warmed now, so
+        # the replica's first constrained request stalls nobody (async_engine.py).
+        self.engine.warm_structured_outputs()
         core = self.engine.engine
         self.max_num_seqs = core.scheduler_config.max_num_seqs if core.scheduler_config else 0
         logger.info("iterserve replica %s: pid %d, %s threads", self.replica_id, os.getpid(),

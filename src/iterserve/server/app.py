@@ -9,6 +9,7 @@ Routes:
   POST /v1/completions, POST /v1/chat/completions    (SSE when "stream": true)
   POST /v1/responses                                 OpenAI's Responses API, stateless
   POST /v1/messages, /v1/messages/count_tokens       Anthropic's Messages API (serving_messages)
+  POST /v1/embeddings, /v1/score, /rerank            an embedding model's (serving_pooling)
   POST /tokenize, POST /detokenize                   vLLM's bodies (prompt or chat messages)
   GET  /v1/models (with `root`), /version, /health, /ping (GET or POST), /metrics
   GET  /v1/requests/{id}/trace                       lifecycle events of one request
@@ -41,17 +42,17 @@ from fastapi.responses import JSONResponse, Response
 
 from iterserve.core.config import ServerConfig, default_of
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.errors import TokenIdOutOfRangeError
+from iterserve.errors import TokenIdOutOfRangeError, WrongRunnerError
 from iterserve.server.errors import (APIError, error_response, install_exception_handlers,
                                      to_api_error)
 from iterserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from iterserve.server.openapi import install_openapi
 from iterserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeChatRequest,
-                                       TokenizeCompletionRequest)
+                                       DetokenizeRequest, TokenizeChatRequest, TokenizeRequest)
 from iterserve.server.serving_chat import create_chat_completion, render_request
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_messages import install_messages_api
+from iterserve.server.serving_pooling import install_pooling_api
 from iterserve.server.serving_responses import ResponsesRequest, create_response
 from iterserve.server.serving_common import ServedModel, check_model
 from iterserve.server.serving_completions import create_completion
@@ -202,22 +203,33 @@ def create_app(engine: AsyncEngine | None, *,
                            type="service_unavailable")
         return engine
 
+    def require_generator() -> AsyncEngine:
+        """The engine, for the routes that generate text: an embedding model's server
+        (--runner pooling) answers them 400 before any template is rendered."""
+        e = require_engine()
+        if getattr(e, "pooler_config", None) is not None:
+            raise to_api_error(WrongRunnerError(
+                "this model is served as an embedding model (--runner pooling): it answers "
+                "/v1/embeddings, /v1/score and /rerank, and generates no text", "model"))
+        return e
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        return await create_completion(body, raw, require_engine(), model_name,
+        return await create_completion(body, raw, require_generator(), model_name,
                                        serving_config)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await create_chat_completion(body, raw, require_engine(), model_name,
+        return await create_chat_completion(body, raw, require_generator(), model_name,
                                             serving_config)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request):
-        return await create_response(body, raw, require_engine(), model_name, serving_config)
+        return await create_response(body, raw, require_generator(), model_name,
+                                     serving_config)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         e = require_engine()
         try:
             check_model(body.model, model_name)
@@ -274,7 +286,7 @@ def create_app(engine: AsyncEngine | None, *,
     async def ping() -> Response:
         if engine is not None and engine.is_closed:
             return error_response(503, "the engine is shut down", type="service_unavailable")
-        return Response(status_code=200)
+        return Response(status_code=200, media_type="text/plain")   # empty, as vLLM's
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -306,11 +318,17 @@ def create_app(engine: AsyncEngine | None, *,
     async def engine_stats() -> dict[str, Any]:
         return await require_engine().stats()
 
-    install_messages_api(app, require_engine, model_name, serving_config)   # outermost
+    install_pooling_api(app, require_engine, model_name)      # embeddings, score, rerank
+    install_messages_api(app, require_generator, model_name, serving_config)   # outermost
     lab = _lab_router()
     if lab is not None:
         app.include_router(lab)
     install_openapi(app, max_model_len=engine.max_model_len if engine is not None else None,
                     api_key=bool(api_key), max_request_body_bytes=max_request_body_bytes,
-                    max_logprobs=getattr(engine, "max_logprobs", None))
+                    max_logprobs=getattr(engine, "max_logprobs", None),
+                    vocab_size=engine.vocab_size if engine is not None else None,
+                    scheduling_policy=engine.scheduling_policy if engine is not None else None,
+                    trust_request_chat_template=serving_config.trust_request_chat_template,
+                    auto_tool_choice=bool(serving_config.tools.enable_auto_tool_choice
+                                          and serving_config.tools.tool_call_parser))
     return app

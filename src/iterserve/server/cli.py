@@ -27,7 +27,7 @@ from iterserve.engine import omp_policy
 from iterserve.engine.args import EngineArgs
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.metrics import LoggingStatLogger
-from iterserve.errors import ConfigError, RayNotInstalledError
+from iterserve.errors import ConfigError, RayExposedError, RayNotInstalledError
 from iterserve.replicas import close_pool, start_pool
 from iterserve.server import http_options
 from iterserve.server.serving_config import (ServingConfig, load_chat_template,
@@ -238,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     omp_policy.apply(getattr(args, "omp_wait_policy", "env"))   # before torch loads libgomp
     try:
         app, engine = build_app(args)
-    except (ConfigError, ValueError, FileNotFoundError, RayNotInstalledError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, RayNotInstalledError,
+            RayExposedError) as e:
         print(f"iterserve serve: {e}", file=sys.stderr)
         return 2
     server_config = config_from(ServerConfig, vars(args))

@@ -87,6 +87,10 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body (also the payload of a stream's error event)."""
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
     def response(self) -> JSONResponse:
         return error_response(self.status_code, self.message, type=self.type, param=self.param,
                               code=self.code, headers=self.headers)

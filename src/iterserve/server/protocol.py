@@ -46,10 +46,10 @@ server with --trust-request-chat-template) and `chat_template_kwargs`.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Callable, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag,
+                      ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from iterserve.core.request import MAX_SLO_MS, SamplingParams
@@ -90,9 +90,38 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
-def _not_implemented(name: str, neutral: Callable[[Any], bool], what: str) -> AfterValidator:
+_NEUTRAL_SCHEMAS: dict[str, dict[str, Any]] = {
+    "only null": {"type": "null"},
+    "only false": {"enum": [False, None]},
+    "only true": {"enum": [True, None]},
+    "only 1.0": {"enum": [1.0, None]},
+    "only 0": {"enum": [0, None]},
+}
+
+
+class _NeutralOnly:
+    """Field metadata for a field iterserve does not implement: values `neutral` accepts
+    pass, any other is a 400 naming the field; the published schema allows only the neutral
+    values (`schema`), so that a schema-valid request is one the server serves."""
+
+    def __init__(self, check: Callable[[Any], Any], schema: dict[str, Any], note: str) -> None:
+        self.check = check
+        self.schema = schema
+        self.note = note
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, core: Any, handler: Any) -> dict[str, Any]:
+        return {**self.schema, "description": self.note}
+
+
+def _not_implemented(name: str, neutral: Callable[[Any], bool], what: str,
+                     schema: dict[str, Any] | None = None) -> _NeutralOnly:
     """A field iterserve does not implement yet: `neutral(value)` values pass, others are a
-    400 naming the field (never a silent 200)."""
+    400 naming the field (never a silent 200). `schema`: the neutral values as JSON Schema
+    (default from `what`, e.g. "only null")."""
     NOT_IMPLEMENTED_FIELDS.append(name)
 
     def check(v: Any) -> Any:
@@ -103,10 +132,12 @@ def _not_implemented(name: str, neutral: Callable[[Any], bool], what: str) -> Af
                 {"name": name, "what": what})
         return v
 
-    return AfterValidator(check)
+    return _NeutralOnly(check, schema or _NEUTRAL_SCHEMAS[what],
+                        f"not supported by iterserve yet ({what})")
 
 
-def _deprecated(name: str, neutral: Callable[[Any], bool], use: str) -> AfterValidator:
+def _deprecated(name: str, neutral: Callable[[Any], bool], use: str,
+                schema: dict[str, Any] | None = None) -> _NeutralOnly:
     """OpenAI's deprecated function-calling fields: vLLM does not implement them either, so
     any value that would matter is a 400 that names the field and its replacement."""
     NOT_IMPLEMENTED_FIELDS.append(name)
@@ -119,7 +150,11 @@ def _deprecated(name: str, neutral: Callable[[Any], bool], use: str) -> AfterVal
                 "vLLM) does not take: use {use}", {"name": name, "use": use})
         return v
 
-    return AfterValidator(check)
+    return _NeutralOnly(check, schema or {"type": "null"},
+                        f"deprecated, not taken (use {use})")
+
+
+_EMPTY_LIST = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
 
 
 def _falsy(v: Any) -> bool:
@@ -130,8 +165,27 @@ def _nothing(v: Any) -> bool:
     return False
 
 
+def _integral(v: Any) -> Any:
+    """JSON Schema's data model: 2.0 is the integer 2. Pydantic's strict mode (kept: "2" is
+    not a number) would refuse it for an int field, so a schema-valid body ({"n": 2.0},
+    token ids written as floats) would be a 400; integral floats become ints, in lists too.
+    Float fields take ints in strict mode, so nothing else changes."""
+    if type(v) is float:
+        return int(v) if v.is_integer() and abs(v) < 2 ** 63 else v
+    if type(v) is list and any(type(x) is float or type(x) is list for x in v):
+        return [_integral(x) for x in v]
+    return v
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: _integral(v) for k, v in data.items()}
+        return data
 
 
 class StreamOptions(_Model):
@@ -223,7 +277,7 @@ class _SamplingFields(_Model):
         None, description="vLLM: exactly one of json, json_object, regex, choice, grammar")
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
-    guided_choice: list[Text] | None = Field(None, min_length=1, max_length=1024)
+    guided_choice: list[NonEmptyText] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: Text | None = None
     logits_processors: Annotated[Any, _not_implemented("logits_processors", _nothing,
                                                        "only null")] = None
@@ -317,7 +371,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOKEN_ID)
     echo: bool | None = Field(False, description="prefix each choice's text with its prompt "
                                                  "(with logprobs: the prompt's tokens too)")
-    suffix: Annotated[Text | None, _not_implemented("suffix", _falsy, "only empty")] = None
+    suffix: Annotated[Text | None, _not_implemented("suffix", _falsy, "only empty",
+                                                    {"enum": ["", None]})] = None
     best_of: int | None = Field(None, ge=1, le=MAX_N, description=(
         "sample best_of sequences per prompt and return the n with the highest cumulative "
         "logprob (vLLM V0); not with stream"))
@@ -413,6 +468,18 @@ class MessageToolCall(_Model):
 
 
 class ChatMessage(_Model):
+    # The rules of _needs_content, in the published schema (JSON Schema 2020-12).
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+         "then": {"required": ["tool_call_id"],
+                  "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+        {"if": {"properties": {"tool_calls": {"type": "array", "minItems": 1}},
+                "required": ["tool_calls"]},
+         "then": {"properties": {"role": {"const": "assistant"}}},
+         "else": {"required": ["content"],
+                  "properties": {"content": {"not": {"type": "null"}}}}},
+    ]})
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
@@ -518,7 +585,24 @@ class _ChatTemplateFields(_Model):
         return self.add_generation_prompt
 
 
+_NEEDS_TOOLS = {   # tool_choice "auto" / "required" / a named function needs tools
+    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+        "anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+
+
 class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
+    # The cross-field rules of the validators below, in the published schema.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _NEEDS_TOOLS,
+        {"if": {"required": ["top_logprobs"],
+                "properties": {"top_logprobs": {"type": "integer"}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        {"not": {"required": ["continue_final_message", "add_generation_prompt"],
+                 "properties": {"continue_final_message": {"const": True},
+                                "add_generation_prompt": {"const": True}}}},
+    ]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description=_sum_rule())
     logprobs: bool | None = False
@@ -535,15 +619,17 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
         None, description="false: at most one call per reply (default true)")
     # not implemented (the rest of vLLM's chat extras, OpenAI's deprecated functions)
     functions: Annotated[Any, _deprecated(
-        "functions", _falsy, 'tools: [{"type": "function", "function": {...}}]')] = None
+        "functions", _falsy, 'tools: [{"type": "function", "function": {...}}]',
+        _EMPTY_LIST)] = None
     function_call: Annotated[Any, _deprecated(
         "function_call", lambda v: v == "none", 'tool_choice ("auto", "required", "none" or '
-        '{"type": "function", "function": {"name": ...}})')] = None
+        '{"type": "function", "function": {"name": ...}})', {"enum": ["none", None]})] = None
     documents: Annotated[Any, _not_implemented("documents", _nothing, "only null")] = None
     mm_processor_kwargs: Annotated[Any, _not_implemented("mm_processor_kwargs", _nothing,
                                                          "only null")] = None
     modalities: Annotated[list[str] | None, _not_implemented(
-        "modalities", lambda v: list(v) == ["text"], 'only ["text"]')] = None
+        "modalities", lambda v: list(v) == ["text"], 'only ["text"]',
+        {"anyOf": [{"const": ["text"]}, {"type": "null"}]})] = None
     audio: Annotated[Any, _not_implemented("audio", _nothing, "only null")] = None
     prediction: Annotated[Any, _not_implemented("prediction", _nothing, "only null")] = None
     reasoning_effort: Annotated[Any, _not_implemented("reasoning_effort", _nothing,
@@ -603,7 +689,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
 
 class TokenizeCompletionRequest(_Model):
     model: Text | None = None
-    prompt: Text
+    prompt: NonEmptyText = Field(description="non-empty, as for /v1/completions")
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
@@ -623,3 +709,16 @@ class DetokenizeRequest(_Model):
     model: Text | None = None
     tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
 
+
+def _tokenize_kind(v: Any) -> str:
+    if isinstance(v, dict):
+        return "Chat" if "messages" in v else "Completion"
+    return "Chat" if isinstance(v, TokenizeChatRequest) else "Completion"
+
+
+# /tokenize takes either body; `messages` decides which (so a bad chat body is reported as one,
+# not as a completion body with unknown fields). Capitalised tags: not field names, so an
+# error's param leaves them out (errors._loc_to_param).
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("Completion")],
+                                  Annotated[TokenizeChatRequest, Tag("Chat")]],
+                            Discriminator(_tokenize_kind)]

@@ -36,7 +36,7 @@ from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.errors import APIError
 from iterserve.server.serving_common import (
     ChoiceFormat, chat_logprobs, check_model, check_priority, close_streams, collect_final,
-    error_finish_message, merge_streams, new_id, prompt_logprobs_json, respond, start_streams)
+    error_finish, merge_streams, new_id, prompt_logprobs_json, respond, start_streams)
 from iterserve.server.serving_config import ServingConfig
 from iterserve.server.serving_tools import (
     NO_TOOLS, StreamedToolCalls, ToolPlan, message_with_tools, plan_tools)
@@ -325,14 +325,15 @@ class FinalChat:
 
 async def final_chat(started: StartedChat, raw: Request) -> FinalChat | None:
     """Wait for the reply (None: the client went away first, and the request is aborted);
-    a failure in the engine is a 500, a request aborted by shutdown a 503."""
+    a failure in the engine is a 500 (a constraint the grammar engine could not follow to
+    the end the request's 400: error_finish), a request aborted by shutdown a 503."""
     finals = await collect_final(started.streams, raw)
     if finals is None:
         return None
     (out,) = finals
-    msg = error_finish_message(out)
-    if msg:
-        raise APIError(500, msg, type="internal_error")
+    err = error_finish(out)
+    if err is not None:
+        raise err
     co = out.outputs[0]
     if co.finish_reason == "abort":
         raise APIError(503, "the request was aborted: the server is shutting down",
@@ -357,8 +358,8 @@ class ChatDelta:
 
 async def chat_deltas(started: StartedChat) -> AsyncIterator[ChatDelta]:
     """The reply as chat deltas, through the same tool-call streaming as chat's own stream
-    (StreamedToolCalls); a failure in the engine raises APIError 500. The request's streams
-    are closed (aborting it) however the iteration ends."""
+    (StreamedToolCalls); a failure in the engine raises its APIError (error_finish). The
+    request's streams are closed (aborting it) however the iteration ends."""
     tools = StreamedToolCalls(started.plan) if started.plan.parses else None
     completion = 0
     try:
@@ -374,9 +375,9 @@ async def chat_deltas(started: StartedChat) -> AsyncIterator[ChatDelta]:
                                 completion, co.finish_reason if final else None,
                                 co.stop_reason if final else None,
                                 tools.called if tools is not None else False)
-            msg = error_finish_message(out) if out.finished else None
-            if msg:
-                raise APIError(500, msg, type="internal_error")
+            err = error_finish(out) if out.finished else None
+            if err is not None:
+                raise err
     finally:
         await close_streams(started.streams)
 

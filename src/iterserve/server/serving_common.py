@@ -26,8 +26,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from iterserve.engine.async_engine import AsyncEngine
 from iterserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from iterserve.errors import EngineDeadError, UnknownModelError, UnsupportedParameterError
-from iterserve.server.errors import APIError, error_body, to_api_error
+from iterserve.errors import (ConstraintTooComplexError, EngineDeadError, UnknownModelError,
+                              UnsupportedParameterError)
+from iterserve.server.errors import APIError, to_api_error
 
 DISCONNECT_POLL_S = 0.25
 
@@ -76,10 +77,6 @@ def check_model(requested: str | None, served: str) -> None:
 def sse(data: dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n"
-
-
-def sse_error(message: str, type: str = "internal_error") -> str:
-    return sse(error_body(message, type=type))
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
@@ -151,11 +148,8 @@ def sse_response(chunks: AsyncIterator[str], streams: Sequence[AsyncIterator[Req
             async for event in chunks:
                 yield event
             yield sse("[DONE]")
-        except APIError as e:
-            yield sse_error(e.message, e.type)
-            yield sse("[DONE]")
         except Exception as e:                  # the engine died mid-stream
-            yield sse_error(f"{type(e).__name__}: {e}")
+            yield sse(stream_error(e).body())
             yield sse("[DONE]")
         finally:
             await close_streams(streams)
@@ -278,6 +272,29 @@ def error_finish_message(out: RequestOutput) -> str | None:
     return None
 
 
+def error_finish(out: RequestOutput) -> APIError | None:
+    """The error of an output whose sequence ended with finish_reason "error", or None: a
+    400 when the request's own constraint reached the grammar engine's limits while it
+    generated (engine/outputs.py `error_code`), a 500 (a fault) otherwise."""
+    msg = error_finish_message(out)
+    if msg is None:
+        return None
+    code = getattr(out, "error_code", None)
+    if code == ConstraintTooComplexError.code:
+        return to_api_error(ConstraintTooComplexError(msg))
+    return APIError(500, msg, type="internal_error", code=code)
+
+
+def stream_error(exc: BaseException) -> APIError:
+    """What a stream that broke mid-way reports in its error event: the same body a
+    non-streamed request would get as its answer."""
+    err = to_api_error(exc)
+    if err is None:
+        err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                       type="internal_error")
+    return err
+
+
 # --- queueing -------------------------------------------------------------------------------
 
 async def start_streams(engine: AsyncEngine, request_id: str, prompts: list[Any], params: Any,
@@ -366,9 +383,9 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
             return JSONResponse({}, status_code=499)      # client is gone; nobody reads this
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
-            msg = error_finish_message(out)
-            if msg:
-                raise APIError(500, msg, type="internal_error")
+            err = error_finish(out)
+            if err is not None:
+                raise err
             prompt_tokens += out.num_prompt_tokens
             cached[i] = out.num_cached_tokens or 0
             fmt.see_output(i, out)
@@ -424,15 +441,23 @@ async def respond(*, request_id: str, served_model: str, streams: list[Any], n: 
                         choice["stop_reason"] = co.stop_reason
                         unfinished.discard(idx)
                     yield chunk([choice])
-                msg = error_finish_message(out) if out.finished else None
-                if msg:
-                    yield sse_error(msg)
+                err = error_finish(out) if out.finished else None
+                if err is not None:
+                    yield sse(err.body())
         except EngineDeadError:         # the engine stopped before their abort output came
             for idx in sorted(unfinished):
                 choice = fmt.delta_choice(idx, None)
                 choice["finish_reason"] = "abort"
                 choice["stop_reason"] = None
                 yield chunk([choice])
+        except Exception as e:          # a replica died, a fault: every choice ends, then why
+            err = stream_error(e)
+            for idx in sorted(unfinished):
+                choice = fmt.delta_choice(idx, None)
+                choice["finish_reason"] = "error"
+                choice["stop_reason"] = None
+                yield chunk([choice])
+            yield sse(err.body())
         if include_usage:
             c = base(fmt.object_chunk, [])
             c["usage"] = usage(sum(prompt_tokens.values()), completion_tokens, cached_tokens())

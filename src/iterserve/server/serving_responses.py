@@ -25,17 +25,16 @@ from typing import Annotated, Any, AsyncIterator, Literal, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from iterserve.engine.async_engine import AsyncEngine
-from iterserve.errors import EngineDeadError
-from iterserve.server.errors import APIError
 from iterserve.server.protocol import (
     MAX_TOOLS, ChatCompletionRequest, FunctionName, INT64_MAX, NonEmptyText, Text, _Model,
-    _not_implemented, _nothing, _falsy)
+    _EMPTY_LIST, _NEEDS_TOOLS, _not_implemented, _nothing, _falsy)
 from iterserve.server.serving_chat import (
     as_chat_request, chat_deltas, final_chat, start_chat)
-from iterserve.server.serving_common import close_streams
+from iterserve.server.serving_common import close_streams, stream_error
 from iterserve.server.serving_config import ServingConfig
 
 
@@ -82,14 +81,34 @@ class FunctionCallOutputItem(_Model):
     status: Text | None = None
 
 
+class ReasoningPart(_Model):
+    type: Literal["summary_text", "reasoning_text"]
+    text: Text
+
+
+class ReasoningItem(_Model):
+    """A reasoning item, as the SDKs send back a previous response's output items. Accepted
+    and left out of the prompt: the chat templates served here render no reasoning of earlier
+    turns (templates that have such a field drop it for past turns too)."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: Annotated[list[ReasoningPart], Field(max_length=4096)] = []
+    content: Annotated[list[ReasoningPart], Field(max_length=4096)] | None = None
+    encrypted_content: Text | None = None
+    status: Text | None = None
+
+
 def _item_kind(v: Any) -> str:
     t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return t if t in ("function_call", "function_call_output") else "message"
+    # No type: a message (EasyInputMessage); an unknown one is refused by its own name.
+    return "message" if t is None else t if isinstance(t, str) else "message"
 
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
                       Discriminator(_item_kind)]
 
 
@@ -120,8 +139,13 @@ class TextConfig(_Model):
 
 
 class ResponsesRequest(_Model):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_NEEDS_TOOLS]})
+
     model: Text | None = None
-    input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
+    input: NonEmptyText | Annotated[list[InputItem], Field(
+        min_length=1, max_length=4096, json_schema_extra={"contains": {"not": {
+            "required": ["type"], "properties": {"type": {"const": "reasoning"}}}}},
+        description="at least one item that is not a reasoning item")]
     instructions: Text | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
@@ -141,11 +165,12 @@ class ResponsesRequest(_Model):
     prompt_cache_key: Text | None = None
     # not implemented: a 400 naming the field unless neutral
     previous_response_id: Annotated[Any, _not_implemented(
-        "previous_response_id", _nothing, "only null: this server stores no responses")] = None
+        "previous_response_id", _nothing, "only null: this server stores no responses",
+        {"type": "null"})] = None
     conversation: Annotated[Any, _not_implemented("conversation", _nothing, "only null")] = None
     reasoning: Annotated[Any, _not_implemented("reasoning", _nothing, "only null")] = None
     include: Annotated[list[Any] | None, _not_implemented("include", _falsy,
-                                                          "only empty")] = None
+                                                          "only empty", _EMPTY_LIST)] = None
     background: Annotated[bool | None, _not_implemented("background", _falsy,
                                                         "only false")] = None
     prompt: Annotated[Any, _not_implemented("prompt", _nothing, "only null")] = None
@@ -153,6 +178,14 @@ class ResponsesRequest(_Model):
                                                          "only 0")] = None
     max_tool_calls: Annotated[Any, _not_implemented("max_tool_calls", _nothing,
                                                     "only null")] = None
+
+    @model_validator(mode="after")
+    def _something_to_answer(self) -> "ResponsesRequest":
+        if isinstance(self.input, list) and all(isinstance(i, ReasoningItem)
+                                                for i in self.input):
+            raise PydanticCustomError("input", "input holds only reasoning items: there is "
+                                      "no message to answer", {})
+        return self
 
     def to_chat_request(self) -> ChatCompletionRequest:
         messages: list[dict[str, Any]] = []
@@ -163,6 +196,8 @@ class ResponsesRequest(_Model):
         for item in items:
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, ReasoningItem):
+                continue                # not rendered (ReasoningItem)
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
@@ -367,11 +402,18 @@ def _stream(shell: _Shell, started) -> StreamingResponse:
                 for ev in on_delta(step.delta):
                     yield ev
                 finish = step.finish_reason or finish
-        except (APIError, EngineDeadError, Exception) as e:     # noqa: BLE001 - reported
+        except Exception as e:     # noqa: BLE001 - reported, in the one error shape
+            err = stream_error(e)
             for ev in close():
                 yield ev
-            message = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
-            yield event("error", code="server_error", message=message, param=None)
+            # The Responses API's error event, then the response as failed (its `error`
+            # holds the same code and message a non-streamed request gets as its body).
+            code = err.code or err.type
+            yield event("error", code=code, message=err.message, param=err.param)
+            failed = shell.build("failed", output,
+                                 _usage(prompt_tokens, completion_tokens, cached))
+            failed["error"] = {"code": code, "message": err.message}
+            yield event("response.failed", response=failed)
             return
         finally:
             await close_streams(started.streams)

@@ -38,22 +38,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import llguidance
 import numpy as np
 import torch
 
-from iterserve.errors import GrammarCompileError, GrammarCompileTimeout
+from iterserve.errors import GrammarCompileError, GrammarCompileTimeout, StructuredOutputsError
+from iterserve.structured import limits as _limits
 from iterserve.structured.bitmask import allocate_bitmask
 from iterserve.structured.params import StructuredOutputsParams
+from iterserve.structured.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPILE_TIMEOUT = 5.0     # seconds a request may wait for its grammar
+COMPILE_NICE = 5                  # compile threads run this much below the engine (workers.py)
+PROBE_TOKENS = 3                  # first tokens tried at compile time (see _probe)
+MAX_ERROR_CHARS = 600             # of llguidance's message in a 400
+# llguidance's own limits (LLParserLimits; its defaults but for the short errors)
+PARSER_LIMITS: dict[str, Any] = {"verbose_errors": False}
 # Whitespace allowed between JSON tokens. llguidance's default is unbounded ([ \t\n\r]+),
 # which lets a weak model spend its whole budget on spaces; pretty-printed JSON a few levels
 # deep needs a newline and well under 20 indent characters.
@@ -141,6 +149,13 @@ class GrammarMatcher:
             n += 1
         return n
 
+    def engine_error(self) -> str | None:
+        """The grammar engine's own error (a limit it reached: an Earley row, lexer
+        expressions, fuel), or None; a token the grammar merely forbids is not one."""
+        if self._m.is_error():
+            return " ".join(self._m.get_error().split())[:MAX_ERROR_CHARS]
+        return None
+
     def is_terminated(self) -> bool:
         """The grammar is complete and admits no further token (only EOS/stop): finish."""
         return self._stopped_by_extra or self._m.is_stopped()
@@ -227,21 +242,29 @@ class StructuredOutputCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int | None = None, *,
                  eos_token_ids: Iterable[int] | None = None,
                  compile_timeout: float = DEFAULT_COMPILE_TIMEOUT, cache_size: int = 256,
-                 limits: llguidance.LLParserLimits | None = None, max_workers: int = 2) -> None:
+                 limits: llguidance.LLParserLimits | None = None, max_workers: int = 2,
+                 max_overrun_workers: int = 4) -> None:
         self.ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = self.ll_tokenizer.vocab_size
         self.eos_token_ids = list(self.ll_tokenizer.eos_tokens)
         self.compile_timeout = compile_timeout
-        self._limits = limits
+        # Short errors: the verbose ones hold the whole grammar and parser state (a 100 KB
+        # grammar gave a 300 KB 400 body) and may leak a schema into logs.
+        self._limits = limits or llguidance.LLParserLimits(**PARSER_LIMITS)
         self._cache: collections.OrderedDict[tuple, CompiledGrammar | GrammarCompileError] = \
             collections.OrderedDict()
         self._cache_size = cache_size
         self._inflight: dict[tuple, concurrent.futures.Future] = {}
+        self._pinned: dict[tuple, list] = {}        # key -> [grammar, holders]
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_workers, thread_name_prefix="grammar-compile")
+        # Big-stack, lower-priority threads (structured/workers.py); compiles that overrun
+        # their budget keep theirs and up to `max_overrun_workers` more start meanwhile.
+        self._pool = WorkerPool("grammar-compile", max_workers,
+                                max_workers=max_workers + max_overrun_workers,
+                                nice=COMPILE_NICE)
         self.num_compiled = 0
         self.num_cache_hits = 0
+        self.num_timeouts = 0
 
     @property
     def bitmask_width(self) -> int:
@@ -285,8 +308,40 @@ class StructuredOutputCompiler:
             hit = self._cache.get(params.cache_key())
         return hit if isinstance(hit, CompiledGrammar) else None
 
+    @contextlib.contextmanager
+    def pinned(self, grammar: CompiledGrammar) -> Iterator[CompiledGrammar]:
+        """Within the block, `compile` of the same constraint returns `grammar` whatever the
+        cache evicted: a caller that compiled off the engine thread (AsyncEngine) hands the
+        engine thread a grammar it can never have to build itself."""
+        with self._lock:
+            entry = self._pinned.setdefault(grammar.key, [grammar, 0])
+            entry[1] += 1
+        try:
+            yield grammar
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    self._pinned.pop(grammar.key, None)
+
+    def warm(self) -> float:
+        """Compile and use a small grammar once (a JSON object: the lexer, the parser, a mask,
+        the bitmask's penalty table), so the first real constrained request pays none of the
+        one-time costs. Returns the seconds it took."""
+        import time
+        from iterserve.structured.bitmask import GrammarBitmask
+
+        t0 = time.perf_counter()
+        g = self.compile(StructuredOutputsParams(json_object=True), timeout=60)
+        m = g.matcher()
+        mask = GrammarBitmask.fill({"warm": m})
+        logits = torch.zeros((1, self.vocab_size), dtype=torch.float32)
+        mask.apply(logits, ["warm"])
+        m.accept(int(torch.argmax(logits[0]).item()))
+        return time.perf_counter() - t0
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def _future(self, params: StructuredOutputsParams
                 ) -> CompiledGrammar | concurrent.futures.Future:
@@ -294,12 +349,15 @@ class StructuredOutputCompiler:
             raise TypeError(f"expected StructuredOutputsParams, got {type(params).__name__}")
         key = params.cache_key()
         with self._lock:
+            pin = self._pinned.get(key)
+            if pin is not None:
+                return pin[0]
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-                if isinstance(hit, GrammarCompileError):
-                    raise type(hit)(str(hit), self._param(params))
+                if isinstance(hit, StructuredOutputsError):
+                    raise _fresh(hit, self._param(params))
                 return hit
             future = self._inflight.get(key)
             new = future is None
@@ -320,9 +378,9 @@ class StructuredOutputCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
 
-    def _unwrap(self, result: CompiledGrammar | GrammarCompileError) -> CompiledGrammar:
-        if isinstance(result, GrammarCompileError):
-            raise type(result)(str(result), result.param)
+    def _unwrap(self, result: CompiledGrammar | StructuredOutputsError) -> CompiledGrammar:
+        if isinstance(result, StructuredOutputsError):
+            raise _fresh(result, result.param)
         return result
 
     @staticmethod
@@ -332,6 +390,7 @@ class StructuredOutputCompiler:
     def _timeout_error(self, params: StructuredOutputsParams, timeout: float
                        ) -> GrammarCompileTimeout:
         log.warning("structured output %s did not compile within %.3gs", params.kind, timeout)
+        self.num_timeouts += 1
         return GrammarCompileTimeout(
             f"{self._param(params)}: the constraint did not compile within {timeout:g} s; "
             "simplify it", self._param(params))
@@ -346,32 +405,81 @@ class StructuredOutputCompiler:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(value)
         if kind == "choice":
+            # One terminal (a lexeme), not one Earley alternative per item: a row of the
+            # parser holds every alternative of a rule (llguidance caps a row at 2,000 items),
+            # while a lexeme's alternatives cost the lexer only (20,000: 0.4 s, no row).
             return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+                "start: CHOICE\nCHOICE: "
+                + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
         return llguidance.grammar_from("grammar", value)
 
     def _build(self, params: StructuredOutputsParams, key: tuple
                ) -> CompiledGrammar | GrammarCompileError:
-        """Runs on a worker thread (llguidance drops the GIL while it builds)."""
+        """Runs on a compile worker (llguidance drops the GIL while it builds): the limits
+        first (structured/limits.py), then the grammar, its first mask and a probe."""
         import time
         t0 = time.perf_counter()
         param = self._param(params)
         try:
+            _limits.check(params, param)
+        except _limits.ConstraintLimitError as exc:
+            return exc
+        try:
             grammar = self._grammar_text(params)
         except (ValueError, TypeError) as exc:
-            return GrammarCompileError(f"{param}: {exc}", param)
-        kwargs = {"log_level": 0}
-        if self._limits is not None:
-            kwargs["limits"] = self._limits
-        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, **kwargs)
+            return GrammarCompileError(f"{param}: {_short(str(exc))}", param)
+        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
+                                        limits=self._limits)
         if not template.is_error():
             # The first mask builds the lexer's start state: a grammar whose lexer blows its
             # limits fails here, at compile time, rather than in the engine's first step.
             scratch = torch.zeros((1, self.bitmask_width), dtype=torch.int32)
             _fill_row(template, scratch, 0)
+            if not template.is_error():
+                probe_error = self._probe(template, scratch)
+                if probe_error is not None:
+                    return GrammarCompileError(
+                        f"{param} is beyond what the grammar engine can follow: "
+                        f"{_short(probe_error)}; simplify it", param)
         if template.is_error():
             return GrammarCompileError(f"{param} is not a valid {params.kind} constraint: "
-                                       f"{template.get_error().strip()}", param)
+                                       f"{_short(template.get_error())}", param)
         self.num_compiled += 1
         return CompiledGrammar(key, params.kind, grammar, template, self.vocab_size,
                                self.eos_token_ids, time.perf_counter() - t0)
+
+    def _probe(self, template: llguidance.LLMatcher, mask: torch.Tensor) -> str | None:
+        """Try a few of the first allowed tokens on copies of the matcher, with the mask after
+        each: a constraint whose first token already overruns the engine's limits (an Earley
+        row over 2,000 items, "too many expressions" in the lexer) is refused now, with a 400,
+        instead of failing in the middle of generation. None: every probe passed."""
+        words = mask[0].numpy().view(np.uint32)
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        eos = set(self.eos_token_ids)
+        allowed = [int(t) for t in allowed if int(t) not in eos and int(t) < self.vocab_size]
+        if not allowed:
+            return None
+        picks = sorted({allowed[0], allowed[len(allowed) // 2], allowed[-1]})[:PROBE_TOKENS]
+        scratch = torch.zeros_like(mask)
+        for t in picks:
+            m = template.deep_copy()
+            m.try_consume_tokens([t])
+            if not m.is_error() and not m.is_stopped():
+                _fill_row(m, scratch, 0)
+            if m.is_error():
+                return m.get_error()
+        return None
+
+
+def _fresh(err: StructuredOutputsError, param: str | None) -> StructuredOutputsError:
+    """A new exception like the cached `err` (a cached one must not collect tracebacks)."""
+    import copy
+    e = copy.copy(err)
+    e.param = param
+    e.__traceback__ = None
+    return e
+
+
+def _short(message: str) -> str:
+    message = " ".join(message.strip().split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " ..."

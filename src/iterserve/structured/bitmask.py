@@ -8,8 +8,10 @@ row; `rows` says which logits row each bitmask row belongs to.
 and adds it: no Python loop over the vocabulary or the rows. The logits may be wider
 than the mask (a model whose embedding table is padded past the tokenizer): the extra ids
 are never allowed; a mask wider than the logits is cut to their width. Works on any device
-(the mask is copied to the logits' device). `PendingGrammarBitmask` is one being filled on a
-worker thread while the forward pass runs.
+(the mask is copied to the logits' device). The engine's masks are computed ahead per
+sequence on a worker thread (structured/masks.py) and applied through `apply_bitmask`;
+`PendingGrammarBitmask` is a whole step's fill on that thread (a step that verifies
+speculative drafts, whose extra rows depend on the drafts).
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ class GrammarBitmask:
 
 
 class PendingGrammarBitmask:
-    """A step's GrammarBitmask being filled on a worker thread while the forward pass runs.
+    """A step's GrammarBitmask being filled on the mask worker while the forward pass runs.
 
     Why: filling costs ~0.2-1 ms per constrained row (llguidance's mask computation over the
     whole vocabulary) and needs only the matchers' state after the previous step, not the

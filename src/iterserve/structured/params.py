@@ -6,7 +6,7 @@
 - `json_object`: any JSON object (OpenAI's `response_format: {"type": "json_object"}`)
 - `regex`: a regular expression the whole output must match (Rust `regex` syntax, as
   llguidance reads it; no look-around or back-references)
-- `choice`: one of a list of strings
+- `choice`: one of a list of strings (at most 1,024, as vLLM's `guided_choice` here)
 - `grammar`: a context-free grammar in GBNF/EBNF (llama.cpp's `root ::= ...`) or in
   llguidance's Lark dialect (a grammar with a `start:` rule)
 
@@ -32,6 +32,17 @@ from iterserve.errors import StructuredOutputsError
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+def _renamed(exc: StructuredOutputsError, message: str, param: str | None
+             ) -> StructuredOutputsError:
+    """`exc` (its class and attributes kept: a limit error stays one) with a new message and
+    param."""
+    import copy
+    e = copy.copy(exc)
+    e.args = (message,)
+    e.param = param
+    return e
+
+
 @dataclass(slots=True, eq=True)
 class StructuredOutputsParams:
     """Exactly one of the five constraints; `disable_any_whitespace` forbids whitespace
@@ -52,8 +63,9 @@ class StructuredOutputsParams:
 
     # --- checks -----------------------------------------------------------------------
     def validate(self, param: str = "structured_outputs") -> "StructuredOutputsParams":
-        """Shape checks only (one constraint, right types); the grammar engine checks the
-        content when it compiles (`StructuredOutputCompiler.compile`)."""
+        """Shape checks (one constraint, right types) and the O(1) limits (size, number of
+        choices); the limits that need a scan (structured/limits.py) and the grammar engine
+        check the content when it compiles (`StructuredOutputCompiler.compile`)."""
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputsError(
@@ -90,6 +102,11 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in value)):
                 raise StructuredOutputsError(
                     f"{where} must be a non-empty list of non-empty strings", where)
+            from iterserve.structured.limits import check_choices
+            check_choices(where, value)         # O(1) count first: cheap on any thread
+        if kind in ("regex", "grammar") or (kind == "json" and isinstance(value, str)):
+            from iterserve.structured.limits import check_size
+            check_size(where, value)
         if not isinstance(self.disable_any_whitespace, bool):
             raise StructuredOutputsError(
                 f"{param}.disable_any_whitespace must be a boolean", f"{param}.disable_any_whitespace")
@@ -161,9 +178,9 @@ class StructuredOutputsParams:
             try:
                 return cls(json=schema, source=f"{where}.schema")
             except StructuredOutputsError as exc:
-                raise StructuredOutputsError(str(exc).replace("structured_outputs.json",
-                                                              f"{where}.schema"),
-                                             f"{where}.schema") from None
+                raise _renamed(exc, str(exc).replace("structured_outputs.json",
+                                                     f"{where}.schema"),
+                               f"{where}.schema") from None
         raise StructuredOutputsError(
             f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
             f"{param}.type")
@@ -197,7 +214,7 @@ class StructuredOutputsParams:
         try:
             return cls(**kwargs, source=f"{param}.{kind}" if kind else param)
         except StructuredOutputsError as exc:
-            raise StructuredOutputsError(str(exc), exc.param or param) from None
+            raise _renamed(exc, str(exc), exc.param or param) from None
 
     @classmethod
     def from_request(cls, *, response_format: Any = None, structured_outputs: Any = None,
@@ -228,9 +245,8 @@ class StructuredOutputsParams:
             try:
                 sources.append((name, cls(**kwargs, source=name)))
             except StructuredOutputsError as exc:
-                raise StructuredOutputsError(
-                    str(exc).replace(f"structured_outputs.{next(iter(kwargs))}", name),
-                    name) from None
+                raise _renamed(exc, str(exc).replace(
+                    f"structured_outputs.{next(iter(kwargs))}", name), name) from None
         if len(sources) > 1:
             names = [n for n, _ in sources]
             raise StructuredOutputsError(
