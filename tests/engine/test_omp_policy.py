@@ -21,17 +21,18 @@ from iterserve.engine import omp_policy
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-@pytest.mark.parametrize("policy,env,load1,cpus,want", [
-    ("env", {}, 50.0, 2, None),                       # leave libgomp's default
-    ("active", {}, 0.0, 2, "ACTIVE"),
-    ("passive", {}, 0.0, 2, "PASSIVE"),
-    ("auto", {}, 2.5, 2, "PASSIVE"),                  # the cores are already busy
-    ("auto", {}, 0.4, 2, None),                       # an idle machine: spin as usual
-    ("passive", {"OMP_WAIT_POLICY": "active"}, 0.0, 2, None),   # the environment wins
-    ("AUTO", {}, 16.0, 16, "PASSIVE"),
+@pytest.mark.parametrize("policy,env,load1,cpus,quota,want", [
+    ("env", {}, 50.0, 2, None, None),                 # leave libgomp's default
+    ("active", {}, 0.0, 2, None, "ACTIVE"),
+    ("passive", {}, 0.0, 2, None, "PASSIVE"),
+    ("auto", {}, 2.5, 2, None, "PASSIVE"),            # the cores are already busy
+    ("auto", {}, 0.4, 2, None, None),                 # an idle machine: spin as usual
+    ("auto", {}, 0.4, 2, 1.5, "PASSIVE"),             # a CPU quota: spinning spends it
+    ("passive", {"OMP_WAIT_POLICY": "active"}, 0.0, 2, None, None),   # the environment wins
+    ("AUTO", {}, 16.0, 16, None, "PASSIVE"),
 ])
-def test_decide(policy, env, load1, cpus, want):
-    assert omp_policy.decide(policy, env, load1, cpus) == want
+def test_decide(policy, env, load1, cpus, quota, want):
+    assert omp_policy.decide(policy, env, load1, cpus, quota) == want
 
 
 def test_decide_rejects_unknown_policies():

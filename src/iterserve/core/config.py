@@ -603,7 +603,7 @@ class OmpWaitPolicy(enum.StrEnum):
     """What idle OpenMP threads of the CPU kernels do between parallel regions
     (engine/omp_policy.py applies it before torch loads libgomp)."""
     ENV = "env"          # leave OMP_WAIT_POLICY as the environment has it (libgomp's default)
-    AUTO = "auto"        # passive when the CPUs are already busy at start, else as env
+    AUTO = "auto"        # passive when the CPUs are busy at start or quota-limited, else env
     ACTIVE = "active"    # spin: the fastest hand-off between regions on an idle machine
     PASSIVE = "passive"  # sleep: no spinning thread takes a core another process needs
 
@@ -633,9 +633,15 @@ class KernelConfig:
         OmpWaitPolicy.ENV, "idle OpenMP threads: env (as OMP_WAIT_POLICY says, libgomp "
         "spins by default), active, passive (sleep: on a machine whose cores other "
         "processes use, spinning threads made a decode step 10-100x slower), or auto "
-        "(passive when the 1-minute load average at start is at least the usable CPUs); "
+        "(passive when the 1-minute load average at start is at least the usable CPUs, or "
+        "under a cgroup CPU quota); "
         "applied by `iterserve serve` before torch loads, an OMP_WAIT_POLICY in the "
         "environment wins", OmpWaitPolicy)
+    threads: int | None = knob(
+        None, "compute threads of a step (the OpenMP team of the kernels and torch); default: "
+        "adaptive, at most the usable CPUs (affinity mask, cgroup CPU quota), fewer while "
+        "measured step times say other processes take cores (model/contention.py)", int,
+        minimum=1, nullable=True)
 
     def validate(self) -> "KernelConfig":
         _check_fields(self)

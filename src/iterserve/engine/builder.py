@@ -137,7 +137,8 @@ def build_engine_parts(args: Any) -> EngineParts:
     check_weight_format(load)
     torch.manual_seed(args.seed)
     from iterserve.model import kernels  # torch: the engine package imports none
-    kernels.configure(kernels.KernelConfig.from_knobs(args.create_kernel_config()))
+    kernel_knobs = args.create_kernel_config()
+    kernels.configure(kernels.KernelConfig.from_knobs(kernel_knobs))
     parallel = args.create_parallel_config()
     if parallel.data_parallel_size > 1:
         # One LLMEngine is one replica: replicas are separate processes behind the server's
@@ -172,7 +173,8 @@ def build_engine_parts(args: Any) -> EngineParts:
                              if sched_cfg.enable_chunked_prefill else None,
                              max_num_seqs=sched_cfg.max_num_seqs,
                              prefix_caching=cache_cfg.enable_prefix_caching,
-                             speculative=sched_cfg.speculative_config is not None)
+                             speculative=sched_cfg.speculative_config is not None,
+                             threads=kernel_knobs.threads, adaptive_threads=True)
     _configure_speculation(runner, sched_cfg, args.seed)
     parts = _parts(args, loaded, runner, sched_cfg, cache_cfg)
     parts.pooler_config = pooler.config if pooler is not None else None

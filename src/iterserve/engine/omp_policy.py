@@ -19,28 +19,26 @@ import sys
 from typing import Mapping
 
 from iterserve import envs
+from iterserve.model.contention import cgroup_quota, usable_cpus   # torch-free
 
 logger = logging.getLogger(__name__)
 
 
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def decide(policy: str, env: Mapping[str, str] | None = None, load1: float | None = None,
-           cpus: int | None = None) -> str | None:
+           cpus: int | None = None, quota: float | None | bool = False) -> str | None:
     """The OMP_WAIT_POLICY value to set (None: leave the environment as it is); `env`
-    stands for this process's environment in tests."""
+    stands for this process's environment in tests, `quota` for the cgroup's CPU quota
+    (False: read it). `auto` is passive when the load average at start is at least the
+    usable CPUs, or when a cgroup CPU quota applies: a spinning thread spends the quota's
+    time doing nothing, and the whole team then waits out the period throttled."""
     policy = str(policy).lower()
     if policy == "env" or envs.is_set("OMP_WAIT_POLICY", env):
         return None
     if policy == "auto":
         load1 = os.getloadavg()[0] if load1 is None else load1
         cpus = usable_cpus() if cpus is None else cpus
-        return "PASSIVE" if load1 >= cpus else None
+        quota = cgroup_quota() if quota is False else quota
+        return "PASSIVE" if load1 >= cpus or quota is not None else None
     if policy in ("active", "passive"):
         return policy.upper()
     raise ValueError(f"omp_wait_policy must be env, auto, active or passive, not {policy!r}")

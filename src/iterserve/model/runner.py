@@ -45,6 +45,7 @@ from iterserve.core.scheduler_output import (PoolingOutput, SampleResult, Schedu
 from iterserve.model import kernels
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
+from iterserve.model.contention import ThreadAdapter
 from iterserve.model.kv_cache import PagedKVCache
 from iterserve.model.kv_tier_store import DiskStore, KVTierStore
 from iterserve.model.memory import check_memory_plan, compute_paths, log_memory_plan, plan_memory
@@ -155,7 +156,8 @@ class ModelRunner:
                  num_tier_blocks: int = 0, kv_offload_dir: str | None = None,
                  kv_setting_key: str | None = None, pooler: Pooler | None = None,
                  max_tokens_per_step: int | None = None, max_num_seqs: int | None = None,
-                 prefix_caching: bool = False, speculative: bool = False) -> None:
+                 prefix_caching: bool = False, speculative: bool = False,
+                 threads: int | None = None, adaptive_threads: bool = False) -> None:
         """`max_tokens_per_step` (the scheduler's token budget with chunked prefill) turns on
         window pools for sliding-window layers (core/sliding_window.py): without swap space,
         prefix caching, KV tiers or speculative decoding, those layers hold only their
@@ -239,6 +241,16 @@ class ModelRunner:
             if hasattr(self.model, "use_fused_decode") else False
         self.memory_plan.update(compute_paths(self.model), fused_decode=bool(self.fused_decode))
         log_memory_plan(self.memory_plan)
+        # The compute team's size (model/contention.py): `threads` fixes it; else, on CPU
+        # with `adaptive_threads` (the engine's default), measured per step, at most what
+        # torch starts with; else torch's as it is. OpenMP keeps the size per
+        # thread, so `execute` applies it on the thread that steps.
+        self.thread_adapter = None
+        if threads is not None:
+            torch.set_num_threads(threads)
+            self.thread_adapter = ThreadAdapter(threads, fixed=threads)
+        elif adaptive_threads and self.device.type == "cpu":
+            self.thread_adapter = ThreadAdapter(torch.get_num_threads())
 
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype=None) -> int:
@@ -288,7 +300,17 @@ class ModelRunner:
                 st.block_ids.extend(d.new_block_ids)
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+        adapter = self.thread_adapter
+        if adapter is not None and adapter.threads != torch.get_num_threads():
+            torch.set_num_threads(adapter.threads)
         t0 = time.perf_counter()
+        try:
+            return self._execute(output, t0)
+        finally:
+            if adapter is not None and output.num_batched_tokens:
+                adapter.observe(time.perf_counter() - t0, output.num_batched_tokens)
+
+    def _execute(self, output: SchedulerOutput, t0: float) -> dict[str, SampleResult]:
         logits, sampling, drafts = self._run(output)
         pooled, self._pooled = self._pooled, {}
         if not sampling:
