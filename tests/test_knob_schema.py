@@ -129,6 +129,13 @@ def test_the_tool_call_parser_choices_are_the_parsers_iterserve_has():
     assert set(k.choices) == set(TOOL_PARSERS)
 
 
+def test_the_reasoning_parser_choices_are_the_parsers_iterserve_has():
+    from iterserve.reasoning import REASONING_PARSERS
+
+    k = knobs_of(config.FrontendConfig)["reasoning_parser"][1]
+    assert set(k.choices) == set(REASONING_PARSERS)
+
+
 def test_server_knobs_are_checked_with_the_engines_messages():
     with pytest.raises(ConfigError, match="max_request_body_bytes must be at least 1"):
         config_from(config.ServerConfig, {"max_request_body_bytes": 0})

@@ -57,8 +57,8 @@ LAUNCH_LINES = [
     ("vllm serve MODEL --speculative-config "
      "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}'",
      "ok"),
-    ("vllm serve MODEL --reasoning-parser deepseek_r1",
-     "refused: no reasoning parser is implemented yet"),
+    ("vllm serve MODEL --reasoning-parser deepseek_r1", "ok"),
+    ("vllm serve MODEL --reasoning-parser nonesuch", "usage"),
     ("vllm serve MODEL --pipeline-parallel-size 2",
      "refused: pipeline parallelism is not implemented"),
     ("vllm serve MODEL -q awq", "refused: --quantization awq: not supported"),
@@ -105,6 +105,14 @@ def test_a_vllm_launch_line_is_served_noticed_or_refused(line, outcome, tiny_mod
     else:
         (notice,) = launch.notices                      # one start-up line, saying why
         assert outcome.removeprefix("notice: ") in notice
+
+
+def test_the_reasoning_parser_flag_reaches_the_serving_config(tiny_model_dir):
+    _, args = parse_args(_argv("vllm serve MODEL --reasoning-parser qwen3 "
+                               "--tool-call-parser openai", tiny_model_dir))
+    launch = prepare_launch(args)
+    assert launch.serving_config.reasoning_parser == "qwen3"
+    assert launch.serving_config.tools.tool_call_parser == "openai"
 
 
 def test_vllm_size_spelling_and_several_served_names(tiny_model_dir):

@@ -197,7 +197,7 @@ def test_mistral_extract():
 
 
 def test_registry_and_ids():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai"}
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("pythonic")
     ids = {make_tool_call_id() for _ in range(100)}

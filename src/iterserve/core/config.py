@@ -871,9 +871,9 @@ class FrontendConfig:
         "--tool-call-parser", bool)
     tool_call_parser: str | None = knob(
         None, "how the model writes tool calls: hermes (Qwen2.5/3, Hermes, SmolLM3), "
-        "llama3_json (Llama 3.x), mistral; also the format forced for tool_choice "
-        '"required" / named (default hermes)', str, nullable=True,
-        choices=("hermes", "llama3_json", "mistral"))      # = iterserve.tools.TOOL_PARSERS
+        "llama3_json (Llama 3.x), mistral, openai (gpt-oss's harmony calls); also the format "
+        'forced for tool_choice "required" / named (default hermes)', str, nullable=True,
+        choices=("hermes", "llama3_json", "mistral", "openai"))  # = iterserve.tools.TOOL_PARSERS
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json supplies default temperature / "
         "top_p / top_k / min_p / repetition_penalty / max_tokens for requests that leave "
@@ -914,11 +914,11 @@ class FrontendConfig:
         False, "every stream ends with its usage chunk, as if it asked for "
         "stream_options.include_usage", bool)
     reasoning_parser: str | None = knob(
-        None, "vLLM: split a reasoning model's thinking into message.reasoning_content", str,
-        nullable=True, metavar="NAME",
-        refused="no reasoning parser is implemented yet; a model's thinking text is returned "
-        "as part of content (for Qwen3, chat_template_kwargs {\"enable_thinking\": false} or "
-        "--default-chat-template-kwargs turn thinking off)")
+        None, "split the model's thinking into message.reasoning_content: deepseek_r1 "
+        "(output starts thinking, up to </think>), qwen3 (<think>...</think> when the output "
+        "opens with it), openai_gptoss (gpt-oss's analysis channel); structured outputs and "
+        "forced tool calls then apply to the answer only", str, nullable=True, metavar="NAME",
+        choices=("deepseek_r1", "openai_gptoss", "qwen3"))  # = iterserve.reasoning.REASONING_PARSERS
     lora_modules: list | None = knob(
         None, "vLLM: LoRA adapters to serve (name=path)", str, nullable=True, nargs="+",
         refused=_NO_LORA)

@@ -168,6 +168,12 @@ def build_engine_parts(args: Any) -> EngineParts:
                              kv_offload_dir=args.kv_offload_dir if tiers else None,
                              kv_setting_key=kv_setting_key(args, loaded)
                              if args.kv_offload_dir else None, pooler=pooler,
+                             # sliding-window layers hold only their window (chunked prefill)
+                             max_tokens_per_step=sched_cfg.max_num_batched_tokens
+                             if sched_cfg.enable_chunked_prefill else None,
+                             max_num_seqs=sched_cfg.max_num_seqs,
+                             prefix_caching=cache_cfg.enable_prefix_caching,
+                             speculative=sched_cfg.speculative_config is not None,
                              threads=kernel_knobs.threads, adaptive_threads=True)
     _configure_speculation(runner, sched_cfg, args.seed)
     parts = _parts(args, loaded, runner, sched_cfg, cache_cfg)

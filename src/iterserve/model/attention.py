@@ -68,6 +68,12 @@ class AttentionMetadata:
     # chunks on the native prefill kernel (then all of the step's chunks): tables, starts and
     # lengths checked once here, run per layer
     prefill_chunks: kernels.PrefillChunks | None = None
+    # What the step was built from, so a layer with another sliding window (Gemma's sliding
+    # and global layers in one model) gets its own metadata once per step (`for_window`).
+    spans: list = field(default_factory=list)
+    window: int | None = None
+    build_args: tuple = ()
+    variants: dict = field(default_factory=dict)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -164,7 +170,25 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         meta.prefills.append(PrefillSeq(row, row + n, ctx.to(device), mask))
         row += n
     meta.slot_mapping = torch.cat(new_slots).to(device)
+    meta.spans, meta.window = seqs, sliding_window
+    meta.build_args = (block_size, device, dtype, decode_kernel)
     return meta
+
+
+def for_window(meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
+    """The step's metadata for layers attending within `window` (None: the whole context):
+    `meta` itself when it was built for that window, else built once per step and kept."""
+    if window == meta.window:
+        return meta
+    if not meta.build_args:
+        raise ValueError(f"metadata for window {meta.window} was not made by build_metadata; "
+                         f"it cannot be rebuilt for window {window}")
+    got = meta.variants.get(window)
+    if got is None:
+        block_size, device, dtype, decode_kernel = meta.build_args
+        got = meta.variants[window] = build_metadata(meta.spans, block_size, window, device,
+                                                     dtype, decode_kernel=decode_kernel)
+    return got
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -17,11 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gguf import GGMLQuantizationType
+
 from iterserve.errors import ModelLoadError
 from iterserve.model.weights import BF16, F16, F32, TensorRef, map_file
 
-# safetensors dtype -> GGML type of the same bytes
-_DTYPES = {"F32": F32, "F16": F16, "BF16": BF16}
+# safetensors dtype -> GGML type of the same bytes. U8 are raw bytes (gpt-oss's MXFP4 expert
+# blocks and scales: model/mxfp4.py reads them), typed I8 here as a plain byte array.
+U8 = int(GGMLQuantizationType.I8)
+_DTYPES = {"F32": F32, "F16": F16, "BF16": BF16, "U8": U8}
+_ELEM = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1}
 _MAX_HEADER = 100 << 20
 
 
@@ -87,8 +92,8 @@ def read_safetensors(path: Path) -> dict[str, TensorRef]:
             raise ModelLoadError(f"cannot read {path}: bad header entry for {name!r}") from None
         if dtype not in _DTYPES:
             raise ModelLoadError(f"{path}: tensor {name!r} has dtype {dtype}; iterserve reads "
-                                 f"F32, F16 and BF16 safetensors")
-        elem = 4 if dtype == "F32" else 2
+                                 f"F32, F16 and BF16 safetensors (and U8 MXFP4 blocks)")
+        elem = _ELEM[dtype]
         if end - begin != elem * int(np.prod(shape)) or base + end > size or begin < 0:
             raise ModelLoadError(f"cannot read {path}: tensor {name!r} has a byte range that "
                                  f"does not fit its shape or the file (truncated?)")

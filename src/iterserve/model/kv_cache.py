@@ -55,7 +55,12 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class PagedKVCache:
     def __init__(self, config: ModelConfig, *, num_blocks: int, block_size: int,
                  num_swap_blocks: int = 0, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", num_tier_blocks: int = 0) -> None:
+                 device: str | torch.device = "cpu", num_tier_blocks: int = 0,
+                 layer_blocks: list[int] | None = None) -> None:
+        """`layer_blocks`: blocks of each layer's pools where they differ from num_blocks
+        (sliding-window layers with a pool of their own, core/sliding_window.py); swap
+        copies cover only layers of num_blocks, and whole-block views (the KV tiers) need
+        one pool size, so the runner uses window pools only without swap or tiers."""
         if num_blocks < 1 or block_size < 1 or num_swap_blocks < 0 or num_tier_blocks < 0:
             raise KVCacheError(
                 f"need num_blocks >= 1, block_size >= 1, num_swap_blocks >= 0, "
@@ -68,13 +73,33 @@ class PagedKVCache:
         self.device = torch.device(device)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         L = config.num_layers
+        self.layer_blocks = list(layer_blocks) if layer_blocks else [num_blocks] * L
+        if len(self.layer_blocks) != L or min(self.layer_blocks) < 1:
+            raise KVCacheError(f"layer_blocks {self.layer_blocks} is not one count per layer")
         with phase("kv_alloc"):
-            if self.device.type == "cpu":
-                pools = lazy_zeros((2, L, *shape), self.dtype)
+            self._pools = None
+            if len(set(self.layer_blocks)) == 1 and self.layer_blocks[0] == num_blocks:
+                if self.device.type == "cpu":
+                    pools = lazy_zeros((2, L, *shape), self.dtype)
+                else:
+                    pools = torch.zeros((2, L, *shape), dtype=self.dtype, device=self.device)
+                self._pools = pools
+                self.k, self.v = list(pools[0].unbind(0)), list(pools[1].unbind(0))
             else:
-                pools = torch.zeros((2, L, *shape), dtype=self.dtype, device=self.device)
-            self._pools = pools
-            self.k, self.v = list(pools[0].unbind(0)), list(pools[1].unbind(0))
+                self.k, self.v = [None] * L, [None] * L
+                for n in sorted(set(self.layer_blocks)):
+                    idx = [i for i, b in enumerate(self.layer_blocks) if b == n]
+                    lshape = (n, *shape[1:])
+                    if self.device.type == "cpu":
+                        pools = lazy_zeros((2, len(idx), *lshape), self.dtype)
+                        ks, vs = pools[0].unbind(0), pools[1].unbind(0)
+                    else:
+                        ks = [torch.zeros(lshape, dtype=self.dtype, device=self.device)
+                              for _ in idx]
+                        vs = [torch.zeros(lshape, dtype=self.dtype, device=self.device)
+                              for _ in idx]
+                    for i, kt, vt in zip(idx, ks, vs):
+                        self.k[i], self.v[i] = kt, vt
         # Flat 2-D views addressed by slot: [num_blocks * block_size, kv_heads * head_dim].
         # 2-D because index_select/index_copy_ over 2-D rows was measured ~4x faster than
         # over [slots, kv_heads, head_dim].
@@ -90,6 +115,11 @@ class PagedKVCache:
         # One block's K/V, every layer: [2, layers, block_size, kv_heads, head_dim].
         self.block_shape = (2, L, *shape[1:])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device pools (every layer's K and V)."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k)
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -99,6 +129,9 @@ class PagedKVCache:
         """Device block `block`'s K/V, every layer, as a (strided) view of the pools."""
         if not 0 <= block < self.num_blocks:
             raise KVCacheError(f"block {block} is outside the pool of {self.num_blocks}")
+        if self._pools is None:
+            raise KVCacheError("whole-block views need every layer's pool of num_blocks "
+                               "(sliding-window pools are for runs without swap or KV tiers)")
         return self._pools[:, :, block]
 
     def host_view(self, slot: int) -> torch.Tensor:
@@ -123,7 +156,8 @@ class PagedKVCache:
         dst = torch.tensor([p[1] for p in pairs])
         for pools, swaps in ((self.k, self.swap_k), (self.v, self.swap_v)):
             for pool, swap in zip(pools, swaps):
-                swap.index_copy_(0, dst, pool.index_select(0, src).to("cpu"))
+                if pool.shape[0] == self.num_blocks:
+                    swap.index_copy_(0, dst, pool.index_select(0, src).to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (host block, device block) pairs host -> device."""
@@ -134,4 +168,6 @@ class PagedKVCache:
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for pools, swaps in ((self.k, self.swap_k), (self.v, self.swap_v)):
             for pool, swap in zip(pools, swaps):
-                pool.index_copy_(0, dst, swap.index_select(0, src).to(self.device, non_blocking=True))
+                if pool.shape[0] == self.num_blocks:
+                    pool.index_copy_(0, dst, swap.index_select(0, src).to(self.device,
+                                                                          non_blocking=True))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from iterserve.errors import ModelLoadError
-from iterserve.model.config import ModelConfig, parse_dtype, parse_kv_cache_dtype
+from iterserve.model.config import DECODER_FAMILIES, ModelConfig, parse_dtype, parse_kv_cache_dtype
 from iterserve.model.default_model import default_model_path
 from iterserve.model.gguf_loader import load_gguf
 from iterserve.model.hf_loader import read_hf_config, read_hf_weights, weight_files
@@ -34,8 +34,8 @@ from iterserve.model.weights import FLOAT_TYPES, EncodedWeight, TensorRef, relea
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                 "qwen3": LlamaForCausalLM, "gpt2": GPT2ForCausalLM}
+# Every decoder family is the one decoder (model/llama.py, switches from ModelConfig).
+ARCHITECTURES = {**{t: LlamaForCausalLM for t in DECODER_FAMILIES}, "gpt2": GPT2ForCausalLM}
 
 
 @dataclass
@@ -61,14 +61,21 @@ class Placement:
     def vector(self, ref: TensorRef) -> torch.Tensor:
         return ref.to_float().to(self.dtype).to(self.device)
 
-    def matrix(self, parts: list[TensorRef]) -> "EncodedWeight | torch.Tensor":
+    def matrix(self, parts: list[TensorRef], copy: bool = True) -> "EncodedWeight | torch.Tensor":
+        """The parts stacked by rows. copy=False (experts) never copies on CPU: parts that
+        are not neighbours in the file stay segments of their own (one more GEMM call each)
+        instead of being read into one buffer (EncodedWeight.fuse)."""
         if self.device.type != "cpu":
             return torch.cat([p.to_float().to(self.dtype) for p in parts]).to(self.device)
         if self.cast is not None and all(p.ggml_type in FLOAT_TYPES for p in parts) \
                 and any(FLOAT_TYPES[p.ggml_type] != self.cast for p in parts):
             return torch.cat([p.view().view(FLOAT_TYPES[p.ggml_type]).to(self.cast)
-                              .view(p.shape) for p in parts])
-        return EncodedWeight.fuse(parts)
+                              .view(p.shape[-2:] if len(p.shape) > 1 else p.shape)
+                              for p in parts])
+        if copy:
+            return EncodedWeight.fuse(parts)
+        from iterserve.model.weight_names import stacked_views
+        return stacked_views(parts)
 
 
 def _checkpoint_float_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
@@ -176,8 +183,10 @@ def build_model(config: ModelConfig, refs: dict[str, TensorRef],
         model = model.to_empty(device=device).to(config.dtype)
         model.tie_weights()                                    # to_empty unties shared weights
         model.load_hf_state_dict({n: r.to_float() for n, r in refs.items()})
-    if hasattr(model, "rotary"):
-        model.rotary = type(model.rotary)(config).to(device)   # buffers are computed, not loaded
+    if hasattr(model, "make_rotary"):
+        model.make_rotary(device)                 # buffers are computed, not loaded
+    elif hasattr(model, "rotary"):
+        model.rotary = type(model.rotary)(config).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"the {config.model_type} model has tensors no weight filled: "

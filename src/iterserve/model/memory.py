@@ -136,8 +136,10 @@ def compute_paths(model: torch.nn.Module) -> dict:
 
 
 def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                kv_dtype: torch.dtype | None = None, num_tier_blocks: int = 0) -> dict:
-    """The plan dict (module docstring) for `loaded` with a KV pool of this size."""
+                kv_dtype: torch.dtype | None = None, num_tier_blocks: int = 0,
+                kv_bytes: int | None = None) -> dict:
+    """The plan dict (module docstring) for `loaded` with a KV pool of this size
+    (`kv_bytes`: the pools' bytes when some layers' pools are smaller, sliding windows)."""
     cfg = loaded.config
     kv_dtype = kv_dtype or cfg.kv_cache_dtype or cfg.dtype
     per_block = PagedKVCache.bytes_per_block(cfg, block_size, kv_dtype)
@@ -154,7 +156,8 @@ def plan_memory(loaded, *, num_blocks: int, block_size: int, num_swap_blocks: in
             mapped += n
         elif t.device.type == "cpu":
             anon += n
-    kv_bytes, swap_bytes = num_blocks * per_block, num_swap_blocks * per_block
+    kv_bytes = num_blocks * per_block if kv_bytes is None else kv_bytes
+    swap_bytes = num_swap_blocks * per_block
     tier_bytes = num_tier_blocks * per_block
     rss = process_rss_bytes()
     device_kv = kv_bytes if next(loaded.model.parameters()).device.type == "cpu" else 0

@@ -98,6 +98,28 @@ QUANT_DEFAULT = True
 NATIVE_KERNELS_DEFAULT = True
 
 
+def _window_blocks(config: ModelConfig, num_blocks: int, block_size: int, num_swap_blocks: int,
+                   max_tokens: int | None, max_num_seqs: int | None, prefix_caching: bool,
+                   tiers: bool = False, speculative: bool = False):
+    """core.sliding_window.SlidingWindowBlocks for a model whose sliding layers can hold
+    fewer blocks than its full ones, or None (no such layers, swap space, prefix caching, KV
+    tiers, speculative decoding, no bound on a request's tokens per step, or no saving at this pool
+    size). Prefix caching and the tiers keep a block's KV for every layer, and rejected drafts
+    roll block tables back: with them every layer holds the full pool (the sliding layers
+    still read only their window)."""
+    from iterserve.core.sliding_window import SlidingWindowBlocks, blocks_per_request
+    from iterserve.model.config import FULL, SLIDING
+    window = config.layer_window
+    if not window or not max_tokens or num_swap_blocks or prefix_caching or tiers or speculative \
+            or not {FULL, SLIDING} <= set(config.layer_types):
+        return None
+    cap = blocks_per_request(window, block_size, max_tokens)
+    pool = min(num_blocks, (max_num_seqs or num_blocks) * cap)
+    if pool < cap or pool >= num_blocks:
+        return None
+    return SlidingWindowBlocks(window, block_size, max_tokens, pool)
+
+
 class _TierReport:
     """What the runner saw of the KV tiers since the last `take_kv_feedback`."""
 
@@ -133,7 +155,13 @@ class ModelRunner:
                  native_kernels: bool | str = "default",
                  num_tier_blocks: int = 0, kv_offload_dir: str | None = None,
                  kv_setting_key: str | None = None, pooler: Pooler | None = None,
+                 max_tokens_per_step: int | None = None, max_num_seqs: int | None = None,
+                 prefix_caching: bool = False, speculative: bool = False,
                  threads: int | None = None, adaptive_threads: bool = False) -> None:
+        """`max_tokens_per_step` (the scheduler's token budget with chunked prefill) turns on
+        window pools for sliding-window layers (core/sliding_window.py): without swap space,
+        prefix caching, KV tiers or speculative decoding, those layers hold only their
+        window's blocks."""
         self.loaded = loaded
         # --runner pooling: pooling requests' vectors (model/pooler.py); None: generate only.
         self.pooler = pooler
@@ -143,14 +171,37 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.block_size = block_size
         kv_dtype = self.config.kv_cache_dtype or self.config.dtype
+        self.window_blocks = _window_blocks(self.config, num_blocks, block_size, num_swap_blocks,
+                                            max_tokens_per_step, max_num_seqs, prefix_caching,
+                                            tiers=bool(num_tier_blocks or kv_offload_dir),
+                                            speculative=speculative)
+        layer_blocks = None
+        if self.window_blocks is not None:
+            w = self.window_blocks
+            layer_blocks = [w.num_blocks if win == w.window else num_blocks
+                            for win in self.config.layer_windows()]
         # Say what this process will hold and refuse, before allocating, what cannot fit.
-        self.memory_plan = plan_memory(loaded, num_blocks=num_blocks, block_size=block_size,
-                                       num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype,
-                                       num_tier_blocks=num_tier_blocks)
+        per_layer = PagedKVCache.bytes_per_block(self.config, block_size, kv_dtype) \
+            // self.config.num_layers
+        self.memory_plan = plan_memory(
+            loaded, num_blocks=num_blocks, block_size=block_size,
+            num_swap_blocks=num_swap_blocks, kv_dtype=kv_dtype, num_tier_blocks=num_tier_blocks,
+            kv_bytes=None if layer_blocks is None else per_layer * sum(layer_blocks))
+        self._window_stats = None
+        if self.window_blocks is not None:
+            self._window_stats = self.window_blocks.stats()
+            full = [i for i, n in enumerate(layer_blocks) if n == num_blocks
+                    and self.config.window_of(i) != self.window_blocks.window]
+            self.memory_plan["kv_cache"]["layer_groups"] = [
+                {"window": None, "layers": full, "num_blocks": num_blocks},
+                {"layers": [i for i in range(len(layer_blocks)) if i not in full],
+                 **self._window_stats}]
+            self._window_stats = self.memory_plan["kv_cache"]["layer_groups"][1]
         check_memory_plan(self.memory_plan)
         self.kv_cache = PagedKVCache(self.config, num_blocks=num_blocks, block_size=block_size,
                                      num_swap_blocks=num_swap_blocks, dtype=kv_dtype,
-                                     device=self.device, num_tier_blocks=num_tier_blocks)
+                                     device=self.device, num_tier_blocks=num_tier_blocks,
+                                     layer_blocks=layer_blocks)
         self.tier_store = None
         if num_tier_blocks or kv_offload_dir:
             disk = None
@@ -212,10 +263,15 @@ class ModelRunner:
         """Apply the step's data to the per-request states (finished / preempted dropped,
         new ones built, cached ones' new blocks and resumed tables applied)."""
         states = self.requests
+        wb = self.window_blocks
         for rid in output.finished_req_ids:
             states.pop(rid, None)
+            if wb is not None:
+                wb.release(rid)
         for rid in output.preempted_req_ids:
             states.pop(rid, None)
+            if wb is not None:
+                wb.release(rid)
         for rid, keep in output.truncated_block_tables.items():   # rejected drafts' blocks
             st = states.get(rid)
             if st is not None:
@@ -224,6 +280,13 @@ class ModelRunner:
             if d.pooling_params is not None and self.pooler is None:
                 raise ValueError(f"request {d.req_id!r} asks for pooling, which this runner "
                                  "was not built for (--runner pooling)")
+            if wb is not None:
+                if not d.num_computed_tokens:
+                    wb.release(d.req_id)       # a request starting over starts its window too
+                elif not wb.holds(d.req_id):
+                    raise ValueError(f"request {d.req_id!r} starts at token "
+                                     f"{d.num_computed_tokens} but its sliding-window layers "
+                                     "hold no blocks (prefix caching keeps full tables)")
             states[d.req_id] = RequestState(d.req_id, d.prompt_token_ids, d.output_token_ids,
                                             d.sampling_params, d.block_ids, d.pooling_params)
         for d in output.scheduled_cached_reqs:
@@ -391,6 +454,14 @@ class ModelRunner:
         meta = build_metadata(spans, self.block_size, self.config.sliding_window, self.device,
                               self.config.dtype, decode_kernel=self.decode_kernel,
                               prefill_kernel=self.prefill_kernel)
+        if self.window_blocks is not None:      # the sliding layers read their window pools
+            wb = self.window_blocks
+            window_spans = [(start, n, wb.table(chunks[i][0].req_id, start, n))
+                            for i, (start, n, _) in zip(order, spans)]
+            meta.variants[wb.window] = build_metadata(
+                window_spans, self.block_size, wb.window, self.device, self.config.dtype,
+                decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
+            self._window_stats.update(wb.stats())
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)

@@ -49,7 +49,8 @@ TORCH_TO_GGML = {v: k for k, v in FLOAT_TYPES.items()}
 # The GGUF types a user meets (llama.cpp's quantize presets); every one loads and computes.
 SUPPORTED_TYPES = {int(GGMLQuantizationType[n]) for n in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")}
+MXFP4 = int(GGMLQuantizationType.MXFP4)   # gpt-oss's experts: decoded by model/mxfp4.py
 
 # Bytes of float32 scratch one reference-path tile may take (rows of a weight widened at
 # use): big enough that the GEMM over a tile runs at full speed, small enough to stay in L2/L3.
@@ -203,6 +204,9 @@ def decode_rows(ggml_type: int, w: torch.Tensor, k: int, out: torch.Tensor) -> t
     if kern is not None and kern.supports_dequant(ggml_type):
         kern.dequant(ggml_type, w, k, out)
         return out
+    if ggml_type == MXFP4:
+        from iterserve.model import mxfp4
+        return mxfp4.dequant(w, k, out)
     from gguf import quants
     ref = quants.dequantize(w.numpy(), GGMLQuantizationType(ggml_type))
     out.copy_(torch.from_numpy(ref.reshape(out.shape)))

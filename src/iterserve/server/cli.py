@@ -89,7 +89,8 @@ def serving_config_from_args(args: argparse.Namespace, model: str | None):
         response_role=f.response_role,
         exclude_tools_when_tool_choice_none=f.exclude_tools_when_tool_choice_none,
         prompt_tokens_details=f.enable_prompt_tokens_details,
-        force_include_usage=f.enable_force_include_usage)
+        force_include_usage=f.enable_force_include_usage,
+        reasoning_parser=f.reasoning_parser)
 
 
 def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:

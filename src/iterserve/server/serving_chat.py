@@ -13,7 +13,9 @@ server's `--chat-template`, else the model's. Tool calling is serving_tools.py; 
 prefixes the reply with the final message's content when that message is the assistant's
 (vLLM's rule, meant for continue_final_message). `prompt_logprobs` k (vLLM) answers with a
 top-level `prompt_logprobs` over the rendered prompt's tokens (streamed: in the first chunk
-after they are known).
+after they are known). With `--reasoning-parser` (iterserve.reasoning) the thinking goes to
+`message.reasoning_content` / `delta.reasoning_content`, the tool parser reads the answer,
+and a constraint applies after the thinking.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ class ChatFormat(ChoiceFormat):
 
     def __init__(self, tokenizer: Any, want_logprobs: bool, *, tools: ToolPlan = NO_TOOLS,
                  echo: str = "", token_ids_as_text: bool = False,
-                 role: str = "assistant") -> None:
+                 role: str = "assistant", reasoning=None) -> None:
         self.tok = tokenizer
         self.role = role
         self.want_logprobs = want_logprobs
         self.tools = tools
+        self.reasoning = reasoning              # an iterserve.reasoning parser, or None
+        self.thinking: dict[int, Any] = {}      # index -> its ReasoningStream
         self.echo = echo
         self.token_ids_as_text = token_ids_as_text
         self.called: dict[int, bool] = {}
@@ -85,9 +89,17 @@ class ChatFormat(ChoiceFormat):
         return out
 
     def final_choice(self, index: int, co: CompletionOutput) -> dict[str, Any]:
-        message, self.called[index] = message_with_tools(self.tools, co.text,
+        text, reasoning = co.text, None
+        if self.reasoning is not None:          # tools read the answer, not the thinking
+            split = self.reasoning.split(co.text, final=True)
+            reasoning = split.reasoning or None
+            text = split.answer_text if self.tools.parses else split.content
+        message, self.called[index] = message_with_tools(self.tools, text,
                                                          co.finish_reason == "length")
         message["role"] = self.role
+        if self.reasoning is not None:
+            message["content"] = message["content"] or None
+            message["reasoning_content"] = reasoning
         if self.echo and not self.called[index]:
             message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": self._logprobs(co.logprobs)}
@@ -96,6 +108,9 @@ class ChatFormat(ChoiceFormat):
                      ) -> dict[str, Any] | None:
         if co is None:
             return {"index": index, "delta": {}, "logprobs": None}
+        if self.reasoning is not None:
+            return {"index": index, "delta": self._reasoning_delta(index, co),
+                    "logprobs": self._logprobs(co.delta_logprobs)}
         if not self.tools.parses:
             delta = {"content": co.delta_text} if (co.delta_text or co.delta_token_ids) else {}
             return {"index": index, "delta": delta,
@@ -115,6 +130,34 @@ class ChatFormat(ChoiceFormat):
             return None
         self.pending_logprobs[index] = []
         return {"index": index, "delta": delta, "logprobs": self._logprobs(pending)}
+
+    def _reasoning_delta(self, index: int, co: CompletionOutput) -> dict[str, Any]:
+        """delta.reasoning_content for the thinking, then the answer as content (through the
+        tool parser when tools are parsed)."""
+        rs = self.thinking.get(index)
+        if rs is None:
+            rs = self.thinking[index] = self.reasoning.stream()
+        parts = [rs.feed(co.delta_text)] if co.delta_text else []
+        if co.finished_in_this_step:
+            parts.append(rs.finish())
+        reasoning = "".join(p[0] for p in parts)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if self.tools.parses:
+            st = self.streams.get(index)
+            if st is None:
+                st = self.streams[index] = StreamedToolCalls(self.tools)
+            answer = "".join(p[2] for p in parts)
+            if answer or co.finished_in_this_step:
+                delta.update(st.delta(answer, co.finished_in_this_step,
+                                      co.finish_reason == "length"))
+            self.called[index] = st.called
+        else:
+            content = "".join(p[1] for p in parts)
+            if content:
+                delta["content"] = content
+        return delta
 
     def finish_reason(self, index: int, co: CompletionOutput) -> str | None:
         return self.tools.finish_reason(co.finish_reason, self.called.get(index, False))
@@ -201,6 +244,7 @@ class StartedChat:
     echo: str
     num_prompt_tokens: int = 0
     role: str = "assistant"          # --response-role, or the last message's role
+    reasoning: Any = None          # the server's reasoning parser (iterserve.reasoning)
 
 
 async def start_chat(body: ChatCompletionRequest, engine: AsyncEngine, served_model: str,
@@ -220,6 +264,10 @@ async def start_chat(body: ChatCompletionRequest, engine: AsyncEngine, served_mo
         params = body.to_sampling_params(default_max_tokens=max(1, room),
                                          defaults=config.sampling_defaults)
         plan, params = plan_tools(body, config.tools, engine.tokenizer, params)
+        reasoning = None
+        if config.reasoning_parser is not None:
+            reasoning, params = _reasoning_params(config.reasoning_parser, engine.tokenizer,
+                                                  params, prompt_text)
     except Exception as e:
         raise (to_api_error(e) or e) from e
     last = body.messages[-1]
@@ -228,7 +276,27 @@ async def start_chat(body: ChatCompletionRequest, engine: AsyncEngine, served_mo
     streams = await start_streams(engine, request_id, [prompt_ids], params, priority=priority,
                                   prompt_texts=[prompt_text])
     role = config.response_role if body.wants_generation_prompt else last.role
-    return StartedChat(request_id, streams, params, plan, echo, len(prompt_ids), role)
+    return StartedChat(request_id, streams, params, plan, echo, len(prompt_ids), role,
+                       reasoning)
+
+
+def _reasoning_params(name: str, tokenizer: Any, params: Any,
+                      prompt_text: str | None) -> tuple[Any, Any]:
+    """The reasoning parser and the params it needs: a constraint moved after the thinking
+    (iterserve.reasoning.answer_only), special tokens kept when its markers are special. A
+    prompt that closed the thinking (enable_thinking false) leaves only an answer."""
+    import dataclasses
+    from iterserve.reasoning import answer_only, get_reasoning_parser
+    from iterserve.reasoning.parsers import NoThinking
+    parser = get_reasoning_parser(name)
+    if parser.thinking_closed_by(prompt_text):
+        return NoThinking(parser), params
+    changes: dict[str, Any] = {}
+    if params.structured_outputs is not None:
+        changes["structured_outputs"] = answer_only(params.structured_outputs, name, tokenizer)
+    if parser.needs_special_tokens and params.skip_special_tokens:
+        changes["skip_special_tokens"] = False
+    return parser, dataclasses.replace(params, **changes) if changes else params
 
 
 # --- for the APIs layered over chat (Responses, Anthropic Messages): one choice, n = 1 ------
@@ -323,7 +391,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     fmt = ChatFormat(engine.tokenizer, params.logprobs is not None, tools=started.plan,
                      echo=started.echo,
                      token_ids_as_text=bool(body.return_tokens_as_token_ids),
-                     role=started.role)
+                     role=started.role, reasoning=started.reasoning)
     return await respond(request_id=started.request_id, served_model=served_model,
                          streams=started.streams, n=params.n, fmt=fmt,
                          stream=bool(body.stream),

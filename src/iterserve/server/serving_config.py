@@ -54,6 +54,7 @@ class ServingConfig:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     log_requests: bool = False
     max_log_len: int | None = None
+    reasoning_parser: str | None = None      # --reasoning-parser (iterserve.reasoning)
     content_format: str = "auto"
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     response_role: str = "assistant"

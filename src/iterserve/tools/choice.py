@@ -91,6 +91,9 @@ def tool_choice_constraint(tools: Sequence[Any] | None, tool_choice: Any,
     functions = normalize_tools(tools)
     if not functions:
         raise ToolChoiceError("tool_choice needs a non-empty tools list", "tools")
+    if parser == "openai":                 # gpt-oss's harmony call (tools/harmony.py)
+        from iterserve.tools.harmony import forced_call_constraint
+        return forced_call_constraint(functions, tool_choice, tokenizer)
     if parser not in _ARGS_KEY:
         raise ValueError(f"no tool_choice format for parser {parser!r}; "
                          f"known: {', '.join(sorted(_ARGS_KEY))}")
