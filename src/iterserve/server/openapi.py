@@ -96,6 +96,10 @@ def _only_neutral(props: dict[str, Any], field: str, neutral: list[Any], why: st
                         "description": why}
 
 
+# POST routes outside /v1/ that name a model: the tokeniser's and vLLM's pooling spellings.
+_MODEL_POSTS = ("/tokenize", "/detokenize", "/score", "/rerank")
+
+
 def install_openapi(app: FastAPI, *, max_model_len: int | None, api_key: bool,
                     max_request_body_bytes: int, max_logprobs: int | None = None,
                     vocab_size: int | None = None, scheduling_policy: str | None = None,
@@ -115,7 +119,7 @@ def install_openapi(app: FastAPI, *, max_model_len: int | None, api_key: bool,
                 if method == "post":
                     responses["413"] = _error(f"the body exceeds {max_request_body_bytes} "
                                               "bytes (--max-request-body-bytes)")
-                    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+                    if path.startswith(("/v1/", "/v2/")) or path in _MODEL_POSTS:
                         responses["404"] = _error("the model named is not served here")
                         responses["503"] = _error("busy (Retry-After) or shutting down")
                 if path in _ENGINE_GETS:
