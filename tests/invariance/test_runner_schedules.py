@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from fixtures.invariance import FORMS, form_param, make_form
+from fixtures.invariance import FORMS, form_param, invariant_now, make_form
 from fixtures.tiny_models import Blocks, request, step
 from iterserve.model import kernels
 from iterserve.model.loader import load_model
@@ -35,7 +35,16 @@ NUM_BLOCKS = 160
 
 @pytest.fixture(scope="module", params=[form_param(f) for f in FORMS])
 def model(request, tmp_path_factory):
-    return load_model(str(make_form(request.param, tmp_path_factory.mktemp(request.param))))
+    """The form's model, with the batch-invariant kernels on for the forms that need them
+    (fixtures/invariance.knobs)."""
+    m = load_model(str(make_form(request.param, tmp_path_factory.mktemp(request.param))))
+    m.batch_invariant = not invariant_now(request.param)
+    return m
+
+
+def _configure(model, mode: str) -> None:
+    kernels.configure(kernels.KernelConfig(activations=mode,
+                                           batch_invariant=model.batch_invariant))
 
 
 def _target_tokens(vocab: int) -> list[int]:
@@ -78,7 +87,7 @@ def _run(runner: ModelRunner, chunks, swap_out=(), swap_in=()) -> dict[str, torc
 
 
 def _alone(model, mode: str, bs: int) -> list[torch.Tensor]:
-    kernels.set_activations(mode)
+    _configure(model, mode)
     runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=bs)
     blocks = Blocks(NUM_BLOCKS, bs, seed=1)
     t = _Seq("t", _target_tokens(model.config.vocab_size), PROMPT)
@@ -106,7 +115,7 @@ def test_logits_of_a_sequence_do_not_depend_on_its_schedule(model, mode, data):
     if key not in _reference:
         _reference[key] = _alone(model, mode, bs)
     want = _reference[key]
-    kernels.set_activations(mode)
+    _configure(model, mode)
     V = model.config.vocab_size
     tokens = _target_tokens(V)
     runner = ModelRunner(model, num_blocks=NUM_BLOCKS, block_size=bs, num_swap_blocks=16)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from fixtures.invariance import form_param, make_form
+from fixtures.invariance import cli_flags, form_param, make_form
 from iterserve.model import kernels
 
 openai = pytest.importorskip("openai")
@@ -38,7 +38,7 @@ def server(request, tmp_path_factory):
         [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(path), "--port",
          str(port), "--host", "127.0.0.1", "--num-kv-blocks", "20", "--block-size", "16",
          "--max-model-len", "256", "--max-num-batched-tokens", "24", "--max-num-seqs", "8",
-         "--log-level", "warning"],
+         "--log-level", "warning", *cli_flags(request.param)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     base = f"http://127.0.0.1:{port}"

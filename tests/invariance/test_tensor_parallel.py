@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from fixtures.invariance import make_form, skip_unless_invariant
+from fixtures.invariance import knobs, make_form
 from iterserve import LLM, SamplingParams
 from iterserve.model import kernels
 
@@ -20,13 +20,30 @@ pytestmark = [pytest.mark.skipif(not kernels.available(), reason="needs the nati
 
 @pytest.fixture(scope="module", params=["gguf-F32", "gguf-Q4_0", "gguf-Q4_K"])
 def engines(request, tmp_path_factory):
-    path = str(make_form(request.param, tmp_path_factory.mktemp(request.param)))
+    """(form, a TP = 1 engine with the defaults, `tp2(invariant)`: the TP = 2 engine with the
+    defaults, or with the settings under which the form is batch invariant (the defaults
+    again or `--batch-invariant`)). One tensor-parallel group runs in a process at a time, so
+    asking for the other settings shuts the last TP = 2 engine down."""
+    form = request.param
+    path = str(make_form(form, tmp_path_factory.mktemp(form)))
     kw = dict(num_kv_blocks=24, block_size=16, max_model_len=256, max_num_batched_tokens=32,
               max_num_seqs=8)
     one = LLM(path, **kw)
-    two = LLM(path, tensor_parallel_size=2, **kw)
-    yield request.param, one, two
-    two.engine.shutdown()
+    held: dict = {}
+
+    def tp2(invariant: bool = False):
+        linear = knobs(form) if invariant else {}
+        key = tuple(sorted(linear.items()))
+        if key not in held:
+            for old in held.values():
+                old.engine.shutdown()
+            held.clear()
+            held[key] = LLM(path, tensor_parallel_size=2, **kw, **linear)
+        return held[key]
+
+    yield form, one, tp2
+    for old in held.values():
+        old.engine.shutdown()
 
 
 def _prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
@@ -41,7 +58,8 @@ def _result(out):
 
 
 def test_first_token_logprobs_of_tp2_are_within_0_02_of_one_process(engines):
-    _, one, two = engines
+    _, one, tp2 = engines
+    two = tp2()
     prompts = _prompts(6, 0)
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
     worst = 0.0
@@ -56,8 +74,7 @@ def test_first_token_logprobs_of_tp2_are_within_0_02_of_one_process(engines):
 
 
 def test_tp2_answers_a_request_the_same_alone_and_in_a_preempting_batch(engines):
-    form, _, two = engines
-    skip_unless_invariant(form)
+    two = engines[2](invariant=True)
     target = _prompts(1, 28, 40, 40)[0]
     sp = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)
     alone = _result(two.generate([target], sp, use_tqdm=False)[0])
