@@ -22,6 +22,7 @@ the ProcessedRequest: the output processor gives every sequence its own matcher.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -253,8 +254,7 @@ class InputProcessor:
         if d.get("disable_any_whitespace") and not so.disable_any_whitespace:
             changes["disable_any_whitespace"] = True
         if d.get("disable_additional_properties") and so.kind == "json":
-            import json
-
+            # the tools package (its parsers and chat formats) loads only for this option
             from iterserve.tools.schema import closed_schema
             schema = json.loads(so.json) if isinstance(so.json, str) else so.json
             closed = closed_schema(schema)

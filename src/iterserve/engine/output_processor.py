@@ -93,7 +93,7 @@ class OutputProcessor:
 
     def _filler(self) -> Any:
         if self._mask_filler is None:
-            from iterserve.structured.masks import MaskFiller
+            from iterserve.structured.masks import MaskFiller   # torch: structured requests only
             self._mask_filler = MaskFiller()
         return self._mask_filler
 
@@ -134,7 +134,7 @@ class OutputProcessor:
         spec = sched_out.scheduled_spec_decode_tokens
         drafts = {rid: spec[rid] for rid in sampling if rid in spec} if spec else None
         if not self.overlap_bitmask_fill:
-            from iterserve.structured.bitmask import GrammarBitmask
+            from iterserve.structured.bitmask import GrammarBitmask   # torch: structured only
             return GrammarBitmask.fill(sampling, drafts=drafts)
         if drafts:
             # A step verifying drafts: its masks depend on the drafts, so the whole step is

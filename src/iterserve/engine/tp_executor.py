@@ -94,7 +94,7 @@ def _make_runner(loaded, cache: tuple[int, int, int]):
 def _is_group_error(exc: BaseException) -> bool:
     """True for an error of torch.distributed itself (a peer gone, a timeout), not of the
     step's data (those happen on every rank alike and leave the group usable)."""
-    import torch.distributed as dist
+    import torch.distributed as dist     # torch: in the rank process only
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc)
@@ -117,6 +117,7 @@ def _rank_main(rank: int, world: int, args: Any, host: str, port: int, parent_pi
                threads: int) -> None:
     """One rank: load its slice, join the group, then run every step rank 0 broadcasts."""
     _watch_parent(parent_pid)
+    # torch: after the parent watch is up, so a rank whose parent died while torch loads exits
     import torch
     import torch.distributed as dist
 
@@ -196,6 +197,7 @@ class TPExecutor:
     """The Executor protocol (engine/interfaces.py) over N ranks; rank 0 is this process."""
 
     def __init__(self, args: Any, kv_cache_config: Callable[[Any, Any], Any]) -> None:
+        # torch: only a tensor-parallel engine loads it on the engine side
         import torch
         import torch.distributed as dist
         import torch.multiprocessing as mp
@@ -319,7 +321,7 @@ class TPExecutor:
         return self._step(output, self.runner.compute_logits)
 
     def _step(self, output: SchedulerOutput, run):
-        import torch.distributed as dist
+        import torch.distributed as dist     # torch: loaded by __init__ already; kept off module import
         self._check_alive()
         sent = output if output.grammar_bitmask is None \
             else dataclasses.replace(output, grammar_bitmask=None)   # rank 0 applies it
@@ -364,6 +366,7 @@ class TPExecutor:
         self._teardown(release=self._dead is None)
 
     def _teardown(self, release: bool) -> None:
+        # torch: loaded by __init__ already; kept off module import
         import torch
         import torch.distributed as dist
         if release and self._group:
