@@ -193,6 +193,26 @@ def test_token_counters_grow_by_the_tokens_served(client, server):
     assert metric(server, "iterserve:generation_tokens_total") == before + 4
 
 
+def test_metrics_show_the_compute_team(client, server, start_server):
+    """The contention adapter's team size is visible: an operator can see the engine shrink
+    it on a shared machine; --threads fixes it."""
+    import os
+
+    import torch
+    client.completions.create(model=server.model, prompt="Hi", max_tokens=2, **GREEDY)
+    assert 1 <= metric(server, "iterserve:compute_threads") <= len(os.sched_getaffinity(0))
+    assert metric(server, "iterserve:cpu_contended") in (0.0, 1.0)
+    before = torch.get_num_threads()       # --threads sets this thread's team too
+    try:
+        fixed = start_server(threads=1)
+        httpx.post(fixed.v1 + "/completions", timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
+        assert metric(fixed, "iterserve:compute_threads") == 1.0
+        assert metric(fixed, "iterserve:compute_thread_switches") == 0.0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_trace_of_a_finished_request(start_server):
     # priority 3 needs the priority policy (on fcfs it is a 400: test_api_surface.py)
     server = start_server(scheduling_policy="priority")

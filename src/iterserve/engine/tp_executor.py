@@ -290,6 +290,11 @@ class TPExecutor:
     def sampler(self):
         return self.runner.sampler
 
+    @property
+    def thread_adapter(self):
+        """Rank 0's compute-team choice (every rank runs the same fixed share)."""
+        return self.runner.thread_adapter
+
     @sampler.setter
     def sampler(self, fn) -> None:
         self.runner.sampler = fn

@@ -299,6 +299,9 @@ def create_app(engine: AsyncEngine | None, *,
                             num_free_blocks=s.num_free_blocks)
             if engine.engine.scheduler.slo is not None:      # read on the engine thread
                 prom.set_slo(await engine.run_in_engine(engine.engine.scheduler.slo.stats))
+            adapter = getattr(engine.engine.executor, "thread_adapter", None)
+            if adapter is not None:
+                prom.set_threads(adapter)
         except Exception:                   # a dead engine still gets its counters read
             logger.debug("could not refresh gauges", exc_info=True)
         return Response(prom.render(), media_type=CONTENT_TYPE_LATEST)

@@ -80,6 +80,12 @@ class PrometheusStatLogger:
             "(a high quantile of recent actual / forecast).")
         self.slo_refused = gauge("slo_requests_refused",
                                  "Requests the slo policy refused (429) since start.")
+        # The compute team (model/contention.py ThreadAdapter), refreshed when /metrics is
+        # read: on a shared machine the team shrinks, and an operator needs to see why the
+        # steps slowed. Made on first use, so an executor without a team (simulated, remote)
+        # shows no series rather than a team of 0.
+        self._gauge = gauge
+        self._threads: tuple[Any, Any, Any] | None = None
         self._success = Counter("iterserve:request_success", "Finished requests by reason.",
                                 ["model_name", *extra, "finished_reason"], registry=r)
         # Speculative decoding (vLLM's names; zero while it is off).
@@ -153,6 +159,22 @@ class PrometheusStatLogger:
         if fc.get("factor") is not None:
             self.slo_forecast_factor.set(fc["factor"])
         self.slo_refused.set(slo.get("refused", 0))
+
+    def set_threads(self, adapter: Any) -> None:
+        """From the runner's ThreadAdapter (its plain attributes: safe to read from any thread)."""
+        if self._threads is None:
+            self._threads = (
+                self._gauge("compute_threads", "Threads the next model step runs (the "
+                            "contention adapter's choice, or --threads)."),
+                self._gauge("cpu_contended", "1 while the contention adapter sees other work "
+                            "taking this process's CPUs (steal time, runnable tasks beyond "
+                            "its own), else 0."),
+                self._gauge("compute_thread_switches",
+                            "Changes of the compute team size since start."))
+        threads, contended, switches = self._threads
+        threads.set(adapter.threads)
+        contended.set(1 if adapter.busy else 0)
+        switches.set(adapter.switches)
 
     def render(self) -> bytes:
         if not self.extra_registries:
