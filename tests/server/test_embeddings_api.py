@@ -113,6 +113,31 @@ def test_score_and_rerank(emb_server, embed_dir):
         assert res[0]["relevance_score"] == pytest.approx(cos(ref[0], ref[1 + want[0]]), abs=1e-5)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, emb_server):
+    """vLLM's truncate_prompt_tokens on the pooling routes: an input longer than
+    max_model_len (64) is embedded from its last k tokens (-1: the last 64)."""
+    long = " ".join(f"word{i}" for i in range(100))
+    ids = emb_server.engine.tokenizer.encode(long)
+    assert len(ids) > 64
+    for k, keep in ((8, 8), (-1, 64)):
+        want = client.embeddings.create(model=emb_server.model, input=ids[-keep:])
+        for given in ([long, long], [ids, ids]):        # text, and token ids
+            r = client.embeddings.create(model=emb_server.model, input=given,
+                                         extra_body={"truncate_prompt_tokens": k})
+            for d in r.data:
+                np.testing.assert_allclose(d.embedding, want.data[0].embedding, rtol=1e-5,
+                                           atol=1e-6)
+            assert r.usage.prompt_tokens == 2 * keep
+    r = httpx.post(emb_server.base_url + "/rerank", json={
+        "query": long, "documents": [long, "a"], "truncate_prompt_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 8 + 8 + len(
+        emb_server.engine.tokenizer.encode("a"))
+    r = httpx.post(emb_server.v1 + "/embeddings", json={"input": "hi",
+                                                          "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),

@@ -200,7 +200,31 @@ def _sum_rule(max_model_len_note: str = "") -> str:
             "(the published maximum is max_model_len - 1)." + max_model_len_note)
 
 
-class _SamplingFields(_Model):
+class _TruncateFields(_Model):
+    """vLLM's `truncate_prompt_tokens`, on the generating and the pooling bodies alike."""
+
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=MAX_TOKEN_ID, description="keep only the prompt's last k tokens (-1: "
+                                                  "the model's max_model_len)")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise PydanticCustomError("truncate_prompt_tokens", "truncate_prompt_tokens must "
+                                      "be -1 or at least 1, got 0", {})
+        return v
+
+    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last k tokens (left truncation)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        k = max_model_len if k == -1 else k
+        return prompt_ids[-k:]
+
+
+class _SamplingFields(_TruncateFields):
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description=_sum_rule())
     temperature: float | None = Field(None, ge=0, le=100)
@@ -260,9 +284,6 @@ class _SamplingFields(_Model):
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOKEN_ID, description="vLLM: the top k logprobs (and the actual "
         "token's) of every prompt token; the prefix cache is not used for such a request")
-    truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, le=MAX_TOKEN_ID, description="keep only the prompt's last k tokens (-1: "
-                                                  "the model's max_model_len)")
     return_tokens_as_token_ids: bool | None = Field(
         None, description='logprobs name tokens as "token_id:<id>" (vLLM)')
     spaces_between_special_tokens: Annotated[
@@ -287,14 +308,6 @@ class _SamplingFields(_Model):
                                                         "only null")] = None
     vllm_xargs: Annotated[Any, _not_implemented("vllm_xargs", _nothing, "only null")] = None
 
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncate(cls, v: int | None) -> int | None:
-        if v == 0:
-            raise PydanticCustomError("truncate_prompt_tokens", "truncate_prompt_tokens must "
-                                      "be -1 or at least 1, got 0", {})
-        return v
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -302,14 +315,6 @@ class _SamplingFields(_Model):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.include_usage and self.stream_options.continuous_usage_stats)
-
-    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the last k tokens (left truncation)."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return prompt_ids
-        k = max_model_len if k == -1 else k
-        return prompt_ids[-k:]
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          defaults: Mapping[str, Any] | None = None,

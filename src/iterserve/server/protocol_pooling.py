@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from iterserve.server.protocol import MAX_PRIORITY, MAX_TOKEN_ID, Text, _Model
+from iterserve.server.protocol import MAX_PRIORITY, MAX_TOKEN_ID, Text, _Model, _TruncateFields
 
 MAX_INPUTS = 2048          # OpenAI's cap on inputs per embeddings request
 MAX_DOCUMENTS = 1024       # documents per rerank / score request
@@ -17,10 +17,10 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-class EmbeddingRequest(_Model):
+class EmbeddingRequest(_TruncateFields):
     """OpenAI's embeddings body (`input`: a string, strings, token ids or lists of token
     ids; `encoding_format`; `dimensions`; `user` a no-op), with vLLM's `add_special_tokens`,
-    `normalize` and `priority`."""
+    `normalize`, `priority` and `truncate_prompt_tokens` (each input's last k tokens)."""
 
     model: Text | None = None
     input: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] \
@@ -53,7 +53,7 @@ class EmbeddingRequest(_Model):
 _Texts = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_DOCUMENTS)]
 
 
-class ScoreRequest(_Model):
+class ScoreRequest(_TruncateFields):
     """vLLM's /score: `text_1` against `text_2` (one against many, or pairwise lists of the
     same length); an embedding model scores by the cosine similarity of the embeddings."""
 
@@ -65,7 +65,7 @@ class ScoreRequest(_Model):
     user: Text | None = None
 
 
-class RerankRequest(_Model):
+class RerankRequest(_TruncateFields):
     """vLLM's /rerank (Jina's and Cohere's body): the documents ordered by their relevance
     to the query, the best `top_n` (0 or missing: all)."""
 

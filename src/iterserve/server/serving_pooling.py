@@ -28,6 +28,7 @@ from iterserve.core.request import PoolingParams
 from iterserve.errors import (InvalidRequestError, PromptTooLongError, ServerError,
                               WrongRunnerError)
 from iterserve.server.errors import to_api_error
+from iterserve.server.protocol import _TruncateFields
 from iterserve.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from iterserve.server.serving_common import check_model
 
@@ -41,20 +42,24 @@ def _pooling_engine(engine: Any) -> Any:
 
 
 async def embed_all(engine: Any, inputs: Sequence[str | list[int]], params: PoolingParams, *,
-                    add_special_tokens: bool = True, priority: int = 0, param: str = "input"
-                    ) -> tuple[list[np.ndarray], int]:
-    """The vectors of `inputs` (in order) and their prompt tokens in all."""
+                    add_special_tokens: bool = True, priority: int = 0, param: str = "input",
+                    body: _TruncateFields | None = None) -> tuple[list[np.ndarray], int]:
+    """The vectors of `inputs` (in order) and their prompt tokens in all; each input
+    left-truncated where `body` sets truncate_prompt_tokens (vLLM's: the last k tokens)."""
     base = engine.next_request_id("embd")
+    truncating = body is not None and body.truncate_prompt_tokens is not None
 
     async def one(i: int, x: str | list[int]) -> tuple[np.ndarray, int]:
         if isinstance(x, str):
             try:
                 ids = await engine.tokenize(x, add_special_tokens=add_special_tokens,
-                                            limit=engine.max_model_len)
+                                            limit=None if truncating else engine.max_model_len)
             except PromptTooLongError as e:
                 raise PromptTooLongError(f"{param}[{i}]: {e}", param) from None
         else:
             ids = x
+        if truncating:
+            ids = body.truncate(list(ids), engine.max_model_len)
         out = await engine.encode(ids, params, request_id=f"{base}-{i}", priority=priority)
         if out is None or out.embedding is None:
             raise ServerError(f"{param}[{i}] was not embedded: "
@@ -96,7 +101,7 @@ def install_pooling_api(app: FastAPI, require_engine: Callable[[], Any], model_n
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
             vecs, tokens = await embed_all(e, body.inputs(), params,
                                            add_special_tokens=body.add_special_tokens,
-                                           priority=body.priority)
+                                           priority=body.priority, body=body)
         except Exception as exc:
             raise wrap(exc) from exc
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list",
@@ -118,7 +123,7 @@ def install_pooling_api(app: FastAPI, require_engine: Callable[[], Any], model_n
                     "as many as text_2", "text_1")
             vecs, tokens = await embed_all(e, t1 + t2, PoolingParams(),
                                            add_special_tokens=body.add_special_tokens,
-                                           priority=body.priority, param="text")
+                                           priority=body.priority, param="text", body=body)
         except Exception as exc:
             raise wrap(exc) from exc
         v1, v2 = vecs[:len(t1)], vecs[len(t1):]
@@ -135,7 +140,8 @@ def install_pooling_api(app: FastAPI, require_engine: Callable[[], Any], model_n
             e = _pooling_engine(require_engine())
             vecs, tokens = await embed_all(e, [body.query, *body.documents], PoolingParams(),
                                            add_special_tokens=body.add_special_tokens,
-                                           priority=body.priority, param="documents")
+                                           priority=body.priority, param="documents",
+                                           body=body)
         except Exception as exc:
             raise wrap(exc) from exc
         q = vecs[0]
