@@ -105,17 +105,17 @@ def test_a_tpot_target_reaches_the_policy_and_holds_admission(start_server):
 
 
 def test_an_unattainable_ttft_target_is_a_429_with_retry_after(start_server):
-    # One slot and a backlog of long answers (240 steps each, >= 0.3 ms a step): the
-    # measured admission rate is at most ~14 requests a second, so a 60 ms TTFT target
-    # cannot be met by a request queued now (72+ ms of queue), though its own prefill alone
-    # could (predicted < 40 ms: decode-only traffic leaves the prefill coefficient near the
-    # seed cost model's): a 429 to retry later, not the request's own 400.
-    # 48 x 240 steps: >= 3 s of backlog, so it is still queued when the rate estimate has
-    # its evidence (MIN_RATE_EVIDENCE_S) even on a fast machine.
+    # One slot and a backlog of long answers (240 steps each). A probe with a TTFT target
+    # and nothing else to rank it by is queued ahead of the untargeted backlog, so what it
+    # waits for is the rest of the running answer: each probe is sent just after a fresh
+    # answer starts (>= 200 steps left) with a target of ~12 steps, which its own prefill
+    # alone could meet (a few steps) but the queue cannot: a 429 to retry later, not the
+    # request's own 400, whatever this machine's step time.
     server = start_server(scheduling_policy="slo", max_num_seqs=1)
     client = _client(server)
-    slo = server.engine.engine.scheduler.slo
-    free = server.engine.engine.scheduler.stats().num_free_blocks
+    scheduler = server.engine.engine.scheduler
+    slo = scheduler.slo
+    free = scheduler.stats().num_free_blocks
     backlog = [threading.Thread(target=lambda: client.completions.create(
         model=server.model, prompt="Hello there", max_tokens=240,
         extra_body={"ignore_eos": True}, **GREEDY)) for _ in range(48)]
@@ -127,18 +127,36 @@ def test_an_unattainable_ttft_target_is_a_429_with_retry_after(start_server):
         time.sleep(0.02)
     assert slo.admission_rate is not None, ("the backlog never measured an admission rate",
                                            slo.stats(), slo._sat_seconds, slo.model.num_observed)
+
+    def just_started() -> None:
+        """Wait for the running answer to be a fresh one (most of its 240 steps to go)."""
+        seen = {r.request_id for r in list(scheduler.running)}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = list(scheduler.running)
+            if running and running[0].request_id not in seen \
+                    and len(running[0].output_token_ids) <= 10:
+                return
+            seen |= {r.request_id for r in running}
+            time.sleep(0.0005)
+        raise AssertionError("no fresh answer started in the backlog")
+
+    step_ms = (slo._last_step_s + slo.overhead_s) * 1000.0
+    alone_ms = slo.prefill_time(32, 0, 0, typical=True) * 1000.0
+    target = max(math.ceil(12 * step_ms), math.ceil(3 * alone_ms), 1)
     refused_before = slo.num_refused
     for call in (
             lambda: client.completions.create(model=server.model, prompt="Hi", max_tokens=2,
-                                              extra_body={"ttft_slo_ms": 60}),
+                                              extra_body={"ttft_slo_ms": target}),
             lambda: client.chat.completions.create(model=server.model, messages=MESSAGES,
                                                    max_tokens=2,
-                                                   extra_body={"ttft_slo_ms": 60})):
+                                                   extra_body={"ttft_slo_ms": target})):
+        just_started()
         with pytest.raises(openai.RateLimitError) as e:
             call()
         assert e.value.status_code == 429
         assert e.value.body["code"] == "slo_unattainable"
-        assert "ttft_slo_ms=60" in e.value.body["message"]
+        assert f"ttft_slo_ms={target}" in e.value.body["message"]
         assert int(e.value.response.headers["Retry-After"]) >= 1
     assert slo.num_refused == refused_before + 2
     # a target it can meet is served while the backlog runs
