@@ -404,6 +404,37 @@ def _greedy(loaded, prompt, mode: str, fused: bool = True):
     return tokens[0], seen
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_a_layer_keeps_its_own_mode_under_auto(name, rows):
+    """The LM head keeps float activations under auto (layers.LM_HEAD_AUTO_ACTIVATIONS): a
+    Linear's `auto_activations` is the mode of its native calls while the process runs
+    auto, decode rows and prefill rows alike; float and int8 set by the user apply to every
+    layer, the head included."""
+    from iterserve.model.layers import LM_HEAD_AUTO_ACTIVATIONS, Linear
+    from iterserve.model.weights import EncodedWeight
+    assert LM_HEAD_AUTO_ACTIVATIONS == "float"
+    t, w, _ = gguf_blocks(name, 96, 512, seed=3)
+    x = torch.randn(rows, 512)
+    head, body = Linear(512, 96, auto_activations="float"), Linear(512, 96)
+    for lin in (head, body):
+        lin.set_weight(EncodedWeight([(t, w)], 512))
+        assert lin.use_quant(True)
+    out = {}
+    for mode in ("float", "int8", "auto"):
+        kernels.set_activations(mode)
+        out[mode] = (head(x), body(x))
+    assert torch.equal(out["auto"][0], out["float"][0])         # the head: float under auto
+    assert torch.equal(out["float"][0], out["float"][1])        # the user's float: everywhere
+    assert torch.equal(out["int8"][0], out["int8"][1])          # the user's int8: everywhere
+    assert not torch.equal(out["int8"][0], out["float"][0])
+    assert not torch.equal(out["auto"][1], out["float"][1])    # the others: auto's int8
+    kernels.set_activations("float")
+    in_float = ops.route(t, rows, 512)
+    kernels.set_activations("auto")
+    assert ops.route(t, rows, 512, "float") == in_float != ops.route(t, rows, 512)
+
+
 def _prompt(loaded):
     text = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)

@@ -15,7 +15,7 @@ from iterserve.errors import ModelLoadError, UnsupportedModelError
 from iterserve.model.attention import AttentionMetadata, paged_attention
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
-from iterserve.model.layers import Linear
+from iterserve.model.layers import LM_HEAD_AUTO_ACTIVATIONS, Linear
 
 _ACTS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -54,7 +54,8 @@ class GPT2ForCausalLM(nn.Module):
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size,
+                              auto_activations=LM_HEAD_AUTO_ACTIVATIONS)
         self.tie_weights()
 
     def tie_weights(self) -> None:

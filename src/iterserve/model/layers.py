@@ -146,6 +146,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # still made steps 3-10% faster in same-process A/B runs, at 48 slower, hence 32.
 QUANT_MAX_ROWS = 32
 
+# Under `--kernel-activations auto` the LM head keeps float activations: its logits are what
+# sampling reads directly, and rounding its input rows to 8 bits was a third of the whole
+# model's divergence from the float path. benchmarks/accuracy.py on the bundled Q4_1 model,
+# three texts, ~2,900 positions, teacher-forced decode steps: the top-k KL to the float path
+# 0.00199 -> 0.00141 (llama-server on the same file: 0.00191), top-1 agreement 0.961 -> 0.967,
+# on AVX-512 VNNI (AVX2: 0.00204 -> 0.00138, llama-server 0.00221); a decode step cost +3-5%
+# at batch 1 and nothing measurable at batch 8 (one thread, three runs; the head is a fifth
+# of this model's weights, less of a bigger one's). The first layer in float as well bought
+# 0.00141 -> 0.00130 for +60-85% per step, so only the head.
+LM_HEAD_AUTO_ACTIVATIONS = "float"
+
 
 def _kernels():
     """The native kernels module when it has the GGUF-native API (qgemm over file blocks)."""
@@ -178,9 +189,14 @@ class Linear(nn.Module):
     so it is only done for weights that are float32 in the checkpoint itself.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 auto_activations: str = "auto") -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        # The mode this layer's native calls run under while the process's is "auto"
+        # ("float": the LM head, LM_HEAD_AUTO_ACTIVATIONS); "float" and "int8" set by the
+        # user apply to every layer.
+        self.auto_activations = auto_activations
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.encoded: EncodedWeight | None = None
@@ -287,12 +303,16 @@ class Linear(nn.Module):
         else:
             out = torch.empty(m, self.out_features, dtype=torch.float32, device=xf.device)
             kern = _kernels() if native or panel else None
+            act = None
+            if kern is not None and self.auto_activations != "auto" \
+                    and kern.activations() == "auto":
+                act = self.auto_activations
             col = 0
             for t, w in segments:
                 if t in native:
-                    kern.qgemm(t, w, k, xf, out, col)
+                    kern.qgemm(t, w, k, xf, out, col, act)
                 elif t in panel:
-                    kern.gemm(t, w, k, xf, out, col)
+                    kern.gemm(t, w, k, xf, out, col, act)
                 else:
                     self._reference(t, w, xf, out, col)
                 col += w.shape[0]

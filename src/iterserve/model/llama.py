@@ -29,7 +29,7 @@ from iterserve.model.attention import AttentionMetadata, for_window, paged_atten
 from iterserve.model.attention_eager import eager_paged_attention
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
-from iterserve.model.layers import Embedding, Linear, RMSNorm, apply_rope
+from iterserve.model.layers import LM_HEAD_AUTO_ACTIVATIONS, Embedding, Linear, RMSNorm, apply_rope
 from iterserve.model.moe import Expert, SparseMoE
 from iterserve.model.rotary import Rotaries
 
@@ -157,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("cpu"):
             self.rotary = Rotaries(config)
         self.rope_keys = [self.rotary.layer_key(i) for i in range(config.num_layers)]
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size,
+                              auto_activations=LM_HEAD_AUTO_ACTIVATIONS)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -58,7 +58,7 @@ from iterserve.model.default_model import default_model_path
 from iterserve.model.gguf import open_gguf
 from iterserve.model.gguf_loader import read_gguf_config
 from iterserve.model.hf_loader import read_hf_config
-from iterserve.model.layers import Embedding, Linear
+from iterserve.model.layers import LM_HEAD_AUTO_ACTIVATIONS, Embedding, Linear
 from iterserve.model.weights import FLOAT_TYPES, TensorRef, type_name
 
 log = logging.getLogger(__name__)
@@ -360,7 +360,7 @@ class VocabParallelLMHead(Linear):
 
     def __init__(self, hidden: int, vocab_size: int, rank: int, world: int) -> None:
         self.v0, self.v1 = vocab_range(vocab_size, rank, world)
-        super().__init__(hidden, self.v1 - self.v0)
+        super().__init__(hidden, self.v1 - self.v0, auto_activations=LM_HEAD_AUTO_ACTIVATIONS)
         self.full_vocab_size, self.rank, self.world = vocab_size, rank, world
         self.per_rank = -(-vocab_size // world)
 

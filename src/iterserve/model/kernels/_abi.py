@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-ABI_VERSION = 5                      # iterserve.h's ITERSERVE_ABI_VERSION
+ABI_VERSION = 6                      # iterserve.h's ITERSERVE_ABI_VERSION
 
 
 class Segment(ctypes.Structure):
@@ -55,8 +55,11 @@ ARGTYPES = {
     "iterserve_config_state": (_i64, [_p, _i64]),
     "iterserve_qgemm": (None, _GEMM),
     "iterserve_gemm": (_i32, _GEMM),
+    "iterserve_qgemm_act": (None, [_i32, *_GEMM]),
+    "iterserve_gemm_act": (_i32, [_i32, *_GEMM]),
     "iterserve_linear_kernel": (_i32, [_i64, *_GEMM]),
     "iterserve_route": (_i64, [_i64, _i64, _i64]),
+    "iterserve_route_act": (_i64, [_i64, _i64, _i64, _i32]),
     "iterserve_can_act8": (_i32, [_i64]),
     "iterserve_can_gemm8": (_i32, [_i64]),
     "iterserve_dequant": (None, [_i64, _p, _i64, _i64, _i64, _p, _i64, _i32]),

@@ -39,7 +39,8 @@ class KernelConfig:
     and the library's state until configured), "int8" (activation rows quantised to 8 bits
     once per call and dotted in integers, as llama.cpp does, for the types `supports_int8`
     names) or "auto" (int8 and bf16 where dispatch.c measured them faster; the engine's
-    default, `--kernel-activations`).
+    default, `--kernel-activations`). A layer may run its calls under a mode of its own
+    (ops.qgemm's `activations`): under auto the LM head keeps float (layers.Linear).
     isa: the widest vector ISA the kernels may use: None (the best this CPU has), "avx2" or
     "avx512" (more than the CPU has falls back to the best). Threads follow torch's
     (`torch.get_num_threads()`, read per call).

@@ -69,8 +69,7 @@
  * 1.20. Far above the 10% a default may cost, so it is opt-in. */
 #define DEC8_GEMM_ROWS 8
 
-static int64_t route_invariant(int64_t type, int64_t M) {
-    const int mode = iterserve_st.activations;
+static int64_t route_invariant(int64_t type, int64_t M, int mode) {
     if (mode != ITERSERVE_ACT_FLOAT && iterserve_can_gemm8(type)) {
         if (M >= DEC8_GEMM_ROWS && (type != GGML_Q8_0 || iterserve_st.int8 == 2))
             return ITERSERVE_K_GEMM8;
@@ -122,40 +121,50 @@ static int64_t gemm8_from(int64_t type, int64_t k) {
 }
 
 /* Whether the int8 decode kernels take a call under the mode. */
-static int act8_takes(int64_t type, int64_t M) {
-    const int mode = iterserve_st.activations;
+static int act8_takes(int64_t type, int64_t M, int mode) {
     if (mode == ITERSERVE_ACT_FLOAT || M > ACT8_MAX_ROWS || !iterserve_can_act8(type)) return 0;
     if (mode == ITERSERVE_ACT_INT8 || is_kq(type)) return 1;
     return M <= (iterserve_st.vbmi && type != GGML_Q8_0 ? 32 : 8);
 }
 
-static int bf16_takes(int64_t type, int64_t M) {
-    if (M < 1 || iterserve_st.activations != ITERSERVE_ACT_AUTO || !iterserve_st.bf16) return 0;
+static int bf16_takes(int64_t type, int64_t M, int mode) {
+    if (M < 1 || mode != ITERSERVE_ACT_AUTO || !iterserve_st.bf16) return 0;
     return type == GGML_BF16 || (type == GGML_F16 && M >= F16_DOT_ROWS);
 }
 
 /* The GEMM family (iterserve_gemm: prefill chunks, large batches). */
-static int64_t route_gemm(int64_t type, int64_t M) {
-    const int mode = iterserve_st.activations;
+static int64_t route_gemm(int64_t type, int64_t M, int mode) {
     if (mode != ITERSERVE_ACT_FLOAT && iterserve_can_gemm8(type)
         && (mode == ITERSERVE_ACT_INT8 || M > ACT8_MAX_ROWS)
         && (type != GGML_Q8_0 || iterserve_st.int8 == 2))
         return ITERSERVE_K_GEMM8;
-    if (bf16_takes(type, M)) return ITERSERVE_K_BF16;
+    if (bf16_takes(type, M, mode)) return ITERSERVE_K_BF16;
     return ITERSERVE_K_PANEL;
 }
 
-int64_t iterserve_route(int64_t type, int64_t M, int64_t k) {
-    if (iterserve_st.invariant) return route_invariant(type, M);
-    if (iterserve_st.activations == ITERSERVE_ACT_AUTO && M <= ACT8_MAX_ROWS
+/* The activation mode a call runs under: the process's, or a layer's own where it asks for
+ * one (layers.Linear: the LM head keeps float activations under auto). */
+static int mode_of(int act) {
+    return act == ITERSERVE_ACT_FLOAT || act == ITERSERVE_ACT_INT8 || act == ITERSERVE_ACT_AUTO
+        ? act : iterserve_st.activations;
+}
+
+int64_t iterserve_route_act(int64_t type, int64_t M, int64_t k, int act) {
+    const int mode = mode_of(act);
+    if (iterserve_st.invariant) return route_invariant(type, M, mode);
+    if (mode == ITERSERVE_ACT_AUTO && M <= ACT8_MAX_ROWS
         && iterserve_can_act8(type) && iterserve_can_gemm8(type) && M >= gemm8_from(type, k)
         && (type != GGML_Q8_0 || iterserve_st.int8 == 2))
         return ITERSERVE_K_GEMM8;
-    if (act8_takes(type, M)) return ITERSERVE_K_ACT8;
-    if (bf16_takes(type, M)) return ITERSERVE_K_BF16;
+    if (act8_takes(type, M, mode)) return ITERSERVE_K_ACT8;
+    if (bf16_takes(type, M, mode)) return ITERSERVE_K_BF16;
     if (type == GGML_F16 && M >= 1 && M <= F16_STREAM_ROWS) return ITERSERVE_K_F16;
-    if (M >= panel_rows(type)) return route_gemm(type, M);
+    if (M >= panel_rows(type)) return route_gemm(type, M, mode);
     return ITERSERVE_K_REGISTERS;      /* qgemm.c's kernel of the type, else dequant.c's */
+}
+
+int64_t iterserve_route(int64_t type, int64_t M, int64_t k) {
+    return iterserve_route_act(type, M, k, ITERSERVE_ACT_PROCESS);
 }
 
 int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int64_t n,
@@ -193,8 +202,15 @@ int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int6
 void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
                      int nthreads) {
+    iterserve_qgemm_act(ITERSERVE_ACT_PROCESS, type, w, n, row_stride, k, x, M, ldx, y, ldy,
+                        nthreads);
+}
+
+void iterserve_qgemm_act(int act, int64_t type, const uint8_t *w, int64_t n,
+                         int64_t row_stride, int64_t k, const float *x, int64_t M,
+                         int64_t ldx, float *y, int64_t ldy, int nthreads) {
     if (M < 1 || n < 1) return;
-    const int64_t kern = iterserve_route(type, M, k);
+    const int64_t kern = iterserve_route_act(type, M, k, act);
     if (iterserve_linear_kernel(kern, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads)
         == ITERSERVE_OK)
         return;
@@ -208,10 +224,19 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
 
 int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads) {
+    return iterserve_gemm_act(ITERSERVE_ACT_PROCESS, type, w, n, row_stride, k, x, M, ldx, y,
+                              ldy, nthreads);
+}
+
+int iterserve_gemm_act(int act, int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                       int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                       int64_t ldy, int nthreads) {
     int QB, BB;
     if (!iterserve_block_decoder(type, &QB, &BB) || k % QB) return ITERSERVE_ETYPE;
     if (M < 1 || n < 1) return ITERSERVE_OK;
-    const int64_t kern = iterserve_st.invariant ? route_invariant(type, M) : route_gemm(type, M);
+    const int mode = mode_of(act);
+    const int64_t kern = iterserve_st.invariant ? route_invariant(type, M, mode)
+                                                : route_gemm(type, M, mode);
     if (kern != ITERSERVE_K_PANEL
         && iterserve_linear_kernel(kern, type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads)
            == ITERSERVE_OK)

@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 5
+#define ITERSERVE_ABI_VERSION 6
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -60,7 +60,10 @@ typedef struct {
 
 /* --- the one configuration (config.c) --------------------------------------------------- */
 /* What Python sets once (kernels.configure), before any kernel runs. */
-enum { ITERSERVE_ACT_FLOAT = 0, ITERSERVE_ACT_INT8 = 1, ITERSERVE_ACT_AUTO = 2 };
+/* ITERSERVE_ACT_PROCESS: in the *_act calls below, the configured mode (any other value
+ * overrides it for that call: a layer that keeps its own mode, layers.Linear) */
+enum { ITERSERVE_ACT_FLOAT = 0, ITERSERVE_ACT_INT8 = 1, ITERSERVE_ACT_AUTO = 2,
+       ITERSERVE_ACT_PROCESS = -1 };
 enum { ITERSERVE_ISA_BEST = 0, ITERSERVE_ISA_AVX2 = 1, ITERSERVE_ISA_AVX512 = 2 };
 typedef struct {
     int64_t activations;        /* ITERSERVE_ACT_*: how the linear kernels treat activations */
@@ -98,6 +101,14 @@ void iterserve_qgemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
  * ITERSERVE_ETYPE (type or k not accepted) or ITERSERVE_ENOMEM. */
 int iterserve_gemm(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                    const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* iterserve_qgemm and iterserve_gemm under activation mode `act` (ITERSERVE_ACT_*) instead of
+ * the configured one; batch invariance and the ISA stay as configured. */
+void iterserve_qgemm_act(int act, int64_t type, const uint8_t *w, int64_t n,
+                         int64_t row_stride, int64_t k, const float *x, int64_t M,
+                         int64_t ldx, float *y, int64_t ldy, int nthreads);
+int iterserve_gemm_act(int act, int64_t type, const uint8_t *w, int64_t n, int64_t row_stride,
+                       int64_t k, const float *x, int64_t M, int64_t ldx, float *y,
+                       int64_t ldy, int nthreads);
 /* One kernel of the table, for tests and benchmarks: ITERSERVE_K_* below (ITERSERVE_K_AUTO:
  * the table's choice). Returns ITERSERVE_ETYPE where that kernel does not take the call. */
 enum { ITERSERVE_K_AUTO = 0, ITERSERVE_K_REGISTERS = 1, ITERSERVE_K_GENERIC = 2,
@@ -108,6 +119,7 @@ int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int6
                             int64_t ldx, float *y, int64_t ldy, int nthreads);
 /* The kernel the table chooses for a call (an ITERSERVE_K_* value). */
 int64_t iterserve_route(int64_t type, int64_t M, int64_t k);
+int64_t iterserve_route_act(int64_t type, int64_t M, int64_t k, int act);
 /* Whether the int8 kernels cover the type (qdot8.c) and the int8 GEMM does (prefill8.c). */
 int iterserve_can_act8(int64_t type);
 int iterserve_can_gemm8(int64_t type);

@@ -13,7 +13,7 @@ import torch
 from iterserve.model.kernels import build
 from iterserve.model.kernels._abi import ERRORS as _ERRORS
 from iterserve.model.kernels.build import _lib, _library, available
-from iterserve.model.kernels.config import state_of
+from iterserve.model.kernels.config import ACTIVATION_MODES, state_of
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -99,19 +99,28 @@ def _gemm_args(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: to
             out.data_ptr() + 4 * col0, ldo, _threads())
 
 
+def _act(activations: str | None) -> int:
+    """iterserve.h's ITERSERVE_ACT_*: a layer's own mode, or -1 (the configured one)."""
+    return -1 if activations is None else ACTIVATION_MODES[activations]
+
+
 def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
-          col0: int = 0) -> None:
+          col0: int = 0, activations: str | None = None) -> None:
     """out[:, col0:col0+N] = x @ W^T for an encoded weight W (uint8 [N, row_bytes], GGUF
     blocks of `ggml_type`, k elements per row), x float32 [M, k] with contiguous rows, out
-    float32 2-D [M, >= col0 + N] with contiguous rows (its row stride may exceed N)."""
+    float32 2-D [M, >= col0 + N] with contiguous rows (its row stride may exceed N).
+    `activations` ("float", "int8", "auto"): this call's mode instead of the configured one."""
     lib = _lib()
     args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm", "qgemm")
     if args is not None:
-        lib.iterserve_qgemm(*args)
+        if activations is None:
+            lib.iterserve_qgemm(*args)
+        else:
+            lib.iterserve_qgemm_act(_act(activations), *args)
 
 
 def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
-         col0: int = 0) -> None:
+         col0: int = 0, activations: str | None = None) -> None:
     """The prefill / large-batch GEMM (prefill.c): out[:, col0:col0+N] = x @ W^T like `qgemm`,
     for any type `dequant` decodes (float types need k % 32 == 0), with weight panels decoded
     into an L1 scratch and a register-blocked float32 micro-kernel: the decode cost is shared
@@ -119,7 +128,8 @@ def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Te
     lib = _lib()
     args = _gemm_args(ggml_type, w, k, x, out, col0, "gemm", "dequant")
     if args is not None:
-        _rc(lib.iterserve_gemm(*args))
+        _rc(lib.iterserve_gemm(*args) if activations is None
+            else lib.iterserve_gemm_act(_act(activations), *args))
 
 
 _KERNELS = {"auto": 0, "registers": 1, "generic": 2, "panel": 3, "int8": 4, "gemm8": 5,
@@ -127,10 +137,12 @@ _KERNELS = {"auto": 0, "registers": 1, "generic": 2, "panel": 3, "int8": 4, "gem
 _KERNEL_NAMES = {v: k for k, v in _KERNELS.items()}
 
 
-def route(ggml_type: int, rows: int, k: int = 4096) -> str:
+def route(ggml_type: int, rows: int, k: int = 4096, activations: str | None = None) -> str:
     """The kernel dispatch.c's table chooses for `qgemm` of this type, row count and k under
-    the configuration in use: "registers", "panel", "int8", "gemm8", "bf16" or "f16"."""
-    return _KERNEL_NAMES[int(_lib().iterserve_route(int(ggml_type), int(rows), int(k)))]
+    the configuration in use (`activations`: a call's own mode): "registers", "panel",
+    "int8", "gemm8", "bf16" or "f16"."""
+    return _KERNEL_NAMES[int(_lib().iterserve_route_act(int(ggml_type), int(rows), int(k),
+                                                         _act(activations)))]
 
 
 def qgemm_path(path: str, ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor,
