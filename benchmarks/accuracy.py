@@ -15,9 +15,10 @@ distribution is computed:
 - iterserve's default path, twice: as a prompt (256-token chunks: the int8 prefill GEMM) and
   teacher-forced one token per decode step (the int8 decode kernels and the fused decode
   layers, what generation runs);
-- variants of the default decode path: the LM head in float, the first layer in float, both
-  (through the public API: kernels.set_activations around those modules' forward; the fused
-  decode layers are off where the first layer is float, since they run in one C call);
+- variants of the default decode path (whose LM head keeps float activations under auto):
+  the LM head on auto's int8 kernels too, and the first layer in float as well (through
+  the layers' own mode, `Linear.auto_activations`; the fused decode layers are off where
+  the first layer is float, since they run in one C call under the process's mode);
 - llama-server on the same GGUF (benchmarks/peers/llama_server.py builds it), one slot,
   each position asked as a one-token completion of the text before it (its prompt cache
   makes that one decode step), `n_probs` top tokens, the true next token forced by
@@ -107,31 +108,29 @@ class Forward:
         return torch.cat([self._step(ids, s, 1) for s in range(len(ids) - 1)])
 
 
-def _in_float(module):
-    """Run `module` with float activations (the mode is process-wide: set around it)."""
-    inner = module.forward
-
-    def forward(*a, **k):
-        before = kernels.activations()
-        kernels.set_activations("float")
-        try:
-            return inner(*a, **k)
-        finally:
-            kernels.set_activations(before)
-    module.forward = forward                   # an instance attribute over the class's
-    return lambda: module.__dict__.pop("forward")
+def _auto_mode(module, mode: str):
+    """Run `module`'s native calls under `mode` while the process's mode is auto (the
+    per-layer override the model itself uses for the LM head); returns the undo."""
+    before = module.auto_activations
+    module.auto_activations = mode
+    return lambda: setattr(module, "auto_activations", before)
 
 
 def variant(loaded, name: str):
-    """Apply a variant of the default path to the loaded model; returns the undo."""
+    """Apply a variant of the default path to the loaded model; returns the undo.
+
+    default: what auto runs (int8 where faster, the LM head in float); lm_head_int8: the LM
+    head under auto's int8 routing too; layer0_float: the default with the first layer's
+    linears in float as well (the fused decode layers off: they run in one C call under the
+    process's mode)."""
     lm = loaded.model
     undo = []
-    if name in ("lm_head_float", "both_float"):
-        undo.append(_in_float(lm.lm_head))
-    if name in ("layer0_float", "both_float"):
+    if name == "lm_head_int8":
+        undo.append(_auto_mode(lm.lm_head, "auto"))
+    if name == "layer0_float":
         a, mlp = lm.layers[0].self_attn, lm.layers[0].mlp
         for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            undo.append(_in_float(m))
+            undo.append(_auto_mode(m, "float"))
         lm.use_fused_decode(False)
         undo.append(lambda: lm.use_fused_decode(True))
 
@@ -303,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     llama = None
     if not a.no_llama:
         llama = start_llama(model, a.port, a.max_tokens + 16, a.threads)
-    variants = ["default", "lm_head_float", "layer0_float", "both_float"]
+    variants = ["default", "lm_head_int8", "layer0_float"]
     result = {"model": str(model), "n_probs": a.n_probs, "topk_p": TOPK_P, "chunk": CHUNK,
               "isa": {"int8": kernels.int8_isa(), "attention": kernels.prefill_attention_isa(64)},
               "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "texts": {}}
