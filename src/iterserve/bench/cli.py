@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     s = sub.add_parser("serve", help="benchmark any OpenAI-compatible streaming server")
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     s.add_argument("--workload", default="mix",
-                   choices=["mix", "poisson", "longprompt", "sharegpt"])
+                   choices=["mix", "poisson", "longprompt", "sharegpt", "edit"])
     s.add_argument("--rate", type=float, default=None,
                    help="Poisson arrivals at this many requests/s (default: the workload's own)")
     s.add_argument("--sweep", default=None, metavar="R1,R2,...",
