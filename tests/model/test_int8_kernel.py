@@ -404,35 +404,43 @@ def _greedy(loaded, prompt, mode: str, fused: bool = True):
     return tokens[0], seen
 
 
+@pytest.mark.parametrize("isa8", ISAS, indirect=True)
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
 @pytest.mark.parametrize("rows", [1, 8, 40])
-def test_a_layer_keeps_its_own_mode_under_auto(name, rows):
+def test_a_layer_keeps_its_own_mode_under_auto(name, rows, isa8):
     """The LM head keeps float activations under auto (layers.LM_HEAD_AUTO_ACTIVATIONS): a
     Linear's `auto_activations` is the mode of its native calls while the process runs
     auto, decode rows and prefill rows alike; float and int8 set by the user apply to every
-    layer, the head included."""
+    layer, the head included. Where the table has no int8 kernel for a shape (Q8_0 prefill
+    rows on AVX2) every mode is the float path, and so is every layer's."""
     from iterserve.model.layers import LM_HEAD_AUTO_ACTIVATIONS, Linear
     from iterserve.model.weights import EncodedWeight
     assert LM_HEAD_AUTO_ACTIVATIONS == "float"
-    t, w, _ = gguf_blocks(name, 96, 512, seed=3)
-    x = torch.randn(rows, 512)
-    head, body = Linear(512, 96, auto_activations="float"), Linear(512, 96)
-    for lin in (head, body):
-        lin.set_weight(EncodedWeight([(t, w)], 512))
-        assert lin.use_quant(True)
-    out = {}
-    for mode in ("float", "int8", "auto"):
-        kernels.set_activations(mode)
-        out[mode] = (head(x), body(x))
-    assert torch.equal(out["auto"][0], out["float"][0])         # the head: float under auto
-    assert torch.equal(out["float"][0], out["float"][1])        # the user's float: everywhere
-    assert torch.equal(out["int8"][0], out["int8"][1])          # the user's int8: everywhere
-    assert not torch.equal(out["int8"][0], out["float"][0])
-    assert not torch.equal(out["auto"][1], out["float"][1])    # the others: auto's int8
-    kernels.set_activations("float")
-    in_float = ops.route(t, rows, 512)
-    kernels.set_activations("auto")
-    assert ops.route(t, rows, 512, "float") == in_float != ops.route(t, rows, 512)
+    before = kernels.activations()
+    try:
+        t, w, _ = gguf_blocks(name, 96, 512, seed=3)
+        x = torch.randn(rows, 512)
+        head, body = Linear(512, 96, auto_activations="float"), Linear(512, 96)
+        for lin in (head, body):
+            lin.set_weight(EncodedWeight([(t, w)], 512))
+            assert lin.use_quant(True)
+        out, routes = {}, {}
+        for mode in ("float", "int8", "auto"):
+            kernels.set_activations(mode)
+            out[mode] = (head(x), body(x))
+            routes[mode] = ops.route(t, rows, 512)
+        int8 = ("int8", "gemm8")
+        assert torch.equal(out["auto"][0], out["float"][0])         # the head: float under auto
+        assert torch.equal(out["float"][0], out["float"][1])        # the user's float: everywhere
+        assert torch.equal(out["int8"][0], out["int8"][1])          # the user's int8: everywhere
+        assert torch.equal(out["int8"][0], out["float"][0]) == (routes["int8"] not in int8)
+        # the others: what auto's table chooses (int8 where it has it for the shape)
+        assert torch.equal(out["auto"][1], out["float"][1]) == (routes["auto"] not in int8)
+        kernels.set_activations("auto")
+        assert ops.route(t, rows, 512, "float") == routes["float"]
+        assert ops.route(t, rows, 512, "int8") == routes["int8"]
+    finally:
+        kernels.set_activations(before)
 
 
 def _prompt(loaded):
