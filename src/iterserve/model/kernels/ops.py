@@ -113,10 +113,7 @@ def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.T
     lib = _lib()
     args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm", "qgemm")
     if args is not None:
-        if activations is None:
-            lib.iterserve_qgemm(*args)
-        else:
-            lib.iterserve_qgemm_act(_act(activations), *args)
+        lib.iterserve_qgemm_act(_act(activations), *args)
 
 
 def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
@@ -128,8 +125,7 @@ def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Te
     lib = _lib()
     args = _gemm_args(ggml_type, w, k, x, out, col0, "gemm", "dequant")
     if args is not None:
-        _rc(lib.iterserve_gemm(*args) if activations is None
-            else lib.iterserve_gemm_act(_act(activations), *args))
+        _rc(lib.iterserve_gemm_act(_act(activations), *args))
 
 
 _KERNELS = {"auto": 0, "registers": 1, "generic": 2, "panel": 3, "int8": 4, "gemm8": 5,
