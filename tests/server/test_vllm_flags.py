@@ -225,7 +225,7 @@ def test_streams_carry_usage_with_cached_tokens(live):
     prompt = "the same long prompt " * 8
     for _ in range(2):
         chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
-                                                stream=True))
+                                                stream=True, extra_body={"ignore_eos": True}))
     usage = chunks[-1].usage                                # no stream_options asked for it
     assert usage is not None and usage.completion_tokens == 2
     assert usage.prompt_tokens_details.cached_tokens > 0   # the second run hit the cache
@@ -271,7 +271,7 @@ def test_unix_socket_and_no_docs(tiny_model_dir, tmp_path):
         http = httpx.Client(transport=httpx.HTTPTransport(uds=sock))
         client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=http)
         out = client.completions.create(model=s.engine.model_name, prompt="Hello",
-                                        max_tokens=2)
+                                        max_tokens=2, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 2
         assert http.get("http://localhost/docs").status_code == 404
         assert http.get("http://localhost/openapi.json").status_code == 404
