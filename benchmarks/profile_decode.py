@@ -50,7 +50,8 @@ sys.path.insert(0, str(HERE))
 PHASES = {0: ("rmsnorm (ln1 + ln2)", None), 1: ("gemm q/k/v", "qkv"),
           2: ("q/k/v bias + q/k norm", None), 3: ("rope", None), 4: ("kv write + q copy", None),
           5: ("attention", None), 6: ("gemm o", "o"), 7: ("residual adds", None),
-          8: ("gemm gate/up", "gate_up"), 9: ("silu x up", None), 10: ("gemm down", "down")}
+          8: ("gemm gate/up", "gate_up"), 9: ("silu x up", None), 10: ("gemm down", "down"),
+          12: ("experts: router, gate/up, silu, down", None)}
 PROF_CALL, PROF_TYPE0 = 11, 16
 
 

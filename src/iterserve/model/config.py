@@ -153,12 +153,20 @@ class ModelConfig:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
     @property
+    def native_moe(self) -> bool:
+        """Whether the expert layers are what moe.c runs: softmax top-k routing without a
+        router bias, SwiGLU experts without biases (Qwen3-MoE, Mixtral; not gpt-oss)."""
+        return (self.router == "softmax_topk" and not self.router_bias and not self.expert_bias
+                and self.expert_act == "silu")
+
+    @property
     def llama_like(self) -> bool:
         """Whether every layer is a plain pre-norm Llama layer (what kernels.DecodeLayers
-        runs): no extra norms, multipliers, soft-caps, sinks, biases beyond q/k/v, NoPE or
-        partial RoPE, expert layers, per-layer windows or GeGLU."""
-        return (not self.moe_layers and not self.layer_types and all(self.rope_layers or [True])
-                and self.partial_rotary_factor == 1.0 and self.attn_logit_softcapping is None
+        runs), its MLP possibly experts that moe.c runs (`native_moe`): no extra norms,
+        multipliers, soft-caps, sinks, biases beyond q/k/v, NoPE or partial RoPE, other expert
+        layers, per-layer windows or GeGLU."""
+        return ((not any(self.moe_layers) or self.native_moe) and not self.layer_types
+                and all(self.rope_layers or [True]) and self.partial_rotary_factor == 1.0 and self.attn_logit_softcapping is None
                 and not self.attention_sinks and not self.o_bias and not self.mlp_bias
                 and not self.sandwich_norms and self.residual_multiplier == 1.0
                 and self.hidden_act == "silu" and not _is_longrope(self.rope_scaling))

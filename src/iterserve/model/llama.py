@@ -211,14 +211,19 @@ class LlamaForCausalLM(nn.Module):
         specs = []
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            moe = isinstance(mlp, SparseMoE)
+            if moe and mlp._block is None:
+                return None
+            linears = (a.qkv_proj, a.o_proj) if moe else \
+                (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(m.encoded is None for m in linears) or a.o_proj.bias is not None:
                 return None
-            qkv, o, gu, down = (list(m.encoded.segments) for m in linears)
+            qkv, o = (list(m.encoded.segments) for m in linears[:2])
+            gu, down = (None, None) if moe else (list(m.encoded.segments) for m in linears[2:])
             specs.append(kernels.LayerSpec(
                 ln1=layer.input_layernorm.weight.detach(),
                 ln2=layer.post_attention_layernorm.weight.detach(),
-                qkv=qkv, o=o, gate_up=gu, down=down,
+                qkv=qkv, o=o, gate_up=gu, down=down, moe=mlp._block if moe else None,
                 qkv_bias=None if a.qkv_proj.bias is None else a.qkv_proj.bias.detach(),
                 q_norm=None if a.q_norm is None else a.q_norm.weight.detach(),
                 k_norm=None if a.k_norm is None else a.k_norm.weight.detach()))
@@ -235,10 +240,11 @@ class LlamaForCausalLM(nn.Module):
         if not on or not c.llama_like or self.norm._native is None or c.dtype != torch.float32:
             return False
         linears = [m for layer in self.layers for m in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)]
+            (layer.self_attn.qkv_proj, layer.self_attn.o_proj) if isinstance(layer.mlp, SparseMoE)
+            else (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                  layer.mlp.down_proj))]
         if any(m.compute_path() != "native" for m in linears):
-            return False
+            return False         # (an MoE layer's experts: decode_layer_specs checks its block)
         specs = self.decode_layer_specs()
         if specs is None or not hasattr(kernels, "DecodeLayers") \
                 or not kernels.DecodeLayers.supported(specs):
@@ -378,11 +384,16 @@ class LlamaForCausalLM(nn.Module):
     def use_quant(self, on: bool = True) -> bool:
         """Turn the native GEMM over encoded blocks on (or off) for every Linear whose
         segment types have one; returns whether any uses it."""
-        return any([m.use_quant(on) for m in self.modules() if isinstance(m, Linear)])
+        used = any([m.use_quant(on) for m in self.modules() if isinstance(m, Linear)])
+        for m in self.modules():              # an expert block follows its Linears' paths
+            if isinstance(m, SparseMoE) and m._route is not None:
+                m.use_native(True)
+        return used
 
     def use_native_ops(self, on: bool = True) -> bool:
-        """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c)
-        on CPU float32, or back to torch ops; returns whether they are in use."""
+        """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c),
+        and expert layers through moe.c (`SparseMoE.use_native`), on CPU float32, or back to
+        torch ops; returns whether they are in use."""
         native = on and self.norm.weight.device.type == "cpu" \
             and self.norm.weight.dtype == torch.float32 and kernels.available()
         for m in self.modules():
@@ -393,6 +404,8 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(m, Attention):
                 m._rope = kernels.rope if native else None
                 m._qk_norm = kernels.qk_norm if native else None
+            elif isinstance(m, SparseMoE):
+                m.use_native(native)
         return native
 
     def pack_linears(self, mode: str | bool | None = "onednn") -> bool:

@@ -17,6 +17,11 @@ Expert activations: "silu" (SwiGLU, gate and up halves) or "swiglu_oai" (gpt-oss
 clamped above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1));
 gpt-oss's HF checkpoint interleaves gate and up rows (`interleaved`), its GGUF does not.
 The outputs are weighted and summed per token in ascending expert order, as HF does.
+
+On the CPU with the native kernels (`SparseMoE.use_native`), Qwen3-MoE and Mixtral layers
+route through moe.c at every row count, and a step of at most QUANT_MAX_ROWS rows (decode)
+runs the whole block in one native call (`kernels.MoeBlock`), the call the fused decode step
+makes too: the same order of arithmetic as the loop below, without its per-expert Python.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.model.config import ModelConfig
-from iterserve.model.layers import Linear
+from iterserve.model.layers import QUANT_MAX_ROWS, Linear
 
 
 class Expert(nn.Module):
@@ -58,6 +63,19 @@ class Expert(nn.Module):
         return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
+def _segments(lin: Linear) -> list | None:
+    """A Linear's weight as row segments for the native block: its encoded ones on the native
+    GEMM, or a dense float32 weight as one F32 segment over the same memory (a GGUF router is
+    F32, which the loader keeps dense); None otherwise."""
+    if lin.encoded is not None:
+        return list(lin.encoded.segments) if lin.compute_path() == "native" else None
+    w = lin.weight
+    if w is None or w.dtype != torch.float32 or w.device.type != "cpu" \
+            or not w.is_contiguous() or lin.in_features % 32:
+        return None
+    return [(0, w.detach().view(torch.uint8))]                   # ggml type 0: F32
+
+
 class SparseMoE(nn.Module):
     """The MoE block in place of a dense MLP: `router` (a Linear over hidden -> experts) and
     `experts` (one `Expert` each)."""
@@ -69,10 +87,41 @@ class SparseMoE(nn.Module):
         self.hidden = c.hidden_size
         self.router = Linear(c.hidden_size, c.num_experts, bias=c.router_bias)
         self.experts = nn.ModuleList(Expert(c) for _ in range(c.num_experts))
+        self.native_ok = c.native_moe
+
+    _route = None      # kernels.moe_route, set by use_native
+    _block = None      # kernels.MoeBlock for small steps, set by use_native
+
+    def use_native(self, on: bool = True) -> bool:
+        """Route through moe.c (`kernels.moe_route`, every row count) and run steps of at most
+        QUANT_MAX_ROWS rows as one `kernels.MoeBlock` call, or neither; returns whether the
+        block is in use. The block needs a native-able layer (`ModelConfig.native_moe`: softmax
+        top-k, no biases, SwiGLU, gate rows then up rows), every expert on the native GEMM
+        (use_quant) and the router there too or dense float32; the routing needs only the
+        first."""
+        from iterserve.model import kernels
+        self._route = self._block = None
+        if not on or not self.native_ok or any(e.interleaved for e in self.experts) \
+                or not kernels.available():
+            return False
+        self._route = kernels.moe_route
+        experts = [m for e in self.experts for m in (e.gate_up_proj, e.down_proj)]
+        router = _segments(self.router)
+        if router is None or any(m.compute_path() != "native" for m in experts):
+            return False
+        gate_up = [list(e.gate_up_proj.encoded.segments) for e in self.experts]
+        down = [list(e.down_proj.encoded.segments) for e in self.experts]
+        if not kernels.MoeBlock.supported(router, gate_up, down):
+            return False
+        self._block = kernels.MoeBlock(router, gate_up, down, self.hidden,
+                                       self.experts[0].inter, self.top_k, self.norm_topk_prob)
+        return True
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) from router logits [T, E]."""
         logits = logits.float()
+        if self._route is not None and logits.device.type == "cpu":
+            return self._route(logits.contiguous(), self.top_k, self.norm_topk_prob)
         if self.routing == "topk_softmax":
             top, idx = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1), idx
@@ -84,6 +133,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
+        if self._block is not None and T <= QUANT_MAX_ROWS and x.dtype == torch.float32 \
+                and x.device.type == "cpu":
+            return self._block.forward(x.contiguous())
         weights, idx = self.route(self.router(x))
         out = torch.zeros(T, self.hidden, dtype=torch.float32, device=x.device)
         flat = idx.flatten().cpu().numpy()

@@ -16,12 +16,14 @@ blocks exactly as in the file; type ids are `gguf.GGMLQuantizationType` values):
 - `decode_attention.c`, `prefill_attention.c` (+ `prefill_attention_impl.h`): attention over
   the paged KV pool (model/attention.py);
 - `elementwise.c`: RMSNorm, SiLU x up, RoPE and Qwen3's q/k norm in one call each;
+- `moe.c`: a Mixture-of-Experts block (routing and the chosen experts) in one call;
 - `decode_layers.c`: all decoder layers of a small decode-only step in one call;
 - `config.c`: the one configuration the kernels read.
 
 This package is their face: `build` (compile, cache, load), `_abi` (the ctypes copy of
 iterserve.h, checked against the library), `config` (`KernelConfig`, `configure`), `ops`
-(one checked wrapper per kernel) and `decode_layers` (`DecodeLayers`).
+(one checked wrapper per kernel), `moe` (`MoeBlock`, `route`) and `decode_layers`
+(`DecodeLayers`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from iterserve.model.kernels.config import (ACTIVATION_MODES, KernelConfig, acti
                                             bf16_isa, config, configure, gemm_isa, int8_isa,
                                             set_activations, set_batch_invariant)
 from iterserve.model.kernels.decode_layers import DecodeLayers, LayerSpec
+from iterserve.model.kernels.moe import MoeBlock
+from iterserve.model.kernels.moe import route as moe_route
 from iterserve.model.kernels.ops import (KV_TYPES, PREFILL_ISAS, PREFILL_KV_TYPES, PrefillChunks,
                                          bf16_takes, decode_attention, dequant, f16_takes, gemm,
                                          gemm_int8, kv_type, prefill_attention,
@@ -52,7 +56,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ACTIVATION_MODES", "DecodeLayers", "KV_TYPES", "KernelConfig",
-    "Layer", "LayerSpec", "Linear", "MAX_SEGMENTS", "PREFILL_ISAS", "PREFILL_KV_TYPES",
+    "Layer", "LayerSpec", "Linear", "MAX_SEGMENTS", "MoeBlock", "moe_route", "PREFILL_ISAS", "PREFILL_KV_TYPES",
     "PrefillChunks", "Segment", "TypeCaps", "activations", "available", "bf16_isa",
     "bf16_takes", "cache_dir", "clear_cache", "config", "configure", "decode_attention",
     "dequant", "f16_takes", "features", "gemm", "gemm_int8", "gemm_isa", "int8_isa", "kv_type",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-ABI_VERSION = 6                      # iterserve.h's ITERSERVE_ABI_VERSION
+ABI_VERSION = 7                      # iterserve.h's ITERSERVE_ABI_VERSION
 
 
 class Segment(ctypes.Structure):
@@ -31,12 +31,20 @@ class Linear(ctypes.Structure):
                 ("seg", Segment * MAX_SEGMENTS)]
 
 
+class Moe(ctypes.Structure):
+    """iterserve.h's iterserve_moe: a Mixture-of-Experts block (router + per-expert arrays)."""
+    _fields_ = [("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+                ("inter", ctypes.c_int64), ("norm_topk", ctypes.c_int64),
+                ("router", Linear), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+
+
 class Layer(ctypes.Structure):
     """iterserve.h's iterserve_layer: one decoder layer for iterserve_decode_layers."""
     _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
                 ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p),
-                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear)]
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("moe", ctypes.c_void_p)]
 
 
 class Config(ctypes.Structure):
@@ -66,6 +74,8 @@ ARGTYPES = {
     "iterserve_k_bf16": (_i32, [_i64, *_GEMM]),
     "iterserve_k_f16": (_i32, [_i64, *_GEMM]),
     "iterserve_decode_profile": (_i32, [_p]),
+    "iterserve_moe_route": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
+    "iterserve_moe_forward": (_i32, [_p, _p, _i64, _i64, _p, _i32]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -113,7 +123,9 @@ def abi_expected() -> list[int]:
             S.row_stride.offset, S.data.offset, o(L), L.nseg.offset, L.k.offset, L.seg.offset,
             MAX_SEGMENTS, o(Y), Y.ln1.offset, Y.ln2.offset, Y.qkv_bias.offset,
             Y.q_norm.offset, Y.k_norm.offset, Y.qkv.offset, Y.o.offset, Y.gate_up.offset,
-            Y.down.offset, o(Config), Config.activations.offset, Config.isa.offset,
+            Y.down.offset, Y.moe.offset, o(Moe), Moe.num_experts.offset, Moe.top_k.offset,
+            Moe.inter.offset, Moe.norm_topk.offset, Moe.router.offset, Moe.gate_up.offset,
+            Moe.down.offset, o(Config), Config.activations.offset, Config.isa.offset,
             Config.batch_invariant.offset]
 
 

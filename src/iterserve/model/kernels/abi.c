@@ -8,7 +8,7 @@
 #include "iterserve.h"
 
 int64_t iterserve_abi(int64_t *out, int64_t cap) {
-    int64_t v[32 + 4 * GGML_TYPE_LIMIT];
+    int64_t v[48 + 4 * GGML_TYPE_LIMIT];
     int n = 0;
     v[n++] = ITERSERVE_ABI_VERSION;
     v[n++] = sizeof(iterserve_segment);
@@ -32,6 +32,15 @@ int64_t iterserve_abi(int64_t *out, int64_t cap) {
     v[n++] = offsetof(iterserve_layer, o);
     v[n++] = offsetof(iterserve_layer, gate_up);
     v[n++] = offsetof(iterserve_layer, down);
+    v[n++] = offsetof(iterserve_layer, moe);
+    v[n++] = sizeof(iterserve_moe);
+    v[n++] = offsetof(iterserve_moe, num_experts);
+    v[n++] = offsetof(iterserve_moe, top_k);
+    v[n++] = offsetof(iterserve_moe, inter);
+    v[n++] = offsetof(iterserve_moe, norm_topk);
+    v[n++] = offsetof(iterserve_moe, router);
+    v[n++] = offsetof(iterserve_moe, gate_up);
+    v[n++] = offsetof(iterserve_moe, down);
     v[n++] = sizeof(iterserve_config);
     v[n++] = offsetof(iterserve_config, activations);
     v[n++] = offsetof(iterserve_config, isa);

@@ -16,6 +16,7 @@
  *   h += a . Wo^T
  *   x  = rmsnorm(h, ln2)
  *   h += silu_mul(x . Wgu^T) . Wdown^T iterserve_silu_mul
+ *        or h += moe(x)                 iterserve_moe_forward (moe.c: Qwen3-MoE, Mixtral)
  *
  * Each weight is a list of 1-3 row segments (iterserve.h's iterserve_linear), possibly of
  * different types (a Q4_K_M file's fused q/k/v), each written into its own column range of
@@ -43,7 +44,8 @@
  * predictable branch per phase; the arithmetic is the same either way. Not thread-safe: one
  * profiler per process. Returns the number of slots acc must have. */
 enum { PROF_NORM = 0, PROF_QKV, PROF_BIAS_QKNORM, PROF_ROPE, PROF_KV_WRITE, PROF_ATTN, PROF_O,
-       PROF_RESIDUAL, PROF_GATE_UP, PROF_SILU, PROF_DOWN, PROF_CALL, PROF_TYPE0 = 16,
+       PROF_RESIDUAL, PROF_GATE_UP, PROF_SILU, PROF_DOWN, PROF_CALL, PROF_MOE,
+       PROF_TYPE0 = 16,
        PROF_SLOTS = PROF_TYPE0 + 48 };
 static double *prof_acc = NULL;
 
@@ -166,12 +168,21 @@ int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void 
         tp = prof_add(PROF_RESIDUAL, tp);
         iterserve_rmsnorm(h, L->ln2, x, T, hidden, eps);
         tp = prof_add(PROF_NORM, tp);
-        gemm(&L->gate_up, x, T, gu, 2 * inter, nthreads);
-        tp = prof_add(PROF_GATE_UP, tp);
-        iterserve_silu_mul(gu, act, T, inter);
-        tp = prof_add(PROF_SILU, tp);
-        gemm(&L->down, act, T, y, hidden, nthreads);
-        tp = prof_add(PROF_DOWN, tp);
+        if (L->moe) {
+            const int rc = iterserve_moe_forward(L->moe, x, T, hidden, y, nthreads);
+            if (rc != ITERSERVE_OK) {
+                free(buf);
+                return rc;
+            }
+            tp = prof_add(PROF_MOE, tp);
+        } else {
+            gemm(&L->gate_up, x, T, gu, 2 * inter, nthreads);
+            tp = prof_add(PROF_GATE_UP, tp);
+            iterserve_silu_mul(gu, act, T, inter);
+            tp = prof_add(PROF_SILU, tp);
+            gemm(&L->down, act, T, y, hidden, nthreads);
+            tp = prof_add(PROF_DOWN, tp);
+        }
         for (int64_t i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
         prof_add(PROF_RESIDUAL, tp);
     }

@@ -1,6 +1,7 @@
 """The binding of decode_layers.c: every decoder layer of a decode-only step in one call.
 
-`LayerSpec` holds one layer's tensors; `DecodeLayers` builds the C descriptors
+`LayerSpec` holds one layer's tensors (an MoE layer: a `kernels.moe.MoeBlock` in place of
+gate_up / down); `DecodeLayers` builds the C descriptors
 (iterserve.h's iterserve_layer) once per model, checks every shape, and runs the step,
 calling the same linear kernels (dispatch.c) as the per-module path.
 """
@@ -12,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.model.kernels import build
-from iterserve.model.kernels._abi import MAX_SEGMENTS, Layer, Linear, Segment
+from iterserve.model.kernels._abi import Layer, Linear
 from iterserve.model.kernels.build import _lib, available, supports_qgemm
+from iterserve.model.kernels.moe import MoeBlock
 from iterserve.model.kernels.ops import (_cos_sin, _f32, _pools, _rc, _tables, _threads,
-                                         _weight, kv_type)
+                                         kv_type, linear_struct)
 
 
 @dataclass
@@ -28,11 +29,12 @@ class LayerSpec:
     ln2: torch.Tensor
     qkv: list[tuple[int, torch.Tensor]]
     o: list[tuple[int, torch.Tensor]]
-    gate_up: list[tuple[int, torch.Tensor]]
-    down: list[tuple[int, torch.Tensor]]
+    gate_up: list[tuple[int, torch.Tensor]] | None      # None in an MoE layer
+    down: list[tuple[int, torch.Tensor]] | None
     qkv_bias: torch.Tensor | None = None       # Qwen2
     q_norm: torch.Tensor | None = None         # Qwen3 (with k_norm)
     k_norm: torch.Tensor | None = None
+    moe: MoeBlock | None = None                # experts instead of gate_up / down
 
 
 class DecodeLayers:
@@ -51,6 +53,7 @@ class DecodeLayers:
         self.head_dim, self.intermediate, self.eps = head_dim, intermediate, eps
         self._fn = lib.iterserve_decode_layers_kv
         self._keep: list[torch.Tensor] = []          # every tensor the structs point into
+        self._blocks: list[MoeBlock] = []             # the expert blocks the layers point to
         qkvw = (num_heads + 2 * num_kv_heads) * head_dim
         self._layers = (Layer * len(layers))()
         for i, spec in enumerate(layers):
@@ -67,6 +70,12 @@ class DecodeLayers:
                 self._vec(spec.k_norm, head_dim, f"layer {i} k_norm")
             self._linear(L.qkv, spec.qkv, qkvw, hidden, f"layer {i} qkv")
             self._linear(L.o, spec.o, hidden, num_heads * head_dim, f"layer {i} o")
+            if spec.moe is not None:
+                if spec.moe.hidden != hidden:
+                    raise ValueError(f"layer {i}: experts of width {spec.moe.hidden}, not {hidden}")
+                L.moe = spec.moe.address
+                self._blocks.append(spec.moe)
+                continue
             self._linear(L.gate_up, spec.gate_up, 2 * intermediate, hidden, f"layer {i} gate_up")
             self._linear(L.down, spec.down, hidden, intermediate, f"layer {i} down")
         self._pool_key: tuple | None = None
@@ -78,7 +87,7 @@ class DecodeLayers:
         if not available():
             return False
         return all(supports_qgemm(t) for s in specs
-                   for segs in (s.qkv, s.o, s.gate_up, s.down) for t, _ in segs)
+                   for segs in (s.qkv, s.o, s.gate_up or [], s.down or []) for t, _ in segs)
 
     def _vec(self, t, n: int, name: str) -> int:
         _f32(t, name, 1)
@@ -88,20 +97,7 @@ class DecodeLayers:
         return t.data_ptr()
 
     def _linear(self, dst: Linear, segments, n: int, k: int, name: str) -> None:
-        if not 1 <= len(segments) <= MAX_SEGMENTS:
-            raise ValueError(f"{name}: {len(segments)} segments (1-{MAX_SEGMENTS} allowed)")
-        dst.nseg, dst.k = len(segments), k
-        total = 0
-        for j, (t, w) in enumerate(segments):
-            t = int(t)
-            rows, ld = _weight(t, w, k, "qgemm")
-            if build._caps[t].block_elems == 1 and k % 32:
-                raise ValueError(f"{name}: float weights need k % 32 == 0")
-            dst.seg[j] = Segment(t, rows, w.shape[1], ld, w.data_ptr())
-            self._keep.append(w)
-            total += rows
-        if total != n:
-            raise ValueError(f"{name}: segments have {total} rows, the layer needs {n}")
+        linear_struct(dst, segments, n, k, name, self._keep)
 
     def _pool_ptrs(self, k_pools, v_pools, slots: int):
         key = tuple(k_pools) + tuple(v_pools)

@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 6
+#define ITERSERVE_ABI_VERSION 7
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -49,6 +49,18 @@ typedef struct {
     iterserve_segment seg[ITERSERVE_MAX_SEGMENTS];
 } iterserve_linear;
 
+/* A Mixture-of-Experts block (moe.c) in place of a dense MLP: a router over `num_experts`
+ * experts, the `top_k` largest of softmax(router logits) per token (renormalised to sum 1
+ * when norm_topk), each expert a SwiGLU MLP of `inter` (gate rows then up rows, as a dense
+ * layer's gate_up). Qwen3-MoE and Mixtral; routers with a bias or other activations stay on
+ * the Python path. */
+typedef struct {
+    int64_t num_experts, top_k, inter, norm_topk;
+    iterserve_linear router;                 /* [num_experts, hidden] */
+    const iterserve_linear *gate_up;         /* [num_experts] of [2 inter, hidden] */
+    const iterserve_linear *down;            /* [num_experts] of [hidden, inter] */
+} iterserve_moe;
+
 /* One decoder layer of the Llama family for iterserve_decode_layers. The optional pointers
  * are NULL when the architecture has no such tensor. */
 typedef struct {
@@ -56,6 +68,7 @@ typedef struct {
     const float *qkv_bias;             /* [(H + 2 kvh) d] or NULL (Qwen2) */
     const float *q_norm, *k_norm;      /* [d] per-head RMSNorm weights or NULL (Qwen3) */
     iterserve_linear qkv, o, gate_up, down;
+    const iterserve_moe *moe;          /* experts instead of gate_up / down, or NULL */
 } iterserve_layer;
 
 /* --- the one configuration (config.c) --------------------------------------------------- */
@@ -130,6 +143,18 @@ void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_st
 /* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
 void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);
 void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I);
+
+/* --- Mixture of Experts (moe.c) --------------------------------------------------------- */
+/* Routing of T tokens from router logits [T][E] (float32): the k largest softmax
+ * probabilities per token (ties to the lower expert id), renormalised to sum 1 when
+ * norm_topk; weights [T][k] float32, ids [T][k] int64, in descending weight order. */
+void iterserve_moe_route(const float *logits, int64_t T, int64_t E, int64_t k, int64_t norm_topk,
+                         float *weights, int64_t *ids);
+/* out[T][hidden] = the MoE block of x[T][hidden]: router GEMM, routing as above, each chosen
+ * expert once over its tokens (ascending expert id), out[t] += y_e[t] * w[t, e] from zero.
+ * Returns ITERSERVE_OK or ITERSERVE_ENOMEM. */
+int iterserve_moe_forward(const iterserve_moe *m, const float *x, int64_t T, int64_t hidden,
+                          float *out, int nthreads);
 /* RoPE in place on the first `heads` heads of d floats of T rows (row stride ldx). */
 void iterserve_rope(float *x, int64_t T, int64_t ldx, int64_t heads, int64_t d,
                     const float *cos, const float *sin);

@@ -76,6 +76,26 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def linear_struct(dst, segments, n: int, k: int, name: str, keep: list) -> None:
+    """Fill an `_abi.Linear` (iterserve_linear) from 1-3 `(ggml_type, w)` row segments of a
+    weight [n, k], checking every segment; the tensors it points into go on `keep`."""
+    from iterserve.model.kernels._abi import MAX_SEGMENTS, Segment
+    if not 1 <= len(segments) <= MAX_SEGMENTS:
+        raise ValueError(f"{name}: {len(segments)} segments (1-{MAX_SEGMENTS} allowed)")
+    dst.nseg, dst.k = len(segments), k
+    total = 0
+    for j, (t, w) in enumerate(segments):
+        t = int(t)
+        rows, ld = _weight(t, w, k, "qgemm")
+        if build._caps[t].block_elems == 1 and k % 32:
+            raise ValueError(f"{name}: float weights need k % 32 == 0")
+        dst.seg[j] = Segment(t, rows, w.shape[1], ld, w.data_ptr())
+        keep.append(w)
+        total += rows
+    if total != n:
+        raise ValueError(f"{name}: segments have {total} rows, the layer needs {n}")
+
+
 # --- the linear kernels (dispatch.c's table and its leaves) -----------------------------------
 
 def _gemm_args(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,

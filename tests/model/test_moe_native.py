@@ -1,0 +1,226 @@
+"""Mixture-of-Experts layers on the native kernels (model/kernels/moe.c, kernels.MoeBlock).
+
+Qwen3-MoE and Mixtral checkpoints with their Linears re-encoded as Q8_0 blocks (the router
+kept dense float32, as a GGUF's F32 router loads), so the experts run where a GGUF's do:
+- moe.c's routing picks the experts and weights torch's softmax / top-k picks;
+- the block's output equals the Python loop over experts (moe.py) on the same kernels;
+- the fused decode step (decode_layers.c with MoE layers) gives the same logits bit for bit
+  as the per-module path, and greedy tokens equal the torch-routed path's;
+- under --batch-invariant a token's logits do not depend on the rows beside it;
+- gpt-oss (router bias, clamped SwiGLU) and interleaved experts keep the Python path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fixtures.tiny_models import (Blocks, advance, chunk, greedy, make_tiny_model_dir, request,
+                                  step)
+from iterserve.model import kernels
+from iterserve.model.layers import Linear
+from iterserve.model.loader import load_model
+from iterserve.model.moe import SparseMoE
+from iterserve.model.runner import ModelRunner
+from iterserve.model.weights import EncodedWeight
+
+pytestmark = pytest.mark.skipif(not (kernels._cpu_has_avx2_fma() and kernels._compiler()),
+                                reason="needs an x86-64 AVX2/FMA CPU and a C compiler")
+
+Q8_0 = 8
+
+
+def _encode_q8(loaded) -> None:
+    """Every Linear but the routers as Q8_0 blocks (gguf-py's quantiser), as a Q8_0 GGUF."""
+    from gguf import GGMLQuantizationType, quants
+    model = loaded.model
+    routers = {id(m.router) for m in model.modules() if isinstance(m, SparseMoE)}
+    for m in model.modules():
+        if isinstance(m, Linear) and id(m) not in routers and m.weight is not None:
+            w = m.weight.detach().float().numpy()
+            blocks = quants.quantize(w, GGMLQuantizationType.Q8_0)
+            m.set_weight(EncodedWeight([(Q8_0, torch.from_numpy(np.ascontiguousarray(blocks)))],
+                                       m.in_features))
+    model.use_quant(True)
+    model.use_native_ops(True)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def q8_model(request, tmp_path_factory):
+    d = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param,
+                            **({"mlp_only_layers": []} if request.param == "qwen3_moe" else {}))
+    loaded = load_model(str(d))
+    _encode_q8(loaded)
+    return loaded
+
+
+def _moes(loaded) -> list[SparseMoE]:
+    return [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
+
+
+def test_every_moe_layer_takes_the_native_block(q8_model):
+    moes = _moes(q8_model)
+    assert moes and all(m._block is not None and m._route is not None for m in moes)
+    assert q8_model.model.config.llama_like
+    assert ModelRunner(q8_model, num_blocks=32, block_size=4, sampler=greedy).fused_decode
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_matches_torch_softmax_topk(norm):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(37, 16, generator=g) * 3
+    w, ids = kernels.moe_route(logits, 4, norm)
+    probs = torch.softmax(logits, dim=-1)
+    top, idx = torch.topk(probs, 4, dim=-1)
+    if norm:
+        top = top / top.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids, idx)
+    torch.testing.assert_close(w, top, rtol=1e-6, atol=1e-7)
+
+
+def test_routing_ties_go_to_the_lower_expert():
+    w, ids = kernels.moe_route(torch.tensor([[1.0, 2.0, 2.0, 2.0]]), 2, True)
+    assert ids.tolist() == [[1, 2]]
+    assert w.tolist() == [[0.5, 0.5]]
+
+
+@pytest.mark.parametrize("T", [1, 3, 32])
+def test_block_equals_the_python_loop_over_experts(q8_model, T):
+    moe = _moes(q8_model)[0]
+    x = torch.randn(T, moe.hidden, generator=torch.Generator().manual_seed(T))
+    native = moe(x)
+    block, moe._block = moe._block, None
+    try:
+        loop = moe(x)
+    finally:
+        moe._block = block
+    torch.testing.assert_close(native, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_large_steps_keep_the_loop_and_moe_c_routing(q8_model):
+    """A prefill-sized step (> QUANT_MAX_ROWS rows) runs the loop over the prefill GEMMs;
+    its rows agree with the same rows run as decode-sized steps."""
+    moe = _moes(q8_model)[0]
+    calls = []
+    inner = moe._block.forward
+    moe._block.forward = lambda x: (calls.append(x.shape[0]), inner(x))[1]
+    try:
+        x = torch.randn(40, moe.hidden, generator=torch.Generator().manual_seed(4))
+        big = moe(x)
+        assert calls == []
+        small = torch.cat([moe(x[i:i + 8]) for i in range(0, 40, 8)])
+        assert calls == [8] * 5
+    finally:
+        del moe._block.forward
+    torch.testing.assert_close(big, small, rtol=2e-2, atol=2e-3)
+
+
+def _decode(loaded, fused: bool, steps: int = 8):
+    """Prefill three prompts (one in two chunks), then decode them together: every step's
+    logits and each request's tokens, with the fused decode step on or off."""
+    seen = []
+
+    def sampler(logits, requests):
+        seen.append(logits.clone())
+        return greedy(logits, requests)
+
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4, sampler=sampler)
+    assert runner.fused_decode
+    if not fused:
+        assert not loaded.model.use_fused_decode(False)
+    calls = []
+    inner = loaded.model._decode_layers
+    loaded.model._decode_layers = lambda *a: (calls.append(a[0].shape[0]), inner(*a))[1]
+    try:
+        blocks = Blocks(64, 4)
+        a, b, c = (request("a", list(range(5, 30))), request("b", list(range(40, 47))),
+                   request("c", [3, 1, 4]))
+        out = step(chunk(blocks, a, 12), chunk(blocks, b), chunk(blocks, c))
+        advance(out, runner.execute(out))
+        out = step(chunk(blocks, b, 1), chunk(blocks, c, 1), chunk(blocks, a), step_no=1)
+        advance(out, runner.execute(out))
+        for s in range(steps):
+            out = step(*(chunk(blocks, r, 1) for r in (a, b, c)), step_no=2 + s)
+            advance(out, runner.execute(out))
+    finally:
+        del loaded.model._decode_layers
+        loaded.model.use_fused_decode(True)
+    return seen, [r.output_token_ids for r in (a, b, c)], calls
+
+
+def test_fused_decode_with_experts_is_bit_identical_to_per_module(q8_model):
+    on, tok_on, calls = _decode(q8_model, fused=True)
+    off, tok_off, calls_off = _decode(q8_model, fused=False)
+    assert calls and all(n == 3 for n in calls) and not calls_off
+    assert tok_on == tok_off
+    for x, y in zip(on, off):
+        assert torch.equal(x, y)
+
+
+def test_native_experts_agree_with_the_torch_path(q8_model):
+    """The same encoded weights with the native ops off (torch routing, the Python loop):
+    the same greedy tokens, logits within float rounding."""
+    native, tok_native, _ = _decode(q8_model, fused=True)
+    seen = []
+
+    def sampler(logits, requests):
+        seen.append(logits.clone())
+        return greedy(logits, requests)
+
+    runner = ModelRunner(q8_model, num_blocks=64, block_size=4, sampler=sampler)
+    try:
+        for m in _moes(q8_model):
+            assert not m.use_native(False)
+        assert not q8_model.model.use_fused_decode(True)     # an MoE layer without its block
+        blocks = Blocks(64, 4)
+        a, b, c = (request("a", list(range(5, 30))), request("b", list(range(40, 47))),
+                   request("c", [3, 1, 4]))
+        out = step(chunk(blocks, a, 12), chunk(blocks, b), chunk(blocks, c))
+        advance(out, runner.execute(out))
+        out = step(chunk(blocks, b, 1), chunk(blocks, c, 1), chunk(blocks, a), step_no=1)
+        advance(out, runner.execute(out))
+        for s in range(8):
+            out = step(*(chunk(blocks, r, 1) for r in (a, b, c)), step_no=2 + s)
+            advance(out, runner.execute(out))
+    finally:
+        q8_model.model.use_native_ops(True)
+        q8_model.model.use_fused_decode(True)
+    assert [r.output_token_ids for r in (a, b, c)] == tok_native
+    for x, y in zip(native, seen):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+
+
+def test_batch_invariant_block_rows_do_not_depend_on_their_neighbours(q8_model):
+    moe = _moes(q8_model)[0]
+    x = torch.randn(6, moe.hidden, generator=torch.Generator().manual_seed(9))
+    was = kernels.config().batch_invariant
+    kernels.set_batch_invariant(True)
+    try:
+        together = moe(x)
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(6)])
+    finally:
+        kernels.set_batch_invariant(was)
+    assert torch.equal(together, alone)
+
+
+def test_gpt_oss_keeps_the_python_experts(tmp_path):
+    loaded = load_model(str(make_tiny_model_dir(tmp_path, "gpt_oss")))
+    assert not loaded.model.config.native_moe and not loaded.model.config.llama_like
+    assert all(m._block is None and m._route is None for m in _moes(loaded))
+
+
+def test_block_rejects_bad_shapes(q8_model):
+    moe = _moes(q8_model)[0]
+    with pytest.raises(ValueError):
+        moe._block.forward(torch.zeros(2, moe.hidden + 1))
+    with pytest.raises(ValueError):
+        moe._block.forward(torch.zeros(2, moe.hidden, dtype=torch.float64))
+    e = moe.experts[0]
+    gu = list(e.gate_up_proj.encoded.segments)
+    with pytest.raises(ValueError):
+        kernels.MoeBlock([(0, moe.router.weight.detach().view(torch.uint8))], [gu],
+                         [gu], moe.hidden, e.inter, 1, True)       # down has gate_up's rows
+    with pytest.raises(ValueError):
+        kernels.MoeBlock([(0, moe.router.weight.detach().view(torch.uint8))], [gu], [], moe.hidden,
+                         e.inter, 1, True)
