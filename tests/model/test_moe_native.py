@@ -6,7 +6,8 @@ kept dense float32, as a GGUF's F32 router loads), so the experts run where a GG
 - the block's output equals the Python loop over experts (moe.py) on the same kernels;
 - the fused decode step (decode_layers.c with MoE layers) gives the same logits bit for bit
   as the per-module path, and greedy tokens equal the torch-routed path's;
-- under --batch-invariant a token's logits do not depend on the rows beside it;
+- under --batch-invariant a token's logits do not depend on the rows beside it, and no
+  result depends on the thread count;
 - gpt-oss (router bias, clamped SwiGLU) and interleaved experts keep the Python path.
 """
 
@@ -224,3 +225,20 @@ def test_block_rejects_bad_shapes(q8_model):
     with pytest.raises(ValueError):
         kernels.MoeBlock([(0, moe.router.weight.detach().view(torch.uint8))], [gu], [], moe.hidden,
                          e.inter, 1, True)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_block_does_not_depend_on_the_thread_count(q8_model, T):
+    """The threads split rows of one parallel region (moe.c): one thread or two, each output
+    row is the same single-thread kernel's."""
+    moe = _moes(q8_model)[0]
+    x = torch.randn(T, moe.hidden, generator=torch.Generator().manual_seed(11))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = moe(x)
+        torch.set_num_threads(2)
+        two = moe(x)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
