@@ -144,6 +144,34 @@ def fetch_source() -> Path:
     return vendor
 
 
+# cpuinfo flag -> ggml's CMake option, for the builds that name the ISA instead of -march=native
+_GGML_ISA = {"avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+             "avx512f": "GGML_AVX512", "avx512_vnni": "GGML_AVX512_VNNI",
+             "avx512_bf16": "GGML_AVX512_BF16", "avx512vbmi": "GGML_AVX512_VBMI",
+             "avx_vnni": "GGML_AVX_VNNI"}
+
+
+def isa_flags(cpuinfo: str | None = None) -> list[str]:
+    """`GGML_NATIVE`, except on a CPU with AMX: there a native build (ggml's AMX backend)
+    segfaulted in its warm-up run on every model (Xeon with amx_tile / amx_int8 / amx_bf16,
+    2 cores), so the ISA is named flag by flag, AMX off; same kernels otherwise."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "amx_tile" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+            "-DGGML_AMX_BF16=OFF",
+            *(f"-D{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in _GGML_ISA.items())]
+
+
 def build(jobs: int = 2) -> Path:
     """Build llama-server and llama-quantize (CPU only); return the server binary."""
     server = BIN_DIR / "llama-server"
@@ -155,7 +183,7 @@ def build(jobs: int = 2) -> Path:
     _run(["cmake", "-S", vendor, "-B", BUILD_DIR, *gen, "-DCMAKE_BUILD_TYPE=Release",
           "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF",
           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
-          "-DGGML_NATIVE=ON"])
+          *isa_flags()])
     _run(["nice", "-n", "19", "cmake", "--build", BUILD_DIR, "--target", "llama-server", "llama-quantize",
           "-j", str(jobs)])
     if not server.exists():

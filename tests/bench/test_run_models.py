@@ -174,3 +174,14 @@ def test_llama_server_command_is_the_peer_modules_one(tmp_path):
     assert health == "/health"
     assert memory.llama_server_command(m.path, 18701, 4, 256) == \
         ls.command(m.path, 18701, 4, 2, 256, binary)
+
+
+def test_llama_server_build_names_the_isa_on_an_amx_cpu():
+    """A native llama.cpp build segfaulted on an AMX Xeon; there the peer build names each ISA
+    flag the CPU has and turns AMX off, elsewhere it stays GGML_NATIVE."""
+    import llama_server as peer
+    assert peer.isa_flags("flags\t: fpu avx2 fma f16c avx512f\n") == ["-DGGML_NATIVE=ON"]
+    amx = peer.isa_flags("flags\t: fpu avx2 fma f16c avx512f avx512_vnni amx_tile amx_int8\n")
+    assert "-DGGML_NATIVE=OFF" in amx and "-DGGML_AMX_INT8=OFF" in amx
+    assert "-DGGML_AVX512=ON" in amx and "-DGGML_AVX512_VNNI=ON" in amx
+    assert "-DGGML_AVX512_BF16=OFF" in amx
