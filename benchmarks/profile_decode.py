@@ -51,7 +51,7 @@ PHASES = {0: ("rmsnorm (ln1 + ln2)", None), 1: ("gemm q/k/v", "qkv"),
           2: ("q/k/v bias + q/k norm", None), 3: ("rope", None), 4: ("kv write + q copy", None),
           5: ("attention", None), 6: ("gemm o", "o"), 7: ("residual adds", None),
           8: ("gemm gate/up", "gate_up"), 9: ("silu x up", None), 10: ("gemm down", "down"),
-          12: ("experts: router, gate/up, silu, down", None)}
+          12: ("experts: router, gate/up, silu, down", "experts")}
 PROF_CALL, PROF_TYPE0 = 11, 16
 
 
@@ -141,18 +141,29 @@ def _type_name(t: int) -> str:
 def weight_bytes(model) -> dict:
     """Bytes of encoded weights one decode step reads: per fused-decode role, per type, and
     the LM head's (segments' own storage, as the kernels stream them)."""
-    roles: dict[str, int] = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0}
+    roles: dict[str, int] = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, "experts": 0}
     types: dict[int, int] = {}
+
+    def add(role: str, lin, share: float = 1.0) -> None:
+        if lin.encoded is None:
+            return
+        for t, w in lin.encoded.segments:
+            nb = int(w.numel() * w.element_size() * share)
+            roles[role] += nb
+            types[int(t)] = types.get(int(t), 0) + nb
+
     for layer in model.layers:
         a, mlp = layer.self_attn, layer.mlp
-        for role, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
-                          ("down", mlp.down_proj)):
-            if lin.encoded is None:
-                continue
-            for t, w in lin.encoded.segments:
-                nb = w.numel() * w.element_size()
-                roles[role] += nb
-                types[int(t)] = types.get(int(t), 0) + nb
+        add("qkv", a.qkv_proj)
+        add("o", a.o_proj)
+        if hasattr(mlp, "experts"):     # a token reads its top_k experts: their average share
+            share = mlp.top_k / mlp.num_experts
+            for e in mlp.experts:
+                add("experts", e.gate_up_proj, share)
+                add("experts", e.down_proj, share)
+            continue
+        add("gate_up", mlp.gate_up_proj)
+        add("down", mlp.down_proj)
     head = model.lm_head
     head_types = [] if head.encoded is None else [int(t) for t, _ in head.encoded.segments]
     head_bytes = sum(w.numel() * w.element_size() for _, w in head.encoded.segments) \
