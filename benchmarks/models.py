@@ -69,6 +69,15 @@ SHAPES: dict[str, dict] = {
     "llama-3.1-8b-like": dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                               tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layer (32 heads / 4 KV of 128, 128 experts of FFN 768, 8 a token) with
+    # 6 of its 48 layers, so the bf16 + F16 intermediates fit this disk and RAM (~3.7B
+    # parameters, ~0.5B active a token): its per-layer speed is the real model's.
+    "qwen3-30b-a3b-like": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                               num_hidden_layers=6, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, num_experts=128,
+                               num_experts_per_tok=8, moe_intermediate_size=768,
+                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                               tie_word_embeddings=False),
 }
 VOCAB = 49152
 STD = 0.02
@@ -87,9 +96,10 @@ def model_dir(name: str) -> Path:
 
 def hf_config(name: str) -> dict:
     s = SHAPES[name]
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[s["model_type"]]
-    cfg = {**s, "architectures": [arch], "vocab_size": VOCAB, "hidden_act": "silu",
-           "head_dim": s["hidden_size"] // s["num_attention_heads"],
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}[s["model_type"]]
+    cfg = {"head_dim": s["hidden_size"] // s["num_attention_heads"], **s,
+           "architectures": [arch], "vocab_size": VOCAB, "hidden_act": "silu",
            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
            "attention_bias": s["model_type"] == "qwen2", "initializer_range": STD}
@@ -97,7 +107,8 @@ def hf_config(name: str) -> dict:
 
 
 def tensor_shapes(name: str) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of the shape's llama / qwen2 model."""
+    """HF tensor names and shapes of the shape's llama / qwen2 / qwen3_moe model (experts one
+    tensor each, as the Hub's Qwen3-MoE checkpoints store them)."""
     c = hf_config(name)
     h, f, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
@@ -109,9 +120,18 @@ def tensor_shapes(name: str) -> dict[str, tuple[int, ...]]:
         out.update({p + "input_layernorm.weight": (h,),
                     p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f)})
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        if c["model_type"] == "qwen3_moe":
+            mi = c["moe_intermediate_size"]
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                        p + "mlp.gate.weight": (c["num_experts"], h)})
+            for e in range(c["num_experts"]):
+                x = f"{p}mlp.experts.{e}."
+                out.update({x + "gate_proj.weight": (mi, h), x + "up_proj.weight": (mi, h),
+                            x + "down_proj.weight": (h, mi)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                        p + "mlp.down_proj.weight": (h, f)})
         if c["attention_bias"]:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
@@ -302,7 +322,7 @@ CONVERTER_OUTTYPES = {"F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
 # hash of the bundled SmolLM2 vocabulary under that class is one it has never seen and it
 # refuses ("BPE pre-tokenizer was not recognized"). Naming it `qwen2` (the same regex) keeps
 # llama.cpp's tokenisation of the GGUF equal to transformers' of the HF directory.
-PRE_TOKENIZER = {"qwen2": "qwen2"}
+PRE_TOKENIZER = {"qwen2": "qwen2", "qwen3_moe": "qwen2"}
 
 
 def converter_command(python: str, vendor: Path, hf: Path, base: str, out: Path,

@@ -123,21 +123,39 @@ def read_bandwidth(threads=(1, 2), mb: int = 512) -> dict[str, float]:
 def weight_bytes_per_token(path) -> int:
     """Bytes of weights one batch-1 decode token reads from a GGUF file or an HF directory:
     every tensor once, in its stored encoding, except a token-embedding table that is not
-    also the LM head (a lookup reads one row of it)."""
+    also the LM head (a lookup reads one row of it) and the experts of a Mixture-of-Experts
+    layer, of which a token reads its k of E: k/E of their bytes (the active parameters)."""
     path = Path(path)
     if path.is_dir():
+        import json
+
         from iterserve.model.hf_loader import read_hf_weights
         sizes = {n: r.nbytes for n, r in read_hf_weights(path).items()}
         embed = [n for n in sizes if n.endswith("embed_tokens.weight")]
         head = [n for n in sizes if n.endswith("lm_head.weight")]
+        cfg = json.loads((path / "config.json").read_text())
+        k = int(cfg.get("num_experts_per_tok") or 0)
+        e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        experts = [n for n in sizes if ".experts." in n]
     else:
         from gguf import GGUFReader
-        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+        reader = GGUFReader(str(path))
+        sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
         embed = [n for n in sizes if n == "token_embd.weight"]
         head = [n for n in sizes if n == "output.weight"]
+
+        def meta(suffix: str) -> int:
+            for name, f in reader.fields.items():
+                if name.endswith(suffix):
+                    return int(f.parts[f.data[0]][0])
+            return 0
+        k, e = meta(".expert_used_count"), meta(".expert_count")
+        experts = [n for n in sizes if "_exps." in n]
     total = sum(sizes.values())
     if embed and head:                     # untied: the table is looked up, not streamed
         total -= sum(sizes[n] for n in embed)
+    if experts and 0 < k < e:
+        total -= round(sum(sizes[n] for n in experts) * (1 - k / e))
     return total
 
 

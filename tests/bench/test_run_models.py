@@ -185,3 +185,15 @@ def test_llama_server_build_names_the_isa_on_an_amx_cpu():
     assert "-DGGML_NATIVE=OFF" in amx and "-DGGML_AMX_INT8=OFF" in amx
     assert "-DGGML_AVX512=ON" in amx and "-DGGML_AVX512_VNNI=ON" in amx
     assert "-DGGML_AVX512_BF16=OFF" in amx
+
+
+def test_weight_bytes_per_token_count_a_tokens_k_of_e_experts(tmp_path):
+    """A Mixture-of-Experts token reads its k experts of E: the bound is over the active bytes."""
+    from fixtures.tiny_models import make_tiny_model_dir
+    from iterserve.model.hf_loader import read_hf_weights
+    d = make_tiny_model_dir(tmp_path, "qwen3_moe")          # 4 experts, 2 a token
+    sizes = {n: r.nbytes for n, r in read_hf_weights(d).items()}
+    experts = sum(b for n, b in sizes.items() if ".experts." in n)
+    embed = sum(b for n, b in sizes.items() if n.endswith("embed_tokens.weight"))
+    assert experts > 0
+    assert roofline.weight_bytes_per_token(d) == sum(sizes.values()) - embed - round(experts / 2)
