@@ -68,7 +68,7 @@ def ab(types, shapes, threads, rows, repeats, min_s, cold_mb, clock, sides) -> l
                         for s in sides:
                             times[s].append(time_call(fns[s], min_s, clock))
                     med = {s: statistics.median(v) for s, v in times.items()}
-                    base = sides[0][0]
+                    base = sides[0]
                     row = {"type": name, "shape": shape, "n": n, "k": k, "threads": th, "rows": m,
                            **{f"{s}_us": round(med[s] * 1e6, 1) for s in med},
                            **{f"{s}_gbs": round(w.numel() / med[s] / 1e9, 2) for s in med},
