@@ -15,8 +15,9 @@ distribution is computed:
 - iterserve's default path, twice: as a prompt (256-token chunks: the int8 prefill GEMM) and
   teacher-forced one token per decode step (the int8 decode kernels and the fused decode
   layers, what generation runs);
-- variants of the default decode path (whose LM head keeps float activations under auto):
-  the LM head on auto's int8 kernels too, and the first layer in float as well (through
+- variants of the default decode path (whose LM head runs split activations under auto:
+  each row as its 8-bit rounding plus the residual in 8 bits, kernels.qgemm_split8): the LM
+  head in float, the LM head on auto's int8 kernels, and the first layer in float (through
   the layers' own mode, `Linear.auto_activations`; the fused decode layers are off where
   the first layer is float, since they run in one C call under the process's mode);
 - llama-server on the same GGUF (benchmarks/peers/llama_server.py builds it), one slot,
@@ -119,14 +120,17 @@ def _auto_mode(module, mode: str):
 def variant(loaded, name: str):
     """Apply a variant of the default path to the loaded model; returns the undo.
 
-    default: what auto runs (int8 where faster, the LM head in float); lm_head_int8: the LM
-    head under auto's int8 routing too; layer0_float: the default with the first layer's
+    default: what auto runs (int8 where faster, the LM head on split activations);
+    lm_head_float: the LM head in float; lm_head_int8: the LM head under auto's int8 routing
+    too; layer0_float: the default with the first layer's
     linears in float as well (the fused decode layers off: they run in one C call under the
     process's mode)."""
     lm = loaded.model
     undo = []
     if name == "lm_head_int8":
         undo.append(_auto_mode(lm.lm_head, "auto"))
+    if name == "lm_head_float":
+        undo.append(_auto_mode(lm.lm_head, "float"))
     if name == "layer0_float":
         a, mlp = lm.layers[0].self_attn, lm.layers[0].mlp
         for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     llama = None
     if not a.no_llama:
         llama = start_llama(model, a.port, a.max_tokens + 16, a.threads)
-    variants = ["default", "lm_head_int8", "layer0_float"]
+    variants = ["default", "lm_head_float", "lm_head_int8", "layer0_float"]
     result = {"model": str(model), "n_probs": a.n_probs, "topk_p": TOPK_P, "chunk": CHUNK,
               "isa": {"int8": kernels.int8_isa(), "attention": kernels.prefill_attention_isa(64)},
               "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "texts": {}}

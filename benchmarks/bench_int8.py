@@ -18,6 +18,9 @@ offline LLM, float and auto (the default: int8 where measured faster) alternatin
     PYTHONPATH=src python benchmarks/bench_int8.py --decode ~/.cache/iterserve-models/\
         smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf --batch 1 --steps 32 --repeats 3 --threads 2
 
+`--split8` times the LM head's split activations (kernels.qgemm_split8) against float and
+int8 on head shapes (`--shapes lm_head,head135`): where split8 wins, dispatch.c routes it.
+
 `--crossover` (same process, alternating, `--clock cpu --cold 96`) times the int8 decode
 kernels (qdot8.c), the int8 prefill GEMM (prefill8.c) and `auto` (the engine's dispatch,
 dispatch.c's table) at decode row counts: where auto hands over; `--sides decode,gemm8`
@@ -128,6 +131,17 @@ def crossover_sides(name, t, next_w, k, x, y):
     return sides, prepare
 
 
+def split8_sides(name, t, next_w, k, x, y):
+    """The LM head's kernels: float (kernels.qgemm in float mode, what the head ran under auto
+    before split activations), split8 (kernels.qgemm_split8: each row as two int8 rows) and
+    int8 (kernels.qgemm_int8); float_over_split8 > 1: split activations are faster. Where
+    they are, dispatch.c routes the head's split mode to them (SPLIT8_MAX_ROWS)."""
+    return ({"float": lambda: kernels.qgemm(t, next_w(), k, x, y),
+             "split8": lambda: kernels.qgemm_split8(t, next_w(), k, x, y),
+             "int8": lambda: kernels.qgemm_int8(t, next_w(), k, x, y)},
+            {"float": lambda: kernels.set_activations("float")})
+
+
 def only_sides(make_sides, names):
     """make_sides restricted to `names` (in that order; names the type lacks are left out)."""
     def make(*args):
@@ -189,8 +203,11 @@ def main() -> None:
     ap.add_argument("--crossover", action="store_true",
                     help="the decode kernels against the int8 prefill GEMM (prefill8.c) at "
                          "decode row counts (where auto hands the K-quants over)")
+    ap.add_argument("--split8", action="store_true",
+                    help="the LM head's split activations against float and int8 (use "
+                         "--shapes lm_head,head135)")
     ap.add_argument("--sides", default=None, metavar="S,S,...",
-                    help="with --crossover: only these sides (decode, gemm8, auto; the "
+                    help="with --crossover or --split8: only these sides (decode, gemm8, auto; the "
                          "first is the baseline of the ratios)")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="cycle distinct weight copies of at least MB megabytes in "
@@ -220,8 +237,8 @@ def main() -> None:
     else:
         if a.quick:
             a.types, a.shapes, a.repeats = "Q4_K,Q4_0", "qo,down", 3
-        sides = crossover_sides if a.crossover else float_int8_sides
-        if a.crossover and a.sides:
+        sides = crossover_sides if a.crossover else split8_sides if a.split8 else float_int8_sides
+        if (a.crossover or a.split8) and a.sides:
             sides = only_sides(sides, a.sides.split(","))
         rows = ab_grid(a.types.split(","), a.shapes.split(","),
                        [int(v) for v in a.threads.split(",")], [int(v) for v in a.rows.split(",")],
@@ -229,6 +246,7 @@ def main() -> None:
         kernels.set_activations("float")
         result = {**meta, "results": rows}
         out = a.out or ("benchmarks/results/kq-crossover.json" if a.crossover
+                        else "benchmarks/results/split8-head.json" if a.split8
                         else "benchmarks/results/int8-qgemm.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")

@@ -406,21 +406,22 @@ def _greedy(loaded, prompt, mode: str, fused: bool = True):
 
 @pytest.mark.parametrize("isa8", ISAS, indirect=True)
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
-@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("rows", [1, 2, 8, 40])
 def test_a_layer_keeps_its_own_mode_under_auto(name, rows, isa8):
-    """The LM head keeps float activations under auto (layers.LM_HEAD_AUTO_ACTIVATIONS): a
+    """The LM head runs its own mode under auto (layers.LM_HEAD_AUTO_ACTIVATIONS, split8): a
     Linear's `auto_activations` is the mode of its native calls while the process runs
-    auto, decode rows and prefill rows alike; float and int8 set by the user apply to every
-    layer, the head included. Where the table has no int8 kernel for a shape (Q8_0 prefill
-    rows on AVX2) every mode is the float path, and so is every layer's."""
+    auto, decode rows and prefill rows alike: split activations where dispatch.c routes
+    them, else float; float and int8 set by the user apply to every layer, the head
+    included. Where the table has no int8 kernel for a shape (Q8_0 prefill rows on AVX2)
+    every mode is the float path, and so is every layer's."""
     from iterserve.model.layers import LM_HEAD_AUTO_ACTIVATIONS, Linear
     from iterserve.model.weights import EncodedWeight
-    assert LM_HEAD_AUTO_ACTIVATIONS == "float"
+    assert LM_HEAD_AUTO_ACTIVATIONS == "split8"
     before = kernels.activations()
     try:
         t, w, _ = gguf_blocks(name, 96, 512, seed=3)
         x = torch.randn(rows, 512)
-        head, body = Linear(512, 96, auto_activations="float"), Linear(512, 96)
+        head, body = Linear(512, 96, auto_activations="split8"), Linear(512, 96)
         for lin in (head, body):
             lin.set_weight(EncodedWeight([(t, w)], 512))
             assert lin.use_quant(True)
@@ -429,8 +430,13 @@ def test_a_layer_keeps_its_own_mode_under_auto(name, rows, isa8):
             kernels.set_activations(mode)
             out[mode] = (head(x), body(x))
             routes[mode] = ops.route(t, rows, 512)
+        split = torch.empty(rows, 96)
+        kernels.qgemm_split8(t, w, 512, x, split)
         int8 = ("int8", "gemm8")
-        assert torch.equal(out["auto"][0], out["float"][0])         # the head: float under auto
+        head_route = ops.route(t, rows, 512, "split8")
+        # the head under auto: split activations where routed (K-quants to 16 rows, Q8_0 to 2)
+        assert head_route == ("split8" if rows <= (16 if name == "Q4_K" else 2) else routes["float"])
+        assert torch.equal(out["auto"][0], split if head_route == "split8" else out["float"][0])
         assert torch.equal(out["float"][0], out["float"][1])        # the user's float: everywhere
         assert torch.equal(out["int8"][0], out["int8"][1])          # the user's int8: everywhere
         assert torch.equal(out["int8"][0], out["float"][0]) == (routes["int8"] not in int8)
@@ -441,6 +447,29 @@ def test_a_layer_keeps_its_own_mode_under_auto(name, rows, isa8):
         assert ops.route(t, rows, 512, "int8") == routes["int8"]
     finally:
         kernels.set_activations(before)
+
+
+@pytest.mark.parametrize("isa8", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_split_activations_are_near_float(name, rows, isa8):
+    """kernels.qgemm_split8 (each row as its 8-bit rounding plus the residual in 8 bits):
+    within ~1/250 of the int8 kernels' error from the float path, whatever the type, ISA and
+    row count (11 rows: two pieces of SPLIT8_ROWS), and each row's result is the same alone
+    as in a call of many rows. A broken residual (the re-quantised rounding not exact, the two
+    halves not summed) puts it back at int8's error or worse."""
+    t, w, _ = gguf_blocks(name, 200, 1024, seed=5)
+    x = torch.randn(rows, 1024) * torch.linspace(0.05, 3.0, 1024)   # uneven blocks
+    ref, i8, sp = (torch.empty(rows, 200) for _ in range(3))
+    kernels.qgemm_path("registers", t, w, 1024, x, ref)
+    kernels.qgemm_int8(t, w, 1024, x, i8)
+    kernels.qgemm_split8(t, w, 1024, x, sp)
+    e8, es = (i8 - ref).abs().max().item(), (sp - ref).abs().max().item()
+    assert es * 60 < e8, (es, e8)
+    assert es < 1e-3 * ref.abs().max().item()
+    alone = torch.empty(1, 200)
+    kernels.qgemm_split8(t, w, 1024, x[-1:].contiguous(), alone)
+    assert torch.allclose(alone[0], sp[-1], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def _prompt(loaded):

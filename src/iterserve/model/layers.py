@@ -146,16 +146,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # still made steps 3-10% faster in same-process A/B runs, at 48 slower, hence 32.
 QUANT_MAX_ROWS = 32
 
-# Under `--kernel-activations auto` the LM head keeps float activations: its logits are what
-# sampling reads directly, and rounding its input rows to 8 bits was a third of the whole
-# model's divergence from the float path. benchmarks/accuracy.py on the bundled Q4_1 model,
-# three texts, ~2,900 positions, teacher-forced decode steps: the top-k KL to the float path
-# 0.00199 -> 0.00141 (llama-server on the same file: 0.00191), top-1 agreement 0.961 -> 0.967,
-# on AVX-512 VNNI (AVX2: 0.00204 -> 0.00138, llama-server 0.00221); a decode step cost +3-5%
-# at batch 1 and nothing measurable at batch 8 (one thread, three runs; the head is a fifth
-# of this model's weights, less of a bigger one's). The first layer in float as well bought
-# 0.00141 -> 0.00130 for +60-85% per step, so only the head.
-LM_HEAD_AUTO_ACTIVATIONS = "float"
+# Under `--kernel-activations auto` the LM head does not take plain int8 activations: its
+# logits are what sampling reads directly, and rounding its input rows to 8 bits was a third
+# of the whole model's divergence from the float path. benchmarks/accuracy.py on the bundled
+# Q4_1 model, three texts, ~2,900 positions, teacher-forced decode steps: the top-k KL to the
+# float path 0.00199 -> 0.00141 with the head in float (llama-server on the same file:
+# 0.00191), top-1 agreement 0.961 -> 0.967, on AVX-512 VNNI (AVX2: 0.00204 -> 0.00138,
+# llama-server 0.00221); the first layer in float as well bought 0.00141 -> 0.00130 for
+# +60-85% per step, so only the head. The float kernels are bound by instructions, though,
+# and a big head at batch 1 is a large part of a step (a Q6_K head was 45% of a Qwen3-MoE
+# step), so the head runs split activations (kernels.qgemm_split8, qdot8.c): each row as
+# its 8-bit rounding plus the rounding's residual in 8 bits, ~1/250 of int8's rounding error
+# at the int8 kernels' speed where dispatch.c measured it faster (K-quant heads up to 16 rows:
+# 1.3-3.5x the float kernels; 32-element types up to 2); float elsewhere. Its accuracy and
+# cost beside the float head: the lm_head_float variant of benchmarks/accuracy.py.
+LM_HEAD_AUTO_ACTIVATIONS = "split8"
 
 
 def _kernels():
@@ -194,7 +199,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # The mode this layer's native calls run under while the process's is "auto"
-        # ("float": the LM head, LM_HEAD_AUTO_ACTIVATIONS); "float" and "int8" set by the
+        # ("split8": the LM head, LM_HEAD_AUTO_ACTIVATIONS); "float" and "int8" set by the
         # user apply to every layer.
         self.auto_activations = auto_activations
         self.weight = nn.Parameter(torch.empty(out_features, in_features))

@@ -44,8 +44,8 @@ from iterserve.model.kernels.ops import (KV_TYPES, PREFILL_ISAS, PREFILL_KV_TYPE
                                          bf16_takes, decode_attention, dequant, f16_takes, gemm,
                                          gemm_int8, kv_type, prefill_attention,
                                          prefill_attention_isa, qgemm, qgemm_bf16, qgemm_f16,
-                                         qgemm_int8, qgemm_path, qk_norm, rmsnorm, rope, route,
-                                         row_bytes, silu_mul, supports_gemm_int8, supports_int8)
+                                         qgemm_int8, qgemm_path, qgemm_split8, qk_norm,
+                                         rmsnorm, rope, route, row_bytes, silu_mul, supports_gemm_int8, supports_int8)
 
 
 def __getattr__(name: str):
@@ -61,6 +61,6 @@ __all__ = [
     "bf16_takes", "cache_dir", "clear_cache", "config", "configure", "decode_attention",
     "dequant", "f16_takes", "features", "gemm", "gemm_int8", "gemm_isa", "int8_isa", "kv_type",
     "prefill_attention", "prefill_attention_isa", "qgemm", "qgemm_bf16", "qgemm_f16",
-    "qgemm_int8", "qgemm_path", "qk_norm", "rmsnorm", "rope", "route", "row_bytes",
+    "qgemm_int8", "qgemm_split8", "qgemm_path", "qk_norm", "rmsnorm", "rope", "route", "row_bytes",
     "set_activations", "set_batch_invariant", "silu_mul", "supports_dequant", "supports_gemm_int8", "supports_int8",
 ]

@@ -27,6 +27,9 @@ from iterserve.model.kernels.build import state_of
 log = logging.getLogger("iterserve.model.kernels")
 
 ACTIVATION_MODES = {"float": 0, "int8": 1, "auto": 2}     # iterserve.h ITERSERVE_ACT_*
+# A layer's own mode may also be "split8" (the LM head under auto: dispatch.c, qdot8.c's
+# iterserve_k_split8): not a process mode, since prefill calls take the float path under it.
+LAYER_ACTIVATION_MODES = {**ACTIVATION_MODES, "split8": 3}
 ISAS = {None: 0, "avx2": 1, "avx512": 2}                  # iterserve.h ITERSERVE_ISA_*
 
 
@@ -40,7 +43,7 @@ class KernelConfig:
     once per call and dotted in integers, as llama.cpp does, for the types `supports_int8`
     names) or "auto" (int8 and bf16 where dispatch.c measured them faster; the engine's
     default, `--kernel-activations`). A layer may run its calls under a mode of its own
-    (ops.qgemm's `activations`): under auto the LM head keeps float (layers.Linear).
+    (ops.qgemm's `activations`): under auto the LM head runs split8 (layers.Linear).
     isa: the widest vector ISA the kernels may use: None (the best this CPU has), "avx2" or
     "avx512" (more than the CPU has falls back to the best). Threads follow torch's
     (`torch.get_num_threads()`, read per call).

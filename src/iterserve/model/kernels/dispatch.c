@@ -143,14 +143,32 @@ static int64_t route_gemm(int64_t type, int64_t M, int mode) {
 }
 
 /* The activation mode a call runs under: the process's, or a layer's own where it asks for
- * one (layers.Linear: the LM head keeps float activations under auto). */
+ * one (layers.Linear: the LM head's split activations under auto). */
 static int mode_of(int act) {
     return act == ITERSERVE_ACT_FLOAT || act == ITERSERVE_ACT_INT8 || act == ITERSERVE_ACT_AUTO
-        ? act : iterserve_st.activations;
+        || act == ITERSERVE_ACT_SPLIT8 ? act : iterserve_st.activations;
+}
+
+/* Split activations (iterserve_k_split8) where its two int8 rows per row measured faster
+ * than the float kernels; elsewhere, and under batch invariance (whose float kernels are one
+ * order at every row count), the mode is float. float time / split8 time, 1 | 2 threads,
+ * weights cycled through 300 MB (bench_int8.py --split8, AVX-512 VNNI Xeon), rows 1 2 4 8 16:
+ * Q6_K 49152x2048 2.2 1.9 3.5 1.9 1.5 | 2.1 1.8 3.5 1.8 1.4 (32: 0.95 | 0.98); Q4_K 3.3 2.9
+ * 2.2 1.9 1.3 | 3.0 2.7 2.4 1.9 1.3; Q8_0 49152x2048 1.23 1.12 0.89 | 1.32 1.10 0.86, the
+ * bundled model's 49152x576 1.20 1.30 1.01 | 1.17 1.18 1.13, 0.66 | 0.65 at 8. Hence the
+ * K-quants up to 16 rows, the 32-element types up to 2. */
+static int split8_takes(int64_t type, int64_t M, int64_t k) {
+    const int kq = is_kq(type);
+    return !iterserve_st.invariant && M <= (kq ? 16 : 2) && iterserve_can_act8(type)
+        && k % (kq ? 256 : 32) == 0;
 }
 
 int64_t iterserve_route_act(int64_t type, int64_t M, int64_t k, int act) {
-    const int mode = mode_of(act);
+    int mode = mode_of(act);
+    if (mode == ITERSERVE_ACT_SPLIT8) {
+        if (split8_takes(type, M, k)) return ITERSERVE_K_SPLIT8;
+        mode = ITERSERVE_ACT_FLOAT;
+    }
     if (iterserve_st.invariant) return route_invariant(type, M, mode);
     if (mode == ITERSERVE_ACT_AUTO && M <= ACT8_MAX_ROWS
         && iterserve_can_act8(type) && iterserve_can_gemm8(type) && M >= gemm8_from(type, k)
@@ -188,6 +206,8 @@ int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int6
         return iterserve_k_gemm8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     case ITERSERVE_K_DEC8:
         return iterserve_k_dec8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
+    case ITERSERVE_K_SPLIT8:
+        return iterserve_k_split8(type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     case ITERSERVE_K_BF16:
         return iterserve_k_bf16(M >= BF16_PANEL_ROWS || iterserve_st.invariant ? 2 : 1, type, w,
                                 n, row_stride, k, x, M, ldx, y, ldy, nthreads);
@@ -234,7 +254,7 @@ int iterserve_gemm_act(int act, int64_t type, const uint8_t *w, int64_t n, int64
     int QB, BB;
     if (!iterserve_block_decoder(type, &QB, &BB) || k % QB) return ITERSERVE_ETYPE;
     if (M < 1 || n < 1) return ITERSERVE_OK;
-    const int mode = mode_of(act);
+    const int mode = mode_of(act) == ITERSERVE_ACT_SPLIT8 ? ITERSERVE_ACT_FLOAT : mode_of(act);
     const int64_t kern = iterserve_st.invariant ? route_invariant(type, M, mode)
                                                 : route_gemm(type, M, mode);
     if (kern != ITERSERVE_K_PANEL

@@ -75,8 +75,10 @@ typedef struct {
 /* What Python sets once (kernels.configure), before any kernel runs. */
 /* ITERSERVE_ACT_PROCESS: in the *_act calls below, the configured mode (any other value
  * overrides it for that call: a layer that keeps its own mode, layers.Linear) */
+/* ITERSERVE_ACT_SPLIT8 (a layer's own mode only, not the process's): decode row counts of
+ * the int8 types on iterserve_k_split8 (near-float results at int8 speed), the rest as float. */
 enum { ITERSERVE_ACT_FLOAT = 0, ITERSERVE_ACT_INT8 = 1, ITERSERVE_ACT_AUTO = 2,
-       ITERSERVE_ACT_PROCESS = -1 };
+       ITERSERVE_ACT_SPLIT8 = 3, ITERSERVE_ACT_PROCESS = -1 };
 enum { ITERSERVE_ISA_BEST = 0, ITERSERVE_ISA_AVX2 = 1, ITERSERVE_ISA_AVX512 = 2 };
 typedef struct {
     int64_t activations;        /* ITERSERVE_ACT_*: how the linear kernels treat activations */
@@ -126,7 +128,7 @@ int iterserve_gemm_act(int act, int64_t type, const uint8_t *w, int64_t n, int64
  * the table's choice). Returns ITERSERVE_ETYPE where that kernel does not take the call. */
 enum { ITERSERVE_K_AUTO = 0, ITERSERVE_K_REGISTERS = 1, ITERSERVE_K_GENERIC = 2,
        ITERSERVE_K_PANEL = 3, ITERSERVE_K_ACT8 = 4, ITERSERVE_K_GEMM8 = 5, ITERSERVE_K_BF16 = 6,
-       ITERSERVE_K_F16 = 7, ITERSERVE_K_DEC8 = 8 };
+       ITERSERVE_K_F16 = 7, ITERSERVE_K_DEC8 = 8, ITERSERVE_K_SPLIT8 = 9 };
 int iterserve_linear_kernel(int64_t kernel, int64_t type, const uint8_t *w, int64_t n,
                             int64_t row_stride, int64_t k, const float *x, int64_t M,
                             int64_t ldx, float *y, int64_t ldy, int nthreads);
@@ -238,6 +240,11 @@ int iterserve_k_panel(int64_t type, const uint8_t *w, int64_t n, int64_t row_str
  * whole blocks. */
 int iterserve_k_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                      const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int nthreads);
+/* qdot8.c: each row as its 8-bit rounding plus the rounding's residual in 8 bits, two rows
+ * of iterserve_k_act8 summed: rounding error ~1/250 of iterserve_k_act8's. ETYPE as it. */
+int iterserve_k_split8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
+                       const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+                       int nthreads);
 /* prefill8.c: int8 activations, panel GEMM (not Q8_0 on AVX2: ETYPE). */
 int iterserve_k_gemm8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stride, int64_t k,
                       const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,

@@ -13,7 +13,7 @@ import torch
 from iterserve.model.kernels import build
 from iterserve.model.kernels._abi import ERRORS as _ERRORS
 from iterserve.model.kernels.build import _lib, _library, available
-from iterserve.model.kernels.config import ACTIVATION_MODES, state_of
+from iterserve.model.kernels.config import LAYER_ACTIVATION_MODES, state_of
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -121,7 +121,7 @@ def _gemm_args(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: to
 
 def _act(activations: str | None) -> int:
     """iterserve.h's ITERSERVE_ACT_*: a layer's own mode, or -1 (the configured one)."""
-    return -1 if activations is None else ACTIVATION_MODES[activations]
+    return -1 if activations is None else LAYER_ACTIVATION_MODES[activations]
 
 
 def qgemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
@@ -149,7 +149,7 @@ def gemm(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Te
 
 
 _KERNELS = {"auto": 0, "registers": 1, "generic": 2, "panel": 3, "int8": 4, "gemm8": 5,
-            "bf16": 6, "f16": 7, "dec8": 8}         # iterserve.h ITERSERVE_K_*
+            "bf16": 6, "f16": 7, "dec8": 8, "split8": 9}         # iterserve.h ITERSERVE_K_*
 _KERNEL_NAMES = {v: k for k, v in _KERNELS.items()}
 
 
@@ -228,6 +228,20 @@ def gemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: tor
 # --- bf16 dot products for BF16 / F16 weights (bf16dot.c) --------------------------------
 
 _BF16_PATHS = {"auto": 0, "decode": 1, "stream": 1, "panel": 2}
+
+
+def qgemm_split8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+                 col0: int = 0) -> None:
+    """`qgemm` on split activations whatever the row count (tests, benchmarks): each row of x
+    as its 8-bit rounding plus that rounding's residual in 8 bits, two rows of the int8
+    kernels summed (qdot8.c iterserve_k_split8): int8 speed, ~1/250 of int8's rounding error.
+    What the LM head runs at decode row counts under auto (layers.LM_HEAD_AUTO_ACTIVATIONS)."""
+    lib = _lib()
+    if not supports_int8(ggml_type):
+        raise ValueError(f"ggml type {ggml_type} has no int8-activation kernel")
+    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_split8", "qgemm")
+    if args is not None:
+        _rc(lib.iterserve_linear_kernel(_KERNELS["split8"], *args))
 
 
 def qgemm_bf16(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
