@@ -425,9 +425,11 @@ def type_census(path: Path) -> dict[str, int]:
 CHECK_PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
-def free_port(lo: int = 18400, hi: int = 18500) -> int:
-    """A port in models.py's range (18400-18499) that nothing listens on now."""
+def free_port(lo: int = 18400, hi: int | None = None) -> int:
+    """A port in [lo, hi) that nothing listens on now (default: models.py's range,
+    18400-18499, or the 100 ports from a caller's own `lo`)."""
     import socket
+    hi = lo + 100 if hi is None else hi
     for port in range(lo, hi):
         with socket.socket() as s:
             try:
