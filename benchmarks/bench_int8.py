@@ -132,10 +132,10 @@ def crossover_sides(name, t, next_w, k, x, y):
 
 
 def split8_sides(name, t, next_w, k, x, y):
-    """The LM head's kernels: float (kernels.qgemm in float mode, what the head ran under auto
-    before split activations), split8 (kernels.qgemm_split8: each row as two int8 rows) and
-    int8 (kernels.qgemm_int8); float_over_split8 > 1: split activations are faster. Where
-    they are, dispatch.c routes the head's split mode to them (SPLIT8_MAX_ROWS)."""
+    """The LM head's kernels: float (kernels.qgemm in float mode), split8 (kernels.qgemm_split8:
+    each row as two int8 rows) and int8 (kernels.qgemm_int8); float_over_split8 > 1: split
+    activations are faster. Where they are, dispatch.c routes the head's split mode to them
+    (split8_takes)."""
     return ({"float": lambda: kernels.qgemm(t, next_w(), k, x, y),
              "split8": lambda: kernels.qgemm_split8(t, next_w(), k, x, y),
              "int8": lambda: kernels.qgemm_int8(t, next_w(), k, x, y)},
@@ -207,8 +207,8 @@ def main() -> None:
                     help="the LM head's split activations against float and int8 (use "
                          "--shapes lm_head,head135)")
     ap.add_argument("--sides", default=None, metavar="S,S,...",
-                    help="with --crossover or --split8: only these sides (decode, gemm8, auto; the "
-                         "first is the baseline of the ratios)")
+                    help="with --crossover (decode, gemm8, auto) or --split8 (float, split8, "
+                         "int8): only these sides; the first is the baseline of the ratios")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="cycle distinct weight copies of at least MB megabytes in "
                          "all (more than the L3), so each call streams its weights from memory")

@@ -45,7 +45,8 @@ from iterserve.model.kernels.ops import (KV_TYPES, PREFILL_ISAS, PREFILL_KV_TYPE
                                          gemm_int8, kv_type, prefill_attention,
                                          prefill_attention_isa, qgemm, qgemm_bf16, qgemm_f16,
                                          qgemm_int8, qgemm_path, qgemm_split8, qk_norm,
-                                         rmsnorm, rope, route, row_bytes, silu_mul, supports_gemm_int8, supports_int8)
+                                         rmsnorm, rope, route, row_bytes, silu_mul,
+                                         supports_gemm_int8, supports_int8)
 
 
 def __getattr__(name: str):

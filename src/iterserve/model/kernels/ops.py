@@ -166,10 +166,17 @@ def qgemm_path(path: str, ggml_type: int, w: torch.Tensor, k: int, x: torch.Tens
     """`qgemm` through one kernel of the table (tests and benchmarks): "registers" (the
     type's float register kernel for the ISA in use, at any row count), "generic" (the
     decode-into-L1 kernel), "panel" (the float panel GEMM), "auto" (what `qgemm` does)."""
+    _linear_kernel(path, "qgemm_path", ggml_type, w, k, x, out, col0)
+
+
+def _linear_kernel(kernel: str, caller: str, ggml_type: int, w: torch.Tensor, k: int,
+                   x: torch.Tensor, out: torch.Tensor, col0: int) -> None:
+    """One kernel of dispatch.c's table (`_KERNELS`) on a checked call, for the functions
+    that force one whatever the mode."""
     lib = _lib()
-    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_path", "qgemm")
+    args = _gemm_args(ggml_type, w, k, x, out, col0, caller, "qgemm")
     if args is not None:
-        _rc(lib.iterserve_linear_kernel(_KERNELS[path], *args))
+        _rc(lib.iterserve_linear_kernel(_KERNELS[kernel], *args))
 
 
 def bf16_takes(ggml_type: int, rows: int) -> bool:
@@ -195,12 +202,10 @@ def qgemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: to
     """`qgemm` on the int8-activation kernels whatever the mode (tests, benchmarks): x is
     quantised to 8 bits per block (32 elements for Q4_0 / Q8_0, 256 for Q4_K / Q6_K) and
     dotted in integers; any number of rows."""
-    lib = _lib()
+    _lib()                 # the missing library's own error before the type check
     if not supports_int8(ggml_type):
         raise ValueError(f"ggml type {ggml_type} has no int8-activation kernel")
-    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_int8", "qgemm")
-    if args is not None:
-        _rc(lib.iterserve_linear_kernel(_KERNELS["int8"], *args))
+    _linear_kernel("int8", "qgemm_int8", ggml_type, w, k, x, out, col0)
 
 
 def supports_gemm_int8(ggml_type: int) -> bool:
@@ -217,12 +222,10 @@ def gemm_int8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: tor
     """`gemm` on the int8-activation prefill GEMM (prefill8.c) whatever the activation mode
     (tests, benchmarks): x quantised to 8 bits in blocks of 32, weight panels decoded to int8
     codes, integer dot products (AVX-512 VNNI or AVX2, `int8_isa`)."""
-    lib = _lib()
+    _lib()                 # the missing library's own error before the type check
     if not supports_gemm_int8(ggml_type):
         raise ValueError(f"ggml type {ggml_type} has no int8 prefill GEMM here")
-    args = _gemm_args(ggml_type, w, k, x, out, col0, "gemm_int8", "qgemm")
-    if args is not None:
-        _rc(lib.iterserve_linear_kernel(_KERNELS["gemm8"], *args))
+    _linear_kernel("gemm8", "gemm_int8", ggml_type, w, k, x, out, col0)
 
 
 # --- bf16 dot products for BF16 / F16 weights (bf16dot.c) --------------------------------
@@ -236,12 +239,10 @@ def qgemm_split8(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: 
     as its 8-bit rounding plus that rounding's residual in 8 bits, two rows of the int8
     kernels summed (qdot8.c iterserve_k_split8): int8 speed, ~1/250 of int8's rounding error.
     What the LM head runs at decode row counts under auto (layers.LM_HEAD_AUTO_ACTIVATIONS)."""
-    lib = _lib()
+    _lib()                 # the missing library's own error before the type check
     if not supports_int8(ggml_type):
         raise ValueError(f"ggml type {ggml_type} has no int8-activation kernel")
-    args = _gemm_args(ggml_type, w, k, x, out, col0, "qgemm_split8", "qgemm")
-    if args is not None:
-        _rc(lib.iterserve_linear_kernel(_KERNELS["split8"], *args))
+    _linear_kernel("split8", "qgemm_split8", ggml_type, w, k, x, out, col0)
 
 
 def qgemm_bf16(ggml_type: int, w: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,

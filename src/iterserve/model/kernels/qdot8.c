@@ -37,7 +37,8 @@
  * ahead), one Q4_K / Q5_K row on AVX-512 dotk1_vnni. Activations are quantised in vector code
  * (qblocks512 / qblocks256, the same values as the scalar rounding). Which rows come here at
  * all is dispatch.c's table (with the measurements: 1.7-4.6x the float kernels for the
- * K-quants at 1-32 rows).
+ * K-quants at 1-32 rows). iterserve_k_split8 (the end of this file) runs a row as two int8
+ * rows, its rounding and the residual, for the LM head's near-float mode.
  */
 #include <cpuid.h>
 #include <immintrin.h>
@@ -1311,8 +1312,9 @@ int iterserve_k_act8(int64_t type, const uint8_t *w, int64_t n, int64_t row_stri
 }
 
 /* ---- split activations: int8 speed, error ~1/250 of int8's (ITERSERVE_K_SPLIT8) ----------
- * Why: the LM head's logits are what sampling reads, so it kept float activations, and the
- * float kernels are bound by instructions where the int8 ones are bound by bytes: a Q6_K head
+ * Why: the LM head's logits are what sampling reads, so plain int8 activations cost it too
+ * much accuracy (layers.LM_HEAD_AUTO_ACTIVATIONS), and the float kernels are bound by
+ * instructions where the int8 ones are bound by bytes: a Q6_K head
  * (49152 x 2048, cold) took 10.0 ms at 1 row on two threads against the int8 kernel's 4.4,
  * and 4.7 ms for 2 int8 rows (one decode of each super-block serves every row of a tile).
  * So each row x is passed as two rows: a = its own 8-bit rounding (d . q, the values
