@@ -19,6 +19,8 @@ import openai
 
 BURSTS_TO_LEARN = 3
 BURSTS_MEASURED = 3
+BURSTS_MEASURED_MAX = 9                 # bounded: more bursts only to reach MIN_ADMITTED
+MIN_ADMITTED = 12
 PER_BURST = 24
 MAX_TOKENS = 48
 
@@ -87,13 +89,18 @@ def test_admitted_requests_meet_the_forecast_target_at_the_promised_rate(start_s
         _drain(server)
     n0 = slo.errors.num_recorded
     results: list[tuple[float | None, bool]] = []
-    for b in range(BURSTS_MEASURED):
+    # A slow moment on a shared machine inflates the learned correction, and then a burst
+    # admits only its first few requests; the claim below needs a dozen samples, so more
+    # bursts are measured (bounded) until that many were admitted.
+    for b in range(BURSTS_MEASURED_MAX):
+        if b >= BURSTS_MEASURED and sum(ok for _, ok in results) >= MIN_ADMITTED:
+            break
         results += _burst(server, target_ms, 1000 * (BURSTS_TO_LEARN + b))
         _drain(server)
 
     admitted = [t for t, ok in results if ok]
     assert sum(not ok for _, ok in results), "the bursts overloaded nothing"
-    assert len(admitted) >= 12, (len(admitted), target_ms)
+    assert len(admitted) >= MIN_ADMITTED, (len(admitted), target_ms, slo.errors.factor())
     assert all(t is not None for t in admitted)
     met = sum(t <= target_ms / 1000 for t in admitted) / len(admitted)
     # The policy aims at 95% (its correction's quantile). A few dozen samples on a machine
