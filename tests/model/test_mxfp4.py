@@ -11,7 +11,7 @@ import torch
 from fixtures.llama_cpp import convert, skip_reason
 from fixtures.tiny_models import Blocks, advance, chunk, greedy, load_hf_reference, request, step
 from fixtures.tiny_mxfp4 import make_tiny_gpt_oss_mxfp4, quantize_mxfp4
-from iterserve.model import mxfp4
+from iterserve.model import kernels, mxfp4
 from iterserve.model.loader import load_model
 from iterserve.model.runner import ModelRunner
 from iterserve.model.weights import type_name
@@ -26,6 +26,49 @@ def test_torch_dequant_is_gguf_pys_reference():
     want = quants.dequantize(raw, Q.MXFP4).reshape(64, 128)
     got = mxfp4.dequant(torch.from_numpy(raw), 128)
     assert torch.equal(got, torch.from_numpy(want.astype(np.float32)))
+
+
+def _random_blocks(n: int, k: int, seed: int) -> np.ndarray:
+    """MXFP4 rows of random codes with every E8M0 byte, denormal scales and the top one."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 32 * 17), dtype=np.uint8)
+    raw.reshape(n, k // 32, 17)[:3, :, 0] = np.array([0, 1, 255])[:, None]
+    return raw
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable or "")
+@pytest.mark.filterwarnings("ignore:overflow encountered")     # E8M0 255 times 12: inf
+def test_native_dequant_is_gguf_pys_reference():
+    from gguf import GGMLQuantizationType as Q, quants
+    raw = _random_blocks(64, 256, seed=3)
+    assert kernels.supports_dequant(mxfp4.MXFP4) and kernels.supports_qgemm(mxfp4.MXFP4)
+    got = kernels.dequant(mxfp4.MXFP4, torch.from_numpy(raw), 256, torch.empty(64, 256))
+    assert torch.equal(got, torch.from_numpy(quants.dequantize(raw, Q.MXFP4).reshape(64, 256)))
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable or "")
+@pytest.mark.parametrize("activations", ["float", "int8", "auto"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 40])
+def test_native_gemm_matches_the_dequantised_weights(activations, rows):
+    """Every kernel an MXFP4 call can take (decode rows, the panel GEMM from 16 rows, the
+    prefill GEMM) in each activation mode against x @ W^T on the weights the reference decodes;
+    realistic scales (the random-byte ones above overflow a float sum)."""
+    n, k = 96, 512
+    raw = _random_blocks(n, k, seed=rows)
+    raw.reshape(n, k // 32, 17)[..., 0] = np.random.default_rng(rows).integers(
+        118, 124, size=(n, k // 32))
+    w = torch.from_numpy(raw)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = x.double() @ mxfp4.dequant(w, k).double().T
+    out = torch.empty(rows, n)
+    kernels.qgemm(mxfp4.MXFP4, w, k, x, out, activations=activations)
+    tol = 1e-5           # no int8 kernel takes MXFP4: every mode computes in float32
+    assert kernels.route(mxfp4.MXFP4, rows, k, activations) in ("registers", "panel")
+    scale = want.abs().max().item()
+    assert (out.double() - want).abs().max().item() <= tol * scale, activations
+    out2 = torch.empty(rows, n)
+    kernels.gemm(mxfp4.MXFP4, w, k, x, out2, activations=activations)
+    assert (out2.double() - want).abs().max().item() <= tol * scale, activations
 
 
 def test_hf_blocks_repack_into_ggml_blocks():
@@ -63,6 +106,8 @@ def test_hf_mxfp4_checkpoint_matches_hf(dirs):
     expert = loaded.model.layers[0].mlp.experts[0]
     assert [type_name(t) for t in expert.gate_up_proj.encoded.types] == ["MXFP4"]
     assert expert.interleaved
+    if kernels.available():
+        assert expert.gate_up_proj.compute_path() == "native"
 
 
 @pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
@@ -73,5 +118,7 @@ def test_mxfp4_gguf_from_llama_cpps_converter_matches_hf(dirs, tmp_path):
     expert = loaded.model.layers[1].mlp.experts[3]
     assert [type_name(t) for t in expert.gate_up_proj.encoded.types] == ["MXFP4", "MXFP4"]
     assert not expert.interleaved
+    if kernels.available():
+        assert expert.gate_up_proj.compute_path() == "native"
     plan_bytes = loaded.file_bytes
     assert plan_bytes == gguf_path.stat().st_size

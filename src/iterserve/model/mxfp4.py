@@ -10,8 +10,9 @@ gpt-oss's HF checkpoint stores the same codes and scales in two tensors (`*_bloc
 with the low nibble weight 2j and the high nibble 2j + 1, and `*_scales`); `from_hf_blocks`
 reorders the nibbles into GGML blocks (what llama.cpp's converter does), one expert at a time.
 
-This is the torch path (the reference tiles of `layers.Linear` decode MXFP4 rows through
-`dequant`); a native MXFP4 GEMM belongs with the other kernels behind their dispatcher.
+This is the torch path, for a build without the native kernels: kernels/dequant.c decodes
+the same blocks bit for bit (`dec_mxfp4`), which gives MXFP4 the generic decode GEMM, the
+panel GEMM and the native dequant behind dispatch.c's table like the other block types.
 """
 
 from __future__ import annotations

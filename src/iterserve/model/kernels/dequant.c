@@ -14,7 +14,7 @@
  * The loops are written over small integer arrays so that gcc vectorises them.
  *
  * Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
- * IQ4_XS. The float types are treated as blocks of 32 elements by the GEMM (k % 32 == 0
+ * IQ4_XS, MXFP4. The float types are treated as blocks of 32 elements by the GEMM (k % 32 == 0
  * there); `dequant` takes any k for them.
  */
 #include <immintrin.h>
@@ -112,6 +112,26 @@ static void dec_iq4_nl(const uint8_t *b, float *y) {
     for (int i = 0; i < 16; i++) {
         y[i] = d * (float)IQ4_VALUES[q[i] & 15];
         y[i + 16] = d * (float)IQ4_VALUES[q[i] >> 4];
+    }
+}
+
+/* MXFP4 (gpt-oss's experts): an E8M0 scale byte, then the Q4_0 nibble order; the E2M1 values
+ * doubled and the scale halved (ggml_e8m0_to_fp32_half), as gguf-py computes them. */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+float iterserve_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, 4);
+    return d;
+}
+
+static void dec_mxfp4(const uint8_t *b, float *y) {
+    const float d = iterserve_e8m0_half(b[0]);
+    const uint8_t *q = b + 1;
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)MXFP4_VALUES[q[i] & 15];
+        y[i + 16] = d * (float)MXFP4_VALUES[q[i] >> 4];
     }
 }
 
@@ -267,6 +287,7 @@ static type_info info(int64_t type) {
     case GGML_Q6_K: return (type_info){256, 210, dec_q6_k};
     case GGML_IQ4_NL: return (type_info){32, 18, dec_iq4_nl};
     case GGML_IQ4_XS: return (type_info){256, 136, dec_iq4_xs};
+    case GGML_MXFP4: return (type_info){32, 17, dec_mxfp4};
     default: return (type_info){0, 0, 0};
     }
 }

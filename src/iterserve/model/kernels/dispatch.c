@@ -18,7 +18,8 @@
  *   1 row, 0.79-0.90 at 4, 1.12-1.35 at 8 -> 8; Q5_K 1.00-1.18 at 8 -> 8; Q6_K 0.63-1.84 at
  *   4 -> 4; Q5_0 1.03-1.71 at 8, Q5_1 0.69-1.16 at 8 -> 8; F16 / BF16 / F32 1.03-1.43 at 4
  *   -> 3 (float panels are cheap to pack); Q4_0 / Q4_1 / Q8_0 level at 12-16 rows, the panel
- *   1.2-1.4x faster at 24-32 -> 16; Q2_K, Q3_K, IQ4_* (the generic kernel) slower from 2.
+ *   1.2-1.4x faster at 24-32 -> 16; Q2_K, Q3_K, IQ4_* (the generic kernel) slower from 2;
+ *   MXFP4 has only the generic kernel and takes its row counts (not measured).
  *   The same table serves AVX2-only CPUs (not measured there).
  * - int8 decode kernels against the float kernels (int8-qgemm-cpu1.json, q32-int8-float.json,
  *   float time / int8 time): Q4_K 1.7-2.8x and Q6_K 1.3-4.6x at 1-32 rows; Q4_0 / Q8_0 1.1-1.9x

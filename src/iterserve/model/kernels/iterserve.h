@@ -27,7 +27,7 @@
 enum {
     GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7,
     GGML_Q8_0 = 8, GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13,
-    GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_BF16 = 30,
+    GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_BF16 = 30, GGML_MXFP4 = 39,
     GGML_TYPE_LIMIT = 40
 };
 
@@ -264,6 +264,7 @@ int iterserve_k_f16(int64_t isa, int64_t type, const uint8_t *w, int64_t n,
                     float *y, int64_t ldy, int nthreads);
 /* Block geometry of a ggml type (0 if unknown) and whether dequant.c decodes it. */
 int iterserve_block_elems(int64_t type);
+float iterserve_e8m0_half(uint8_t e);       /* dequant.c: an MXFP4 scale (ggml_e8m0_to_fp32_half) */
 int iterserve_block_bytes(int64_t type);
 int iterserve_can_dequant(int64_t type);
 int iterserve_can_qgemm(int64_t type);
