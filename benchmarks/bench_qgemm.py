@@ -124,7 +124,7 @@ def types(rows_list: list[int], rounds: int) -> dict:
     n, k = 2048, 2048
     result = {"shape": [n, k], "threads": torch.get_num_threads(), "types": {}}
     for name in ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
-                 "IQ4_NL", "IQ4_XS", "F16", "BF16"]:
+                 "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16"]:
         t, raw, _ = gguf_blocks(name, n, k)
         scratch = torch.empty(n, k)
         row = {}

@@ -168,8 +168,10 @@ def test_a_broken_compiler_degrades(monkeypatch, tmp_path):
 
 
 # --- the register kernels of every type, per instruction set -----------------------------------
+# IQ4_NL and MXFP4 have AVX-512 register kernels (a byte shuffle of their codebooks); with
+# AVX2 forced "registers" is the generic kernel for them
 REGISTER_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16",
-                  "F32"]
+                  "F32", "IQ4_NL", "MXFP4"]
 ISAS = ["avx2"] + (["avx512"] if "avx512f" in kernels.features() else [])
 
 
@@ -199,7 +201,7 @@ def test_register_kernel_decodes_every_weight_exactly(name, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "BF16"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "BF16", "MXFP4"])
 def test_register_kernel_long_rows_and_threads(name, isa, monkeypatch):
     """K = 8,192 with 1-8 rows: activation tiles over 64 KB are summed over K chunks; two
     threads split 300 columns unevenly."""

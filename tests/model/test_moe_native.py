@@ -8,7 +8,9 @@ kept dense float32, as a GGUF's F32 router loads), so the experts run where a GG
   as the per-module path, and greedy tokens equal the torch-routed path's;
 - under --batch-invariant a token's logits do not depend on the rows beside it, and no
   result depends on the thread count;
-- gpt-oss (router bias, clamped SwiGLU) and interleaved experts keep the Python path.
+- gpt-oss (router bias, top-k softmax, expert biases, clamped SwiGLU; HF's interleaved
+  gate/up rows or the GGUF's halves; MXFP4 or re-encoded experts) takes the same block and
+  agrees with the torch path.
 """
 
 from __future__ import annotations
@@ -205,10 +207,114 @@ def test_batch_invariant_block_rows_do_not_depend_on_their_neighbours(q8_model):
     assert torch.equal(together, alone)
 
 
-def test_gpt_oss_keeps_the_python_experts(tmp_path):
-    loaded = load_model(str(make_tiny_model_dir(tmp_path, "gpt_oss")))
-    assert not loaded.model.config.native_moe and not loaded.model.config.llama_like
-    assert all(m._block is None and m._route is None for m in _moes(loaded))
+@pytest.fixture(scope="module", params=["q8_0-interleaved", "mxfp4"])
+def oss_model(request, tmp_path_factory):
+    """gpt-oss: its HF layout re-encoded as Q8_0 (gate/up rows interleaved), or its MXFP4
+    checkpoint as it is (the experts' own blocks)."""
+    from fixtures.tiny_mxfp4 import make_tiny_gpt_oss_mxfp4
+    d = tmp_path_factory.mktemp(request.param)
+    if request.param == "mxfp4":
+        loaded = load_model(str(make_tiny_gpt_oss_mxfp4(d)[1]))
+        loaded.model.use_quant(True)
+        loaded.model.use_native_ops(True)
+    else:
+        loaded = load_model(str(make_tiny_model_dir(d, "gpt_oss")))
+        _encode_q8(loaded)
+    return loaded
+
+
+def test_gpt_oss_takes_the_native_block(oss_model):
+    """Router bias, top-k softmax, expert biases, the clamped SwiGLU: moe.c runs them all."""
+    c = oss_model.model.config
+    assert c.native_moe and not c.llama_like          # sinks, windows: no fused decode step
+    moes = _moes(oss_model)
+    assert moes and all(m._block is not None and m._route is not None for m in moes)
+    assert all(e._native_oai is not None for m in moes for e in m.experts)
+
+
+def test_topk_softmax_routing_matches_torch():
+    logits = torch.randn(29, 32, generator=torch.Generator().manual_seed(2)) * 3
+    w, ids = kernels.moe_route(logits, 4, False, "topk_softmax")
+    top, idx = torch.topk(logits, 4, dim=-1)
+    assert torch.equal(ids, idx)
+    torch.testing.assert_close(w, torch.softmax(top, dim=-1), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_swiglu_oai_kernel_matches_torch(interleaved):
+    """Both layouts and a tail of fewer than eight columns, values beyond the clamp limit."""
+    gu = torch.randn(5, 2 * 43, generator=torch.Generator().manual_seed(3)) * 6
+    gate, up = (gu[:, 0::2], gu[:, 1::2]) if interleaved else (gu[:, :43], gu[:, 43:])
+    g, u = gate.clamp(max=7.0), up.clamp(min=-7.0, max=7.0)
+    want = (u + 1) * (g * torch.sigmoid(g * 1.702))
+    got = kernels.swiglu_oai(gu, torch.empty(5, 43), interleaved, 1.702, 7.0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 3, 32])
+def test_gpt_oss_block_equals_the_python_loop(oss_model, T):
+    moe = _moes(oss_model)[0]
+    x = torch.randn(T, moe.hidden, generator=torch.Generator().manual_seed(T))
+    native = moe(x)
+    block, moe._block = moe._block, None
+    try:
+        loop = moe(x)
+    finally:
+        moe._block = block
+    torch.testing.assert_close(native, loop, rtol=1e-5, atol=1e-6)
+
+
+def _greedy_run(loaded, steps: int = 8):
+    """Prefill three prompts, then decode them together: each step's logits and the tokens."""
+    seen = []
+
+    def sampler(logits, requests):
+        seen.append(logits.clone())
+        return greedy(logits, requests)
+
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4, sampler=sampler)
+    blocks = Blocks(64, 4)
+    a, b, c = (request("a", list(range(5, 30))), request("b", list(range(40, 47))),
+               request("c", [3, 1, 4]))
+    out = step(chunk(blocks, a, 12), chunk(blocks, b), chunk(blocks, c))
+    advance(out, runner.execute(out))
+    out = step(chunk(blocks, b, 1), chunk(blocks, c, 1), chunk(blocks, a), step_no=1)
+    advance(out, runner.execute(out))
+    for s in range(steps):
+        out = step(*(chunk(blocks, r, 1) for r in (a, b, c)), step_no=2 + s)
+        advance(out, runner.execute(out))
+    return seen, [r.output_token_ids for r in (a, b, c)]
+
+
+def test_gpt_oss_native_experts_agree_with_the_torch_path(oss_model):
+    """The same weights with the native ops off (torch routing and activation, the Python
+    loop): the same greedy tokens, logits within float rounding."""
+    native, tok_native = _greedy_run(oss_model)
+    try:
+        for m in _moes(oss_model):
+            assert not m.use_native(False)
+        for m in oss_model.model.modules():
+            if hasattr(m, "_native_oai"):
+                m._native_oai = None
+        torch_path, tok_torch = _greedy_run(oss_model)
+    finally:
+        oss_model.model.use_native_ops(True)
+    assert tok_torch == tok_native
+    for x, y in zip(native, torch_path):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+
+
+def test_gpt_oss_block_is_batch_invariant(oss_model):
+    moe = _moes(oss_model)[0]
+    x = torch.randn(6, moe.hidden, generator=torch.Generator().manual_seed(9))
+    was = kernels.config().batch_invariant
+    kernels.set_batch_invariant(True)
+    try:
+        together = moe(x)
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(6)])
+    finally:
+        kernels.set_batch_invariant(was)
+    assert torch.equal(together, alone)
 
 
 def test_block_rejects_bad_shapes(q8_model):

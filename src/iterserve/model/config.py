@@ -154,10 +154,11 @@ class ModelConfig:
 
     @property
     def native_moe(self) -> bool:
-        """Whether the expert layers are what moe.c runs: softmax top-k routing without a
-        router bias, SwiGLU experts without biases (Qwen3-MoE, Mixtral; not gpt-oss)."""
-        return (self.router == "softmax_topk" and not self.router_bias and not self.expert_bias
-                and self.expert_act == "silu")
+        """Whether the expert layers are what moe.c runs: its two routings (softmax top-k,
+        top-k softmax) and its two expert activations (SwiGLU, gpt-oss's clamped SwiGLU),
+        biases or none: every MoE family here (Qwen3-MoE, Mixtral, gpt-oss)."""
+        return (self.router in ("softmax_topk", "topk_softmax")
+                and self.expert_act in ("silu", "swiglu_oai"))
 
     @property
     def llama_like(self) -> bool:

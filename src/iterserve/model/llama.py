@@ -391,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
         return used
 
     def use_native_ops(self, on: bool = True) -> bool:
-        """RMSNorm, SiLU x up and RoPE through the native elementwise kernels (kernels/elementwise.c),
+        """RMSNorm, SiLU x up (gpt-oss's experts: their SwiGLU) and RoPE through the native elementwise kernels (kernels/elementwise.c),
         and expert layers through moe.c (`SparseMoE.use_native`), on CPU float32, or back to
         torch ops; returns whether they are in use."""
         native = on and self.norm.weight.device.type == "cpu" \
@@ -401,6 +401,8 @@ class LlamaForCausalLM(nn.Module):
                 m._native = kernels.rmsnorm if native else None
             elif isinstance(m, (MLP, Expert)):
                 m._native = kernels.silu_mul if native else None
+                if isinstance(m, Expert):
+                    m._native_oai = kernels.swiglu_oai if native else None
             elif isinstance(m, Attention):
                 m._rope = kernels.rope if native else None
                 m._qk_norm = kernels.qk_norm if native else None

@@ -18,10 +18,12 @@ clamped above at `limit`, up to [-limit, limit], gate * sigmoid(alpha * gate) * 
 gpt-oss's HF checkpoint interleaves gate and up rows (`interleaved`), its GGUF does not.
 The outputs are weighted and summed per token in ascending expert order, as HF does.
 
-On the CPU with the native kernels (`SparseMoE.use_native`), Qwen3-MoE and Mixtral layers
-route through moe.c at every row count, and a step of at most QUANT_MAX_ROWS rows (decode)
-runs the whole block in one native call (`kernels.MoeBlock`), the call the fused decode step
-makes too: the same order of arithmetic as the loop below, without its per-expert Python.
+On the CPU with the native kernels (`SparseMoE.use_native`), every MoE layer here
+(Qwen3-MoE, Mixtral, gpt-oss with its biases, routing and activation, either gate/up
+layout) routes through moe.c at every row count, and a step of at most QUANT_MAX_ROWS rows
+(decode) runs the whole block in one native call (`kernels.MoeBlock`), the call the fused
+decode step makes too: the same order of arithmetic as the loop below, without its
+per-expert Python; the loop's experts take moe.c's activation kernels (elementwise.c).
 """
 
 from __future__ import annotations
@@ -46,9 +48,15 @@ class Expert(nn.Module):
         self.interleaved = False       # gate/up rows alternate (gpt-oss's HF layout)
 
     _native = None   # kernels.silu_mul, set by the model's use_native_ops
+    _native_oai = None   # kernels.swiglu_oai (moe.c's activation), set with _native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
+        if self.act == "swiglu_oai" and self._native_oai is not None \
+                and gu.dtype == torch.float32 and gu.is_contiguous() and gu.device.type == "cpu":
+            act = self._native_oai(gu, torch.empty(gu.shape[0], self.inter), self.interleaved,
+                                   self.alpha, self.limit)
+            return self.down_proj(act)
         if self.interleaved:
             gate, up = gu[:, 0::2], gu[:, 1::2]
         elif self.act == "silu" and self._native is not None and gu.dtype == torch.float32 \
@@ -95,14 +103,12 @@ class SparseMoE(nn.Module):
     def use_native(self, on: bool = True) -> bool:
         """Route through moe.c (`kernels.moe_route`, every row count) and run steps of at most
         QUANT_MAX_ROWS rows as one `kernels.MoeBlock` call, or neither; returns whether the
-        block is in use. The block needs a native-able layer (`ModelConfig.native_moe`: softmax
-        top-k, no biases, SwiGLU, gate rows then up rows), every expert on the native GEMM
-        (use_quant) and the router there too or dense float32; the routing needs only the
-        first."""
+        block is in use. The block needs a layer moe.c knows (`ModelConfig.native_moe`), every
+        expert on the native GEMM (use_quant), the router there too or dense float32, and
+        float32 biases; the routing needs only the first."""
         from iterserve.model import kernels
         self._route = self._block = None
-        if not on or not self.native_ok or any(e.interleaved for e in self.experts) \
-                or not kernels.available():
+        if not on or not self.native_ok or not kernels.available():
             return False
         self._route = kernels.moe_route
         experts = [m for e in self.experts for m in (e.gate_up_proj, e.down_proj)]
@@ -113,15 +119,26 @@ class SparseMoE(nn.Module):
         down = [list(e.down_proj.encoded.segments) for e in self.experts]
         if not kernels.MoeBlock.supported(router, gate_up, down):
             return False
-        self._block = kernels.MoeBlock(router, gate_up, down, self.hidden,
-                                       self.experts[0].inter, self.top_k, self.norm_topk_prob)
+        biases = [self.router.bias] + [m.bias for m in experts]
+        if any(b is not None and (b.dtype != torch.float32 or b.device.type != "cpu")
+               for b in biases):
+            return False
+        e0 = self.experts[0]
+        has_bias = e0.gate_up_proj.bias is not None
+        self._block = kernels.MoeBlock(
+            router, gate_up, down, self.hidden, e0.inter, self.top_k, self.norm_topk_prob,
+            routing=self.routing, act=e0.act, interleaved=e0.interleaved, alpha=e0.alpha,
+            limit=e0.limit, router_bias=self.router.bias,
+            gate_up_bias=[e.gate_up_proj.bias for e in self.experts] if has_bias else None,
+            down_bias=[e.down_proj.bias for e in self.experts] if has_bias else None)
         return True
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) from router logits [T, E]."""
         logits = logits.float()
         if self._route is not None and logits.device.type == "cpu":
-            return self._route(logits.contiguous(), self.top_k, self.norm_topk_prob)
+            return self._route(logits.contiguous(), self.top_k, self.norm_topk_prob,
+                               self.routing)
         if self.routing == "topk_softmax":
             top, idx = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1), idx

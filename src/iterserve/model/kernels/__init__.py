@@ -46,7 +46,7 @@ from iterserve.model.kernels.ops import (KV_TYPES, PREFILL_ISAS, PREFILL_KV_TYPE
                                          prefill_attention_isa, qgemm, qgemm_bf16, qgemm_f16,
                                          qgemm_int8, qgemm_path, qgemm_split8, qk_norm,
                                          rmsnorm, rope, route, row_bytes, silu_mul,
-                                         supports_gemm_int8, supports_int8)
+                                         supports_gemm_int8, supports_int8, swiglu_oai)
 
 
 def __getattr__(name: str):
@@ -64,4 +64,5 @@ __all__ = [
     "prefill_attention", "prefill_attention_isa", "qgemm", "qgemm_bf16", "qgemm_f16",
     "qgemm_int8", "qgemm_split8", "qgemm_path", "qk_norm", "rmsnorm", "rope", "route", "row_bytes",
     "set_activations", "set_batch_invariant", "silu_mul", "supports_dequant", "supports_gemm_int8", "supports_int8",
+    "swiglu_oai",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-ABI_VERSION = 7                      # iterserve.h's ITERSERVE_ABI_VERSION
+ABI_VERSION = 8                      # iterserve.h's ITERSERVE_ABI_VERSION
 
 
 class Segment(ctypes.Structure):
@@ -35,7 +35,11 @@ class Moe(ctypes.Structure):
     """iterserve.h's iterserve_moe: a Mixture-of-Experts block (router + per-expert arrays)."""
     _fields_ = [("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("norm_topk", ctypes.c_int64),
-                ("router", Linear), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+                ("router", Linear), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("routing", ctypes.c_int64), ("act", ctypes.c_int64),
+                ("interleaved", ctypes.c_int64), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float), ("router_bias", ctypes.c_void_p),
+                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -74,10 +78,11 @@ ARGTYPES = {
     "iterserve_k_bf16": (_i32, [_i64, *_GEMM]),
     "iterserve_k_f16": (_i32, [_i64, *_GEMM]),
     "iterserve_decode_profile": (_i32, [_p]),
-    "iterserve_moe_route": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
+    "iterserve_moe_route": (None, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p]),
     "iterserve_moe_forward": (_i32, [_p, _p, _i64, _i64, _p, _i32]),
     "iterserve_rmsnorm": (None, [_p, _p, _p, _i64, _i64, _f32]),
     "iterserve_silu_mul": (None, [_p, _p, _i64, _i64]),
+    "iterserve_swiglu_oai": (None, [_p, _p, _i64, _i64, _i64, _f32, _f32]),
     "iterserve_rope": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
     "iterserve_qk_norm": (None, [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _f32]),
     "iterserve_decode_attention": (_i32, [_p, _p, _p, _i64, _p, _i32, _p, _i32, _i32, _i32,
@@ -125,7 +130,9 @@ def abi_expected() -> list[int]:
             Y.q_norm.offset, Y.k_norm.offset, Y.qkv.offset, Y.o.offset, Y.gate_up.offset,
             Y.down.offset, Y.moe.offset, o(Moe), Moe.num_experts.offset, Moe.top_k.offset,
             Moe.inter.offset, Moe.norm_topk.offset, Moe.router.offset, Moe.gate_up.offset,
-            Moe.down.offset, o(Config), Config.activations.offset, Config.isa.offset,
+            Moe.down.offset, Moe.routing.offset, Moe.act.offset, Moe.interleaved.offset,
+            Moe.alpha.offset, Moe.limit.offset, Moe.router_bias.offset, Moe.gate_up_bias.offset,
+            Moe.down_bias.offset, o(Config), Config.activations.offset, Config.isa.offset,
             Config.batch_invariant.offset]
 
 

@@ -8,7 +8,7 @@
 #include "iterserve.h"
 
 int64_t iterserve_abi(int64_t *out, int64_t cap) {
-    int64_t v[48 + 4 * GGML_TYPE_LIMIT];
+    int64_t v[64 + 4 * GGML_TYPE_LIMIT];
     int n = 0;
     v[n++] = ITERSERVE_ABI_VERSION;
     v[n++] = sizeof(iterserve_segment);
@@ -41,6 +41,14 @@ int64_t iterserve_abi(int64_t *out, int64_t cap) {
     v[n++] = offsetof(iterserve_moe, router);
     v[n++] = offsetof(iterserve_moe, gate_up);
     v[n++] = offsetof(iterserve_moe, down);
+    v[n++] = offsetof(iterserve_moe, routing);
+    v[n++] = offsetof(iterserve_moe, act);
+    v[n++] = offsetof(iterserve_moe, interleaved);
+    v[n++] = offsetof(iterserve_moe, alpha);
+    v[n++] = offsetof(iterserve_moe, limit);
+    v[n++] = offsetof(iterserve_moe, router_bias);
+    v[n++] = offsetof(iterserve_moe, gate_up_bias);
+    v[n++] = offsetof(iterserve_moe, down_bias);
     v[n++] = sizeof(iterserve_config);
     v[n++] = offsetof(iterserve_config, activations);
     v[n++] = offsetof(iterserve_config, isa);

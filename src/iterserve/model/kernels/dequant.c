@@ -31,8 +31,8 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                      1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t iterserve_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                          1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef iterserve_decode_fn decode_fn;
 
@@ -110,28 +110,21 @@ static void dec_iq4_nl(const uint8_t *b, float *y) {
     const float d = f16(b);
     const uint8_t *q = b + 2;
     for (int i = 0; i < 16; i++) {
-        y[i] = d * (float)IQ4_VALUES[q[i] & 15];
-        y[i + 16] = d * (float)IQ4_VALUES[q[i] >> 4];
+        y[i] = d * (float)iterserve_iq4_values[q[i] & 15];
+        y[i + 16] = d * (float)iterserve_iq4_values[q[i] >> 4];
     }
 }
 
 /* MXFP4 (gpt-oss's experts): an E8M0 scale byte, then the Q4_0 nibble order; the E2M1 values
  * doubled and the scale halved (ggml_e8m0_to_fp32_half), as gguf-py computes them. */
-static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-float iterserve_e8m0_half(uint8_t e) {
-    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float d;
-    memcpy(&d, &bits, 4);
-    return d;
-}
+const int8_t iterserve_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static void dec_mxfp4(const uint8_t *b, float *y) {
     const float d = iterserve_e8m0_half(b[0]);
     const uint8_t *q = b + 1;
     for (int i = 0; i < 16; i++) {
-        y[i] = d * (float)MXFP4_VALUES[q[i] & 15];
-        y[i + 16] = d * (float)MXFP4_VALUES[q[i] >> 4];
+        y[i] = d * (float)iterserve_mxfp4_values[q[i] & 15];
+        y[i + 16] = d * (float)iterserve_mxfp4_values[q[i] >> 4];
     }
 }
 
@@ -260,8 +253,8 @@ static void dec_iq4_xs(const uint8_t *b, float *y) {
         const float dl = d * (float)((int8_t)(l | hh << 4) - 32);
         const uint8_t *q = qs + 16 * j;
         for (int i = 0; i < 16; i++) {
-            y[32 * j + i] = dl * (float)IQ4_VALUES[q[i] & 15];
-            y[32 * j + 16 + i] = dl * (float)IQ4_VALUES[q[i] >> 4];
+            y[32 * j + i] = dl * (float)iterserve_iq4_values[q[i] & 15];
+            y[32 * j + 16 + i] = dl * (float)iterserve_iq4_values[q[i] >> 4];
         }
     }
 }

@@ -18,8 +18,10 @@
  *   1 row, 0.79-0.90 at 4, 1.12-1.35 at 8 -> 8; Q5_K 1.00-1.18 at 8 -> 8; Q6_K 0.63-1.84 at
  *   4 -> 4; Q5_0 1.03-1.71 at 8, Q5_1 0.69-1.16 at 8 -> 8; F16 / BF16 / F32 1.03-1.43 at 4
  *   -> 3 (float panels are cheap to pack); Q4_0 / Q4_1 / Q8_0 level at 12-16 rows, the panel
- *   1.2-1.4x faster at 24-32 -> 16; Q2_K, Q3_K, IQ4_* (the generic kernel) slower from 2;
- *   MXFP4 has only the generic kernel and takes its row counts (not measured).
+ *   1.2-1.4x faster at 24-32 -> 16; Q2_K, Q3_K, IQ4_XS (the generic kernel) slower from 2;
+ *   IQ4_NL / MXFP4 with AVX-512 (qgemm32_512; paths-codebook-t1.json) 0.12-0.19 at 1 row,
+ *   0.36-0.43 at 8, 0.47-0.59 at 16 -> 32 (the panel decodes their blocks one by one),
+ *   without it the generic kernel -> 2.
  *   The same table serves AVX2-only CPUs (not measured there).
  * - int8 decode kernels against the float kernels (int8-qgemm-cpu1.json, q32-int8-float.json,
  *   float time / int8 time): Q4_K 1.7-2.8x and Q6_K 1.3-4.6x at 1-32 rows; Q4_0 / Q8_0 1.1-1.9x
@@ -97,6 +99,7 @@ static int64_t panel_rows(int64_t type) {
     case GGML_Q4_K: case GGML_Q5_K: case GGML_Q5_0: case GGML_Q5_1: return 8;
     case GGML_Q6_K: return 4;
     case GGML_F32: case GGML_F16: case GGML_BF16: return 3;
+    case GGML_IQ4_NL: case GGML_MXFP4: return iterserve_st.wide == 2 ? 32 : 2;
     default: return 2;
     }
 }

@@ -6,6 +6,7 @@
  *
  * rmsnorm:  y = (x * 1/sqrt(mean(x^2) + eps)) * w     (HF's order of the two products)
  * silu_mul: y = silu(g) * u with g, u the two halves of each row of gu (fused gate/up GEMM)
+ * swiglu_oai: gpt-oss's clamped, alpha-scaled SwiGLU of its experts' gate/up output
  * rope:     rotary embedding in place on the q/k heads of the qkv GEMM's output
  * qk_norm:  Qwen3's per-head RMSNorm of q and k, in place on the qkv GEMM's output (the same
  *           arithmetic as rmsnorm, one head of d floats at a time)
@@ -59,6 +60,46 @@ void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I) {
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
         for (; i < I; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Eight outputs of gpt-oss's activation, in torch's order of operations (moe.py's Expert):
+ * (up + 1) * (g * sigmoid(g * alpha)), g = min(gate, limit), up clamped to [-limit, limit]. */
+static inline __m256 swiglu_oai8(__m256 g, __m256 u, __m256 alpha, __m256 limit) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    g = _mm256_min_ps(g, limit);
+    u = _mm256_max_ps(_mm256_min_ps(u, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit));
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(g, alpha)));
+    const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_mul_ps(g, s));
+}
+
+void iterserve_swiglu_oai(const float *gu, float *y, int64_t T, int64_t I, int64_t interleaved,
+                          float alpha, float limit) {
+    const __m256 av = _mm256_set1_ps(alpha), lv = _mm256_set1_ps(limit);
+    const int64_t gs = interleaved ? 2 : 1;            /* stride of gate (and up) elements */
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = gu + t * 2 * I;
+        const float *g = row, *u = interleaved ? row + 1 : row + I;
+        float *yr = y + t * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {        /* a column's arithmetic is the same in either layout */
+            float gb[8], ub[8];
+            for (int j = 0; j < 8; j++) {
+                gb[j] = g[(i + j) * gs];
+                ub[j] = u[(i + j) * gs];
+            }
+            _mm256_storeu_ps(yr + i, swiglu_oai8(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub), av, lv));
+        }
+        if (i < I) {                       /* the tail through the same vector code, padded */
+            float gb[8] = {0}, ub[8] = {0}, yb[8];
+            for (int64_t j = 0; i + j < I; j++) {
+                gb[j] = g[(i + j) * gs];
+                ub[j] = u[(i + j) * gs];
+            }
+            _mm256_storeu_ps(yb, swiglu_oai8(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub), av, lv));
+            for (int64_t j = 0; i + j < I; j++) yr[i + j] = yb[j];
+        }
     }
 }
 

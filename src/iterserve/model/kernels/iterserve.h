@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 7
+#define ITERSERVE_ABI_VERSION 8
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -50,15 +50,24 @@ typedef struct {
 } iterserve_linear;
 
 /* A Mixture-of-Experts block (moe.c) in place of a dense MLP: a router over `num_experts`
- * experts, the `top_k` largest of softmax(router logits) per token (renormalised to sum 1
- * when norm_topk), each expert a SwiGLU MLP of `inter` (gate rows then up rows, as a dense
- * layer's gate_up). Qwen3-MoE and Mixtral; routers with a bias or other activations stay on
- * the Python path. */
+ * experts (logits plus router_bias when set), `top_k` experts per token chosen by `routing`,
+ * each expert a gated MLP of `inter` whose gate_up output (gate rows then up rows, or the two
+ * alternating when `interleaved`) plus its bias feeds `act`, then down plus its bias.
+ * ROUTE_SOFTMAX_TOPK: the k largest of softmax(logits), renormalised to sum 1 when norm_topk
+ * (Qwen3-MoE, Mixtral); ROUTE_TOPK_SOFTMAX: softmax over the k largest logits (gpt-oss).
+ * MOE_SILU: silu(gate) * up; MOE_SWIGLU_OAI: gpt-oss's clamped SwiGLU with alpha and limit. */
+enum { ITERSERVE_ROUTE_SOFTMAX_TOPK = 0, ITERSERVE_ROUTE_TOPK_SOFTMAX = 1 };
+enum { ITERSERVE_MOE_SILU = 0, ITERSERVE_MOE_SWIGLU_OAI = 1 };
 typedef struct {
     int64_t num_experts, top_k, inter, norm_topk;
     iterserve_linear router;                 /* [num_experts, hidden] */
     const iterserve_linear *gate_up;         /* [num_experts] of [2 inter, hidden] */
     const iterserve_linear *down;            /* [num_experts] of [hidden, inter] */
+    int64_t routing, act, interleaved;       /* ITERSERVE_ROUTE_*, ITERSERVE_MOE_*, 0 / 1 */
+    float alpha, limit;                      /* MOE_SWIGLU_OAI's */
+    const float *router_bias;                /* [num_experts] or NULL */
+    const float *const *gate_up_bias;        /* [num_experts] of [2 inter], or NULL */
+    const float *const *down_bias;           /* [num_experts] of [hidden], or NULL */
 } iterserve_moe;
 
 /* One decoder layer of the Llama family for iterserve_decode_layers. The optional pointers
@@ -145,13 +154,19 @@ void iterserve_dequant(int64_t type, const uint8_t *w, int64_t n, int64_t row_st
 /* --- per-layer elementwise ops (elementwise.c) ------------------------------------------- */
 void iterserve_rmsnorm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps);
 void iterserve_silu_mul(const float *gu, float *y, int64_t T, int64_t I);
+/* gpt-oss's expert activation of gu [T][2I] (gate, up halves, or alternating when
+ * interleaved) into y [T][I]: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+ * g = min(gate, limit). */
+void iterserve_swiglu_oai(const float *gu, float *y, int64_t T, int64_t I, int64_t interleaved,
+                          float alpha, float limit);
 
 /* --- Mixture of Experts (moe.c) --------------------------------------------------------- */
-/* Routing of T tokens from router logits [T][E] (float32): the k largest softmax
- * probabilities per token (ties to the lower expert id), renormalised to sum 1 when
- * norm_topk; weights [T][k] float32, ids [T][k] int64, in descending weight order. */
+/* Routing of T tokens from router logits [T][E] (float32) by `routing` (ITERSERVE_ROUTE_*):
+ * the k largest softmax probabilities per token, renormalised to sum 1 when norm_topk, or a
+ * softmax over the k largest logits (ties to the lower expert id in both); weights [T][k]
+ * float32, ids [T][k] int64, in descending weight order. */
 void iterserve_moe_route(const float *logits, int64_t T, int64_t E, int64_t k, int64_t norm_topk,
-                         float *weights, int64_t *ids);
+                         int64_t routing, float *weights, int64_t *ids);
 /* out[T][hidden] = the MoE block of x[T][hidden]: router GEMM, routing as above, each chosen
  * expert once over its tokens (ascending expert id), out[t] += y_e[t] * w[t, e] from zero.
  * Returns ITERSERVE_OK or ITERSERVE_ENOMEM. */
@@ -264,7 +279,16 @@ int iterserve_k_f16(int64_t isa, int64_t type, const uint8_t *w, int64_t n,
                     float *y, int64_t ldy, int nthreads);
 /* Block geometry of a ggml type (0 if unknown) and whether dequant.c decodes it. */
 int iterserve_block_elems(int64_t type);
-float iterserve_e8m0_half(uint8_t e);       /* dequant.c: an MXFP4 scale (ggml_e8m0_to_fp32_half) */
+/* The non-linear 4-bit codebooks (dequant.c): IQ4_NL / IQ4_XS's values, MXFP4's E2M1 values
+ * doubled (its scale is halved to match, ggml's convention) */
+extern const int8_t iterserve_iq4_values[16], iterserve_mxfp4_values[16];
+/* An MXFP4 block's E8M0 scale byte as ggml_e8m0_to_fp32_half: 2^(e - 128), denormal below 2 */
+static inline float iterserve_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    __builtin_memcpy(&d, &bits, 4);
+    return d;
+}
 int iterserve_block_bytes(int64_t type);
 int iterserve_can_dequant(int64_t type);
 int iterserve_can_qgemm(int64_t type);

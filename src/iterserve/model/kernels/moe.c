@@ -1,4 +1,4 @@
-/* A Mixture-of-Experts block of a small step in one call (Qwen3-MoE, Mixtral).
+/* A Mixture-of-Experts block of a small step in one call (Qwen3-MoE, Mixtral, gpt-oss).
  *
  * Why: a decode token reads only its k experts' weights, so an MoE decode step should cost
  * the bytes of the active parameters. On the Python path (model/moe.py) the step paid, per
@@ -10,10 +10,12 @@
  * for every row count, so the fused and per-module paths give bit-identical results and a
  * token's routing does not depend on how many tokens share its step.
  *
- * Order of the arithmetic (the Python path's, moe.py): router logits by iterserve_qgemm;
- * softmax in float32 over all experts; the k largest (ties to the lower id); renormalised
- * when norm_topk; experts in ascending id, each over the tokens that chose it (gathered rows,
- * in token order); out[t] = 0 + y_e0 * w + y_e1 * w ... in that order.
+ * Order of the arithmetic (the Python path's, moe.py): router logits by iterserve_qgemm, plus
+ * the router's bias; the k largest (ties to the lower id); softmax in float32 over all experts
+ * (renormalised when norm_topk) or over the k chosen logits (gpt-oss); experts in ascending
+ * id, each over the tokens that chose it (gathered rows, in token order): gate_up GEMM plus
+ * bias, the activation (elementwise.c, the kernel moe.py's Expert calls), down GEMM plus
+ * bias; out[t] = 0 + y_e0 * w + y_e1 * w ... in that order.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,13 +37,9 @@ static void linear(const iterserve_linear *w, const float *x, int64_t T, int64_t
 }
 
 void iterserve_moe_route(const float *logits, int64_t T, int64_t E, int64_t k, int64_t norm_topk,
-                         float *weights, int64_t *ids) {
+                         int64_t routing, float *weights, int64_t *ids) {
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * E;
-        float mx = l[0];
-        for (int64_t e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
-        float sum = 0.0f;
-        for (int64_t e = 0; e < E; e++) sum += expf(l[e] - mx);
         float *w = weights + t * k;
         int64_t *id = ids + t * k;
         for (int64_t s = 0; s < k; s++) {         /* selection: k is small (2-8) */
@@ -52,14 +50,30 @@ void iterserve_moe_route(const float *logits, int64_t T, int64_t E, int64_t k, i
                 if (!taken && (best < 0 || l[e] > l[best])) best = e;
             }
             id[s] = best;
-            w[s] = expf(l[best] - mx) / sum;
         }
-        if (norm_topk) {
+        /* softmax over all E logits (SOFTMAX_TOPK) or over the k chosen ones (TOPK_SOFTMAX);
+         * the largest logit is the first chosen either way */
+        const float mx = l[id[0]];
+        float sum = 0.0f;
+        if (routing == ITERSERVE_ROUTE_TOPK_SOFTMAX)
+            for (int64_t s = 0; s < k; s++) sum += expf(l[id[s]] - mx);
+        else
+            for (int64_t e = 0; e < E; e++) sum += expf(l[e] - mx);
+        for (int64_t s = 0; s < k; s++) w[s] = expf(l[id[s]] - mx) / sum;
+        if (norm_topk && routing != ITERSERVE_ROUTE_TOPK_SOFTMAX) {
             float tot = 0.0f;
             for (int64_t s = 0; s < k; s++) tot += w[s];
             for (int64_t s = 0; s < k; s++) w[s] = w[s] / tot;
         }
     }
+}
+
+/* y[r][j] += b[j] over n rows of ld floats (a Linear's bias, added after its GEMM as
+ * layers.Linear does) */
+static void add_bias(float *y, int64_t n, int64_t cols, int64_t ld, const float *b) {
+    if (!b) return;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < cols; j++) y[r * ld + j] = y[r * ld + j] + b[j];
 }
 
 int iterserve_moe_forward(const iterserve_moe *m, const float *x, int64_t T, int64_t hidden,
@@ -82,7 +96,8 @@ int iterserve_moe_forward(const iterserve_moe *m, const float *x, int64_t T, int
     float *scale = logits;            /* reused once routed: one weight per gathered row */
 
     linear(&m->router, x, T, hidden, logits, E, nthreads);
-    iterserve_moe_route(logits, T, E, k, m->norm_topk, wts, ids);
+    add_bias(logits, T, E, E, m->router_bias);
+    iterserve_moe_route(logits, T, E, k, m->norm_topk, m->routing, wts, ids);
     memset(out, 0, sizeof(float) * (size_t)(T * hidden));
     for (int64_t e = 0; e < E; e++) {
         int64_t n = 0;
@@ -101,8 +116,13 @@ int iterserve_moe_forward(const iterserve_moe *m, const float *x, int64_t T, int
             xin = xe;
         }
         linear(m->gate_up + e, xin, n, hidden, gu, 2 * I, nthreads);
-        iterserve_silu_mul(gu, act, n, I);
+        add_bias(gu, n, 2 * I, 2 * I, m->gate_up_bias ? m->gate_up_bias[e] : NULL);
+        if (m->act == ITERSERVE_MOE_SWIGLU_OAI)
+            iterserve_swiglu_oai(gu, act, n, I, m->interleaved, m->alpha, m->limit);
+        else
+            iterserve_silu_mul(gu, act, n, I);
         linear(m->down + e, act, n, I, ye, hidden, nthreads);
+        add_bias(ye, n, hidden, hidden, m->down_bias ? m->down_bias[e] : NULL);
         for (int64_t j = 0; j < n; j++) {
             float *o = out + rows[j] * hidden;
             const float *y = ye + j * hidden;

@@ -326,6 +326,20 @@ def silu_mul(gu, out) -> torch.Tensor:
     return out
 
 
+def swiglu_oai(gu, out, interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
+    """out[T, I] = gpt-oss's expert activation of gu float32 [T, 2I] (gate rows then up rows,
+    or alternating when `interleaved`): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha *
+    g), g = min(gate, limit); both contiguous."""
+    lib = _lib()
+    _f32(gu, "gu", 2)
+    _f32(out, "out", 2)
+    if gu.shape[1] % 2 or tuple(out.shape) != (gu.shape[0], gu.shape[1] // 2):
+        raise ValueError(f"swiglu_oai of {tuple(gu.shape)} into {tuple(out.shape)}")
+    lib.iterserve_swiglu_oai(gu.data_ptr(), out.data_ptr(), gu.shape[0], out.shape[1],
+                             int(interleaved), alpha, limit)
+    return out
+
+
 def _cos_sin(cos, sin, T: int, d: int) -> None:
     for name, t in (("cos", cos), ("sin", sin)):
         _f32(t, name)

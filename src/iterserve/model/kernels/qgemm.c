@@ -12,13 +12,16 @@
  *
  * Register kernels (each block expanded in registers, no store): with AVX2 for Q4_0, Q4_1,
  * Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16 and F32; with AVX-512, where the CPU has it
- * (iterserve_st.wide), Q4_0 / Q4_1 / Q8_0 in qgemm32_512 (1.4-1.7x the AVX2 kernel on the
+ * (iterserve_st.wide), Q4_0 / Q4_1 / Q8_0 (and the codebook types IQ4_NL and MXFP4, whose
+ * nibbles index a 16-byte table with one byte shuffle: 5.6-8.5x the generic kernel at 1 row,
+ * benchmarks/results/paths-codebook-t1.json) in qgemm32_512 (1.4-1.7x the AVX2 kernel on the
  * bundled model's shapes) and every other of these types in qgemm_u512 (blocks512.h's
  * decoders). Same process, alternating, one thread, 1.7B shapes, loaded machine
  * (benchmarks/results/kquant-step1-t1.json, bench_qgemm.py paths): AVX-512 over AVX2 for
- * Q4_K 2.1-4.2x at 1 row, 1.3-3.2x at 4, for Q6_K 1.8-2.8x at 1, 1.7-1.8x at 4. Types without a
- * register kernel (Q2_K, Q3_K, IQ4_NL, IQ4_XS) run iterserve_qgemm_generic (each block
- * decoded into an L1 buffer by the same code as `dequant`, then dotted with the rows): 1.1-1.8x
+ * Q4_K 2.1-4.2x at 1 row, 1.3-3.2x at 4, for Q6_K 1.8-2.8x at 1, 1.7-1.8x at 4. Types without
+ * a register kernel (Q2_K, Q3_K, IQ4_XS; IQ4_NL and MXFP4 without AVX-512) run
+ * iterserve_qgemm_generic (each block decoded into an L1 buffer by the same code as
+ * `dequant`, then dotted with the rows): 1.1-1.8x
  * faster than dequantise + F.linear on a 2048x2048 weight, 1.5-2.5x slower than a register
  * kernel. From a measured row count per type (dispatch.c) the panel GEMM of prefill.c runs.
  * Against kernels with scalar scale conversion (same process, alternating, one thread, 1.7B
@@ -140,6 +143,7 @@ static inline int block_bytes32(int type) {
     switch (type) {
     case GGML_Q8_0: return 34;
     case GGML_Q4_1: return 20;
+    case GGML_MXFP4: return 17;
     case GGML_Q5_0: return 22;
     case GGML_Q5_1: return 24;
     case GGML_F16: case GGML_BF16: return 64;
@@ -276,6 +280,19 @@ static inline __attribute__((always_inline)) AVX512 void dequant_block512(
         w[1] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd), vm);
         return;
     }
+    if (type == GGML_IQ4_NL || type == GGML_MXFP4) {   /* codebook types: a byte shuffle */
+        const int mx = type == GGML_MXFP4;
+        const __m512 vd = mx ? _mm512_set1_ps(iterserve_e8m0_half(blk[0]))
+            : _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const uint16_t *)blk)));
+        const __m128i tab = _mm_loadu_si128(
+            (const __m128i *)(mx ? iterserve_mxfp4_values : iterserve_iq4_values));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (mx ? 1 : 2)));
+        const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(raw, m4));
+        const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        w[0] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+        w[1] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+        return;
+    }
     const __m512 vd = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const uint16_t *)blk)));
     if (type == GGML_Q8_0) {
         for (int i = 0; i < 2; i++) {
@@ -369,6 +386,8 @@ static AVX512 void qgemm32_512(int type, const uint8_t *w, int64_t N, int64_t ro
                         float *yt = y + r0 * ldy + n;
                         if (type == GGML_Q8_0) { DISPATCH512(GGML_Q8_0) }
                         else if (type == GGML_Q4_1) { DISPATCH512(GGML_Q4_1) }
+                        else if (type == GGML_MXFP4) { DISPATCH512(GGML_MXFP4) }
+                        else if (type == GGML_IQ4_NL) { DISPATCH512(GGML_IQ4_NL) }
                         else { DISPATCH512(GGML_Q4_0) }
                     }
                 }
@@ -652,6 +671,8 @@ void iterserve_k_registers(int64_t type, const uint8_t *w, int64_t n, int64_t ro
         if (wide) qgemm32_512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
         else qgemm32((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     }
+    else if (wide && (type == GGML_IQ4_NL || type == GGML_MXFP4))
+        qgemm32_512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     else if (wide && has_u512(type))
         qgemm_u512((int)type, w, n, row_stride, k, x, M, ldx, y, ldy, nthreads);
     else if (type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_F16 || type == GGML_BF16
