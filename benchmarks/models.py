@@ -78,6 +78,22 @@ SHAPES: dict[str, dict] = {
                                num_experts_per_tok=8, moe_intermediate_size=768,
                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                                tie_word_embeddings=False),
+    # gpt-oss-20b's layer (64 heads / 8 KV of 64, sliding window 128 on every other layer,
+    # sinks, biases, 32 experts of FFN 2880, 4 a token, YaRN) with 6 of its 24 layers; the
+    # experts are MXFP4 blocks in the HF checkpoint as OpenAI ships them (random codes under
+    # small E8M0 scales), which llama.cpp's converter keeps as they are.
+    "gpt-oss-20b-like": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                             num_hidden_layers=6, num_attention_heads=64,
+                             num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                             num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0,
+                             layer_types=["sliding_attention", "full_attention"] * 3,
+                             rope_theta=150000.0, attention_bias=True,
+                             rope_scaling={"rope_type": "yarn", "factor": 32.0,
+                                           "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False,
+                                           "original_max_position_embeddings": 4096},
+                             quantization_config={"quant_method": "mxfp4"},
+                             tie_word_embeddings=False),
 }
 VOCAB = 49152
 STD = 0.02
@@ -97,18 +113,22 @@ def model_dir(name: str) -> Path:
 def hf_config(name: str) -> dict:
     s = SHAPES[name]
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}[s["model_type"]]
-    cfg = {"head_dim": s["hidden_size"] // s["num_attention_heads"], **s,
+            "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}[s["model_type"]]
+    cfg = {"head_dim": s["hidden_size"] // s["num_attention_heads"],
            "architectures": [arch], "vocab_size": VOCAB, "hidden_act": "silu",
            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-           "attention_bias": s["model_type"] == "qwen2", "initializer_range": STD}
+           "attention_bias": s["model_type"] == "qwen2", "initializer_range": STD, **s}
     return cfg
 
 
+MXFP4_SCALES = (117, 121)    # E8M0 bytes of the random MXFP4 blocks: weights up to 12 * 2^-8
+
+
 def tensor_shapes(name: str) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of the shape's llama / qwen2 / qwen3_moe model (experts one
-    tensor each, as the Hub's Qwen3-MoE checkpoints store them)."""
+    """HF tensor names and shapes of the shape's llama / qwen2 / qwen3_moe / gpt_oss model
+    (experts one tensor each, as the Hub's Qwen3-MoE checkpoints store them; gpt-oss's stacked
+    and MXFP4, as OpenAI's)."""
     c = hf_config(name)
     h, f, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
@@ -121,7 +141,18 @@ def tensor_shapes(name: str) -> dict[str, tuple[int, ...]]:
                     p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
-        if c["model_type"] == "qwen3_moe":
+        if c["model_type"] == "gpt_oss":                 # experts stacked, MXFP4 (uint8)
+            E, h2, i2 = c["num_local_experts"], h // 32, f // 32
+            out.update({p + "self_attn.o_proj.bias": (h,),
+                        p + "self_attn.sinks": (c["num_attention_heads"],),
+                        p + "mlp.router.weight": (E, h), p + "mlp.router.bias": (E,),
+                        p + "mlp.experts.gate_up_proj_blocks": (E, 2 * f, h2, 16),
+                        p + "mlp.experts.gate_up_proj_scales": (E, 2 * f, h2),
+                        p + "mlp.experts.gate_up_proj_bias": (E, 2 * f),
+                        p + "mlp.experts.down_proj_blocks": (E, h, i2, 16),
+                        p + "mlp.experts.down_proj_scales": (E, h, i2),
+                        p + "mlp.experts.down_proj_bias": (E, h)})
+        elif c["model_type"] == "qwen3_moe":
             mi = c["moe_intermediate_size"]
             out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
                         p + "mlp.gate.weight": (c["num_experts"], h)})
@@ -153,6 +184,10 @@ def _bf16_random(shape, rng: np.random.Generator, norm: bool, std: float = STD) 
     return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()   # truncate to bf16
 
 
+def _is_mxfp4(tensor: str) -> bool:
+    return tensor.endswith(("_blocks", "_scales"))
+
+
 def make_hf(name: str, seed: int = 0) -> Path:
     out = model_dir(name) / "hf-bf16"
     if (out / "model.safetensors").exists():
@@ -163,8 +198,9 @@ def make_hf(name: str, seed: int = 0) -> Path:
     shapes = tensor_shapes(name)
     header, offset = {}, 0
     for n, shp in shapes.items():
-        nbytes = 2 * int(np.prod(shp))
-        header[n] = {"dtype": "BF16", "shape": list(shp), "data_offsets": [offset, offset + nbytes]}
+        nbytes = (1 if _is_mxfp4(n) else 2) * int(np.prod(shp))
+        header[n] = {"dtype": "U8" if _is_mxfp4(n) else "BF16", "shape": list(shp),
+                     "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -174,8 +210,13 @@ def make_hf(name: str, seed: int = 0) -> Path:
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for n, shp in shapes.items():
-            f.write(_bf16_random(shp, rng, norm=n.endswith("norm.weight"),
-                                 std=BIAS_STD if n.endswith(".bias") else STD))
+            if n.endswith("_blocks"):
+                f.write(rng.integers(0, 256, size=shp, dtype=np.uint8).tobytes())
+            elif n.endswith("_scales"):
+                f.write(rng.integers(*MXFP4_SCALES, size=shp, dtype=np.uint8).tobytes())
+            else:
+                f.write(_bf16_random(shp, rng, norm=n.endswith("norm.weight"),
+                                     std=BIAS_STD if n.endswith(".bias") else STD))
     tmp.rename(out / "model.safetensors")
     return out
 

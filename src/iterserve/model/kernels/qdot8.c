@@ -1219,7 +1219,13 @@ static VBMI void run_vbmi(int type, const act8 *ap, const uint8_t *w, int64_t n,
             for (int64_t tile = 0; tile < ntiles; tile++) {
                 const int64_t r0 = M * tile / ntiles, r1 = M * (tile + 1) / ntiles;
                 const int R = (int)(r1 - r0);
-                int64_t kc = G32_TILE_BYTES / (ROW_TILE * per_unit);
+                /* chunks sized by this tile's rows, as kq_chunk: a chunk breaks the weight
+                 * stream into pieces of a row, and sized for 4 rows it split every K over
+                 * 2688 in two at one row. Q8_0 16384 x 2880 (gpt-oss's), one thread, one
+                 * row: 6.3 GB/s of weights with ROW_TILE's chunks, 16-24 with the tile's;
+                 * K = 5760: 8.0 -> 15-18; Q4_0 K = 5760: 10.4 -> 14-15 (bench_int8-like
+                 * best-of-5 loops on a loaded 2-core EPYC; K <= 2048 unchanged). */
+                int64_t kc = G32_TILE_BYTES / (R * per_unit);
                 if (kc < 4) kc = 4;
                 if (q8) kc &= ~(int64_t)3;
                 const int64_t nk = (nu + kc - 1) / kc;
