@@ -234,7 +234,7 @@ def test_int8_mode_routes_qgemm_and_leaves_other_types_and_large_batches_alone()
     kernels.qgemm(t, w, 512, x, i)
     assert torch.equal(i, direct) and not torch.equal(i, f)
     # a type without an int8 kernel computes in float whatever the mode
-    t5, w5, _ = gguf_blocks("IQ4_NL", 64, 512, seed=2)
+    t5, w5, _ = gguf_blocks("IQ4_XS", 64, 512, seed=2)
     assert not kernels.supports_int8(t5)
     a, b = torch.empty(4, 64), torch.empty(4, 64)
     kernels.qgemm(t5, w5, 512, x, a)
@@ -626,3 +626,41 @@ def test_fused_decode_layers_equal_the_per_module_path_on_the_hand_over(tmp_path
         assert all(kernels.route(t, 24, 64) == "gemm8" for t in (2, 3)), "no hand-over"
     finally:
         kernels.set_activations("float")
+
+
+CODEBOOK_TYPES = ["IQ4_NL", "MXFP4"]      # run_vbmi's table-shuffle kernels (VBMI CPUs only)
+
+
+@pytest.mark.parametrize("name", CODEBOOK_TYPES)
+@pytest.mark.parametrize("rows", [1, 7, 32])
+@pytest.mark.parametrize("k", [512, 2880])      # 2880 (gpt-oss): 90 blocks, a short last group
+def test_int8_codebook_types_equal_quantised_activations_times_dequantised_weights(name, rows, k,
+                                                                                    monkeypatch):
+    from gguf import GGMLQuantizationType
+    t = int(GGMLQuantizationType[name])
+    if not kernels.supports_int8(t):
+        pytest.skip("no AVX-512 VBMI: the codebook types keep the float kernels")
+    monkeypatch.setattr(ops, "_threads", lambda: 2)
+    t, w, ref = gguf_blocks(name, 67, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 0.5
+    x[0, :40] = 0.0
+    wide = torch.full((rows, 80), 7.0)
+    kernels.qgemm_int8(t, w, k, x, wide, col0=5)
+    assert (wide[:, :5] == 7).all() and (wide[:, 72:] == 7).all()
+    check(name, wide[:, 5:72], x, ref)
+    assert kernels.route(t, rows, k, "auto") == "int8"
+
+
+@pytest.mark.parametrize("name", CODEBOOK_TYPES)
+def test_codebook_types_have_no_int8_kernel_without_vbmi(name):
+    from gguf import GGMLQuantizationType
+    t = int(GGMLQuantizationType[name])
+    try:
+        kernels.int8_isa("avx2")
+        assert not kernels.supports_int8(t)
+        assert kernels.route(t, 1, 512, "auto") != "int8"
+        with pytest.raises(ValueError):
+            kernels.qgemm_int8(t, *gguf_blocks(name, 8, 64)[1:2], 64, torch.zeros(1, 64),
+                               torch.empty(1, 8))
+    finally:
+        kernels.int8_isa()
