@@ -110,3 +110,63 @@ def test_pools_of_two_dtypes_or_bf16_are_refused():
         kernels.decode_attention(q[:2].contiguous(), pk.half(), pv, *args)
     with pytest.raises(ValueError, match="float32 or float16"):
         kernels.decode_attention(q[:2].contiguous(), pk.bfloat16(), pv.bfloat16(), *args)
+
+
+def _verify_rows(ctx, k, bs, seed, distinct_tables=False):
+    """A request verifying k drafts: k + 1 decode rows at positions ctx-1 .. ctx-1+k, all
+    over one block table (or, with `distinct_tables`, each over a table of its own holding
+    the same K/V: rows that look alike but are not one context)."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = (ctx + k + bs - 1) // bs
+    num_blocks = n_blocks * (k + 1) + 8
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    table = [free.pop() for _ in range(n_blocks)]
+    pk = torch.randn(num_blocks * bs, 3 * 64, generator=g)
+    pv = torch.randn(num_blocks * bs, 3 * 64, generator=g)
+    tables = [list(table) for _ in range(k + 1)]
+    if distinct_tables:
+        for i in range(1, k + 1):                    # a copy of the blocks, elsewhere
+            tables[i] = [free.pop() for _ in range(n_blocks)]
+            for a, b in zip(table, tables[i]):
+                pk[b * bs:(b + 1) * bs] = pk[a * bs:(a + 1) * bs]
+                pv[b * bs:(b + 1) * bs] = pv[a * bs:(a + 1) * bs]
+    width = max(len(t) for t in tables)
+    t = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.int32)
+    lens = torch.tensor([ctx + i for i in range(k + 1)], dtype=torch.int32)
+    q = torch.randn(k + 1, 9, 64, generator=g)
+    return q, pk, pv, t, lens
+
+
+@pytest.mark.parametrize("ctx, k", [(1, 4), (60, 8), (127, 3), (300, 16), (700, 5), (64, 1)])
+@pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("pool", ["f32", "f16"])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_rows_of_one_context_in_one_call_equal_each_row_alone(ctx, k, window, pool, distinct):
+    """Speculative verification sends a request's last token and its k drafts as k + 1
+    consecutive decode rows; the kernel walks their context once for all of them. Each row
+    must equal the same row computed alone bit for bit (the one-order rule), across segment
+    and block edges, with a sliding window, beside other sequences, and also when the rows'
+    tables differ (then they are not grouped, and still equal)."""
+    fn = kernels.decode_attention()
+    assert fn is not None, kernels.unavailable
+    bs = 16
+    q, pk, pv, tables, lens = _verify_rows(ctx, k, bs, seed=ctx + k, distinct_tables=distinct)
+    if pool == "f16":
+        pk, pv = pk.half(), pv.half()
+    # another sequence on each side, so the group sits inside a batch
+    other = _verify_rows(50, 0, bs, seed=3)
+    off = pk.shape[0] // bs
+    pk2, pv2 = torch.cat([pk, other[1].to(pk.dtype)]), torch.cat([pv, other[2].to(pv.dtype)])
+    width = max(tables.shape[1], other[3].shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))
+    all_q = torch.cat([other[0], q, other[0]])
+    all_t = torch.cat([pad(other[3] + off), pad(tables), pad(other[3] + off)]).contiguous()
+    all_l = torch.cat([other[4], lens, other[4]])
+    together = fn(all_q.contiguous(), pk2, pv2, all_t, all_l, window, bs, 0.125,
+                  torch.empty_like(all_q))
+    for i in range(all_q.shape[0]):
+        alone = fn(all_q[i:i + 1].contiguous(), pk2, pv2, all_t[i:i + 1].contiguous(),
+                   all_l[i:i + 1].contiguous(), window, bs, 0.125,
+                   torch.empty_like(all_q[i:i + 1]))
+        assert torch.equal(together[i], alone[0]), f"row {i}"
