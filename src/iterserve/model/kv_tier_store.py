@@ -452,6 +452,9 @@ class KVTierStore:
             log.warning("KV disk tier: %d block writes still queued at shutdown were dropped",
                         self.pending_writes())
         self._queue.put(None)
+        # Joined, not left to the interpreter: a daemon thread still waking from its queue
+        # while the process finalises is torn down mid-call (seen as an abort at exit).
+        self._writer.join(timeout)
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._queue = None
 
