@@ -189,6 +189,8 @@ def _baseline_library(rev: str):
     so = tmp / "baseline.so"
     subprocess.run([kernels._compiler(), *flags, *srcs, "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
+    # (a revision before attention sinks takes one argument fewer; the trailing NULL sinks
+    # pointer is then ignored by the calling convention)
     for name in ("iterserve_decode_attention_kv", "iterserve_prefill_attention"):
         fn, ref = getattr(lib, name), getattr(kernels._lib(), name)
         fn.restype, fn.argtypes = ref.restype, ref.argtypes
@@ -240,7 +242,7 @@ def bench_ab(shape: str, baseline: str, batches: list[int], contexts: list[int],
                     return lambda: lib.iterserve_decode_attention_kv(
                         q.data_ptr(), pk.data_ptr(), pv.data_ptr(), pk.shape[0],
                         tables.data_ptr(), tables.shape[1], lens.data_ptr(), 0, D, H, kvh, d,
-                        bs, scale, out.data_ptr(), threads, kvt)
+                        bs, scale, out.data_ptr(), threads, kvt, None)
             else:
                 qs, ctx, ql = (torch.tensor([v], **i32) for v in (0, L, C))
 
@@ -249,7 +251,7 @@ def bench_ab(shape: str, baseline: str, batches: list[int], contexts: list[int],
                         q.data_ptr(), pk.data_ptr(), pv.data_ptr(), pk.shape[0], 1,
                         qs.data_ptr(), ctx.data_ptr(), ql.data_ptr(), tables.data_ptr(),
                         tables.shape[1], 0, H, kvh, d, bs, scale, out.data_ptr(), threads,
-                        kvt, 0)
+                        kvt, 0, None)
             med = timed({"baseline": call(base, outs["baseline"]),
                          "current": call(cur, outs["current"])})
             row = {"kind": kind, "seqs": D, "chunk": C, "context": L,

@@ -80,3 +80,31 @@ def test_greedy_continuation_is_identical_to_hf_generate(family):
             expect = ref.generate(torch.tensor([r.prompt_token_ids]), max_new_tokens=10,
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
         assert r.output_token_ids == expect[0, len(r.prompt_token_ids):].tolist(), arch
+
+
+def test_gpt_oss_sinks_run_on_the_native_attention_kernels(family, monkeypatch):
+    """gpt-oss's sinks fold into the native kernels' softmax (kernels/attention_core.h), so
+    its prefill chunks and decodes never take the eager path (the HF parity above holds on
+    the kernels); soft-capped families (Gemma 2) still do."""
+    arch, d, loaded, ref = family
+    if arch != "gpt_oss":
+        pytest.skip("the sinks family")
+    from iterserve.model import llama
+
+    def eager(*a, **k):
+        raise AssertionError("gpt-oss attention took the eager path")
+
+    monkeypatch.setattr(llama, "eager_paged_attention", eager)
+    runner, blocks = runner_for(loaded), Blocks(128, 4)
+    r, s = request("r", PROMPTS[0]), request("s", PROMPTS[2])
+    out = step(chunk(blocks, r))
+    advance(out, runner.execute(out))
+    for i in range(4):                                    # decodes of r beside s's chunks
+        out = step(chunk(blocks, r), chunk(blocks, s, min(4, s.num_tokens_to_compute)),
+                   step_no=i)
+        logits = runner.compute_logits(out)
+        sampling = [c.request for c in out.chunks if c.sample]
+        for row, q in zip(logits, sampling):
+            torch.testing.assert_close(row, ref_last_logits(ref, q.all_token_ids),
+                                       atol=ATOL, rtol=1e-4)
+        advance(out, {q.request_id: greedy(row[None], [q])[0] for row, q in zip(logits, sampling)})

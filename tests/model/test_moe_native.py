@@ -226,10 +226,25 @@ def oss_model(request, tmp_path_factory):
 def test_gpt_oss_takes_the_native_block(oss_model):
     """Router bias, top-k softmax, expert biases, the clamped SwiGLU: moe.c runs them all."""
     c = oss_model.model.config
-    assert c.native_moe and not c.llama_like          # sinks, windows: no fused decode step
+    assert c.native_moe and not c.llama_like and c.decode_layers_fit
     moes = _moes(oss_model)
     assert moes and all(m._block is not None and m._route is not None for m in moes)
     assert all(e._native_oai is not None for m in moes for e in m.experts)
+
+
+def test_gpt_oss_fused_decode_is_bit_identical_to_per_module(oss_model):
+    """gpt-oss's decode steps in one native call (decode_layers.c with each layer's window,
+    sinks and o bias): every step's logits the same bits as the per-module path, past the
+    sliding window (6 tokens in the tiny model; the prompts are up to 25)."""
+    assert {w for w in oss_model.config.layer_windows()} == {None, 6}
+    if not oss_model.model.use_fused_decode(True):
+        pytest.skip("attention weights left dense in this checkpoint: no fused call")
+    on, tok_on, calls = _decode(oss_model, fused=True)
+    off, tok_off, calls_off = _decode(oss_model, fused=False)
+    assert calls and all(n == 3 for n in calls) and not calls_off
+    assert tok_on == tok_off
+    for x, y in zip(on, off):
+        assert torch.equal(x, y)
 
 
 def test_topk_softmax_routing_matches_torch():

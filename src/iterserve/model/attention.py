@@ -191,14 +191,24 @@ def for_window(meta: AttentionMetadata, window: int | None) -> AttentionMetadata
     return got
 
 
+def native_step(meta: AttentionMetadata) -> bool:
+    """Whether every row of the step runs on the native kernels (decodes on the decode kernel,
+    chunks on the prefill kernel): what attention sinks need, the torch path having none."""
+    return (meta.num_decodes == 0 or meta.decode_kernel is not None) and not meta.prefills
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_slots: torch.Tensor, v_slots: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, d], k/v [T, kv, d] of the new tokens -> attention output [T, H, d].
 
     Writes the new K/V into the pools (2-D slot views) first, so every sequence reads its
-    context (cached prefix + this step's tokens) from one place.
+    context (cached prefix + this step's tokens) from one place. `sinks` (float32 [H],
+    gpt-oss) only where `native_step(meta)`: the kernels fold them into each row's softmax.
     """
+    if sinks is not None and not native_step(meta):
+        raise ValueError("attention sinks need the native kernels for every row of the step")
     T, kvh, d = k.shape
     # The pools may be narrower than the activations (--kv-cache-dtype float16/bfloat16):
     # K/V are rounded when written and widened back to q's dtype when read.
@@ -206,12 +216,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_slots.index_copy_(0, meta.slot_mapping, v.reshape(T, kvh * d).to(v_slots.dtype))
     D = meta.num_decodes
     if D == T:                                  # decode-only step: nothing to assemble
-        return _decode_attention(q, k_slots, v_slots, meta, scale, kvh, d)
+        return _decode_attention(q, k_slots, v_slots, meta, scale, kvh, d, sinks)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if D:
-        out[:D] = _decode_attention(q[:D], k_slots, v_slots, meta, scale, kvh, d)
+        out[:D] = _decode_attention(q[:D], k_slots, v_slots, meta, scale, kvh, d, sinks)
     if meta.prefill_chunks is not None:
-        meta.prefill_chunks.run(q.contiguous(), k_slots, v_slots, scale, out)
+        meta.prefill_chunks.run(q.contiguous(), k_slots, v_slots, scale, out, sinks=sinks)
     for p in meta.prefills:
         L = p.context_slots.shape[0]
         kc = k_slots.index_select(0, p.context_slots).to(q.dtype).view(L, kvh, d) \
@@ -226,14 +236,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, kvh: int, d: int) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float, kvh: int, d: int,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its context; q [D, H, d] -> [D, H, d]."""
     D, L = q.shape[0], meta.decode_len
     if meta.decode_kernel is not None:
         q = q.contiguous()
         return kernels.decode_attention(q, k_slots, v_slots, meta.decode_tables, meta.decode_lens,
                                         meta.sliding_window, meta.block_size, scale,
-                                        torch.empty_like(q))
+                                        torch.empty_like(q), sinks)
     kc = k_slots.index_select(0, meta.decode_slots).to(q.dtype).view(D, L, kvh, d).transpose(1, 2)
     vc = v_slots.index_select(0, meta.decode_slots).to(q.dtype).view(D, L, kvh, d).transpose(1, 2)
     return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=meta.decode_mask,

@@ -1,10 +1,13 @@
-"""Paged attention with scores the fused kernels do not form: soft-capping and sinks.
+"""Paged attention with scores the fused kernels do not form: soft-capping, and sinks off
+the native kernels.
 
-Why a path of its own: Gemma 2 caps every attention score (`cap * tanh(s / cap)`) and gpt-oss
-adds one learned "sink" logit per head to each softmax (a key that takes probability mass and
-contributes no value). Neither fits a fused softmax that never materialises the scores (SDPA,
-kernels/decode_attention.c, prefill_attention.c), so these layers compute the scores
-explicitly, in HF's order: q.k * scale, the cap, the causal / sliding-window mask, the sink
+Why a path of its own: Gemma 2 caps every attention score (`cap * tanh(s / cap)`), which does
+not fit a fused softmax that never materialises the scores (SDPA, kernels/decode_attention.c,
+prefill_attention.c). gpt-oss adds one learned "sink" logit per head to each softmax (a key
+that takes probability mass and contributes no value): the native kernels fold it in
+(attention_core.h), SDPA cannot, so gpt-oss steps that are not all on the native kernels
+(CUDA, native kernels off) come here too. These layers compute the scores explicitly, in HF's
+order: q.k * scale, the cap, the causal / sliding-window mask, the sink
 column, softmax in float32, the sink dropped, times V. The K/V are read from the same paged
 pools through the step's block tables (`AttentionMetadata.spans`), decodes batched (padded to
 the longest context with a mask), each prefill chunk on its own. The index tensors a step

@@ -16,7 +16,7 @@ with a message that names it and lists what is supported: never a wrong answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -171,6 +171,17 @@ class ModelConfig:
                 and not self.attention_sinks and not self.o_bias and not self.mlp_bias
                 and not self.sandwich_norms and self.residual_multiplier == 1.0
                 and self.hidden_act == "silu" and not _is_longrope(self.rope_scaling))
+
+    @property
+    def decode_layers_fit(self) -> bool:
+        """Whether kernels.DecodeLayers runs every layer: `llama_like`, or gpt-oss's layers
+        (per-layer sliding / full windows, attention sinks, an o bias, its expert block),
+        everything else about them plain."""
+        if self.llama_like:
+            return True
+        plain = replace(self, layer_types=[], attention_sinks=False, o_bias=False)
+        return self.attention_sinks and set(self.layer_types) <= {FULL, SLIDING} \
+            and plain.llama_like
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: torch.dtype = torch.float32) -> "ModelConfig":

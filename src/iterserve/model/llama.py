@@ -25,7 +25,7 @@ from torch import nn
 
 from iterserve.errors import ModelLoadError
 from iterserve.model import kernels, layers as layers_mod
-from iterserve.model.attention import AttentionMetadata, for_window, paged_attention
+from iterserve.model.attention import AttentionMetadata, for_window, native_step, paged_attention
 from iterserve.model.attention_eager import eager_paged_attention
 from iterserve.model.config import ModelConfig
 from iterserve.model.kv_cache import PagedKVCache
@@ -81,6 +81,9 @@ class Attention(nn.Module):
         m = for_window(meta, self.window)
         if self.softcap is None and self.sinks is None:
             o = paged_attention(q, k, v, k_slots, v_slots, m, self.scale)
+        elif self.softcap is None and q.dtype == torch.float32 and native_step(m):
+            o = paged_attention(q, k, v, k_slots, v_slots, m, self.scale,
+                                sinks=self.sinks.detach().float().contiguous())
         else:
             o = eager_paged_attention(q, k, v, k_slots, v_slots, m, self.scale, self.softcap,
                                       self.sinks)
@@ -206,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
         """One `kernels.LayerSpec` per layer from the Linears' encoded segments (None when
         the kernels are missing, the layers are not plain Llama layers, or a layer's weights
         are not all encoded)."""
-        if not hasattr(kernels, "LayerSpec") or not self.config.llama_like:
+        if not hasattr(kernels, "LayerSpec") or not self.config.decode_layers_fit \
+                or any(k != self.rope_keys[0] for k in self.rope_keys):
             return None
         specs = []
         for layer in self.layers:
@@ -216,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
                 return None
             linears = (a.qkv_proj, a.o_proj) if moe else \
                 (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(m.encoded is None for m in linears) or a.o_proj.bias is not None:
+            if any(m.encoded is None for m in linears):
                 return None
             qkv, o = (list(m.encoded.segments) for m in linears[:2])
             gu, down = (None, None) if moe else (list(m.encoded.segments) for m in linears[2:])
@@ -226,18 +230,22 @@ class LlamaForCausalLM(nn.Module):
                 qkv=qkv, o=o, gate_up=gu, down=down, moe=mlp._block if moe else None,
                 qkv_bias=None if a.qkv_proj.bias is None else a.qkv_proj.bias.detach(),
                 q_norm=None if a.q_norm is None else a.q_norm.weight.detach(),
-                k_norm=None if a.k_norm is None else a.k_norm.weight.detach()))
+                k_norm=None if a.k_norm is None else a.k_norm.weight.detach(),
+                o_bias=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
+                sinks=None if a.sinks is None else a.sinks.detach(),
+                window=a.window or 0))
         return specs
 
     def use_fused_decode(self, on: bool = True) -> bool:
         """Run small decode-only steps through `kernels.DecodeLayers` (every layer in one
-        call) or not; returns whether it is in use. It needs plain Llama layers
-        (`ModelConfig.llama_like`), every layer Linear on the native GEMM (use_quant), the
+        call) or not; returns whether it is in use. It needs plain Llama layers or gpt-oss's
+        (`ModelConfig.decode_layers_fit`), every layer Linear on the native GEMM (use_quant), the
         native elementwise ops, and a spec the kernels accept (`DecodeLayers.supported`);
         anything else keeps the per-module path."""
         self._fused = None
         c = self.config
-        if not on or not c.llama_like or self.norm._native is None or c.dtype != torch.float32:
+        if not on or not c.decode_layers_fit or self.norm._native is None \
+                or c.dtype != torch.float32:
             return False
         linears = [m for layer in self.layers for m in (
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj) if isinstance(layer.mlp, SparseMoE)

@@ -236,8 +236,10 @@ class ModelRunner:
             if kv_dtype != torch.bfloat16:
                 self.decode_kernel = kernels.decode_attention()
         # Small decode-only steps: every layer in one native call (llama.use_fused_decode).
-        # The model checks the rest (block kernel and native ops in use, architecture).
-        self.fused_decode = self.model.use_fused_decode(self.decode_kernel is not None) \
+        # The model checks the rest (block kernel and native ops in use, architecture). Not
+        # with window pools: the fused call reads one pool and one block table for all layers.
+        self.fused_decode = self.model.use_fused_decode(
+            self.decode_kernel is not None and self.window_blocks is None) \
             if hasattr(self.model, "use_fused_decode") else False
         self.memory_plan.update(compute_paths(self.model), fused_decode=bool(self.fused_decode))
         log_memory_plan(self.memory_plan)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-ABI_VERSION = 8                      # iterserve.h's ITERSERVE_ABI_VERSION
+ABI_VERSION = 9                      # iterserve.h's ITERSERVE_ABI_VERSION
 
 
 class Segment(ctypes.Structure):
@@ -48,7 +48,8 @@ class Layer(ctypes.Structure):
                 ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
-                ("moe", ctypes.c_void_p)]
+                ("moe", ctypes.c_void_p), ("o_bias", ctypes.c_void_p),
+                ("sinks", ctypes.c_void_p), ("window", ctypes.c_int64)]
 
 
 class Config(ctypes.Structure):
@@ -92,13 +93,14 @@ ARGTYPES = {
                                        _f32, _i32]),
     # float32 or f16 KV pools (kv_type 0 / 1): the two above with a pool element type
     "iterserve_decode_attention_kv": (_i32, [_p, _p, _p, _i64, _p, _i32, _p, _i32, _i32, _i32,
-                                             _i32, _i32, _i32, _f32, _p, _i32, _i32]),
+                                             _i32, _i32, _i32, _f32, _p, _i32, _i32, _p]),
     "iterserve_decode_layers_kv": (_i32, [_p, _i32, _p, _p, _i64, _p, _i64, _i64, _i32, _i32,
                                           _i32, _i64, _f32, _p, _p, _p, _p, _i32, _p, _i32, _i32,
                                           _f32, _i32, _i32]),
     # prefill chunks over the pool (prefill_attention.c): float32 / f16 / bf16 pools
     "iterserve_prefill_attention": (_i32, [_p, _p, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32,
-                                           _i32, _i32, _i32, _i32, _f32, _p, _i32, _i32, _i32]),
+                                           _i32, _i32, _i32, _i32, _f32, _p, _i32, _i32, _i32,
+                                           _p]),
     "iterserve_prefill_attention_isa": (_i64, [_i64, _i64]),
 }
 ERRORS = {1: "a block table entry lies outside the KV pool",
@@ -128,7 +130,8 @@ def abi_expected() -> list[int]:
             S.row_stride.offset, S.data.offset, o(L), L.nseg.offset, L.k.offset, L.seg.offset,
             MAX_SEGMENTS, o(Y), Y.ln1.offset, Y.ln2.offset, Y.qkv_bias.offset,
             Y.q_norm.offset, Y.k_norm.offset, Y.qkv.offset, Y.o.offset, Y.gate_up.offset,
-            Y.down.offset, Y.moe.offset, o(Moe), Moe.num_experts.offset, Moe.top_k.offset,
+            Y.down.offset, Y.moe.offset, Y.o_bias.offset, Y.sinks.offset, Y.window.offset,
+            o(Moe), Moe.num_experts.offset, Moe.top_k.offset,
             Moe.inter.offset, Moe.norm_topk.offset, Moe.router.offset, Moe.gate_up.offset,
             Moe.down.offset, Moe.routing.offset, Moe.act.offset, Moe.interleaved.offset,
             Moe.alpha.offset, Moe.limit.offset, Moe.router_bias.offset, Moe.gate_up_bias.offset,

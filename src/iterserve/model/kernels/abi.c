@@ -33,6 +33,9 @@ int64_t iterserve_abi(int64_t *out, int64_t cap) {
     v[n++] = offsetof(iterserve_layer, gate_up);
     v[n++] = offsetof(iterserve_layer, down);
     v[n++] = offsetof(iterserve_layer, moe);
+    v[n++] = offsetof(iterserve_layer, o_bias);
+    v[n++] = offsetof(iterserve_layer, sinks);
+    v[n++] = offsetof(iterserve_layer, window);
     v[n++] = sizeof(iterserve_moe);
     v[n++] = offsetof(iterserve_moe, num_experts);
     v[n++] = offsetof(iterserve_moe, top_k);

@@ -20,6 +20,9 @@
  *   an empty state, and the segments are folded into the total in order (`fold`); a
  *   segment is what one decode work item computes, so a long context still splits over the
  *   threads (flash-decoding) without changing any row's arithmetic;
+ * - with attention sinks (gpt-oss: a learned logit per query head that takes probability
+ *   mass and gives nothing back), the sink folded into the final state as one more
+ *   segment of max = sink, sum = 1, output 0 (`sink`);
  * - out = O * (1 / l).
  * Keys a row may not see (after its position; before its sliding window) score -inf, which
  * leaves its state exactly as it was (alpha = exp(0) = 1, p = 0, fma(0, v, o) = o), so the
@@ -234,12 +237,13 @@ typedef struct {
                  float *mT, float *lT);
     void (*finish_row)(const float *O, float l, int d, float *dst);
     void (*scale_row)(const float *src, float scale, int d, float *dst);
+    void (*sink)(int nr, int d, const float *sinks, float *O, float *m, float *l);
 } at_ops;
 
 static const at_ops AT_AVX2 = {at_block_avx2, at_fold_avx2, at_finish_row_avx2,
-                               at_scale_row_avx2};
+                               at_scale_row_avx2, at_sink_avx2};
 static const at_ops AT_AVX512 = {at_block_avx512, at_fold_avx512, at_finish_row_avx512,
-                                 at_scale_row_avx512};
+                                 at_scale_row_avx512, at_sink_avx512};
 
 /* The ISA both kernels use for head_dim d (`isa` 0 = auto, 1 = AVX2, 2 = AVX-512). */
 static inline const at_ops *at_ops_for(int isa, int d) {

@@ -208,6 +208,24 @@ static void FN(fold)(int nr, int d, const float *O, const float *m, const float 
     }
 }
 
+/* The sink of each of nr rows (gpt-oss: one learned logit per query head, a key with a zero
+ * value) folded into the row's final state, as `fold` folds a segment of max sinks[r], sum 1
+ * and output 0: l = l a + b, O = O a. Both kernels call it on the same final state, after
+ * the last segment, so a row's bits stay those of the row alone. sinks NULL: nothing. */
+static void FN(sink)(int nr, int d, const float *sinks, float *O, float *m, float *l) {
+    if (!sinks) return;
+    for (int r = 0; r < nr; r++) {
+        const float s = sinks[r];
+        const float M = m[r] > s ? m[r] : s;
+        const float a = FN(exp1)(m[r] - M), b = FN(exp1)(s - M);
+        l[r] = fmaf(1.0f, b, l[r] * a);
+        m[r] = M;
+        float *o = O + (long)r * d;
+        const VEC va = VSET(a);
+        for (int i = 0; i < d; i += VW) VST(o + i, VMUL(VLD(o + i), va));
+    }
+}
+
 /* dst = O / l for one row (d floats). */
 static inline void FN(finish_row)(const float *O, float l, int d, float *dst) {
     const VEC inv = VSET(1.0f / l);

@@ -86,7 +86,8 @@ static int same_context(const int32_t *tables, int max_blocks, const int32_t *le
 static int decode_attention(const float *q, const void *kpool, const void *vpool,
                             int64_t pool_slots, const int32_t *tables, int max_blocks,
                             const int32_t *lens, int window, int D, int H, int kvh, int d,
-                            int bs, float scale, float *out, int nthreads, int kv_type) {
+                            int bs, float scale, float *out, int nthreads, int kv_type,
+                            const float *sinks) {
     if (D < 1) return ITERSERVE_OK;
     const int bad = check_tables(tables, max_blocks, lens, D, bs, pool_slots);
     if (bad) return bad;
@@ -199,6 +200,7 @@ static int decode_attention(const float *q, const void *kpool, const void *vpool
                 for (int i = 0; i < R; i++)
                     for (int hq = 0; hq < H; hq++) {
                         const long r = (long)(hq / G) * RGg + i * G + hq % G;
+                        if (sinks) ops->sink(1, d, sinks + hq, O + r * d, m + r, l + r);
                         ops->finish_row(O + r * d, l[r], d, out + ((long)(s0 + i) * H + hq) * d);
                     }
             } else {
@@ -222,6 +224,7 @@ static int decode_attention(const float *q, const void *kpool, const void *vpool
             for (int i = 0; i < R; i++)
                 for (int hq = 0; hq < H; hq++) {
                     const long r = (long)(hq / G) * RGg + i * G + hq % G;
+                    if (sinks) ops->sink(1, d, sinks + hq, O + r * d, m + r, l + r);
                     ops->finish_row(O + r * d, l[r], d, out + ((long)(s0 + i) * H + hq) * d);
                 }
         }
@@ -240,14 +243,15 @@ int iterserve_decode_attention(const float *q, const float *kpool, const float *
                                const int32_t *lens, int window, int D, int H, int kvh, int d,
                                int bs, float scale, float *out, int nthreads) {
     return decode_attention(q, kpool, vpool, pool_slots, tables, max_blocks, lens, window, D, H,
-                            kvh, d, bs, scale, out, nthreads, ITERSERVE_KV_F32);
+                            kvh, d, bs, scale, out, nthreads, ITERSERVE_KV_F32, NULL);
 }
 
 int iterserve_decode_attention_kv(const float *q, const void *kpool, const void *vpool,
                                   int64_t pool_slots, const int32_t *tables, int max_blocks,
                                   const int32_t *lens, int window, int D, int H, int kvh, int d,
-                                  int bs, float scale, float *out, int nthreads, int kv_type) {
+                                  int bs, float scale, float *out, int nthreads, int kv_type,
+                                  const float *sinks) {
     if (kv_type != ITERSERVE_KV_F32 && kv_type != ITERSERVE_KV_F16) return ITERSERVE_ETYPE;
     return decode_attention(q, kpool, vpool, pool_slots, tables, max_blocks, lens, window, D, H,
-                            kvh, d, bs, scale, out, nthreads, kv_type);
+                            kvh, d, bs, scale, out, nthreads, kv_type, sinks);
 }

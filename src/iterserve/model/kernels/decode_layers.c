@@ -1,4 +1,5 @@
-/* Every decoder layer of a decode-only step in one call (Llama family, GGUF-encoded weights).
+/* Every decoder layer of a decode-only step in one call (Llama family and gpt-oss, GGUF-encoded
+ * weights).
  *
  * Why: with the GEMMs, attention and elementwise ops already native, a small-batch decode step
  * still paid ~4-5 ms of Python per step on this CPU: 30 layers x ~12 module calls, each with
@@ -12,11 +13,13 @@
  *   q/k RMSNorm per head, in place     iterserve_qk_norm (Qwen3 only)
  *   rope on q and k, in place          iterserve_rope
  *   K, V rows -> the paged pools at this step's slots
- *   a  = attention(q, pools)           iterserve_decode_attention
- *   h += a . Wo^T
+ *   a  = attention(q, pools)           iterserve_decode_attention (the layer's window and
+ *                                      sinks: gpt-oss's sliding / full layers)
+ *   h += a . Wo^T (+ bias)             (gpt-oss's o bias)
  *   x  = rmsnorm(h, ln2)
  *   h += silu_mul(x . Wgu^T) . Wdown^T iterserve_silu_mul
- *        or h += moe(x)                 iterserve_moe_forward (moe.c: Qwen3-MoE, Mixtral)
+ *        or h += moe(x)                 iterserve_moe_forward (moe.c: Qwen3-MoE, Mixtral,
+ *                                      gpt-oss)
  *
  * Each weight is a list of 1-3 row segments (iterserve.h's iterserve_linear), possibly of
  * different types (a Q4_K_M file's fused q/k/v), each written into its own column range of
@@ -160,9 +163,13 @@ int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void 
         }
         tp = prof_add(PROF_KV_WRITE, tp);
         iterserve_decode_attention_kv(q, kpool, vpool, pool_slots, tables, max_blocks, lens,
-                                      window, (int)T, H, kvh, d, bs, scale, a, nthreads, kv_type);
+                                      L->window > 0 ? (int)L->window : window, (int)T, H, kvh,
+                                      d, bs, scale, a, nthreads, kv_type, L->sinks);
         tp = prof_add(PROF_ATTN, tp);
         gemm(&L->o, a, T, y, hidden, nthreads);
+        if (L->o_bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < hidden; i++) y[t * hidden + i] = y[t * hidden + i] + L->o_bias[i];
         tp = prof_add(PROF_O, tp);
         for (int64_t i = 0; i < T * hidden; i++) h[i] = h[i] + y[i];
         tp = prof_add(PROF_RESIDUAL, tp);

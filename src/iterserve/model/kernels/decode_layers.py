@@ -35,6 +35,9 @@ class LayerSpec:
     q_norm: torch.Tensor | None = None         # Qwen3 (with k_norm)
     k_norm: torch.Tensor | None = None
     moe: MoeBlock | None = None                # experts instead of gate_up / down
+    o_bias: torch.Tensor | None = None         # gpt-oss (with sinks and per-layer windows)
+    sinks: torch.Tensor | None = None          # [num_heads] attention-sink logits
+    window: int = 0                            # the layer's sliding window; 0: run's window
 
 
 class DecodeLayers:
@@ -68,6 +71,13 @@ class DecodeLayers:
                 self._vec(spec.q_norm, head_dim, f"layer {i} q_norm")
             L.k_norm = None if spec.k_norm is None else \
                 self._vec(spec.k_norm, head_dim, f"layer {i} k_norm")
+            L.o_bias = None if spec.o_bias is None else \
+                self._vec(spec.o_bias, hidden, f"layer {i} o_bias")
+            L.sinks = None if spec.sinks is None else \
+                self._vec(spec.sinks, num_heads, f"layer {i} sinks")
+            if spec.window < 0:
+                raise ValueError(f"layer {i}: window {spec.window}")
+            L.window = spec.window
             self._linear(L.qkv, spec.qkv, qkvw, hidden, f"layer {i} qkv")
             self._linear(L.o, spec.o, hidden, num_heads * head_dim, f"layer {i} o")
             if spec.moe is not None:

@@ -21,7 +21,7 @@
 #define ITERSERVE_H
 #include <stdint.h>
 
-#define ITERSERVE_ABI_VERSION 8
+#define ITERSERVE_ABI_VERSION 9
 
 /* ggml type ids (gguf.GGMLQuantizationType) */
 enum {
@@ -78,6 +78,9 @@ typedef struct {
     const float *q_norm, *k_norm;      /* [d] per-head RMSNorm weights or NULL (Qwen3) */
     iterserve_linear qkv, o, gate_up, down;
     const iterserve_moe *moe;          /* experts instead of gate_up / down, or NULL */
+    const float *o_bias;               /* [hidden] or NULL (gpt-oss) */
+    const float *sinks;                /* [H] attention-sink logits or NULL (gpt-oss) */
+    int64_t window;                    /* this layer's sliding window; 0: the call's window */
 } iterserve_layer;
 
 /* --- the one configuration (config.c) --------------------------------------------------- */
@@ -207,7 +210,8 @@ enum { ITERSERVE_KV_F32 = 0, ITERSERVE_KV_F16 = 1 };
 int iterserve_decode_attention_kv(const float *q, const void *kpool, const void *vpool,
                                   int64_t pool_slots, const int32_t *tables, int max_blocks,
                                   const int32_t *lens, int window, int D, int H, int kvh, int d,
-                                  int bs, float scale, float *out, int nthreads, int kv_type);
+                                  int bs, float scale, float *out, int nthreads, int kv_type,
+                                  const float *sinks);
 
 /* --- attention of prefill chunks over the paged KV pool (prefill_attention.c) ------------ */
 /* bf16 pools: only the prefill attention reads them (the decode kernels return ETYPE). */
@@ -221,7 +225,8 @@ int iterserve_prefill_attention(const float *q, const void *kpool, const void *v
                                 int64_t pool_slots, int nseq, const int32_t *q_starts,
                                 const int32_t *ctx, const int32_t *qlens, const int32_t *tables,
                                 int max_blocks, int window, int H, int kvh, int d, int bs,
-                                float scale, float *out, int nthreads, int kv_type, int isa);
+                                float scale, float *out, int nthreads, int kv_type, int isa,
+                                const float *sinks);
 /* The ISA that `isa` resolves to for head_dim d on this CPU (1 AVX2, 2 AVX-512). */
 int64_t iterserve_prefill_attention_isa(int64_t isa, int64_t d);
 int iterserve_decode_layers_kv(const iterserve_layer *layers, int nlayers, void *const *kpools,

@@ -443,12 +443,13 @@ def _rc(rc: int) -> None:
 
 
 def decode_attention(q=None, kpool=None, vpool=None, tables=None, lens=None, window: int = 0,
-                     block_size: int = 0, scale: float = 1.0, out=None):
+                     block_size: int = 0, scale: float = 1.0, out=None, sinks=None):
     """Attention of one query per sequence over its context in the paged pool: q, out float32
     contiguous [D, H, d]; kpool/vpool float32 or float16 (both alike) contiguous
     [slots, kvh * d]; tables int32
     [D, max_blocks], lens int32 [D] (context lengths, the new token included); window 0 or a
-    sliding window. Returns out.
+    sliding window; sinks None or float32 [H], one attention-sink logit per query head
+    (gpt-oss). Returns out.
 
     Called with no arguments (legacy, runner.py's probe): this function if available, else
     None."""
@@ -464,8 +465,19 @@ def decode_attention(q=None, kpool=None, vpool=None, tables=None, lens=None, win
     _rc(lib.iterserve_decode_attention_kv(
         q.data_ptr(), kpool.data_ptr(), vpool.data_ptr(), kpool.shape[0], tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), window, D, H, kvh, d, block_size, scale,
-        out.data_ptr(), _threads(), kv_type(kpool)))
+        out.data_ptr(), _threads(), kv_type(kpool), _sinks_ptr(sinks, H)))
     return out
+
+
+def _sinks_ptr(sinks, H: int):
+    """The data pointer of float32 [H] sinks (None: NULL, no sinks)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 \
+            or sinks.device.type != "cpu" or tuple(sinks.shape) != (H,) \
+            or not sinks.is_contiguous():
+        raise ValueError(f"sinks must be a contiguous float32 CPU tensor [{H}]")
+    return sinks.data_ptr()
 
 
 PREFILL_ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
@@ -506,10 +518,11 @@ class PrefillChunks:
         # rows of q the chunks reach: q must have at least these
         self.rows = int((q_starts.long() + qlens.long()).max()) if P else 0
 
-    def run(self, q, kpool, vpool, scale: float, out, isa: str = "auto"):
+    def run(self, q, kpool, vpool, scale: float, out, isa: str = "auto", sinks=None):
         """Causal attention of the chunks over the paged pool: q, out float32 contiguous
         [T, H, d]; kpool/vpool float32, float16 or bfloat16 (both alike) contiguous
-        [slots, kvh * d]. Writes only the chunks' rows of out; returns out."""
+        [slots, kvh * d]; sinks None or float32 [H] (see decode_attention). Writes only the
+        chunks' rows of out; returns out."""
         T, H, d, kvh = _attention_shapes(q, out, kpool, vpool, PREFILL_KV_TYPES)
         P = self.tables.shape[0]
         if P == 0:
@@ -521,14 +534,14 @@ class PrefillChunks:
             self.q_starts.data_ptr(), self.ctx.data_ptr(), self.qlens.data_ptr(),
             self.tables.data_ptr(), self.tables.shape[1], self.window, H, kvh, d,
             self.block_size, scale, out.data_ptr(), _threads(), PREFILL_KV_TYPES[kpool.dtype],
-            PREFILL_ISAS[isa]))
+            PREFILL_ISAS[isa], _sinks_ptr(sinks, H)))
         return out
 
 
 def prefill_attention(q, kpool, vpool, q_starts, ctx, qlens, tables, window: int,
-                      block_size: int, scale: float, out, isa: str = "auto"):
+                      block_size: int, scale: float, out, isa: str = "auto", sinks=None):
     """Causal attention of prefill chunks over the paged pool (prefill_attention.c) in one
     call: `PrefillChunks(q_starts, ctx, qlens, tables, window, block_size).run(q, kpool,
     vpool, scale, out, isa)` (see both). The engine makes the PrefillChunks once per step."""
     return PrefillChunks(q_starts, ctx, qlens, tables, window, block_size).run(
-        q, kpool, vpool, scale, out, isa)
+        q, kpool, vpool, scale, out, isa, sinks)

@@ -51,6 +51,7 @@ typedef struct {
     float scale;
     float *out;
     at_pools pools;
+    const float *sinks;            /* [H] attention sinks, or NULL */
 } pa_args;
 
 typedef struct { int s, h, q0, nq; double work; } pa_item;
@@ -90,9 +91,13 @@ static void run_item(const at_ops *ops, const pa_args *a, const pa_item *it, pa_
             at_reset(R, d, sc->O, sc->m, sc->l);
         }
     }
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++) {
+        if (a->sinks)
+            ops->sink(1, d, a->sinks + (long)it->h * G + r % G, sc->OT + (long)r * d,
+                      sc->mT + r, sc->lT + r);
         ops->finish_row(sc->OT + (long)r * d, sc->lT[r], d,
                         a->out + ((qrow0 + r / G) * H + (long)it->h * G + r % G) * d);
+    }
 }
 
 /* The ISA `isa` (0 auto, 1 AVX2, 2 AVX-512) resolves to for head_dim d on this CPU. The CPU
@@ -116,7 +121,8 @@ int iterserve_prefill_attention(const float *q, const void *kpool, const void *v
                                 int64_t pool_slots, int nseq, const int32_t *q_starts,
                                 const int32_t *ctx, const int32_t *qlens, const int32_t *tables,
                                 int max_blocks, int window, int H, int kvh, int d, int bs,
-                                float scale, float *out, int nthreads, int kv_type, int isa) {
+                                float scale, float *out, int nthreads, int kv_type, int isa,
+                                const float *sinks) {
     if (kv_type != ITERSERVE_KV_F32 && kv_type != ITERSERVE_KV_F16 && kv_type != ITERSERVE_KV_BF16)
         return ITERSERVE_ETYPE;
     if (nseq < 1) return ITERSERVE_OK;
@@ -145,7 +151,7 @@ int iterserve_prefill_attention(const float *q, const void *kpool, const void *v
             }
     qsort(items, (size_t)nitems, sizeof(pa_item), cmp_work);
     const pa_args a = {q, q_starts, ctx, qlens, tables, max_blocks, window, H, kvh, d, scale, out,
-                       {kpool, vpool, kv_type, d, bs, (long)kvh * d}};
+                       {kpool, vpool, kv_type, d, bs, (long)kvh * d}, sinks};
     const at_ops *ops = at_ops_for(isa, d);
     const int Rmax = nq * G;
     if (nthreads < 1) nthreads = 1;
