@@ -48,6 +48,17 @@ def test_prefill_logits_match_hf(family):
         torch.testing.assert_close(row, ref_last_logits(ref, p), atol=ATOL, rtol=1e-4)
 
 
+def _step_matches_hf(runner, out, ref) -> None:
+    """Run the step; each sampling row's logits are HF's for that request's tokens so far;
+    advance the requests by their greedy token."""
+    logits = runner.compute_logits(out)
+    sampling = [c.request for c in out.chunks if c.sample]
+    for row, q in zip(logits, sampling):
+        torch.testing.assert_close(row, ref_last_logits(ref, q.all_token_ids),
+                                   atol=ATOL, rtol=1e-4)
+    advance(out, {q.request_id: greedy(row[None], [q])[0] for row, q in zip(logits, sampling)})
+
+
 def test_chunked_prefill_and_mixed_steps_match_hf(family):
     arch, d, loaded, ref = family
     runner, blocks = runner_for(loaded), Blocks(128, 4)
@@ -60,12 +71,7 @@ def test_chunked_prefill_and_mixed_steps_match_hf(family):
         if short.num_tokens_to_compute:
             chunks.append(chunk(blocks, short, min(3, short.num_tokens_to_compute)))
         out = step(*chunks, step_no=s)
-        logits = runner.compute_logits(out)
-        sampling = [c.request for c in out.chunks if c.sample]
-        for row, q in zip(logits, sampling):
-            torch.testing.assert_close(row, ref_last_logits(ref, q.all_token_ids),
-                                       atol=ATOL, rtol=1e-4)
-        advance(out, {q.request_id: greedy(row[None], [q])[0] for row, q in zip(logits, sampling)})
+        _step_matches_hf(runner, out, ref)
 
 
 def test_greedy_continuation_is_identical_to_hf_generate(family):
@@ -102,9 +108,4 @@ def test_gpt_oss_sinks_run_on_the_native_attention_kernels(family, monkeypatch):
     for i in range(4):                                    # decodes of r beside s's chunks
         out = step(chunk(blocks, r), chunk(blocks, s, min(4, s.num_tokens_to_compute)),
                    step_no=i)
-        logits = runner.compute_logits(out)
-        sampling = [c.request for c in out.chunks if c.sample]
-        for row, q in zip(logits, sampling):
-            torch.testing.assert_close(row, ref_last_logits(ref, q.all_token_ids),
-                                       atol=ATOL, rtol=1e-4)
-        advance(out, {q.request_id: greedy(row[None], [q])[0] for row, q in zip(logits, sampling)})
+        _step_matches_hf(runner, out, ref)

@@ -152,13 +152,19 @@ def _decode(loaded, fused: bool, steps: int = 8):
     return seen, [r.output_token_ids for r in (a, b, c)], calls
 
 
-def test_fused_decode_with_experts_is_bit_identical_to_per_module(q8_model):
-    on, tok_on, calls = _decode(q8_model, fused=True)
-    off, tok_off, calls_off = _decode(q8_model, fused=False)
+def _assert_fused_equals_per_module(loaded) -> None:
+    """Every decode-only step took the fused call, with the same tokens and logit bits as
+    the per-module path."""
+    on, tok_on, calls = _decode(loaded, fused=True)
+    off, tok_off, calls_off = _decode(loaded, fused=False)
     assert calls and all(n == 3 for n in calls) and not calls_off
     assert tok_on == tok_off
     for x, y in zip(on, off):
         assert torch.equal(x, y)
+
+
+def test_fused_decode_with_experts_is_bit_identical_to_per_module(q8_model):
+    _assert_fused_equals_per_module(q8_model)
 
 
 def test_native_experts_agree_with_the_torch_path(q8_model):
@@ -239,12 +245,7 @@ def test_gpt_oss_fused_decode_is_bit_identical_to_per_module(oss_model):
     assert {w for w in oss_model.config.layer_windows()} == {None, 6}
     if not oss_model.model.use_fused_decode(True):
         pytest.skip("attention weights left dense in this checkpoint: no fused call")
-    on, tok_on, calls = _decode(oss_model, fused=True)
-    off, tok_off, calls_off = _decode(oss_model, fused=False)
-    assert calls and all(n == 3 for n in calls) and not calls_off
-    assert tok_on == tok_off
-    for x, y in zip(on, off):
-        assert torch.equal(x, y)
+    _assert_fused_equals_per_module(oss_model)
 
 
 def test_topk_softmax_routing_matches_torch():

@@ -207,8 +207,9 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_layer_specs(self) -> list | None:
         """One `kernels.LayerSpec` per layer from the Linears' encoded segments (None when
-        the kernels are missing, the layers are not plain Llama layers, or a layer's weights
-        are not all encoded)."""
+        the kernels are missing, the layers do not fit the fused call
+        (`ModelConfig.decode_layers_fit`, one RoPE table for all), or a layer's weights are
+        not all encoded)."""
         if not hasattr(kernels, "LayerSpec") or not self.config.decode_layers_fit \
                 or any(k != self.rope_keys[0] for k in self.rope_keys):
             return None

@@ -542,6 +542,7 @@ def prefill_attention(q, kpool, vpool, q_starts, ctx, qlens, tables, window: int
                       block_size: int, scale: float, out, isa: str = "auto", sinks=None):
     """Causal attention of prefill chunks over the paged pool (prefill_attention.c) in one
     call: `PrefillChunks(q_starts, ctx, qlens, tables, window, block_size).run(q, kpool,
-    vpool, scale, out, isa)` (see both). The engine makes the PrefillChunks once per step."""
+    vpool, scale, out, isa, sinks)` (see both). The engine makes the PrefillChunks once per
+    step."""
     return PrefillChunks(q_starts, ctx, qlens, tables, window, block_size).run(
         q, kpool, vpool, scale, out, isa, sinks)
