@@ -160,6 +160,38 @@ def test_a_busy_signal_flip_re_probes_at_once():
     assert back[-100:].count(2) > 95
 
 
+def test_a_probe_waits_for_a_small_step_on_a_quiet_machine():
+    """After an idle gap every other team size is due for a probe; the next request's
+    prefill must still run on the best team, the probe on the decode steps after it."""
+    clock = _Clock()
+    a = ThreadAdapter(2, clock=clock, ceiling=lambda: 2, cpu_stat=lambda: None)
+    _drive(a, clock, QUIET, 200)
+    clock.t += 10.0                                    # idle: no steps
+    a.observe(QUIET[a.threads], 8)                     # the last step before it decided
+    ran = [a.for_step(600)]
+    clock.t += 0.5
+    a.observe(0.5, 600)
+    for _ in range(6):
+        ran.append(a.for_step(8))
+        clock.t += QUIET[ran[-1]]
+        a.observe(QUIET[ran[-1]], 8)
+    assert ran[0] == 2                                 # the prefill: not the probe
+    assert 1 in ran[1:]                                # the probe ran on a decode step
+    assert ran[-1] == 2                                # ... lost, and home again
+
+
+def test_a_busy_machine_lets_a_probe_take_a_large_step():
+    clock = _Clock()
+    stat = {"s": CpuStat(0, 0, 3)}                     # two other runnable threads
+    a = ThreadAdapter(2, clock=clock, ceiling=lambda: 2, cpu_stat=lambda: stat["s"],
+                      own_running=lambda: 1)
+    for _ in range(20):
+        n = a.for_step(600)
+        clock.t += BUSY[n]
+        a.observe(BUSY[n], 600)
+    assert a.busy and a.threads == 1
+
+
 def test_the_ceiling_bounds_the_team_and_fixed_overrides_everything():
     clock = _Clock()
     cpus = {"n": 4}
@@ -239,6 +271,9 @@ class _Alternating:
 
     def __init__(self) -> None:
         self.threads, self.seen = 1, []
+
+    def for_step(self, tokens: int) -> int:
+        return self.threads
 
     def observe(self, seconds: float, tokens: int) -> int:
         import torch

@@ -17,7 +17,10 @@ The signals, cheapest first:
   own quiet estimate), kept per team size as a forgetting average of the log ratio;
   `ThreadAdapter` runs the team size whose recent ratio is lowest and re-measures the others
   now and then, backing off (up to a minute) while a probe keeps losing, so a lost probe on
-  a busy machine costs one slow step a minute at most;
+  a busy machine costs one slow step a minute at most. On a quiet machine a probe waits for
+  a decode-sized step (`for_step`): a probe due after an idle gap otherwise lands on the
+  next request's prefill, and one thread on a 600-token prompt on 2 cores made its TTFT
+  1.6x that of a fixed team (benchmarks/contention.py, batch 1, quiet);
 - steal time and the runnable count from /proc/stat (a hypervisor or other processes taking
   the CPUs): a change between busy and quiet makes the adapter re-probe at once instead
   of waiting out its back-off.
@@ -193,6 +196,7 @@ class ThreadAdapter:
     MAX_BACKOFF_S = 60.0   # ... doubling per lost probe, up to this
     CEILING_EVERY_S = 5.0  # re-read affinity and quota
     STAT_EVERY_S = 0.5     # re-read /proc/stat
+    PROBE_MAX_TOKENS = 64  # quiet: a probe runs only on steps of at most this many tokens
 
     def __init__(self, max_threads: int, *, fixed: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -216,6 +220,7 @@ class ThreadAdapter:
         self.switches = 0
         self._refresh_ceiling(self._clock())
         self.threads = fixed if fixed is not None else self._ceiling
+        self._ran: int | None = None                  # team of the step now running
 
     # --- the signals --------------------------------------------------------------------
     def _refresh_ceiling(self, now: float) -> None:
@@ -244,13 +249,27 @@ class ThreadAdapter:
     def _bucket(tokens: int) -> int:
         return max(1, int(tokens)).bit_length()
 
+    def for_step(self, tokens: int) -> int:
+        """The team size for a step of `tokens` tokens about to run: `threads`, except that
+        a pending probe gives way to its home team on a large step while the machine reads
+        quiet (there the probe is most likely a loss, and a loss on a prefill chunk is
+        paid in TTFT); it stays pending for the next small step. While the busy signal is on,
+        a large step may carry the probe: then a smaller team is the likely win."""
+        n = self.threads
+        if self.fixed is None and self._probe is not None and not self.busy \
+                and tokens > self.PROBE_MAX_TOKENS:
+            n = self._probe[2]
+        self._ran = n
+        return n
+
     def observe(self, seconds: float, tokens: int) -> int:
-        """Record a step of `tokens` tokens that took `seconds` at `self.threads`; returns
-        the team size for the next step."""
+        """Record a step of `tokens` tokens that took `seconds` at the team `for_step` gave
+        it (`self.threads` when it was not asked); returns the team size for the next step."""
+        ran, self._ran = self._ran, None
         if self.fixed is not None or seconds <= 0:
             return self.threads
         now = self._clock()
-        t = self.threads
+        t = self.threads if ran is None else ran
         b = self._bucket(tokens)
         best = self._best.get(b)
         if best is None or seconds < best:
@@ -263,6 +282,8 @@ class ThreadAdapter:
         self._seen[t] = now
         self._refresh_ceiling(now)
         self._refresh_busy(now)
+        if self._probe is not None and t != self._probe[0]:
+            return self.threads          # the probe gave way to this step: still pending
         self.threads = self._next(now, t, ratio)
         return self.threads
 

@@ -303,8 +303,10 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         adapter = self.thread_adapter
-        if adapter is not None and adapter.threads != torch.get_num_threads():
-            torch.set_num_threads(adapter.threads)
+        if adapter is not None and output.num_batched_tokens:
+            n = adapter.for_step(output.num_batched_tokens)
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
         t0 = time.perf_counter()
         try:
             return self._execute(output, t0)
