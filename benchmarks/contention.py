@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -57,6 +58,16 @@ def batch1_workload(prompt_tokens: int = 600, new_tokens: int = 48) -> Workload:
     return Workload(name="batch1", seed=7, rate=None, requests=(req,),
                     description=f"one request, {prompt_tokens}-token prompt, {new_tokens} new "
                     "tokens, ignore_eos")
+
+
+def fresh_prompts(w: Workload, salt: int) -> Workload:
+    """The same lengths and arrivals with prompts of new words: prefix caching (on by
+    default in iterserve; llama-server's cache_prompt) would otherwise serve a condition's
+    prompts from the blocks an earlier condition left, and its figures would compare a warm
+    prefill with a cold one."""
+    reqs = tuple(dataclasses.replace(r, prompt=make_prompt(
+        r.prompt_len, random.Random(f"{w.name}-{salt}-{r.index}"))) for r in w.requests)
+    return dataclasses.replace(w, requests=reqs)
 
 
 def spinners(n: int, limit_s: float) -> list[subprocess.Popen]:
@@ -168,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                 s.stop()
                 servers.remove(s)
         rows: list[dict] = []
-        for cond in filter(None, args.conditions.split(",")):
+        for ci, cond in enumerate(filter(None, args.conditions.split(","))):
             busy = spinners(CONDITIONS[cond], args.busy_limit_s)
             try:
                 time.sleep(2.0)
-                cases = [("mix", mix)] + ([] if "batch1" in skip else [("batch1", b1)])
+                cases = [("mix", fresh_prompts(mix, ci))] + (
+                    [] if "batch1" in skip else [("batch1", fresh_prompts(b1, ci))])
                 for wname, w in cases:
                     for s in servers:
                         doc = asyncio.run(run_workload(s.url, w, opts))
