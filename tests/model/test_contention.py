@@ -182,9 +182,8 @@ def test_a_probe_waits_for_a_small_step_on_a_quiet_machine():
 
 def test_a_busy_machine_lets_a_probe_take_a_large_step():
     clock = _Clock()
-    stat = {"s": CpuStat(0, 0, 3)}                     # two other runnable threads
-    a = ThreadAdapter(2, clock=clock, ceiling=lambda: 2, cpu_stat=lambda: stat["s"],
-                      own_running=lambda: 1)
+    a = ThreadAdapter(2, clock=clock, ceiling=lambda: 2, own_running=lambda: 1,
+                      cpu_stat=lambda: CpuStat(0, 0, 3))   # two other runnable threads
     for _ in range(20):
         n = a.for_step(600)
         clock.t += BUSY[n]
