@@ -57,16 +57,16 @@ def test_a_target_no_replica_can_meet_is_a_429_after_both_were_asked(slo_pool):
                              extra_body={"ignore_eos": True})
     # Long answers until one runs on each replica (the router reads stats a few hundred ms
     # old, so two at once may both go to one; the spare waits in that replica's queue).
-    streams = [Stream(s, "first", max_tokens=4000)]
+    streams = [Stream(s, "first", max_tokens=1200)]
     deadline = time.monotonic() + 60
     while running() < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
         if running() < 2 and len(streams) < 4:
-            streams.append(Stream(s, f"more {len(streams)}", max_tokens=4000))
+            streams.append(Stream(s, f"more {len(streams)}", max_tokens=1200))
     assert running() == 2
     time.sleep(0.5)                          # the answers' steps teach both step models
     retries = pool.num_retries_queue_full
-    # Behind ~4,000 decode steps on either replica, 50 ms cannot be met anywhere.
+    # Behind ~1,200 decode steps on either replica, 50 ms cannot be met anywhere.
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2,
                              extra_body={"ttft_slo_ms": 50})
@@ -80,7 +80,7 @@ def test_a_target_no_replica_can_meet_is_a_429_after_both_were_asked(slo_pool):
     r = c.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2,
                              extra_body={"ttft_slo_ms": 600_000, "ignore_eos": True})
     assert r.usage.completion_tokens == 2
-    for t in streams:                        # (they may have ended: 4,000 fast steps)
+    for t in streams:                        # (they may have ended: 1,200 fast steps)
         t.stop.set()
         t.join(timeout=30)
     deadline = time.monotonic() + 30

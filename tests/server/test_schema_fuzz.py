@@ -22,7 +22,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 
-POST_EXAMPLES = int(os.environ.get("ITERSERVE_FUZZ_EXAMPLES", "40"))
+POST_EXAMPLES = int(os.environ.get("ITERSERVE_FUZZ_EXAMPLES", "25"))
 GET_EXAMPLES = 5
 
 
