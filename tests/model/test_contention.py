@@ -171,6 +171,7 @@ def test_a_probe_waits_for_a_small_step_on_a_quiet_machine():
     ran = [a.for_step(600)]
     clock.t += 0.5
     a.observe(0.5, 600)
+    assert a.last_ran == 2 and a.threads == 1          # /metrics shows the team that ran
     for _ in range(6):
         ran.append(a.for_step(8))
         clock.t += QUIET[ran[-1]]

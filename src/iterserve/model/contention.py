@@ -221,6 +221,9 @@ class ThreadAdapter:
         self._refresh_ceiling(self._clock())
         self.threads = fixed if fixed is not None else self._ceiling
         self._ran: int | None = None                  # team of the step now running
+        # The team the last step ran: what /metrics shows. `threads` is the next small
+        # step's team, which while a probe waits for one is the probe's, not what runs.
+        self.last_ran = self.threads
 
     # --- the signals --------------------------------------------------------------------
     def _refresh_ceiling(self, now: float) -> None:
@@ -270,6 +273,7 @@ class ThreadAdapter:
             return self.threads
         now = self._clock()
         t = self.threads if ran is None else ran
+        self.last_ran = t
         b = self._bucket(tokens)
         best = self._best.get(b)
         if best is None or seconds < best:

@@ -164,7 +164,7 @@ class PrometheusStatLogger:
         """From the runner's ThreadAdapter (its plain attributes: safe to read from any thread)."""
         if self._threads is None:
             self._threads = (
-                self._gauge("compute_threads", "Threads the next model step runs (the "
+                self._gauge("compute_threads", "Threads the last model step ran (the "
                             "contention adapter's choice, or --threads)."),
                 self._gauge("cpu_contended", "1 while the contention adapter sees other work "
                             "taking this process's CPUs (steal time, runnable tasks beyond "
@@ -172,7 +172,7 @@ class PrometheusStatLogger:
                 self._gauge("compute_thread_switches",
                             "Changes of the compute team size since start."))
         threads, contended, switches = self._threads
-        threads.set(adapter.threads)
+        threads.set(adapter.last_ran)
         contended.set(1 if adapter.busy else 0)
         switches.set(adapter.switches)
 
