@@ -114,7 +114,37 @@ def test_waiting_requests_are_admitted_by_slack():
     assert e.order == ["running", "tighter", "tight-long", "tight-short", "loose", "none"]
 
 
-def test_a_request_past_its_slack_waits_behind_on_time_ones():
+def _late_behind_a_queue(target_ms) -> "Engine":
+    """One slot; a queue of 20 ten-token requests with TTFT targets `target_ms(i)` (a slot
+    frees every ~0.13 s of the fake clock); and "late", admitted early (before any refusal)
+    with a 100 ms target that the running request's slot makes it miss. Drained."""
+    e = Engine(max_num_seqs=1)
+    e.add("running", max_tokens=10)
+    e.step()
+    e.add("late", ttft_slo_ms=100.0)
+    for i in range(20):
+        e.add(f"q{i}", max_tokens=10, ttft_slo_ms=target_ms(i))
+    e.drain()
+    assert e.s.slo.admission_rate is not None
+    return e
+
+
+def test_a_late_request_goes_first_once_the_on_time_head_can_wait_a_slot():
+    """An admitted request that went late is not left until the overload ends: once the
+    admission rate is measured, an on-time head with a minute of slack can wait one more
+    admission, so the late request takes the next slot instead of the twenty-first."""
+    e = _late_behind_a_queue(lambda i: 60_000.0)
+    assert e.order.index("late") < 15, e.order
+
+
+def test_a_late_request_waits_behind_on_time_heads_without_that_slack():
+    """Each queued request's target just covers its own turn (~0.13 s a slot): none can
+    give a slot away, so the late request is served after them all."""
+    e = _late_behind_a_queue(lambda i: 200.0 + 130.0 * i)
+    assert e.order[-1] == "late", e.order
+
+
+def test_a_request_past_its_slack_waits_behind_on_time_ones_before_the_rate_is_known():
     e = Engine(max_num_seqs=1)
     e.add("running", max_tokens=30)
     e.step()
