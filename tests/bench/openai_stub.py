@@ -2,7 +2,9 @@
 
 It emits one chunk per token (``tok0 tok1 ...``) every `token_delay_s`, then (if asked for)
 a usage chunk and ``data: [DONE]``. Knobs: `send_usage` (llama-server style servers may not),
-`fail_prompts_containing` (answer HTTP 500 for such prompts), `error_in_stream_after`.
+`fail_prompts_containing` (answer HTTP 500 for such prompts), `error_in_stream_after`,
+`refuse_first` (answer each prompt's first N attempts with 429 and `retry_after_ms`, as an
+SLO-admitting server refuses).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class StubConfig:
     send_usage: bool = True
     fail_prompts_containing: str | None = None
     cached_tokens: int | None = None       # sent as usage.prompt_tokens_details when set
+    refuse_first: int = 0
+    retry_after_ms: int = 200
     received: list[dict] = field(default_factory=list)
 
 
@@ -60,6 +64,12 @@ def make_app(cfg: StubConfig) -> FastAPI:
         body = await request.json()
         cfg.received.append(body)
         text = json.dumps(body.get("messages")) if chat else body.get("prompt", "")
+        if sum(1 for b in cfg.received if b == body) <= cfg.refuse_first:
+            return JSONResponse(
+                {"error": {"message": "cannot meet the TTFT target now", "type": "rate_limit",
+                           "code": "slo_unattainable"}}, status_code=429,
+                headers={"Retry-After": str(max(1, -(-cfg.retry_after_ms // 1000))),
+                         "retry-after-ms": str(cfg.retry_after_ms)})
         if cfg.fail_prompts_containing and cfg.fail_prompts_containing in text:
             return JSONResponse({"error": {"message": "boom", "type": "server_error"}},
                                 status_code=500)

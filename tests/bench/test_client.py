@@ -16,7 +16,7 @@ from .openai_stub import StubConfig, running_stub
 SUMMARY_KEYS = {"num_requests", "completed", "failed", "duration_s", "total_input_tokens",
                 "total_output_tokens", "request_throughput", "output_throughput",
                 "total_token_throughput", "ttft", "itl", "tpot", "e2e", "slo",
-                "good_requests", "goodput", "slo_met"}
+                "good_requests", "goodput", "slo_met", "retried", "served_after_retry"}
 STAT_KEYS = {"mean_ms", "median_ms", "p90_ms", "p99_ms", "max_ms", "count"}
 
 
@@ -94,6 +94,10 @@ def test_bad_urls_and_options_are_rejected():
         asyncio.run(run_workload("localhost:8000", small_mix(1)))
     with pytest.raises(BenchClientError, match="endpoint"):
         ClientOptions(endpoint="embeddings").validate()
+    with pytest.raises(BenchClientError, match="client"):
+        ClientOptions(client="curl").validate()
+    with pytest.raises(BenchClientError, match="max_retries"):
+        ClientOptions(client="openai", max_retries=-1).validate()
 
 
 def test_a_sweep_reports_capacity_as_the_highest_rate_meeting_the_slo():
@@ -144,3 +148,34 @@ def test_sessions_send_each_turn_after_the_last_answered_and_summarise_per_turn(
         mine = [p for p in sent if p in {r.prompt for r in w.requests if r.session == s}]
         assert mine == [r.prompt for r in w.requests if r.session == s and r.turn >= 2]
     assert ttft_over_turns(doc, 2, 4) > 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_the_openai_client_retries_a_429_after_retry_after_and_times_both_attempts(endpoint):
+    """Through the official SDK: a request refused once is served by its retry, after the
+    server's Retry-After; TTFT counts from the first attempt, `ttft_admitted` from the one
+    the server took."""
+    w = small_mix(4)
+    cfg = StubConfig(refuse_first=1, retry_after_ms=300, first_token_delay_s=0.0)
+    opts = ClientOptions(client="openai", max_retries=2, endpoint=endpoint)
+    with running_stub(cfg) as url:
+        doc = asyncio.run(run_workload(url, w, opts, SLO(ttft_s=0.2)))
+    s = doc["summary"]
+    assert s["completed"] == 4 and s["retried"] == 4 and s["served_after_retry"] == 4
+    assert doc["options"]["client"] == "openai" and doc["options"]["max_retries"] == 2
+    for rec, req in zip(doc["requests"], w.requests):
+        assert rec["success"] and rec["attempts"] == 2
+        assert rec["output_tokens"] == req.max_tokens
+        assert rec["ttft"] >= 0.3 > rec["ttft_admitted"] > 0, rec
+    assert s["good_requests"] == 0      # the application waited the Retry-After: late
+    assert len(cfg.received) == 8 and cfg.received[0]["ignore_eos"] is True
+
+
+def test_without_retries_the_openai_clients_refusal_is_recorded_as_a_429():
+    cfg = StubConfig(refuse_first=1)
+    with running_stub(cfg) as url:
+        doc = asyncio.run(run_workload(url, small_mix(2),
+                                       ClientOptions(client="openai", max_retries=0)))
+    assert doc["summary"]["completed"] == 0 and doc["summary"]["retried"] == 0
+    assert all(r["error"].startswith("HTTP 429") and r["attempts"] == 1
+               for r in doc["requests"])

@@ -38,6 +38,11 @@ def register(subparsers) -> None:
     s.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
     s.add_argument("--max-concurrency", type=int, default=None)
     s.add_argument("--request-timeout", type=float, default=600.0)
+    s.add_argument("--client", choices=["httpx", "openai"], default="httpx",
+                   help="openai: send through the official SDK, which retries a 429 after "
+                        "its Retry-After (--max-retries times)")
+    s.add_argument("--max-retries", type=int, default=2,
+                   help="the openai client's max_retries (the SDK's default is 2)")
     s.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     s.set_defaults(func=_serve)
 
@@ -88,7 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
         slo = parse_slo(args.slo)
         opts = ClientOptions(endpoint=args.endpoint, model=args.model,
                              max_concurrency=args.max_concurrency,
-                             request_timeout_s=args.request_timeout).validate()
+                             request_timeout_s=args.request_timeout, client=args.client,
+                             max_retries=args.max_retries).validate()
         if args.sweep:
             doc = run_sweep(args.base_url, args.workload, parse_rates(args.sweep), slo, opts,
                             seed=args.seed, num_requests=args.num_requests)

@@ -13,6 +13,7 @@ otherwise from the number of text chunks (these servers stream one token per chu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,10 @@ from iterserve.errors import BenchClientError
 
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+CLIENTS = ("httpx", "openai")
+# Sent with every request by the openai client so the request hook can tell which benchmark
+# request an attempt belongs to (the SDK retries inside one call).
+ATTEMPT_HEADER = "x-bench-request"
 
 
 @dataclass(slots=True)
@@ -40,11 +45,27 @@ class ClientOptions:
     request_timeout_s: float = 600.0     # a request taking longer is recorded as failed
     temperature: float = 0.0
     ignore_eos: bool = True
+    # "httpx": the client below, which records a refusal as it came. "openai": the official
+    # SDK with `max_retries`, which sleeps for the server's Retry-After and sends again, as
+    # an application built on it behaves when a server refuses with 429.
+    client: str = "httpx"
+    max_retries: int = 2
 
     def validate(self) -> "ClientOptions":
         if self.endpoint not in ENDPOINTS:
             raise BenchClientError(
                 f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.client not in CLIENTS:
+            raise BenchClientError(
+                f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
+        if self.max_retries < 0:
+            raise BenchClientError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.client == "openai":
+            try:
+                import openai  # noqa: F401
+            except ImportError:
+                raise BenchClientError(
+                    "--client openai needs the openai package (pip install openai)") from None
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise BenchClientError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.request_timeout_s > 0:
@@ -157,6 +178,68 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, mod
     return rec
 
 
+async def stream_one_openai(client, req: BenchRequest, model: str, opts: ClientOptions,
+                            t0: float, sends: dict[int, list[float]]) -> RequestRecord:
+    """`stream_one` through the official openai SDK, retries included. TTFT runs from the
+    first attempt (what the application waited); `ttft_admitted` from the attempt the server
+    took, which is the one an admission promise is about."""
+    import openai
+
+    rec = RequestRecord(index=req.index, prompt_len=req.prompt_len, max_tokens=req.max_tokens,
+                        scheduled_s=req.arrival_s)
+    start = time.perf_counter()
+    rec.start_s = start - t0
+    first: float | None = None
+    last: float | None = None
+    usage_tokens: int | None = None
+    kw = {"model": model, "max_tokens": req.max_tokens, "temperature": opts.temperature,
+          "stream": True, "stream_options": {"include_usage": True},
+          "extra_headers": {ATTEMPT_HEADER: str(req.index)}}
+    if opts.ignore_eos:
+        kw["extra_body"] = {"ignore_eos": True}
+    try:
+        if opts.endpoint == "chat":
+            stream = await client.chat.completions.create(
+                messages=[{"role": "user", "content": req.prompt}], **kw)
+        else:
+            stream = await client.completions.create(prompt=req.prompt, **kw)
+        async for chunk in stream:
+            now = time.perf_counter()
+            texts = [c.text if opts.endpoint == "completions" else (c.delta.content or "")
+                     for c in chunk.choices or ()]
+            if any(texts):
+                if last is None:
+                    first = now
+                    rec.ttft = now - start
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                rec.chunks += 1
+            if chunk.usage:
+                usage_tokens = chunk.usage.completion_tokens
+                rec.prompt_tokens_reported = chunk.usage.prompt_tokens
+                details = getattr(chunk.usage, "prompt_tokens_details", None)
+                if details is not None and details.cached_tokens is not None:
+                    rec.cached_tokens = details.cached_tokens
+    except openai.APIStatusError as e:
+        rec.error = f"HTTP {e.status_code}: {str(e.message)[:500]}"
+    except openai.APIError as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    attempts = sends.pop(req.index, [])
+    rec.attempts = max(1, len(attempts))
+    if rec.error is not None:
+        return rec
+    if first is not None and attempts:
+        rec.ttft_admitted = first - attempts[-1]
+    rec.e2e = time.perf_counter() - start
+    rec.output_tokens = usage_tokens if usage_tokens is not None else rec.chunks
+    if rec.chunks == 0:
+        rec.error = "stream ended without any generated text"
+        return rec
+    rec.success = True
+    return rec
+
+
 async def discover_model(client: httpx.AsyncClient, base: str) -> str:
     """The first model the server lists (llama-server, vLLM and iterserve all list one)."""
     try:
@@ -177,7 +260,9 @@ async def run_workload(base_url: str, workload: Workload, opts: ClientOptions | 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(opts.request_timeout_s, connect=30.0)
     sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    sends: dict[int, list[float]] = {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
+            _openai_client(base, opts, sends) as sdk:
         model = opts.model or await discover_model(client, base)
 
         async def one(req: BenchRequest, t0: float) -> RequestRecord:
@@ -191,8 +276,9 @@ async def run_workload(base_url: str, workload: Workload, opts: ClientOptions | 
 
         async def _bounded(req: BenchRequest, t0: float) -> RequestRecord:
             try:
-                return await asyncio.wait_for(stream_one(client, url, req, model, opts, t0),
-                                              opts.request_timeout_s)
+                call = (stream_one(client, url, req, model, opts, t0) if sdk is None else
+                        stream_one_openai(sdk, req, model, opts, t0, sends))
+                return await asyncio.wait_for(call, opts.request_timeout_s)
             except asyncio.TimeoutError:
                 return RequestRecord(index=req.index, prompt_len=req.prompt_len,
                                      max_tokens=req.max_tokens, scheduled_s=req.arrival_s,
@@ -207,10 +293,38 @@ async def run_workload(base_url: str, workload: Workload, opts: ClientOptions | 
         "kind": "serve", "base_url": base, "endpoint": opts.endpoint, "model": model,
         "started_at": started_at, "machine": machine_info(), "workload": workload.summary(),
         "options": {"max_concurrency": opts.max_concurrency, "ignore_eos": opts.ignore_eos,
-                    "temperature": opts.temperature},
+                    "temperature": opts.temperature, "client": opts.client,
+                    "max_retries": opts.max_retries if opts.client == "openai" else 0},
         "summary": summarize(records, duration, slo),
         "requests": [r.to_json() for r in records],
     }
+
+
+@contextlib.asynccontextmanager
+async def _openai_client(base: str, opts: ClientOptions, sends: dict[int, list[float]]):
+    """The official SDK's client when `opts.client` is "openai", else None. A request hook
+    notes when each attempt went out, keyed by the benchmark request it belongs to."""
+    if opts.client != "openai":
+        yield None
+        return
+    import httpx2
+    import openai
+
+    async def on_request(request) -> None:
+        index = request.headers.get(ATTEMPT_HEADER)
+        if index is not None:
+            sends.setdefault(int(index), []).append(time.perf_counter())
+
+    http = httpx2.AsyncClient(
+        event_hooks={"request": [on_request]},
+        limits=httpx2.Limits(max_connections=None, max_keepalive_connections=None),
+        timeout=httpx2.Timeout(opts.request_timeout_s, connect=30.0))
+    sdk = openai.AsyncOpenAI(base_url=base + "/v1", api_key="bench",
+                             max_retries=opts.max_retries, http_client=http)
+    try:
+        yield sdk
+    finally:
+        await sdk.close()
 
 
 def run_sweep(base_url: str, workload_name: str, rates: list[float], slo: SLO,

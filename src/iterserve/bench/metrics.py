@@ -43,6 +43,8 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
     success: bool = False
     error: str | None = None
+    attempts: int = 1                 # sends, with a client that retries a refusal
+    ttft_admitted: float | None = None  # from the attempt the server took (retrying client)
 
     @property
     def tpot(self) -> float | None:
@@ -145,4 +147,6 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO = SLO())
         "tpot": latency_stats(tpots), "e2e": latency_stats(e2es),
         "slo": slo.to_json(), "good_requests": good,
         "goodput": round(good / duration_s, 4), "slo_met": slo_met,
+        "retried": sum(1 for r in records if r.attempts > 1),
+        "served_after_retry": sum(1 for r in ok if r.attempts > 1),
     }
