@@ -12,7 +12,13 @@ their TTFT p90/p99 (client side), and, for slo, the policy's forecast error (act
 TTFT, server side) p50/p90/p99 from /v1/engine/stats for the requests of that run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/slo_bench_serve.py [--loads 0.5,1.5,3]
-        [--requests 96] [--ttft-ms 2000 --itl-ms 150] [--out benchmarks/results/F.json]
+        [--requests 96] [--ttft-ms 2000 --itl-ms 150] [--workload sharegpt]
+        [--client openai --max-retries 2] [--out benchmarks/results/F.json]
+
+With `--client openai` the requests go through the official SDK, which sleeps for a 429's
+Retry-After and sends again: `retried` / `served_after_retry` count those, the admitted
+share and TTFT percentiles use the admitted attempt's TTFT, and goodput the application's
+(from its first attempt).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from iterserve.bench.workloads import build_workload  # noqa: E402
 
 def bench(url: str, rate: float, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "iterserve.cli", "bench", "serve", "--base-url", url,
-           "--workload", "poisson", "--rate", f"{rate:.3f}", "--num-requests",
+           "--workload", args.workload, "--rate", f"{rate:.3f}", "--num-requests",
            str(args.requests), "--seed", str(args.seed),
            "--slo", f"ttft:{args.ttft_ms:g},itl:{args.itl_ms:g}", "--out", str(out),
            "--client", args.client, "--max-retries", str(args.max_retries)]
@@ -94,6 +100,9 @@ def main() -> None:
     stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="0.5,1.5,3")
+    ap.add_argument("--workload", default="poisson",
+                    help="poisson (mix lengths), sharegpt or longprompt, at each load's rate; "
+                         "capacity is measured on the same workload")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--warm", type=int, default=8, help="mix requests each server serves first")
     ap.add_argument("--capacity-rate", type=float, default=8.0)
