@@ -169,10 +169,11 @@ def _greedy_with_logprobs(llm, prompt: str):
 def test_the_bundled_model_verifies_drafts_as_it_decodes(k, batch_invariant):
     """Speculation off against on, batch 1, the bundled model: with batch_invariant every
     logprob bit equals (for any k); on the default kernels (`auto`) the greedy tokens equal
-    and the logprobs agree to 1e-4. The default kernels do not promise bits across row
+    and the logprobs agree to 1e-3. The default kernels do not promise bits across row
     counts (the LM head, for one, runs split activations at 1-2 rows and float kernels at 8:
-    dispatch.c, split8_takes); on AVX2 int8 kernels a verify step of 8 rows measured
-    logprobs up to 3.5e-6 away from one-row decoding, 3.2e-6 with the head in float."""
+    dispatch.c, split8_takes); a verify step of 8 rows measured logprobs up to 3.5e-6 away
+    from one-row decoding on AVX2 int8 kernels (3.2e-6 with the head in float) and 1.4e-4 on
+    AVX-512 VNNI ones (one of 48, the rest within 1e-4)."""
     prompt = _bundled_copy_prompt()
     kw = dict(max_model_len=1024, num_kv_blocks=160, batch_invariant=batch_invariant)
     off = LLM(**kw)
@@ -186,6 +187,6 @@ def test_the_bundled_model_verifies_drafts_as_it_decodes(k, batch_invariant):
     if batch_invariant:
         assert got[1] == want[1]                   # bitwise, not approx
     else:
-        assert got[1] == pytest.approx(want[1], abs=1e-4)
+        assert got[1] == pytest.approx(want[1], abs=1e-3)
     total = spec_totals(on)
     assert total.num_accepted_tokens_per_pos[k - 1] > 0, total   # k + 1 rows were verified

@@ -13,7 +13,7 @@ import pytest
 from iterserve.errors import LabOptionsError
 from iterserve.lab.api import run_lab
 from iterserve.lab.preset_scale import speed
-from iterserve.lab.slo import PRESET, capacity_rps, goodput_comparison
+from iterserve.lab.slo import PRESET, capacity_rps, goodput_comparison, search_capacity
 
 SEED = 1001
 
@@ -113,3 +113,36 @@ def test_user_targets_keep_the_promise_from_half_to_four_times_capacity():
     assert rows[4.0]["fcfs"]["admitted_met"] < 0.5       # fcfs breaks its admitted ones
     bad = subprocess.run(cmd[:-2] + ["0,-1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--loads" in bad.stderr
+
+
+def test_the_search_finds_the_highest_rate_that_keeps_the_attainment():
+    """`search_capacity` at user targets: at the rate it reports, >= 90% of the requests meet
+    both targets under that policy; a fifth above it (a run of its own), fewer do."""
+    opts = {"seed": SEED, "requests": 120, "max_num_seqs": 16, "slo_ttft_ms": 2000.0,
+            "slo_tpot_ms": 150.0}
+    result = search_capacity(opts, attainment=0.9, iterations=5)
+    assert result["capacity_rps"] > 0 and result["attainment"] == 0.9
+    for policy, r in result["policies"].items():
+        rate = r["max_rate_rps"]
+        assert r["bounded"] and rate is not None and rate > 0, (policy, r)
+        for probe, meets in ((rate, True), (1.2 * rate, False)):
+            run = run_lab({**_with_cost_model(opts), "scheduling_policy": policy,
+                           "arrival_rate_s": probe})["continuous"]
+            assert (run["slo_met"] / run["requests"] >= 0.9) is meets, (policy, probe, run)
+
+
+def _with_cost_model(opts):
+    from iterserve.core.cost_model import load_cost_model
+
+    return {**PRESET, **opts, "cost_model": load_cost_model(PRESET["cost_model"])}
+
+
+def test_lab_slo_search_command():
+    cmd = [sys.executable, "-m", "iterserve.cli", "lab", "slo", "--search", "--requests", "60",
+           "--max-num-seqs", "16", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "150"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "fcfs:" in proc.stdout and "slo:" in proc.stdout and "requests/s" in proc.stdout
+    bad = subprocess.run(cmd + ["--attainment", "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--attainment" in bad.stderr

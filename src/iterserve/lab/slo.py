@@ -6,7 +6,9 @@ fcfs's; below capacity (0.8x) they are equal within noise. Everything here is `r
 with options, so the CLI, `POST /v1/lab/run` and the page can run the same cases.
 
 Capacity is measured, not assumed: the same workload and knobs with every request at t=0
-(a saturating burst) under fcfs, in requests per simulated second. The preset (`PRESET`)
+(a saturating burst) under fcfs, in requests per simulated second. `--search` asks the
+targets' question instead: per policy, the highest Poisson rate at which a given share of
+the requests (90% by default, DistServe's SLO attainment) meets both targets. The preset (`PRESET`)
 is the bench `poisson` mix (prompts 8-40 tokens, 80% answers of 10-100 tokens, 20% of
 250-500) on the shipped `smollm2-cpu` cost model with 64 slots, TTFT <= 1 s and
 TPOT <= 100 ms: at that size a full batch decodes at ~230 ms a token, so fcfs under
@@ -79,6 +81,56 @@ def goodput_comparison(options: dict[str, Any] | None = None,
         "rows": rows}
 
 
+SEARCH_ITERATIONS = 7
+# DistServe's "SLO attainment": the share of all offered requests (refused ones count as
+# missed) that meet both targets; its capacity is the highest rate keeping 90%.
+DEFAULT_ATTAINMENT = 0.9
+
+
+def search_capacity(options: dict[str, Any] | None = None,
+                    attainment: float = DEFAULT_ATTAINMENT,
+                    iterations: int = SEARCH_ITERATIONS) -> dict[str, Any]:
+    """Per policy, the highest Poisson arrival rate (requests per simulated second) at which
+    at least `attainment` of the requests meet both targets: bisection between 0 and the
+    burst capacity x 1.5, widened (doubled) while the top still meets. What a user sizing a
+    machine for given targets asks; the burst capacity alone ignores the targets."""
+    if not 0 < attainment <= 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {attainment}")
+    base = {**PRESET, **(options or {})}
+    cap = capacity_rps(base)
+    policies: dict[str, Any] = {}
+    for policy in ("fcfs", "slo"):
+        runs: list[dict[str, Any]] = []
+
+        def meets(rate: float) -> bool:
+            r = run_lab(_options({**base, "scheduling_policy": policy,
+                                  "arrival_rate_s": rate}))["continuous"]
+            share = r["slo_met"] / r["requests"]
+            runs.append({"arrival_rate_s": rate, "attained": share,
+                         "goodput_rps": r["goodput_rps"], "refused": r.get("refused", 0),
+                         "meets": share >= attainment})
+            return share >= attainment
+
+        lo, hi, bounded = 0.0, cap * 1.5, False
+        for _ in range(4):
+            if not meets(hi):
+                bounded = True
+                break
+            lo, hi = hi, hi * 2
+        if bounded:
+            for _ in range(iterations):
+                mid = (lo + hi) / 2
+                if meets(mid):
+                    lo = mid
+                else:
+                    hi = mid
+        policies[policy] = {"max_rate_rps": lo if lo > 0 else None, "bounded": bounded,
+                            "load": lo / cap if cap > 0 else None, "runs": runs}
+    return {"capacity_rps": cap, "attainment": attainment,
+            "slo_ttft_ms": base.get("slo_ttft_ms"), "slo_tpot_ms": base.get("slo_tpot_ms"),
+            "policies": policies}
+
+
 def register(subparsers):
     """`iterserve lab slo`: the preset as a command (the goodput table in one line)."""
     p = subparsers.add_parser(
@@ -95,6 +147,11 @@ def register(subparsers):
     p.add_argument("--loads", default=",".join(f"{f:g}" for f in LOAD_FACTORS),
                    help="load factors x the measured capacity, comma-separated "
                         "(e.g. 0.5,1,1.5,2,3,4)")
+    p.add_argument("--search", action="store_true",
+                   help="find, per policy, the highest arrival rate at which --attainment of "
+                        "the requests meet both targets (instead of the --loads table)")
+    p.add_argument("--attainment", type=float, default=DEFAULT_ATTAINMENT,
+                   help="with --search: the share of requests that must meet both targets")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
     return p
@@ -110,16 +167,30 @@ def run(args) -> int:
     if args.seed is not None:
         opts["seed"] = args.seed
     try:
-        loads = tuple(float(x) for x in args.loads.split(","))
-        if not loads or any(not (f > 0) for f in loads):
-            raise ValueError(f"--loads must be positive numbers, got {args.loads!r}")
-        result = goodput_comparison(opts, loads)
+        if args.search:
+            result = search_capacity(opts, args.attainment)
+        else:
+            loads = tuple(float(x) for x in args.loads.split(","))
+            if not loads or any(not (f > 0) for f in loads):
+                raise ValueError(f"--loads must be positive numbers, got {args.loads!r}")
+            result = goodput_comparison(opts, loads)
     except (LabOptionsError, CostModelError, ValueError) as e:
         print(f"iterserve lab slo: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
+        return 0
+    if args.search:
+        print(f"burst capacity {result['capacity_rps']:.2f} requests/s; the highest rate at "
+              f"which {100 * args.attainment:g}% of requests meet TTFT <= "
+              f"{args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms:")
+        for policy, r in result["policies"].items():
+            rate = r["max_rate_rps"]
+            shown = ("none (even a trickle misses)" if rate is None else
+                     f"{'>= ' if not r['bounded'] else ''}{rate:.2f} requests/s "
+                     f"({r['load']:.2f}x the burst capacity)")
+            print(f"  {policy:>5}: {shown}")
         return 0
     print(f"capacity {result['capacity_rps']:.2f} requests/s; TTFT <= {args.slo_ttft_ms:g} ms, "
           f"TPOT <= {args.slo_tpot_ms:g} ms; goodput = requests/s meeting both")
