@@ -111,7 +111,7 @@ def test_compiler_refuses_over_the_limits(compiler, params, limit):
 
 
 def test_a_large_choice_compiles_as_one_lexeme(compiler, tiny_tok):
-    """1,024 choices (the cap) used to be 1,024 Earley alternatives; now one terminal, so the
+    """1,024 choices (the cap) compile as one terminal, not 1,024 Earley alternatives, so the
     first token does not meet the parser's row limit. The matcher takes a whole choice."""
     items = [f"item{i}" for i in range(1024)]
     g = compiler.compile(P(choice=items), timeout=60)

@@ -153,12 +153,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, mod
                     return rec
                 now = time.perf_counter()
                 if any(_chunk_text(c) for c in chunk.get("choices") or ()):
-                    if last is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    rec.chunks += 1
+                    last = _text_chunk(rec, now, start, last)
                 usage = chunk.get("usage")
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
@@ -169,6 +164,21 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, mod
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec
+    return _finish(rec, start, usage_tokens)
+
+
+def _text_chunk(rec: RequestRecord, now: float, start: float, last: float | None) -> float:
+    """Time a chunk that carried text: TTFT for the first, an inter-token gap after."""
+    if last is None:
+        rec.ttft = now - start
+    else:
+        rec.itl.append(now - last)
+    rec.chunks += 1
+    return now
+
+
+def _finish(rec: RequestRecord, start: float, usage_tokens: int | None) -> RequestRecord:
+    """A stream that ended without an error: E2E, output tokens, success."""
     rec.e2e = time.perf_counter() - start
     rec.output_tokens = usage_tokens if usage_tokens is not None else rec.chunks
     if rec.chunks == 0:
@@ -189,7 +199,6 @@ async def stream_one_openai(client, req: BenchRequest, model: str, opts: ClientO
                         scheduled_s=req.arrival_s)
     start = time.perf_counter()
     rec.start_s = start - t0
-    first: float | None = None
     last: float | None = None
     usage_tokens: int | None = None
     kw = {"model": model, "max_tokens": req.max_tokens, "temperature": opts.temperature,
@@ -208,13 +217,7 @@ async def stream_one_openai(client, req: BenchRequest, model: str, opts: ClientO
             texts = [c.text if opts.endpoint == "completions" else (c.delta.content or "")
                      for c in chunk.choices or ()]
             if any(texts):
-                if last is None:
-                    first = now
-                    rec.ttft = now - start
-                else:
-                    rec.itl.append(now - last)
-                last = now
-                rec.chunks += 1
+                last = _text_chunk(rec, now, start, last)
             if chunk.usage:
                 usage_tokens = chunk.usage.completion_tokens
                 rec.prompt_tokens_reported = chunk.usage.prompt_tokens
@@ -229,15 +232,9 @@ async def stream_one_openai(client, req: BenchRequest, model: str, opts: ClientO
     rec.attempts = max(1, len(attempts))
     if rec.error is not None:
         return rec
-    if first is not None and attempts:
-        rec.ttft_admitted = first - attempts[-1]
-    rec.e2e = time.perf_counter() - start
-    rec.output_tokens = usage_tokens if usage_tokens is not None else rec.chunks
-    if rec.chunks == 0:
-        rec.error = "stream ended without any generated text"
-        return rec
-    rec.success = True
-    return rec
+    if rec.ttft is not None and attempts:
+        rec.ttft_admitted = start + rec.ttft - attempts[-1]
+    return _finish(rec, start, usage_tokens)
 
 
 async def discover_model(client: httpx.AsyncClient, base: str) -> str:
@@ -282,7 +279,8 @@ async def run_workload(base_url: str, workload: Workload, opts: ClientOptions | 
             except asyncio.TimeoutError:
                 return RequestRecord(index=req.index, prompt_len=req.prompt_len,
                                      max_tokens=req.max_tokens, scheduled_s=req.arrival_s,
-                                     error=f"timed out after {opts.request_timeout_s}s")
+                                     error=f"timed out after {opts.request_timeout_s}s",
+                                     attempts=max(1, len(sends.pop(req.index, ()))))
 
         started_at = time.time()
         t0 = time.perf_counter()

@@ -542,22 +542,34 @@ def search_rate(options: dict[str, Any], p99_ttft_ms: float,
         runs.append(_row(s, arrival_rate_s=rate, meets=ok))
         return ok
 
-    lo, hi = 0.0, max(capacity * 1.5, 1e-6)
-    for _ in range(4):                      # the capacity guess is too low: widen
+    lo, bounded = highest_rate_meeting(meets, max(capacity * 1.5, 1e-6), iterations)
+    if not bounded:
+        return {"max_rate_rps": lo, "capacity_rps": capacity, "bounded": False,
+                "p99_ttft_ms": p99_ttft_ms, "runs": runs}
+    return {"max_rate_rps": lo if lo > 0 else None, "capacity_rps": capacity,
+            "bounded": True, "p99_ttft_ms": p99_ttft_ms, "runs": runs}
+
+
+def highest_rate_meeting(meets: Callable[[float], bool], start: float,
+                         iterations: int) -> tuple[float, bool]:
+    """The highest rate for which `meets` holds, assuming it holds below some rate and
+    not above: `start` doubled (at most 4 times) while it still meets, then `iterations`
+    bisection steps. Returns (that rate, or 0 if even the lowest probe failed; whether a
+    failing rate bounded it: False when every doubling still met)."""
+    lo, hi = 0.0, start
+    for _ in range(4):                      # the first guess is too low: widen
         if not meets(hi):
             break
         lo, hi = hi, hi * 2
     else:
-        return {"max_rate_rps": lo, "capacity_rps": capacity, "bounded": False,
-                "p99_ttft_ms": p99_ttft_ms, "runs": runs}
+        return lo, False
     for _ in range(iterations):
         mid = (lo + hi) / 2
         if meets(mid):
             lo = mid
         else:
             hi = mid
-    return {"max_rate_rps": lo if lo > 0 else None, "capacity_rps": capacity,
-            "bounded": True, "p99_ttft_ms": p99_ttft_ms, "runs": runs}
+    return lo, True
 
 
 def search_replicas(options: dict[str, Any], p99_ttft_ms: float,

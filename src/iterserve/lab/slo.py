@@ -23,6 +23,7 @@ from typing import Any
 from iterserve.core.cost_model import load_cost_model
 from iterserve.errors import CostModelError, LabOptionsError
 from iterserve.lab.api import run_lab
+from iterserve.lab.cluster import highest_rate_meeting
 from iterserve.lab.preset_scale import scale_options, speed
 
 PRESET: dict[str, Any] = {
@@ -111,19 +112,7 @@ def search_capacity(options: dict[str, Any] | None = None,
                          "meets": share >= attainment})
             return share >= attainment
 
-        lo, hi, bounded = 0.0, cap * 1.5, False
-        for _ in range(4):
-            if not meets(hi):
-                bounded = True
-                break
-            lo, hi = hi, hi * 2
-        if bounded:
-            for _ in range(iterations):
-                mid = (lo + hi) / 2
-                if meets(mid):
-                    lo = mid
-                else:
-                    hi = mid
+        lo, bounded = highest_rate_meeting(meets, cap * 1.5, iterations)
         policies[policy] = {"max_rate_rps": lo if lo > 0 else None, "bounded": bounded,
                             "load": lo / cap if cap > 0 else None, "runs": runs}
     return {"capacity_rps": cap, "attainment": attainment,

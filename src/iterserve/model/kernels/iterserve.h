@@ -1,8 +1,8 @@
 /* The one ABI of iterserve's native CPU kernels: every exported function and struct, once.
  *
- * Why one header: the prototypes used to be written three times (in each .c file, again in
- * decode_layers.c, and as ctypes argtypes and Structure copies in Python), and nothing
- * checked that the copies agreed. Every kernel source includes this file; kernels/_abi.py
+ * Why one header: prototypes written in each .c file, again in decode_layers.c, and as
+ * ctypes argtypes and Structure copies in Python would be three copies that nothing checks
+ * agree. Every kernel source includes this file; kernels/_abi.py
  * declares the same functions once (`ARGTYPES`) and the same structs once (`Segment`,
  * `Linear`, `Layer`, `Config`), and refuses to use a library whose `iterserve_abi()` (struct sizes and
  * field offsets, the ABI version, the block sizes of every type) differs from what ctypes
