@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from iterserve.core.request import SamplingParams
-from iterserve.model.rejection_sampler import (
-    DraftRow, SyntheticAcceptance, verification_rows, verify)
+from iterserve.core.spec_decode.ngram import SyntheticAcceptance
+from iterserve.model.rejection_sampler import DraftRow, verification_rows, verify
 from iterserve.model.sampler import Sampler
 
 V = 6

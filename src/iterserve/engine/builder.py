@@ -19,6 +19,7 @@ from typing import Any, Callable
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.spec_decode import SpeculativeConfig
+from iterserve.core.spec_decode.ngram import SyntheticAcceptance
 from iterserve.engine import omp_policy
 from iterserve.engine.tp_executor import TPExecutor
 from iterserve.errors import ConfigError
@@ -249,7 +250,6 @@ def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int) -
     """The executor's side of `speculative_config`: synthetic acceptance (benchmarks)."""
     spec = SpeculativeConfig.parse(sched_cfg.speculative_config)
     if spec is not None and spec.method == "synthetic":
-        from iterserve.model.rejection_sampler import SyntheticAcceptance  # torch, as above
         runner.synthetic = SyntheticAcceptance(spec.acceptance_rates, seed)
 
 

@@ -26,13 +26,13 @@ then not the model's, but a step costs what a real verification costs.
 
 from __future__ import annotations
 
-import random
 from typing import Sequence
 
 import torch
 
 from iterserve.core.request import SamplingParams
 from iterserve.core.scheduler_output import SampleResult
+from iterserve.core.spec_decode.ngram import SyntheticAcceptance
 
 
 class DraftRow:
@@ -46,25 +46,6 @@ class DraftRow:
         self.prompt_token_ids = row.prompt_token_ids
         self.output_token_ids = list(row.output_token_ids) + list(drafts)
         self.sampling_params: SamplingParams = row.sampling_params
-
-
-class SyntheticAcceptance:
-    """Per-position acceptance drawn from unconditional rates (non-increasing)."""
-
-    def __init__(self, rates: Sequence[float], seed: int = 0) -> None:
-        prev = 1.0
-        self.conditional = []
-        for r in rates:
-            self.conditional.append(r / prev if prev > 0 else 0.0)
-            prev = r
-        self._rng = random.Random(seed)
-
-    def accepted(self, num_drafts: int) -> int:
-        a = 0
-        cond = self.conditional
-        while a < num_drafts and a < len(cond) and self._rng.random() < cond[a]:
-            a += 1
-        return a
 
 
 def verification_rows(rows: Sequence, drafts: dict[str, list[int]]) -> list:

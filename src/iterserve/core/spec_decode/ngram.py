@@ -9,6 +9,9 @@ live requests) state.
 
 from __future__ import annotations
 
+import random
+from typing import Sequence
+
 from iterserve.core.request import Request
 
 DRAFT_PLACEHOLDER = -1     # a draft token the executor proposes itself (a draft model)
@@ -99,6 +102,28 @@ class SyntheticProposer:
 
     def __len__(self) -> int:
         return 0
+
+
+class SyntheticAcceptance:
+    """`synthetic`'s verification: how many of k drafts are accepted, drawn from the
+    unconditional per-position rates (non-increasing: draft j given draft j-1 with
+    rates[j] / rates[j-1]). Here, torch-free, because both verifiers draw from it: the model
+    runner (model/rejection_sampler.py) and the lab's SimExecutor."""
+
+    def __init__(self, rates: Sequence[float], seed: int = 0) -> None:
+        prev = 1.0
+        self.conditional = []
+        for r in rates:
+            self.conditional.append(r / prev if prev > 0 else 0.0)
+            prev = r
+        self._rng = random.Random(seed)
+
+    def accepted(self, num_drafts: int) -> int:
+        a = 0
+        cond = self.conditional
+        while a < num_drafts and a < len(cond) and self._rng.random() < cond[a]:
+            a += 1
+        return a
 
 
 class DraftModelProposer:
