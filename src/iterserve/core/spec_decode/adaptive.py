@@ -20,9 +20,13 @@ own steps, so the prediction follows the machine; the lab feeds it its simulated
 
 Acceptance per request is a decayed count of accepted drafts over drafts tried (a geometric
 model: a verification that accepts a of k drafts is a successes in a + (a < k) trials),
-starting from a prior. A request whose acceptance fell below what pays verifies nothing, so
-its estimate would never recover: every `PROBE_EVERY` steps without a verification it tries
-one draft.
+pulled towards a prior: what the recent verifications of all requests accepted (the same
+count over every request, itself pulled towards PRIOR_ACCEPTANCE). A request whose acceptance fell
+below what pays verifies nothing, so its estimate would never recover: after `PROBE_EVERY`
+steps per running request without a verification it tries one draft. A new request tries one at its first
+decode, so it has an estimate of its own: a prior that does not pay at the step's batch
+size would otherwise never be tested (at 8 slots no request was verified until the batch
+thinned).
 """
 
 from __future__ import annotations
@@ -30,29 +34,45 @@ from __future__ import annotations
 from iterserve.core.step_time import StepTimeModel
 
 PRIOR_ACCEPTANCE = 0.6       # before a request has been verified
-PRIOR_WEIGHT = 2.0           # ... worth this many draft trials
+PRIOR_WEIGHT = 8.0           # ... worth this many draft trials (the prior: all requests' rate)
 DECAY = 0.8                  # per verification: the estimate follows ~5 recent verifications
-PROBE_EVERY = 16             # steps without a verification before one draft is tried anyway
+ALL_DECAY = 0.98             # ... and all requests' estimate (the prior) ~50
+STALE_HALF_LIFE = 8          # steps without a verification that halve a request's own count
+PROBE_EVERY = 16             # steps (x running requests) without a verification before one
+                             # draft is tried anyway
 
 
 class Acceptance:
-    """One request's recent acceptance (decayed successes / trials)."""
+    """Recent acceptance (decayed successes / trials) of one request, or of all of them."""
 
-    __slots__ = ("accepted", "trials", "last_step")
+    __slots__ = ("accepted", "trials", "last_step", "decay")
 
-    def __init__(self) -> None:
-        self.accepted = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
-        self.trials = PRIOR_WEIGHT
+    def __init__(self, decay: float = DECAY) -> None:
+        self.accepted = 0.0
+        self.trials = 0.0
         self.last_step = -1
+        self.decay = decay
 
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.trials if self.trials > 0 else 0.0
+    def rate(self, prior: float = PRIOR_ACCEPTANCE, step: int | None = None) -> float:
+        """The estimate, pulled towards `prior` by PRIOR_WEIGHT trials; at `step`, its own
+        count weighs half as much every STALE_HALF_LIFE steps since its last verification.
+
+        A request's prior is what all requests accepted recently: with ~5 verifications of
+        1-4 drafts each, a request's own count alone is noisy, and the pull keeps it near
+        the others' until its own trials say it differs. The ageing is what lets a request
+        back in: one whose estimate dipped below what pays is not verified, so nothing
+        would correct it (at a true 0.9 and 8 slots, one rejection in two verifications
+        read 0.68 and held a third of the batch out of speculation for good)."""
+        a, t = self.accepted, self.trials
+        if step is not None and self.last_step >= 0 and step - self.last_step > 1:
+            f = 0.5 ** ((step - self.last_step - 1) / STALE_HALF_LIFE)
+            a, t = a * f, t * f
+        return (a + PRIOR_WEIGHT * prior) / (t + PRIOR_WEIGHT)
 
     def observe(self, num_drafts: int, num_accepted: int, step: int) -> None:
         trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-        self.accepted = self.accepted * DECAY + num_accepted
-        self.trials = self.trials * DECAY + trials
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.trials = self.trials * self.decay + trials
         self.last_step = step
 
 
@@ -82,8 +102,8 @@ def plan_drafts(candidates: list[tuple[float, str, int, int]], base: StepShape,
         return {}, 0.0
     candidates.sort(key=lambda c: (-c[0], c[2]))
     shape = base
-    t = shape.predict(model)
-    g = max(expected_tokens, 1.0)
+    t = t0 = shape.predict(model)
+    g = g0 = max(expected_tokens, 1.0)
     counts: dict[str, int] = {}
     cutoff = 0.0
     for gain, rid, j, ctx in candidates:
@@ -94,7 +114,15 @@ def plan_drafts(candidates: list[tuple[float, str, int, int]], base: StepShape,
         shape.kv += ctx
         t2 = shape.predict(model)
         if (g + gain) * t <= g * t2:
-            cutoff = gain
+            # The cutoff is what one draft must yield to pay in the step without the
+            # others (the base step plus this row alone): a request below it would not pay
+            # even verified alone, and stops proposing until its probe. Not this
+            # candidate's own gain: it was refused because the drafts taken before it
+            # raised the bar, and the other requests at that rate would then all go quiet
+            # together for PROBE_EVERY steps (at 8 slots and acceptance 0.9 that left a
+            # sixth of the steps verifying anything; the lab's `spec` sweep shows it).
+            alone = t0 + (t2 - t)
+            cutoff = min(gain, g0 * (alone - t0) / t0)
             break                            # gains only fall from here
         g += gain
         t = t2

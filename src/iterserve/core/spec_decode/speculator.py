@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 from iterserve.core.cost_model import load_cost_model
 from iterserve.core.request import Request
 from iterserve.core.spec_decode.adaptive import (
-    PROBE_EVERY, Acceptance, StepShape, plan_drafts)
+    ALL_DECAY, PROBE_EVERY, Acceptance, StepShape, plan_drafts)
 from iterserve.core.spec_decode.config import SpeculativeConfig
 from iterserve.core.spec_decode.ngram import (
     DraftModelProposer, NgramProposer, SyntheticProposer)
@@ -115,10 +115,12 @@ class Speculator:
                       else default_step_model(config.cost_model))
         self.clock = clock
         self.acceptance: dict[str, Acceptance] = {}
+        self.recent = Acceptance(ALL_DECAY)   # every request's verifications: the prior
         self.total = SpecDecodingStats(self.k)
         self.last = SpecDecodingStats(self.k)     # the last update_from_output's
         self.step = 0
         self.cutoff = 0.0          # the last plan's: a first draft below it did not pay
+        self.probe_every = PROBE_EVERY   # the last plan's: steps between a request's probes
         self._t0: float | None = None
         self._shape: StepShape | None = None
 
@@ -141,8 +143,8 @@ class Speculator:
         k = self.room(req)
         if k > 0 and self.adaptive:
             acc = self.acceptance.get(req.request_id)
-            if acc is not None and acc.rate <= self.cutoff and \
-                    self.step - acc.last_step < PROBE_EVERY:
+            if acc is not None and acc.rate(self.recent.rate(), self.step) <= self.cutoff and \
+                    self.step - acc.last_step < self.probe_every:
                 k = 0
         req.spec_token_ids = self.proposer.propose(req, k) if k > 0 else []
 
@@ -158,6 +160,12 @@ class Speculator:
         expected = 0
         candidates: list[tuple[float, str, int, int]] = []
         acceptance = self.acceptance
+        prior = self.recent.rate()
+        # A probe is one more row in a step of len(running): its cost relative to the step
+        # grows with the batch, so each request probes that many times less often (about
+        # one probe every PROBE_EVERY steps over the batch: at 16 slots and a low
+        # acceptance, a probe every 16 steps per request was a 2.6% loss).
+        every = self.probe_every = PROBE_EVERY * max(1, len(running))
         for r in running:
             start = r.num_computed_tokens
             n = len(r.all_token_ids) - start
@@ -170,8 +178,11 @@ class Speculator:
                 if not drafts:
                     continue
                 acc = acceptance.get(r.request_id)
-                a = acc.rate if acc is not None else Acceptance().rate
-                if acc is not None and step - acc.last_step >= PROBE_EVERY:
+                if acc is None:             # not verified yet: probe its first draft now
+                    acc = acceptance[r.request_id] = Acceptance()
+                    acc.last_step = step - every
+                a = acc.rate(prior, step)
+                if step - acc.last_step >= every:
                     candidates.append((1.0, r.request_id, 1, start + 2))     # a probe
                     continue
                 gain = 1.0
@@ -213,6 +224,7 @@ class Speculator:
         if acc is None:
             acc = self.acceptance[req.request_id] = Acceptance()
         acc.observe(num_drafts, num_accepted, self.step)
+        self.recent.observe(num_drafts, num_accepted, self.step)
         self.last.observe(num_drafts, num_accepted)
 
     def end_update(self) -> SpecDecodingStats:
