@@ -25,6 +25,7 @@ from typing import Any
 
 from iterserve.core.config import CacheConfig, SchedulerConfig
 from iterserve.core.cost_model import CostModel, default_cost_model
+from iterserve.core.spec_decode import SpeculativeConfig, SpeculativeConfigError
 from iterserve.errors import ConfigError, CostModelError, LabOptionsError, WorkloadError
 from iterserve.lab.metrics import summarize
 from iterserve.lab.options import (  # noqa: F401  (re-exported for callers)
@@ -174,6 +175,7 @@ def plan_lab(options: dict | None, *, shared_prefix: SharedPrefixSpec | None = N
                    f"{num_kv_blocks} blocks of {block_size} tokens cannot hold the longest "
                    f"request ({max_model_len} tokens needs {blocks_per_request} blocks)")
 
+    speculative = _lab_speculation(o.speculative_config, o.spec_acceptance)
     settings = {}
     for mode in modes:
         try:
@@ -190,6 +192,7 @@ def plan_lab(options: dict | None, *, shared_prefix: SharedPrefixSpec | None = N
                 slo_ttft_ms=o.slo_ttft_ms, slo_tpot_ms=o.slo_tpot_ms,
                 max_queued_requests=o.max_queued_requests,
                 request_timeout=o.request_timeout, queue_timeout=o.queue_timeout,
+                speculative_config=speculative,
             ).validate(default_max_num_batched_tokens=default_budget)
             cc = CacheConfig(
                 block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -205,12 +208,62 @@ def plan_lab(options: dict | None, *, shared_prefix: SharedPrefixSpec | None = N
                    shared_prefix=shared_prefix)
 
 
+def _lab_speculation(config: Any, acceptance: Any) -> dict | None:
+    """The engine's `speculative_config` as the lab runs it: `synthetic` with the workload's
+    per-position acceptance. The lab's prompts are one repeated token, so what an n-gram or
+    suffix proposer would find in them says nothing about a real workload; its acceptance
+    is given instead (`spec_acceptance`, or a synthetic config's own `acceptance_rates`)
+    and every step proposes num_speculative_tokens drafts. The plan of how many of them to
+    verify, their token budget and KV blocks, and the online refit of the step time are the
+    engine's own (core/spec_decode), on the lab's seconds."""
+    if config is None:
+        if acceptance is not None:
+            raise _bad("spec_acceptance", "needs speculative_config")
+        return None
+    try:
+        spec = SpeculativeConfig.parse(config)
+    except SpeculativeConfigError as e:
+        where = f".{e.key}" if e.key else ""
+        raise _bad(f"speculative_config{where}", str(e)) from None
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        raise _bad("speculative_config.method", "draft_model is not simulated (the draft "
+                   "model's own steps have no cost model); use synthetic, ngram or suffix "
+                   "with the draft's acceptance as spec_acceptance")
+    d = spec.to_dict()
+    if spec.method == "synthetic":
+        if acceptance is not None:
+            raise _bad("spec_acceptance", "synthetic carries its own acceptance_rates")
+        return d
+    if acceptance is None:
+        raise _bad("spec_acceptance", f"method {spec.method} needs the workload's "
+                   "per-position acceptance in the lab, e.g. [0.8, 0.64, 0.51, 0.41]")
+    if isinstance(acceptance, (int, float)) and not isinstance(acceptance, bool):
+        # One number a: each draft accepted with a given the one before it was.
+        acceptance = [float(acceptance) ** (j + 1) for j in range(spec.num_speculative_tokens)]
+    if not isinstance(acceptance, (list, tuple)):
+        raise _bad("spec_acceptance", f"must be a list of probabilities or one number, got "
+                   f"{acceptance!r}")
+    d.update(method="synthetic", acceptance_rates=list(acceptance))
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        d.pop(key, None)
+    d = {k: v for k, v in d.items() if not k.startswith("suffix_decoding_")}
+    try:
+        SpeculativeConfig.parse(d)
+    except SpeculativeConfigError as e:
+        raise _bad("spec_acceptance", str(e).replace("acceptance_rates", "spec_acceptance")
+                   .replace("num_speculative_tokens", "speculative_config."
+                            "num_speculative_tokens")) from None
+    return d
+
+
 def simulate_plan(plan: LabPlan, *, record: bool = False) -> dict[str, SimResult]:
     """Run every mode of the plan; `record` keeps what traces, plots and per-request need."""
     record = record or plan.per_request
     gaps = plan.workload.prompt_len is not None
     return {mode: simulate(list(plan.specs), plan.settings[mode], plan.cost, record=record,
-                           token_gaps=gaps)
+                           token_gaps=gaps, seed=plan.workload.seed)
             for mode in plan.modes}
 
 

@@ -30,10 +30,12 @@ from iterserve.lab.trace import write_trace
 from iterserve.lab.workload import parse_range, read_lengths_file
 
 
-# Subcommands of `iterserve lab` (name, module with register(subparsers)): room for
-# `iterserve lab calibrate` fits the cost model to the real model runner.
+# Subcommands of `iterserve lab` (name, module with register(subparsers)): `calibrate` fits
+# the cost model to the real model runner; `slo` and `spec` are the SLO-admission and
+# speculative-decoding experiments as commands.
 LAB_SUBCOMMANDS: list[tuple[str, str]] = [("calibrate", "iterserve.lab.calibrate"),
-                                          ("slo", "iterserve.lab.slo")]
+                                          ("slo", "iterserve.lab.slo"),
+                                          ("spec", "iterserve.lab.spec")]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -78,6 +80,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--arrival-rate-s", type=float, metavar="R",
                    help="Poisson arrivals, requests per simulated second (instead of per "
                         "step; for SLO experiments)")
+    s.add_argument("--speculative-config", metavar="JSON",
+                   help="speculative decoding, the engine's JSON (e.g. '{\"method\": "
+                        "\"ngram\", \"num_speculative_tokens\": 4}'); the lab proposes "
+                        "num_speculative_tokens drafts a step and accepts them at "
+                        "--spec-acceptance (or a synthetic config's acceptance_rates)")
+    s.add_argument("--spec-acceptance", metavar="A|P1,P2,...",
+                   help="the workload's acceptance: one number a (draft j accepted with "
+                        "a^j) or one probability per draft position")
     _add_cluster_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--cost-model", metavar="FILE|NAME",
@@ -191,7 +201,20 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         opts["cost_model"] = load_cost_model(args.cost_model)
     if args.per_request:
         opts["per_request"] = True
+    if args.speculative_config is not None:
+        opts["speculative_config"] = args.speculative_config     # JSON text, parsed by the lab
+    if args.spec_acceptance is not None:
+        opts["spec_acceptance"] = _acceptance(args.spec_acceptance)
     return opts
+
+
+def _acceptance(text: str) -> float | list[float]:
+    """--spec-acceptance: one number or a comma list (checked by the lab's options)."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"spec_acceptance: expected numbers, got {text!r}") from None
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def run(args: argparse.Namespace) -> int:
@@ -365,6 +388,13 @@ def format_report(plan, summaries: dict[str, dict[str, Any]]) -> str:
         if all(key in summaries[m] for m in modes):
             lines.append(f"{label:24}" + "".join(
                 f"{_fmt(summaries[m][key], kind):>14}" for m in modes))
+    for m in modes:
+        sd = summaries[m].get("spec_decoding")
+        if sd is not None:
+            lines.append(f"speculative decoding ({m}): {sd['num_drafts']} verifications, "
+                         f"{sd['num_accepted_tokens']} of {sd['num_draft_tokens']} drafts "
+                         f"accepted, {sd['mean_acceptance_length']:.2f} tokens a "
+                         "verification")
     if len(modes) == 2:
         st, co = summaries["static"], summaries["continuous"]
         if co["steps"] and co["mean_latency"]:

@@ -107,6 +107,8 @@ def summarize(res: SimResult, *, per_request: bool = False) -> dict[str, Any]:
         out["computed_tokens"] = res.computed_tokens
 
     out.update(counts)
+    if res.spec_decoding is not None:
+        out["spec_decoding"] = res.spec_decoding
     if slo:
         out.update(slo)
     if per_request:

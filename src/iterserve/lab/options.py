@@ -258,6 +258,15 @@ LabOptions = create_model(
         None, ge=0, le=1, allow_inf_nan=False,
         description="mix longprompt: share of 1500-2000-token prompts (default 0.1)")),
     cost_model=(Any, Field(None, description="a cost model object or CostModel")),
+    speculative_config=(Any, Field(
+        None, description="speculative decoding, the engine's JSON (vLLM's): every method "
+                          "proposes num_speculative_tokens drafts a step, accepted with the "
+                          "per-position rates of acceptance_rates (synthetic) or "
+                          "spec_acceptance (ngram, suffix)")),
+    spec_acceptance=(Any, Field(
+        None, description="[P1, P2, ...] the chance that draft j is accepted (unconditional, "
+                          "non-increasing, as synthetic's acceptance_rates): the workload's "
+                          "acceptance, which the lab's token-free prompts cannot show")),
     per_request=(bool, Field(False)),
     **_knob_fields(),
 )

@@ -35,6 +35,7 @@ from iterserve.core.cost_model import CostModel
 from iterserve.core.request import Request, SamplingParams
 from iterserve.core.scheduler import Scheduler
 from iterserve.core.scheduler_output import SchedulerOutput
+from iterserve.core.spec_decode.ngram import SyntheticAcceptance
 from iterserve.core.step_time import attention_pairs
 from iterserve.errors import QueueFullError, SLOUnattainableError, SimulationError
 from iterserve.lab.workload import RequestSpec
@@ -65,6 +66,13 @@ class SimSettings:
     @property
     def num_kv_blocks(self) -> int:
         return self.cache.num_kv_blocks
+
+    @property
+    def acceptance_rates(self) -> tuple[float, ...] | None:
+        """Speculative decoding's per-position acceptance (lab/api.py makes every lab
+        speculation `synthetic`), or None with speculation off."""
+        spec = self.scheduler.speculative_config
+        return tuple(spec["acceptance_rates"]) if spec else None
 
 
 class _Track:
@@ -163,8 +171,10 @@ class SimExecutor:
     """
 
     def __init__(self, cost: CostModel, max_num_seqs: int, prefill_ignored: bool,
-                 recorder: Recorder | None = None):
+                 recorder: Recorder | None = None,
+                 acceptance: SyntheticAcceptance | None = None):
         self.cost = cost
+        self.acceptance = acceptance
         self.max_num_seqs = max_num_seqs
         self.prefill_ignored = prefill_ignored
         # Prefill tokens (and their query-key pairs) only matter to the cost when they
@@ -190,8 +200,10 @@ class SimExecutor:
             raise SimulationError(
                 f"step {out.step}: the scheduler ran {len(sched)} requests, more than "
                 f"max_num_seqs={self.max_num_seqs}")
-        sampled: dict[str, int] = {}
+        sampled: dict[str, int | list[int]] = {}
         tokens = kv_read = prefill = attn = 0
+        rows = len(sched)
+        verifying = out.scheduled_spec_decode_tokens
         count_prefill = self.count_prefill
         ignored = self.prefill_ignored
         rec = self.recorder
@@ -204,8 +216,20 @@ class SimExecutor:
                 start = d.num_computed_tokens
                 end = start + nt
                 tokens += nt
-                kv_read += end
                 st = state[rid]
+                if verifying and rid in verifying:
+                    # A verification: nt decode rows (the request's token and its drafts),
+                    # row j reading start + j + 1 keys, as the runner computes it and the
+                    # speculator's plan prices it (Scheduler._step_shape).
+                    rows += nt - 1
+                    kv_read += nt * start + nt * (nt + 1) // 2
+                    a = self.acceptance.accepted(nt - 1)
+                    sampled[rid] = [SAMPLED_TOKEN] * (a + 1)
+                    st[0] += a + 1
+                    if rec is not None:
+                        kinds[rid] = False
+                    continue
+                kv_read += end
                 if end >= st[0]:
                     sampled[rid] = SAMPLED_TOKEN
                     st[0] += 1
@@ -220,9 +244,18 @@ class SimExecutor:
             for rid in sched:
                 rec.chunk(rid, step, kinds[rid])
         self.last_tokens = tokens
-        self.step_seconds = self.cost.step_time(tokens, len(sched), kv_read,
-                                                prefill if self.price_prefill else 0,
-                                                attn if self.price_attn else 0)
+        cost = self.cost
+        if rows == len(sched):
+            self.step_seconds = cost.step_time(tokens, rows, kv_read,
+                                               prefill if self.price_prefill else 0,
+                                               attn if self.price_attn else 0)
+        else:
+            # The runner's terms see every verification row; the serving overhead is per
+            # request (one output each, however many tokens it carries).
+            self.step_seconds = (cost.runner_time(tokens, rows, kv_read,
+                                                  prefill if self.price_prefill else 0,
+                                                  attn if self.price_attn else 0)
+                                 + cost.overhead_s + cost.overhead_seq_s * len(sched))
         return sampled
 @dataclass
 class SimResult:
@@ -250,6 +283,8 @@ class SimResult:
     queue_full: np.ndarray | None = None
     timed_out: np.ndarray | None = None
     output_tokens: np.ndarray | None = None
+    # Speculative decoding's counters (SpecDecodingStats.to_dict: vLLM's names), or None off.
+    spec_decoding: dict[str, Any] | None = None
     # Recorded only when asked (per-request output, trace, plot):
     segments: list[list[dict[str, Any]]] | None = None
     events: list[list[dict[str, Any]]] | None = None
@@ -257,12 +292,13 @@ class SimResult:
 
 
 def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *,
-             record: bool = False, token_gaps: bool = False) -> SimResult:
+             record: bool = False, token_gaps: bool = False, seed: int = 0) -> SimResult:
     """Run `specs` (sorted by arrival) through a fresh Scheduler until every request finishes.
 
     `record` keeps slots, segments, events and a per-step timeline (needed for per-request
     output, traces and plots; costs time on big runs). `token_gaps` keeps every pair of
-    consecutive token times for the inter-token-latency percentiles.
+    consecutive token times for the inter-token-latency percentiles. `seed`: the draws of
+    speculative decoding's acceptance.
     """
     now = 0.0
 
@@ -276,6 +312,9 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     now_s = 0.0
     if sched.slo is not None:
         sched.slo.use_clock(lambda: now_s)
+    if sched.spec is not None:             # the adaptive plan refits on simulated seconds
+        sched.spec.use_clock(lambda: now_s)
+    rates = settings.acceptance_rates
     arrival_step = np.zeros(n, dtype=np.int64) if seconds_arrivals else None
     cfg = settings.scheduler
     bounded = bool(cfg.max_queued_requests)
@@ -302,7 +341,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
     segments: list[list[dict[str, Any]]] | None = [[] for _ in range(n)] if record else None
     events: list[list[dict[str, Any]]] | None = [[] for _ in range(n)] if record else None
     rec = Recorder(settings.slots) if record else None
-    executor = SimExecutor(cost, settings.slots, settings.prefill_ignored, rec)
+    executor = SimExecutor(cost, settings.slots, settings.prefill_ignored, rec,
+                           SyntheticAcceptance(rates, seed) if rates else None)
     execute = executor.execute
 
     step_start = array("d", [0.0])              # 8 bytes a step
@@ -468,7 +508,8 @@ def simulate(specs: list[RequestSpec], settings: SimSettings, cost: CostModel, *
         specs=specs, finish=finish, first_token=first_token, first_scheduled=first_scheduled,
         preemptions=preemptions, segments=segments, events=events, timeline=timeline,
         arrival_step=arrival_step, refused=refused, queue_full=queue_full,
-        timed_out=timed_out, output_tokens=output_tokens)
+        timed_out=timed_out, output_tokens=output_tokens,
+        spec_decoding=sched.spec.total.to_dict() if sched.spec is not None else None)
     if token_gaps:
         empty = np.zeros(0, dtype=np.int64)
         result.itl_prev = np.concatenate(gaps_prev) if gaps_prev else empty
