@@ -107,3 +107,17 @@ def test_a_bad_speculative_config_stops_the_server_naming_the_key(tiny_model_dir
     assert r.returncode != 0
     err = r.stdout + r.stderr
     assert "speculative_config.num_speculative_tokens" in err and "Traceback" not in err
+
+
+def test_a_draft_model_config_is_refused_at_start_with_what_works(tiny_model_dir):
+    """vLLM's draft-model config (method inferred from `model`) parses, but no executor runs
+    a draft model: the server must refuse it at start, not crash each request."""
+    r = subprocess.run(
+        [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_model_dir),
+         "--speculative-config", json.dumps({"model": str(tiny_model_dir),
+                                             "num_speculative_tokens": 2})],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    err = r.stdout + r.stderr
+    assert "draft_model" in err and "ngram, suffix, synthetic" in err
+    assert "Traceback" not in err

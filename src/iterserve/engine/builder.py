@@ -136,6 +136,7 @@ def build_engine_parts(args: Any) -> EngineParts:
 
     load = args.create_load_config()       # refused flags fail before anything loads
     check_weight_format(load)
+    _refuse_draft_model(args)
     torch.manual_seed(args.seed)
     from iterserve.model import kernels  # torch: the engine package imports none
     kernel_knobs = args.create_kernel_config()
@@ -244,6 +245,18 @@ def check_weight_format(load: Any) -> None:
     if load.quantization == "gguf" and not is_gguf:
         raise ConfigError(f"--quantization gguf: the model {path} is not a .gguf file; its "
                           "weights are served as they are stored", "quantization")
+
+
+def _refuse_draft_model(args: Any) -> None:
+    """`draft_model` parses (a pasted vLLM config is read and checked), but no executor
+    loads or runs a draft model: its drafts would reach the target as placeholder tokens.
+    So it is refused at start, before anything loads, with what works instead."""
+    spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
+    if spec is not None and spec.method == "draft_model":
+        raise ConfigError(
+            "speculative_config: method draft_model (a draft model, here "
+            f"{spec.model!r}) is not supported yet: the executor does not run a draft "
+            "model. Supported methods: ngram, suffix, synthetic", "speculative_config")
 
 
 def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int) -> None:
