@@ -1,5 +1,8 @@
-"""What speculative decoding gains on the `edit` workload: the bundled model at batch 1, one
-engine with `--speculative-config` and one without, in the same process, same run.
+"""What speculative decoding gains on the `edit` workload (or `--workload mix`, chat answers
+that do not repeat the prompt): the bundled model (or `--model`) at batch 1, one engine with
+`--speculative-config` and one without, in the same process, same run. With a
+`draft_model` config this is the draft model's measure: e.g. the bundled Q4_1 drafting for
+an F16 file of the same weights.
 
 Each request of `edit` (a Python file quoted back with one function renamed) goes to both
 engines in turn, the order swapped every request so drift on a shared machine hits both alike.
@@ -52,6 +55,9 @@ def main() -> None:
     ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
     ap.add_argument("--num-requests", type=int, default=4)
+    ap.add_argument("--workload", default="edit",
+                    help="edit (answers that repeat the prompt) or mix (chat answers that "
+                         "do not)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap each request's answer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=pathlib.Path, default=None)
@@ -62,7 +68,7 @@ def main() -> None:
     from iterserve.engine.llm import LLM
 
     spec = json.loads(args.spec)
-    w = build_workload("edit", seed=args.seed, num_requests=args.num_requests)
+    w = build_workload(args.workload, seed=args.seed, num_requests=args.num_requests)
     arms = {"off": LLM(model=args.model, max_num_seqs=1),
             "on": LLM(model=args.model, max_num_seqs=1, speculative_config=spec)}
     for llm in arms.values():                                   # warm-up outside the timing
@@ -87,7 +93,8 @@ def main() -> None:
               f"(ITL {row['off']['itl_ms']:.1f} ms), on {row['on']['tok_per_s']:.2f} tok/s "
               f"(ITL {row['on']['itl_ms']:.1f} ms), ratio {row['ratio']:.2f}, "
               f"greedy equal {same}", flush=True)
-    doc = {"benchmark": "spec-decode-edit", "speculative_config": spec,
+    doc = {"benchmark": f"spec-decode-{args.workload}", "speculative_config": spec,
+           "model": args.model or "bundled",
            "workload": w.summary(), "machine": machine_info(), "requests": rows,
            "median_ratio": statistics.median(x["ratio"] for x in rows),
            "median_itl_ms": {a: statistics.median(x[a]["itl_ms"] for x in rows)

@@ -19,6 +19,27 @@ each arm's ratio to its engine's arm without speculation and to llama-server's w
 
     python benchmarks/spec_vs_llama_server.py [--slots 1,8] [--num-requests 8] [-k 4]
         [--no-llama] [--out benchmarks/results/spec-edit-vs-llama-server.json]
+
+`--synthetic P1,P2,...` measures the cost of verification instead, on a model whose drafts
+would never be accepted (random weights of a real shape, `--model FILE`): draft j is
+accepted with the unconditional probability Pj whatever the model computes, in both
+engines (iterserve's `synthetic` method; llama-server's `--spec-synth-rates`). The output
+is then not the model's; the time a step takes is a real verification's. The arms:
+
+- iterserve: off, `synthetic` (adaptive: drafts only where they pay), and `synthetic` with
+  every draft verified (`adaptive: false`), k = the number of rates;
+- llama-server: off, `ngram-mod` with the rates (its drafts come from n-grams of the
+  context, so it verifies only on steps where one matched), and `draft-simple` with the
+  rates and `--draft-model` (default the bundled SmolLM2-135M, which shares the SmolLM2
+  vocabulary), which drafts on every step but runs the draft model for it.
+
+Each arm's verifications and draft tokens are read from the server's /metrics after the
+run (vLLM's names on iterserve, llamacpp:spec_decode_* on llama-server), so the report says
+how many of the steps verified drafts on each side.
+
+    python benchmarks/spec_vs_llama_server.py --synthetic 0.8,0.64,0.51,0.41 --slots 1,4 \
+        --model ~/.cache/iterserve-models/smollm2-1.7b/smollm2-1.7b.blocks-Q4_K_M.gguf \
+        --workload mix --num-requests 8 --out benchmarks/results/spec-synthetic-1.7b.json
 """
 
 from __future__ import annotations
@@ -54,6 +75,47 @@ LLAMA_ARMS = [("off", []), ("ngram-mod", ["--spec-type", "ngram-mod"]),
               ("ngram-simple", ["--spec-type", "ngram-simple"])]
 
 
+def synthetic_arms(rates: list[float]) -> list[tuple[str, list[str]]]:
+    spec = {"method": "synthetic", "acceptance_rates": rates}
+    return [("off", []),
+            ("synthetic", ["--speculative-config", json.dumps(spec)]),
+            ("synthetic every draft",
+             ["--speculative-config", json.dumps({**spec, "adaptive": False})])]
+
+
+def llama_synthetic_arms(rates: list[float], draft: Path) -> list[tuple[str, list[str]]]:
+    k, text = str(len(rates)), ",".join(f"{r:g}" for r in rates)
+    return [("off", []),
+            ("ngram-mod synthetic", ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", k,
+                                     "--spec-synth-rates", text]),
+            ("draft-simple synthetic", ["--spec-type", "draft-simple", "-md", str(draft),
+                                        "--spec-draft-n-max", k, "--spec-draft-n-min", k,
+                                        "--spec-synth-rates", text])]
+
+
+def spec_counters(url: str) -> dict:
+    """Verifications and draft tokens so far, from the server's Prometheus text (iterserve:
+    vLLM's spec_decode_* names; llama-server: llamacpp:spec_decode_*_total and
+    n_decode_total, its forward calls that verified nothing)."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]               # labels (iterserve's model_name) dropped
+        for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                    "spec_decode_num_accepted_tokens", "n_decode_total"):
+            if name.split(":")[-1] in (key, key + "_total"):
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
 def run_arm(engine: str, label: str, cmd: list[str], url: str, health: str, workload,
             slots: int, log: Path) -> dict:
     opts = ClientOptions(endpoint="chat", max_concurrency=slots, request_timeout_s=1800)
@@ -61,15 +123,19 @@ def run_arm(engine: str, label: str, cmd: list[str], url: str, health: str, work
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(proc, url, health, 300)
-            asyncio.run(run_workload(url, build_workload("edit", num_requests=1, seed=99),
-                                     opts))
+            asyncio.run(run_workload(url, build_workload(workload.name, num_requests=1,
+                                                         seed=99), opts))
+            before = spec_counters(url)
             doc = asyncio.run(run_workload(url, workload, opts))
+            after = spec_counters(url)
         finally:
             _stop(proc)
     s = doc["summary"]
+    counters = {k: after[k] - before.get(k, 0.0) for k in after}
     return {"engine": engine, "arm": label, "slots": slots, "command": cmd[1:],
             "output_tok_per_s": s["output_throughput"],
-            "median_tpot_ms": s["tpot"]["median_ms"], "failed": s["failed"], "summary": s}
+            "median_tpot_ms": s["tpot"]["median_ms"], "failed": s["failed"],
+            "spec_counters": counters, "summary": s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,18 +145,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", type=int, default=4, help="iterserve's num_speculative_tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="GGUF file for both engines (default: the bundled model)")
+    ap.add_argument("--workload", default="edit")
+    ap.add_argument("--synthetic", default=None, metavar="P1,P2,...",
+                    help="synthetic acceptance rates for both engines (see above)")
+    ap.add_argument("--draft-model", type=Path, default=None,
+                    help="llama-server's draft-simple arm with --synthetic (default: the "
+                         "bundled model)")
     ap.add_argument("--out", type=Path,
                     default=ROOT / "benchmarks" / "results" / "spec-edit-vs-llama-server.json")
     args = ap.parse_args(argv)
-    w = build_workload("edit", num_requests=args.num_requests)
+    w = build_workload(args.workload, num_requests=args.num_requests)
+    rates = [float(x) for x in args.synthetic.split(",")] if args.synthetic else None
     logs = Path("/tmp") / f"spec-vs-llama-{time.strftime('%Y%m%d-%H%M%S')}"
     logs.mkdir(parents=True, exist_ok=True)
     longest = max(r.prompt_len + r.max_tokens for r in w.requests)
     rows, notes = [], []
     for slots in [int(x) for x in args.slots.split(",")]:
-        for label, extra in iterserve_arms(args.k):
+        arms = synthetic_arms(rates) if rates else iterserve_arms(args.k)
+        model = ["--model", str(args.model)] if args.model else []
+        for label, extra in arms:
             port = _free_port()
-            cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--port", str(port),
+            cmd = [sys.executable, "-m", "iterserve.cli", "serve", *model, "--port", str(port),
                    "--max-num-seqs", str(slots), "--log-level", "warning", *extra]
             rows.append(run_arm("iterserve", label, cmd, f"http://127.0.0.1:{port}",
                                 "/v1/models", w, slots, logs / f"iterserve-{slots}-{label}.log"))
@@ -105,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             args.no_llama = True
             continue
         ctx = max(1024, -(-(2 * longest + 64) // 256) * 256)
-        for label, extra in LLAMA_ARMS:
+        peer_arms = (llama_synthetic_arms(rates, args.draft_model or ls.default_gguf())
+                     if rates else LLAMA_ARMS)
+        for label, extra in peer_arms:
             port = _free_port()
-            cmd = ls.command(ls.default_gguf(), port, slots, threads=args.threads,
-                             ctx_per_slot=ctx) + extra
+            cmd = ls.command(args.model or ls.default_gguf(), port, slots, threads=args.threads,
+                             ctx_per_slot=ctx) + ["--metrics"] + extra
             rows.append(run_arm("llama-server", label, cmd, f"http://127.0.0.1:{port}",
                                 "/health", w, slots, logs / f"llama-{slots}-{label}.log"))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "summary"}), flush=True)
@@ -130,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                 "iterserve": per["iterserve"]["arm"], "llama-server": per["llama-server"]["arm"],
                 "ratio": per["iterserve"]["output_tok_per_s"]
                 / per["llama-server"]["output_tok_per_s"]}
-    doc = {"benchmark": "spec-edit-vs-llama-server", "machine": machine_info(),
+    name = "spec-synthetic-vs-llama-server" if rates else "spec-edit-vs-llama-server"
+    doc = {"benchmark": name, "model": str(args.model or "bundled"), "synthetic_rates": rates,
+           "machine": machine_info(),
            "workload": w.summary(), "command": "python benchmarks/spec_vs_llama_server.py "
            + " ".join(argv if argv is not None else sys.argv[1:]),
            "best_vs_best": best, "rows": rows, "notes": notes}
@@ -138,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['slots']:>2} {r['engine']:<13} {r['arm']:<13} "
               f"{r['output_tok_per_s'] or 0:8.1f} tok/s  own-off x{r.get('vs_own_off', 0):.2f}"
-              f"  llama-off x{r.get('vs_llama_server_off', 0):.2f}")
+              f"  llama-off x{r.get('vs_llama_server_off', 0):.2f}"
+              f"  verifications {r['spec_counters'].get('spec_decode_num_drafts', 0):.0f}"
+              f" of draft tokens {r['spec_counters'].get('spec_decode_num_draft_tokens', 0):.0f}")
     print("best vs best:", json.dumps(best))
     return 0
 
