@@ -109,15 +109,25 @@ def test_a_bad_speculative_config_stops_the_server_naming_the_key(tiny_model_dir
     assert "speculative_config.num_speculative_tokens" in err and "Traceback" not in err
 
 
-def test_a_draft_model_config_is_refused_at_start_with_what_works(tiny_model_dir):
-    """vLLM's draft-model config (method inferred from `model`) parses, but no executor runs
-    a draft model: the server must refuse it at start, not crash each request."""
-    r = subprocess.run(
-        [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(tiny_model_dir),
-         "--speculative-config", json.dumps({"model": str(tiny_model_dir),
-                                             "num_speculative_tokens": 2})],
-        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    err = r.stdout + r.stderr
-    assert "draft_model" in err and "ngram, suffix, synthetic" in err
-    assert "Traceback" not in err
+def test_a_draft_model_serves_speculation_offs_tokens_through_the_openai_client(
+        tiny_model_dir, servers):
+    """vLLM's draft-model config (the method inferred from `model`): here the target itself
+    as its own draft, so every draft is accepted, and the text is speculation off's."""
+    import openai
+
+    proc, base = start(tiny_model_dir, "--speculative-config",
+                       json.dumps({"model": str(tiny_model_dir), "num_speculative_tokens": 3}))
+    try:
+        off, on = (openai.OpenAI(base_url=b + "/v1", api_key="x") for b in (servers[0], base))
+        model = on.models.list().data[0].id
+        kw = dict(model=model, prompt="hello world, this is", max_tokens=30, temperature=0,
+                  extra_body={"ignore_eos": True})
+        assert on.completions.create(**kw).choices[0].text == \
+            off.completions.create(**kw).choices[0].text
+        metrics = httpx.get(base + "/metrics").text
+        drafts = _metric(metrics, "iterserve:spec_decode_num_draft_tokens_total")
+        accepted = _metric(metrics, "iterserve:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and accepted >= 0.9 * drafts
+    finally:
+        proc.kill()
+        proc.wait()

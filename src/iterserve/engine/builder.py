@@ -136,7 +136,6 @@ def build_engine_parts(args: Any) -> EngineParts:
 
     load = args.create_load_config()       # refused flags fail before anything loads
     check_weight_format(load)
-    _refuse_draft_model(args)
     torch.manual_seed(args.seed)
     from iterserve.model import kernels  # torch: the engine package imports none
     kernel_knobs = args.create_kernel_config()
@@ -177,7 +176,7 @@ def build_engine_parts(args: Any) -> EngineParts:
                              prefix_caching=cache_cfg.enable_prefix_caching,
                              speculative=sched_cfg.speculative_config is not None,
                              threads=kernel_knobs.threads, adaptive_threads=True)
-    _configure_speculation(runner, sched_cfg, args.seed)
+    _configure_speculation(runner, sched_cfg, args.seed, args, cache_cfg)
     parts = _parts(args, loaded, runner, sched_cfg, cache_cfg)
     parts.pooler_config = pooler.config if pooler is not None else None
     if tiers:
@@ -247,23 +246,36 @@ def check_weight_format(load: Any) -> None:
                           "weights are served as they are stored", "quantization")
 
 
-def _refuse_draft_model(args: Any) -> None:
-    """`draft_model` parses (a pasted vLLM config is read and checked), but no executor
-    loads or runs a draft model: its drafts would reach the target as placeholder tokens.
-    So it is refused at start, before anything loads, with what works instead."""
-    spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
-    if spec is not None and spec.method == "draft_model":
-        raise ConfigError(
-            "speculative_config: method draft_model (a draft model, here "
-            f"{spec.model!r}) is not supported yet: the executor does not run a draft "
-            "model. Supported methods: ngram, suffix, synthetic", "speculative_config")
-
-
-def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int) -> None:
-    """The executor's side of `speculative_config`: synthetic acceptance (benchmarks)."""
+def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int,
+                           args: Any = None, cache_cfg: CacheConfig | None = None) -> None:
+    """The executor's side of `speculative_config`: synthetic acceptance (benchmarks), or
+    the draft model (model/draft.py) with a KV pool of the target's block count and size."""
     spec = SpeculativeConfig.parse(sched_cfg.speculative_config)
     if spec is not None and spec.method == "synthetic":
         runner.synthetic = SyntheticAcceptance(spec.acceptance_rates, seed)
+    if spec is None or spec.method != "draft_model":
+        return
+    from iterserve.model.draft import DraftProposer  # torch, as the runner
+    from iterserve.model.loader import load_model
+    from iterserve.model.runner import ModelRunner
+
+    try:
+        draft = load_model(spec.model, dtype=args.dtype, device=args.device,
+                           kv_cache_dtype=args.kv_cache_dtype)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"speculative_config.model: cannot load the draft model "
+                          f"{spec.model!r}: {e}", "speculative_config") from None
+    target = runner.config.vocab_size
+    if draft.config.vocab_size != target:
+        raise ConfigError(
+            f"speculative_config.model: the draft model {spec.model!r} has a vocabulary of "
+            f"{draft.config.vocab_size} tokens, the target {target}: a draft model must "
+            "share the target's tokenizer", "speculative_config")
+    with phase("draft runner"):
+        draft_runner = ModelRunner(draft, num_blocks=cache_cfg.num_kv_blocks,
+                                   block_size=cache_cfg.block_size,
+                                   num_swap_blocks=cache_cfg.num_swap_blocks, speculative=True)
+    runner.draft = DraftProposer(draft_runner)
 
 
 def _build_tensor_parallel(args: Any) -> EngineParts:
@@ -271,6 +283,11 @@ def _build_tensor_parallel(args: Any) -> EngineParts:
     if args.kv_offload_dir or args.kv_offload_ram_gib or args.num_ram_tier_blocks:
         raise ConfigError("the KV tiers (--kv-offload-dir, --kv-offload-ram-gib) do not run "
                           "with tensor parallel yet", "kv_offload_dir")
+    spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
+    if spec is not None and spec.method == "draft_model":
+        raise ConfigError("speculative_config: method draft_model does not run with tensor "
+                          "parallel yet (the ranks hold no draft model); ngram, suffix and "
+                          "synthetic do", "speculative_config")
     args = args.replace(num_ram_tier_blocks=0)      # (a GPU's default RAM tier included)
     executor = TPExecutor(args, kv_cache_config)
     try:

@@ -29,7 +29,9 @@ each attending to the context up to itself: the K/V of the whole step is written
 attention reads it), so each verified position gets exactly the arithmetic a plain decode
 step would give it, and small steps keep the fused decode path. Every one of its rows is
 sampled; model/rejection_sampler.py keeps the drafts up to the first disagreement. The
-runner then appends the accepted drafts and its own token to its copy.
+runner then appends the accepted drafts and its own token to its copy. With a draft model
+(`draft`, model/draft.py) the scheduler's drafts are placeholders, filled here by the draft's
+greedy tokens before the step is built.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from iterserve.core.request import SamplingParams
 from iterserve.core.scheduler_output import (PoolingOutput, SampleResult, SchedulerOutput,
                                              verify_row_id)
+from iterserve.core.spec_decode.ngram import DRAFT_PLACEHOLDER
 from iterserve.model import kernels
 from iterserve.model.attention import build_metadata
 from iterserve.model.config import ModelConfig
@@ -333,6 +336,12 @@ class ModelRunner:
                     sampling = [sampling[i] for i in keep]
         if drafts:
             results = verify(self.sampler, logits, sampling, drafts, self.synthetic)
+            if self.draft is not None:
+                for st, res in zip(sampling, results):
+                    d = drafts.get(st.req_id)
+                    if d:
+                        self.draft.accepted(st.req_id, len(st.token_ids) - 1, len(d),
+                                            len(res.verified or ()))
         else:
             results = self.sampler(logits, sampling)
         for st, res in zip(sampling, results):
@@ -365,6 +374,33 @@ class ModelRunner:
 
     # Set by the engine for `synthetic` speculative decoding (rejection_sampler.py).
     synthetic = None
+    # Set by the engine for `draft_model` speculative decoding (model/draft.py).
+    draft = None
+
+    def forward_last_logits(self, chunks: Sequence[tuple[Sequence[int], int, list[int]]]
+                            ) -> torch.Tensor:
+        """float32 logits [len(chunks), vocab] of each chunk's last token, for chunks
+        (tokens, start, block table) computed into this runner's KV pool: the draft
+        model's steps (model/draft.py), which have no SchedulerOutput of their own."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][0]) != 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        spans = []
+        last = [0] * len(chunks)
+        for i in order:
+            tokens, start, blocks = chunks[i]
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            spans.append((start, len(tokens), blocks))
+            last[i] = len(ids) - 1
+        meta = build_metadata(spans, self.block_size, self.config.sliding_window, self.device,
+                              self.config.dtype, decode_kernel=self.decode_kernel,
+                              prefill_kernel=self.prefill_kernel)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
+        sel = hidden.index_select(0, torch.tensor(last, device=self.device))
+        return self.model.logits(sel)
 
     @staticmethod
     def _row_ids(sampling: list[RequestState], drafts: dict[str, list[int]]) -> list:
@@ -390,6 +426,8 @@ class ModelRunner:
              ) -> tuple[torch.Tensor, list[RequestState], dict[str, list[int]]]:
         """The sampling rows' logits, their requests, and the drafts each verifies."""
         self.update_states(output)
+        if self.draft is not None:
+            self.draft.update(output)
         ops = output.kv_tiers
         bad: set[int] = set()
         if ops is not None:
@@ -430,6 +468,11 @@ class ModelRunner:
                     f"chunk of request {rid!r} asks for tokens "
                     f"[{start}, {start + n}) of a {len(st.token_ids)}-token request")
             chunks.append((st, start, n))
+        if self.draft is not None:
+            asks = [(rid, states[rid].token_ids, starts[rid], len(d), states[rid].block_ids)
+                    for rid, d in drafts.items() if d[0] == DRAFT_PLACEHOLDER]
+            if asks:
+                drafts.update(self.draft.propose(asks))
         recomputed: set[int] = set()
         if bad:
             chunks = self._recompute_bad_blocks(chunks, bad, recomputed)

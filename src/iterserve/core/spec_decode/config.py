@@ -14,9 +14,8 @@ Methods:
   chosen by frequency, as many as the match is long (`suffix_decoding_max_spec_factor`),
   cut where a continuation's share drops below `suffix_decoding_min_token_prob`.
 - `draft_model`: a smaller model with the same vocabulary (`model`: any file or directory
-  iterserve loads). Parsed and checked here, so the scheduler side (placeholder drafts the
-  executor would fill) is tested; but no executor runs a draft model yet, and the engine
-  builder refuses the method at start (engine/builder.py `_refuse_draft_model`).
+  iterserve loads) proposes greedily (model/draft.py); its KV lives in a pool of its own
+  indexed by the target's block tables, so the one block manager books both.
 - `synthetic`: for benchmarks on random-weight models, as llama-server's
   `--spec-synth-rates`: draft j is accepted with the unconditional probability
   `acceptance_rates[j]` (non-increasing), whatever the target computes, so a step costs

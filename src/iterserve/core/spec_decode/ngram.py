@@ -132,7 +132,11 @@ class DraftModelProposer:
     count against the budget and the KV blocks like any token."""
 
     def propose(self, req: Request, k: int) -> list[int]:
-        return [DRAFT_PLACEHOLDER] * k if k > 0 else []
+        # A constrained sequence gets none: its grammar vets drafts before the step is
+        # scheduled (engine draft_limits), and these are made in the executor after it.
+        if k <= 0 or req.sampling_params.structured_outputs is not None:
+            return []
+        return [DRAFT_PLACEHOLDER] * k
 
     def drop(self, request_id: str) -> None:
         pass
