@@ -246,8 +246,8 @@ def check_weight_format(load: Any) -> None:
                           "weights are served as they are stored", "quantization")
 
 
-def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int,
-                           args: Any = None, cache_cfg: CacheConfig | None = None) -> None:
+def _configure_speculation(runner: Any, sched_cfg: SchedulerConfig, seed: int, args: Any,
+                           cache_cfg: CacheConfig) -> None:
     """The executor's side of `speculative_config`: synthetic acceptance (benchmarks), or
     the draft model (model/draft.py) with a KV pool of the target's block count and size."""
     spec = SpeculativeConfig.parse(sched_cfg.speculative_config)

@@ -231,11 +231,10 @@ def _lab_speculation(config: Any, acceptance: Any) -> dict | None:
         raise _bad("speculative_config.method", "draft_model is not simulated (the draft "
                    "model's own steps have no cost model); use synthetic, ngram or suffix "
                    "with the draft's acceptance as spec_acceptance")
-    d = spec.to_dict()
     if spec.method == "synthetic":
         if acceptance is not None:
             raise _bad("spec_acceptance", "synthetic carries its own acceptance_rates")
-        return d
+        return spec.to_dict()
     if acceptance is None:
         raise _bad("spec_acceptance", f"method {spec.method} needs the workload's "
                    "per-position acceptance in the lab, e.g. [0.8, 0.64, 0.51, 0.41]")
@@ -245,10 +244,10 @@ def _lab_speculation(config: Any, acceptance: Any) -> dict | None:
     if not isinstance(acceptance, (list, tuple)):
         raise _bad("spec_acceptance", f"must be a list of probabilities or one number, got "
                    f"{acceptance!r}")
-    d.update(method="synthetic", acceptance_rates=list(acceptance))
-    for key in ("prompt_lookup_min", "prompt_lookup_max"):
-        d.pop(key, None)
-    d = {k: v for k, v in d.items() if not k.startswith("suffix_decoding_")}
+    d = {"method": "synthetic", "num_speculative_tokens": spec.num_speculative_tokens,
+         "acceptance_rates": list(acceptance), "adaptive": spec.adaptive}
+    if spec.cost_model is not None:
+        d["cost_model"] = spec.cost_model
     try:
         SpeculativeConfig.parse(d)
     except SpeculativeConfigError as e:

@@ -214,7 +214,7 @@ def _acceptance(text: str) -> float | list[float]:
         values = [float(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"spec_acceptance: expected numbers, got {text!r}") from None
-    return values[0] if len(values) == 1 and "," not in text else values
+    return values[0] if len(values) == 1 else values
 
 
 def run(args: argparse.Namespace) -> int:

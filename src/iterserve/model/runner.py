@@ -377,6 +377,13 @@ class ModelRunner:
     # Set by the engine for `draft_model` speculative decoding (model/draft.py).
     draft = None
 
+    def _metadata(self, spans, window):
+        """Attention metadata for `spans` (start, tokens, block table) with this runner's
+        kernels, for layers of sliding `window` (None: full attention)."""
+        return build_metadata(spans, self.block_size, window, self.device, self.config.dtype,
+                              decode_kernel=self.decode_kernel,
+                              prefill_kernel=self.prefill_kernel)
+
     def forward_last_logits(self, chunks: Sequence[tuple[Sequence[int], int, list[int]]]
                             ) -> torch.Tensor:
         """float32 logits [len(chunks), vocab] of each chunk's last token, for chunks
@@ -393,9 +400,7 @@ class ModelRunner:
             positions.extend(range(start, start + len(tokens)))
             spans.append((start, len(tokens), blocks))
             last[i] = len(ids) - 1
-        meta = build_metadata(spans, self.block_size, self.config.sliding_window, self.device,
-                              self.config.dtype, decode_kernel=self.decode_kernel,
-                              prefill_kernel=self.prefill_kernel)
+        meta = self._metadata(spans, self.config.sliding_window)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, pos, max(positions), self.kv_cache, meta)
@@ -498,16 +503,12 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             last_row[i] = len(ids) - 1
             spans.append((start, n, st.block_ids))
-        meta = build_metadata(spans, self.block_size, self.config.sliding_window, self.device,
-                              self.config.dtype, decode_kernel=self.decode_kernel,
-                              prefill_kernel=self.prefill_kernel)
+        meta = self._metadata(spans, self.config.sliding_window)
         if self.window_blocks is not None:      # the sliding layers read their window pools
             wb = self.window_blocks
             window_spans = [(start, n, wb.table(chunks[i][0].req_id, start, n))
                             for i, (start, n, _) in zip(order, spans)]
-            meta.variants[wb.window] = build_metadata(
-                window_spans, self.block_size, wb.window, self.device, self.config.dtype,
-                decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
+            meta.variants[wb.window] = self._metadata(window_spans, wb.window)
             self._window_stats.update(wb.stats())
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

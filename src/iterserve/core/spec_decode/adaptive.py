@@ -21,12 +21,12 @@ own steps, so the prediction follows the machine; the lab feeds it its simulated
 Acceptance per request is a decayed count of accepted drafts over drafts tried (a geometric
 model: a verification that accepts a of k drafts is a successes in a + (a < k) trials),
 pulled towards a prior: what the recent verifications of all requests accepted (the same
-count over every request, itself pulled towards PRIOR_ACCEPTANCE). A request whose acceptance fell
-below what pays verifies nothing, so its estimate would never recover: after `PROBE_EVERY`
-steps per running request without a verification it tries one draft. A new request tries one at its first
-decode, so it has an estimate of its own: a prior that does not pay at the step's batch
-size would otherwise never be tested (at 8 slots no request was verified until the batch
-thinned).
+count over every request, itself pulled towards PRIOR_ACCEPTANCE). A request whose
+acceptance fell below what pays verifies nothing, so its estimate would never recover: after
+`PROBE_EVERY` steps per running request without a verification it tries one draft. A new
+request tries one at its first decode, so it has an estimate of its own: a prior that does
+not pay at the step's batch size would otherwise never be tested (at 8 slots no request
+would be verified until the batch thinned).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Acceptance:
         the others' until its own trials say it differs. The ageing is what lets a request
         back in: one whose estimate dipped below what pays is not verified, so nothing
         would correct it (at a true 0.9 and 8 slots, one rejection in two verifications
-        read 0.68 and held a third of the batch out of speculation for good)."""
+        reads 0.68, and without ageing a third of the batch stays out of speculation)."""
         a, t = self.accepted, self.trials
         if step is not None and self.last_step >= 0 and step - self.last_step > 1:
             f = 0.5 ** ((step - self.last_step - 1) / STALE_HALF_LIFE)
@@ -119,10 +119,9 @@ def plan_drafts(candidates: list[tuple[float, str, int, int]], base: StepShape,
             # even verified alone, and stops proposing until its probe. Not this
             # candidate's own gain: it was refused because the drafts taken before it
             # raised the bar, and the other requests at that rate would then all go quiet
-            # together for PROBE_EVERY steps (at 8 slots and acceptance 0.9 that left a
-            # sixth of the steps verifying anything; the lab's `spec` sweep shows it).
-            alone = t0 + (t2 - t)
-            cutoff = min(gain, g0 * (alone - t0) / t0)
+            # together for PROBE_EVERY steps (at 8 slots and acceptance 0.9, a sixth of the
+            # steps would verify anything; the lab's `spec` sweep shows it).
+            cutoff = min(gain, g0 * (t2 - t) / t0)
             break                            # gains only fall from here
         g += gain
         t = t2

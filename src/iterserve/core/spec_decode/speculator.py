@@ -164,7 +164,7 @@ class Speculator:
         # A probe is one more row in a step of len(running): its cost relative to the step
         # grows with the batch, so each request probes that many times less often (about
         # one probe every PROBE_EVERY steps over the batch: at 16 slots and a low
-        # acceptance, a probe every 16 steps per request was a 2.6% loss).
+        # acceptance, a probe every 16 steps per request costs 2.6% in the lab).
         every = self.probe_every = PROBE_EVERY * max(1, len(running))
         for r in running:
             start = r.num_computed_tokens
