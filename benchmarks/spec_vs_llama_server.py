@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every arm this many times, interleaved (off, ngram, suffix, off, "
                          "...), and report each arm's median gain over the same round's off")
+    ap.add_argument("--llama-repeats", type=int, default=None,
+                    help="rounds of llama-server's arms (default: --repeats)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature for every request (0: greedy). Above 0 the "
                          "answers of a small model stop looping, so this is the chat case "
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = max(1024, -(-(2 * longest + 64) // 256) * 256)
         peer_arms = (llama_synthetic_arms(rate_sets, args.draft_model or ls.default_gguf())
                      if rate_sets else LLAMA_ARMS)
-        for rep in range(args.repeats):
+        peer_rounds = args.repeats if args.llama_repeats is None else args.llama_repeats
+        for rep in range(peer_rounds):
             for label, extra in peer_arms:
                 port = _free_port()
                 cmd = ls.command(args.model or ls.default_gguf(), port, slots,
