@@ -166,6 +166,23 @@ def run_arm(engine: str, label: str, cmd: list[str], url: str, health: str, work
             "spec_counters": counters, "summary": s}
 
 
+def run_rounds(engine: str, arms: list[tuple[str, list[str]]], rounds: int, health: str,
+               workload, slots: int, logs: Path, temperature: float, command) -> list[dict]:
+    """Every arm once per round, in order (off, ..., off, ...); `command(port, extra)` is
+    the server's command line for an arm's extra flags."""
+    rows = []
+    for rep in range(rounds):
+        for label, extra in arms:
+            port = _free_port()
+            rows.append(run_arm(engine, label, command(port, extra), f"http://127.0.0.1:{port}",
+                                health, workload, slots,
+                                logs / f"{engine}-{slots}-{label}-{rep}.log", temperature)
+                        | {"repeat": rep})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "summary"}),
+                  flush=True)
+    return rows
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Each row's gain over its own engine's arm without speculation in the same round and
     slot count (`vs_own_off`), and over llama-server's (`vs_llama_server_off`)."""
@@ -213,11 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None,
                     help="GGUF file for both engines (default: the bundled model)")
     ap.add_argument("--workload", default="edit")
-    ap.add_argument("--synthetic", default=None, metavar="P1,P2,...",
-                    help="synthetic acceptance rates for both engines (see above)")
-    ap.add_argument("--acceptance", default=None, metavar="A1,A2,...",
-                    help="a grid of synthetic acceptances instead of --synthetic: for each a, "
-                         "draft j of k (-k) accepted with probability a^j")
+    rates_arg = ap.add_mutually_exclusive_group()
+    rates_arg.add_argument("--synthetic", default=None, metavar="P1,P2,...",
+                           help="synthetic acceptance rates for both engines (see above)")
+    rates_arg.add_argument("--acceptance", default=None, metavar="A1,A2,...",
+                           help="a grid of synthetic acceptances instead of --synthetic: for "
+                                "each a, draft j of k (-k) accepted with probability a^j")
     ap.add_argument("--draft-model", type=Path, default=None,
                     help="llama-server's draft-simple arm with --synthetic (default: the "
                          "bundled model)")
@@ -249,18 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     for slots in [int(x) for x in args.slots.split(",")]:
         arms = synthetic_arms(rate_sets) if rate_sets else iterserve_arms(args.k)
         model = ["--model", str(args.model)] if args.model else []
-        for rep in range(args.repeats):
-            for label, extra in arms:
-                port = _free_port()
-                cmd = [sys.executable, "-m", "iterserve.cli", "serve", *model, "--port",
-                       str(port), "--max-num-seqs", str(slots), "--log-level", "warning",
-                       *extra]
-                rows.append(run_arm("iterserve", label, cmd, f"http://127.0.0.1:{port}",
-                                    "/v1/models", w, slots,
-                                    logs / f"iterserve-{slots}-{label}-{rep}.log",
-                                    args.temperature) | {"repeat": rep})
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "summary"}),
-                      flush=True)
+        rows += run_rounds(
+            "iterserve", arms, args.repeats, "/v1/models", w, slots, logs, args.temperature,
+            lambda port, extra: [sys.executable, "-m", "iterserve.cli", "serve", *model,
+                                 "--port", str(port), "--max-num-seqs", str(slots),
+                                 "--log-level", "warning", *extra])
         if args.no_llama:
             continue
         try:
@@ -273,17 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx = max(1024, -(-(2 * longest + 64) // 256) * 256)
         peer_arms = (llama_synthetic_arms(rate_sets, args.draft_model or ls.default_gguf())
                      if rate_sets else LLAMA_ARMS)
-        peer_rounds = args.repeats if args.llama_repeats is None else args.llama_repeats
-        for rep in range(peer_rounds):
-            for label, extra in peer_arms:
-                port = _free_port()
-                cmd = ls.command(args.model or ls.default_gguf(), port, slots,
-                                 threads=args.threads, ctx_per_slot=ctx) + ["--metrics"] + extra
-                rows.append(run_arm("llama-server", label, cmd, f"http://127.0.0.1:{port}",
-                                    "/health", w, slots, logs / f"llama-{slots}-{label}-{rep}.log",
-                                    args.temperature) | {"repeat": rep})
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "summary"}),
-                      flush=True)
+        gguf = args.model or ls.default_gguf()
+        rows += run_rounds(
+            "llama-server", peer_arms,
+            args.repeats if args.llama_repeats is None else args.llama_repeats, "/health", w,
+            slots, logs, args.temperature,
+            lambda port, extra: ls.command(gguf, port, slots, threads=args.threads,
+                                           ctx_per_slot=ctx) + ["--metrics"] + extra)
     add_ratios(rows)
     medians = arm_medians(rows)
     best = {}
